@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Installs (as root) or names (otherwise) what building and testing stepgate need
+# on a Debian/Ubuntu machine. Sourced by demo.sh and test.sh; safe to run alone.
+set -euo pipefail
+
+missing=()
+dpkg -s libclang-dev >/dev/null 2>&1 || missing+=(libclang-dev)   # RocksDB's bindgen
+command -v c++ >/dev/null 2>&1 || missing+=(build-essential)
+command -v make >/dev/null 2>&1 || missing+=(make)
+dpkg -s libssl-dev >/dev/null 2>&1 || missing+=(libssl-dev)       # librdkafka TLS, reqwest
+dpkg -s zlib1g-dev >/dev/null 2>&1 || missing+=(zlib1g-dev)
+command -v pkg-config >/dev/null 2>&1 || missing+=(pkg-config)
+if [[ "${STEPGATE_NEED_KAFKA:-0}" == 1 ]]; then
+  command -v java >/dev/null 2>&1 || missing+=(openjdk-17-jre-headless)
+  command -v mvn >/dev/null 2>&1 || missing+=(maven)
+fi
+
+if ((${#missing[@]})); then
+  if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null 2>&1; then
+    echo "installing: ${missing[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+  else
+    echo "missing packages: ${missing[*]}" >&2
+    echo "run: sudo apt-get install -y ${missing[*]}" >&2
+    exit 1
+  fi
+fi
+
+if ! command -v cargo >/dev/null 2>&1; then
+  echo "Rust is not installed: install it with rustup (https://rustup.rs), then run this again." >&2
+  exit 1
+fi

@@ -1,0 +1,127 @@
+//! Running stepgate: the roles of one process, its HTTP endpoints, and shutdown.
+
+use crate::config::Config;
+use crate::kafka::{self, KafkaSetupError};
+use crate::state::{StateError, StateStore};
+use crate::telemetry::{self, Health, Metrics};
+use crate::{executor, gate};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use thiserror::Error;
+use tokio_util::sync::CancellationToken;
+
+/// Which parts run in this process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Role {
+    /// Gate and executors.
+    All,
+    /// Only the gate (state, dedup, answers).
+    Gate,
+    /// Only executors (tool invocations).
+    Executor,
+}
+
+#[derive(Debug, Error)]
+pub enum AppError {
+    #[error(transparent)]
+    Setup(#[from] KafkaSetupError),
+    #[error("cannot open the state at {path}: {source}")]
+    State { path: String, source: StateError },
+    #[error("cannot serve metrics on {addr}: {source}")]
+    Http { addr: String, source: std::io::Error },
+    #[error("gate: {0}")]
+    Gate(#[from] gate::GateError),
+    #[error("executor: {0}")]
+    Executor(#[from] executor::ExecutorError),
+    #[error("a task failed: {0}")]
+    Join(#[from] tokio::task::JoinError),
+}
+
+/// A running stepgate, as started by [`start`].
+pub struct Running {
+    /// Where `/metrics`, `/healthz` and `/readyz` are served, if enabled.
+    pub http_addr: Option<SocketAddr>,
+    pub metrics: Arc<Metrics>,
+    pub health: Arc<Health>,
+    tasks: Vec<tokio::task::JoinHandle<Result<(), AppError>>>,
+    shutdown: CancellationToken,
+}
+
+impl Running {
+    /// Wait for every role to stop (after `shutdown`, or the first failure, which
+    /// stops the others too).
+    pub async fn wait(self) -> Result<(), AppError> {
+        let mut first_err = None;
+        let mut tasks = self.tasks;
+        while !tasks.is_empty() {
+            let (r, _, rest) = futures::future::select_all(tasks).await;
+            tasks = rest;
+            let r = r.map_err(AppError::from).and_then(|x| x);
+            if let Err(e) = r {
+                self.shutdown.cancel();
+                first_err.get_or_insert(e);
+            }
+        }
+        first_err.map_or(Ok(()), Err)
+    }
+}
+
+/// Check the topics, open the state, serve the endpoints and start the roles.
+pub async fn start(config: Config, role: Role, shutdown: CancellationToken) -> Result<Running, AppError> {
+    let config = Arc::new(config);
+    let k = config.kafka.clone();
+    let partitions = tokio::task::spawn_blocking(move || kafka::check_layout(&k)).await??;
+    tracing::info!(partitions, role = ?role, instance = %config.kafka.instance_id, "starting stepgate");
+    let metrics = Arc::new(Metrics::new());
+    let (run_gate, run_exec) = match role {
+        Role::All => (true, true),
+        Role::Gate => (true, false),
+        Role::Executor => (false, true),
+    };
+    let health = Arc::new(Health::new(run_gate, run_exec));
+    let http_addr = if config.http.listen.is_empty() {
+        None
+    } else {
+        let addr: SocketAddr = config.http.listen.parse().expect("validated at load");
+        let bound = telemetry::serve(addr, metrics.clone(), health.clone(), shutdown.clone())
+            .await
+            .map_err(|source| AppError::Http {
+                addr: config.http.listen.clone(),
+                source,
+            })?;
+        tracing::info!(addr = %bound, "serving /metrics, /healthz, /readyz");
+        Some(bound)
+    };
+    let mut tasks = Vec::new();
+    if run_gate {
+        let path = config.state.path.clone();
+        let store = tokio::task::spawn_blocking(move || StateStore::open(&path))
+            .await?
+            .map_err(|source| AppError::State {
+                path: config.state.path.display().to_string(),
+                source,
+            })?;
+        let (c, m, h, s) = (config.clone(), metrics.clone(), health.clone(), shutdown.clone());
+        tasks.push(tokio::spawn(async move {
+            gate::run(c, Arc::new(store), m, h, s).await.map_err(AppError::from)
+        }));
+    }
+    if run_exec {
+        let (c, m, h, s) = (config.clone(), metrics.clone(), health.clone(), shutdown.clone());
+        tasks.push(tokio::spawn(async move {
+            executor::run(c, m, h, s).await.map_err(AppError::from)
+        }));
+    }
+    Ok(Running {
+        http_addr,
+        metrics,
+        health,
+        tasks,
+        shutdown,
+    })
+}
+
+/// [`start`], then wait until `shutdown` (or a failure).
+pub async fn run(config: Config, role: Role, shutdown: CancellationToken) -> Result<(), AppError> {
+    start(config, role, shutdown).await?.wait().await
+}

@@ -1,0 +1,67 @@
+//! The command line: one subcommand per verb.
+
+use crate::app::Role;
+use clap::{Parser, Subcommand};
+use std::path::PathBuf;
+
+#[derive(Debug, Parser)]
+#[command(name = "stepgate", version, about = "Exactly-once-effect tool calls for AI agents, on Kafka")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the gate and executors (or one of them) until SIGTERM/SIGINT.
+    Run {
+        /// The TOML config file.
+        #[arg(long, short, env = "STEPGATE_CONFIG")]
+        config: Option<PathBuf>,
+        /// Which parts to run in this process.
+        #[arg(long, value_enum, default_value = "all")]
+        role: Role,
+        /// Overrides `kafka.brokers`.
+        #[arg(long)]
+        brokers: Option<String>,
+        /// Overrides `kafka.instance_id` (unique per process).
+        #[arg(long)]
+        instance_id: Option<String>,
+    },
+    /// Manage stepgate's topics.
+    Topics {
+        #[command(subcommand)]
+        action: TopicsCommand,
+    },
+    /// A zero-setup tour: in-process Kafka, gate, executor, demo tools and a
+    /// scripted agent.
+    Demo {
+        /// Where the demo serves /metrics while it runs.
+        #[arg(long, default_value = "127.0.0.1:9464")]
+        metrics: String,
+        /// Keep serving /metrics after the tour until Ctrl-C.
+        #[arg(long)]
+        keep_running: bool,
+    },
+    /// Load and validate a config (file + STEPGATE_* environment), print it as TOML.
+    CheckConfig {
+        #[arg(long, short, env = "STEPGATE_CONFIG")]
+        config: Option<PathBuf>,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum TopicsCommand {
+    /// Create the intents, results, dlq and internal topics with equal partition
+    /// counts (existing topics are left as they are, then checked).
+    Create {
+        #[arg(long, short, env = "STEPGATE_CONFIG")]
+        config: Option<PathBuf>,
+        /// Overrides `kafka.partitions`.
+        #[arg(long)]
+        partitions: Option<i32>,
+        /// Overrides `kafka.brokers`.
+        #[arg(long)]
+        brokers: Option<String>,
+    },
+}

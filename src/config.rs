@@ -1,0 +1,639 @@
+//! Configuration: one TOML file, every key overridable by a `STEPGATE_…` variable.
+//!
+//! The env name of a key is its path in upper case joined by `_`:
+//! `[kafka] brokers` → `STEPGATE_KAFKA_BROKERS`, `[tools.send_email] url` →
+//! `STEPGATE_TOOLS_SEND_EMAIL_URL`. librdkafka pass-through properties go under
+//! `[kafka.client]`; from the environment, `STEPGATE_KAFKA_CLIENT_SASL_MECHANISM`
+//! sets `sasl.mechanism`.
+
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("config is not valid TOML or has a wrong field: {0}")]
+    Parse(String),
+    #[error("environment variable {var}: {message}")]
+    Env { var: String, message: String },
+    #[error("invalid config: `{field}` {message}")]
+    Invalid { field: String, message: String },
+}
+
+/// A duration written as `"250ms"`, `"10s"`, `"7d"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Dur(pub Duration);
+
+impl Serialize for Dur {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&humantime::format_duration(self.0).to_string())
+    }
+}
+
+impl<'de> Deserialize<'de> for Dur {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        humantime::parse_duration(&s)
+            .map(Dur)
+            .map_err(|e| serde::de::Error::custom(format!("`{s}` is not a duration like \"250ms\", \"10s\" or \"7d\": {e}")))
+    }
+}
+
+impl From<Dur> for Duration {
+    fn from(d: Dur) -> Duration {
+        d.0
+    }
+}
+
+fn dur(s: &str) -> Dur {
+    Dur(humantime::parse_duration(s).expect("built-in durations are valid"))
+}
+
+/// The whole configuration.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    pub kafka: KafkaConfig,
+    pub state: StateConfig,
+    pub gate: GateConfig,
+    pub executor: ExecutorConfig,
+    pub http: HttpConfig,
+    pub log: LogConfig,
+    /// Tools by name.
+    pub tools: BTreeMap<String, ToolConfig>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            kafka: KafkaConfig::default(),
+            state: StateConfig::default(),
+            gate: GateConfig::default(),
+            executor: ExecutorConfig::default(),
+            http: HttpConfig::default(),
+            log: LogConfig::default(),
+            tools: BTreeMap::new(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct KafkaConfig {
+    /// Bootstrap servers, comma-separated.
+    pub brokers: String,
+    pub topics: TopicsConfig,
+    /// Consumer group of the gates.
+    pub gate_group: String,
+    /// Consumer group of the executors.
+    pub executor_group: String,
+    /// Stable identity of this process: static group membership
+    /// (`group.instance.id`) and transactional ids derive from it, so a restarted
+    /// process takes its partitions back at once instead of after a session timeout.
+    /// Must be unique per running process.
+    pub instance_id: String,
+    /// Partitions of every topic that `stepgate topics create` makes.
+    pub partitions: i32,
+    /// Replication factor of the topics that `stepgate topics create` makes.
+    pub replication_factor: i32,
+    /// Consumer session timeout.
+    pub session_timeout: Dur,
+    /// Transaction timeout (bounds how long a dead process's open transaction can
+    /// block read_committed consumers).
+    pub transaction_timeout: Dur,
+    /// Any librdkafka property (TLS, SASL, …), applied to every client.
+    pub client: BTreeMap<String, String>,
+}
+
+impl Default for KafkaConfig {
+    fn default() -> Self {
+        KafkaConfig {
+            brokers: "127.0.0.1:9092".into(),
+            topics: TopicsConfig::default(),
+            gate_group: "stepgate-gate".into(),
+            executor_group: "stepgate-executor".into(),
+            instance_id: "stepgate-0".into(),
+            partitions: 4,
+            replication_factor: 1,
+            session_timeout: dur("30s"),
+            transaction_timeout: dur("60s"),
+            client: BTreeMap::new(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TopicsConfig {
+    /// Agents' intents (public).
+    pub intents: String,
+    /// Final answers (public).
+    pub results: String,
+    /// Refused inputs with their reasons (public).
+    pub dlq: String,
+    /// Gate → executors (internal).
+    pub calls: String,
+    /// Executors → gate: `started` and outcomes (internal).
+    pub progress: String,
+}
+
+impl TopicsConfig {
+    /// Defaults under a name prefix (tests use a random one).
+    pub fn with_prefix(prefix: &str) -> Self {
+        TopicsConfig {
+            intents: format!("{prefix}.intents"),
+            results: format!("{prefix}.results"),
+            dlq: format!("{prefix}.dlq"),
+            calls: format!("{prefix}.calls"),
+            progress: format!("{prefix}.progress"),
+        }
+    }
+}
+
+impl Default for TopicsConfig {
+    fn default() -> Self {
+        TopicsConfig::with_prefix("stepgate")
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct StateConfig {
+    /// Directory of the gate's RocksDB.
+    pub path: PathBuf,
+    /// How long a step record answers repeats after its last change.
+    pub retention: Dur,
+    /// How often expired records are purged.
+    pub purge_interval: Dur,
+}
+
+impl Default for StateConfig {
+    fn default() -> Self {
+        StateConfig {
+            path: PathBuf::from("./stepgate-state"),
+            retention: dur("7d"),
+            purge_interval: dur("1m"),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct GateConfig {
+    /// How long inputs are gathered into one batch (one synced state write, one
+    /// Kafka transaction). The latency a new step pays at most, on top of Kafka's.
+    pub commit_interval: Dur,
+    /// Most inputs in one batch.
+    pub max_batch: usize,
+    /// Added to a tool's own deadline before a started call with no outcome is
+    /// declared in doubt (or re-run, when re-running is safe).
+    pub in_doubt_grace: Dur,
+    /// A fast-path (unrecorded) call with no answer after this long is forwarded again.
+    pub fast_path_timeout: Dur,
+    /// Largest accepted intent, in bytes.
+    pub max_intent_bytes: usize,
+}
+
+impl Default for GateConfig {
+    fn default() -> Self {
+        GateConfig {
+            commit_interval: dur("100ms"),
+            max_batch: 2000,
+            in_doubt_grace: dur("30s"),
+            fast_path_timeout: dur("2m"),
+            max_intent_bytes: 1024 * 1024,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ExecutorConfig {
+    /// Most tool calls in flight in this process.
+    pub concurrency: usize,
+    /// How long `started` records and outcomes are gathered into one transaction.
+    pub commit_interval: Dur,
+    /// On shutdown, how long in-flight calls may finish before the process exits
+    /// (unfinished ones stay `started` and the gate's deadline settles them).
+    pub drain_timeout: Dur,
+}
+
+impl Default for ExecutorConfig {
+    fn default() -> Self {
+        ExecutorConfig {
+            concurrency: 64,
+            commit_interval: dur("20ms"),
+            drain_timeout: dur("20s"),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HttpConfig {
+    /// Address of `/metrics`, `/healthz` and `/readyz`; empty to disable.
+    pub listen: String,
+}
+
+impl Default for HttpConfig {
+    fn default() -> Self {
+        HttpConfig {
+            listen: "127.0.0.1:9464".into(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LogConfig {
+    /// `pretty` or `json`.
+    pub format: String,
+    /// A tracing filter, e.g. `info` or `stepgate=debug,rdkafka=warn`.
+    pub level: String,
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        LogConfig {
+            format: "pretty".into(),
+            level: "info".into(),
+        }
+    }
+}
+
+/// How a tool may be retried; see DESIGN.md "Tools".
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Category {
+    /// Re-run freely (search, get_customer).
+    ReadOnly,
+    /// Re-run freely (set_status, PUT a document).
+    Idempotent,
+    /// Re-run only with the same provider key (charge_card with a key).
+    Keyed,
+    /// Never re-run blindly: in doubt instead.
+    Unkeyed,
+}
+
+impl Category {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Category::ReadOnly => "read_only",
+            Category::Idempotent => "idempotent",
+            Category::Keyed => "keyed",
+            Category::Unkeyed => "unkeyed",
+        }
+    }
+
+    /// May a call that perhaps ran be run again (with the same key)?
+    pub fn rerun_is_safe(self) -> bool {
+        !matches!(self, Category::Unkeyed)
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ToolConfig {
+    pub category: Category,
+    /// `http://…` or `https://…` endpoint receiving `POST` with the arguments.
+    pub url: String,
+    /// Per-request timeout.
+    #[serde(default = "default_tool_timeout")]
+    pub timeout: Dur,
+    /// Extra tries after a failure where retrying is allowed.
+    #[serde(default = "default_retries")]
+    pub retries: u32,
+    /// First backoff between tries; doubles each time, capped at 10 × this.
+    #[serde(default = "default_backoff")]
+    pub backoff: Dur,
+    /// Keep the full step log for a read-only/idempotent tool (repeats answered
+    /// from the record instead of re-run). Always on for keyed/unkeyed tools.
+    #[serde(default)]
+    pub record: bool,
+}
+
+fn default_tool_timeout() -> Dur {
+    dur("10s")
+}
+fn default_retries() -> u32 {
+    2
+}
+fn default_backoff() -> Dur {
+    dur("200ms")
+}
+
+impl ToolConfig {
+    /// Whether calls of this tool go through the durable step log.
+    pub fn recorded(&self) -> bool {
+        self.record || matches!(self.category, Category::Keyed | Category::Unkeyed)
+    }
+
+    /// Backoff before try number `n` (1-based retries).
+    pub fn backoff_before(&self, retry: u32) -> Duration {
+        let base = self.backoff.0;
+        let factor = 1u32 << retry.saturating_sub(1).min(16);
+        (base * factor).min(base * 10)
+    }
+
+    /// The longest a single dispatch of this tool can legitimately take in an
+    /// executor: every try's timeout plus the backoffs between them.
+    pub fn deadline(&self) -> Duration {
+        let tries = self.retries + 1;
+        let mut d = self.timeout.0 * tries;
+        for r in 1..=self.retries {
+            d += self.backoff_before(r);
+        }
+        d
+    }
+}
+
+impl Config {
+    /// Read a TOML file (or defaults when `path` is None), apply `STEPGATE_*`
+    /// overrides from `env`, and validate.
+    pub fn load(
+        path: Option<&Path>,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Config, ConfigError> {
+        let text = match path {
+            Some(p) => std::fs::read_to_string(p).map_err(|source| ConfigError::Read {
+                path: p.to_owned(),
+                source,
+            })?,
+            None => String::new(),
+        };
+        Config::from_toml_str(&text, env)
+    }
+
+    pub fn from_toml_str(
+        text: &str,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Config, ConfigError> {
+        let file: toml::Table =
+            toml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
+        // Merge the file over the defaults so every key has a known type for env parsing.
+        let mut merged = toml::Table::try_from(Config::default())
+            .map_err(|e| ConfigError::Parse(e.to_string()))?;
+        merge(&mut merged, file);
+        let env: Vec<(String, String)> = env
+            .into_iter()
+            .filter(|(k, _)| k.starts_with("STEPGATE_"))
+            .collect();
+        apply_env(&mut merged, &env)?;
+        let config: Config = toml::Value::Table(merged)
+            .try_into()
+            .map_err(|e: toml::de::Error| ConfigError::Parse(e.to_string()))?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks that serde cannot express, with the offending field named.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |field: &str, message: &str| ConfigError::Invalid {
+            field: field.to_owned(),
+            message: message.to_owned(),
+        };
+        if self.kafka.brokers.trim().is_empty() {
+            return Err(invalid("kafka.brokers", "must name at least one broker, e.g. \"127.0.0.1:9092\""));
+        }
+        if self.kafka.instance_id.trim().is_empty() {
+            return Err(invalid("kafka.instance_id", "must not be empty"));
+        }
+        if self.kafka.partitions < 1 {
+            return Err(invalid("kafka.partitions", "must be at least 1"));
+        }
+        let t = &self.kafka.topics;
+        let names = [&t.intents, &t.results, &t.dlq, &t.calls, &t.progress];
+        for (i, a) in names.iter().enumerate() {
+            if a.is_empty() {
+                return Err(invalid("kafka.topics", "topic names must not be empty"));
+            }
+            if names[i + 1..].contains(a) {
+                return Err(invalid("kafka.topics", &format!("topic `{a}` is used for two purposes")));
+            }
+        }
+        if self.state.retention.0.is_zero() {
+            return Err(invalid("state.retention", "must be longer than 0"));
+        }
+        if self.gate.max_batch == 0 {
+            return Err(invalid("gate.max_batch", "must be at least 1"));
+        }
+        if self.executor.concurrency == 0 {
+            return Err(invalid("executor.concurrency", "must be at least 1"));
+        }
+        if !matches!(self.log.format.as_str(), "pretty" | "json") {
+            return Err(invalid("log.format", "must be \"pretty\" or \"json\""));
+        }
+        if !self.http.listen.is_empty() && self.http.listen.parse::<std::net::SocketAddr>().is_err() {
+            return Err(invalid("http.listen", "must be an address like \"127.0.0.1:9464\" (or empty to disable)"));
+        }
+        for (name, tool) in &self.tools {
+            if !name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | ':' | '-'))
+                || name.is_empty()
+                || name.len() > crate::contract::MAX_TOOL_NAME_CHARS
+            {
+                return Err(invalid(&format!("tools.{name}"), "tool names are 1 to 128 of [A-Za-z0-9_.:-]"));
+            }
+            let url_ok = reqwest::Url::parse(&tool.url)
+                .map(|u| matches!(u.scheme(), "http" | "https") && u.host().is_some())
+                .unwrap_or(false);
+            if !url_ok {
+                return Err(invalid(&format!("tools.{name}.url"), &format!("must be an http(s) URL, got `{}`", tool.url)));
+            }
+            if tool.timeout.0.is_zero() {
+                return Err(invalid(&format!("tools.{name}.timeout"), "must be longer than 0"));
+            }
+        }
+        Ok(())
+    }
+
+    /// Sorted tool names.
+    pub fn tool_names(&self) -> Vec<String> {
+        self.tools.keys().cloned().collect()
+    }
+}
+
+fn merge(base: &mut toml::Table, over: toml::Table) {
+    for (k, v) in over {
+        match (base.get_mut(&k), v) {
+            (Some(toml::Value::Table(b)), toml::Value::Table(o)) => merge(b, o),
+            (_, v) => {
+                base.insert(k, v);
+            }
+        }
+    }
+}
+
+fn env_name(path: &[&str]) -> String {
+    let mut s = String::from("STEPGATE");
+    for p in path {
+        s.push('_');
+        s.extend(p.chars().map(|c| {
+            if c.is_ascii_alphanumeric() {
+                c.to_ascii_uppercase()
+            } else {
+                '_'
+            }
+        }));
+    }
+    s
+}
+
+fn apply_env(root: &mut toml::Table, env: &[(String, String)]) -> Result<(), ConfigError> {
+    fn walk(
+        table: &mut toml::Table,
+        path: &mut Vec<String>,
+        env: &[(String, String)],
+    ) -> Result<(), ConfigError> {
+        for (k, v) in table.iter_mut() {
+            path.push(k.clone());
+            let is_client_map = path.len() == 2 && path[0] == "kafka" && path[1] == "client";
+            match v {
+                toml::Value::Table(t) if !is_client_map => walk(t, path, env)?,
+                toml::Value::Table(_) => {}
+                leaf => {
+                    let parts: Vec<&str> = path.iter().map(String::as_str).collect();
+                    let name = env_name(&parts);
+                    if let Some((_, raw)) = env.iter().find(|(k, _)| *k == name) {
+                        *leaf = parse_like(leaf, raw).map_err(|message| ConfigError::Env {
+                            var: name.clone(),
+                            message,
+                        })?;
+                    }
+                }
+            }
+            path.pop();
+        }
+        Ok(())
+    }
+    walk(root, &mut Vec::new(), env)?;
+    // librdkafka properties: STEPGATE_KAFKA_CLIENT_SSL_CA_LOCATION → ssl.ca.location
+    let prefix = "STEPGATE_KAFKA_CLIENT_";
+    let client = root
+        .get_mut("kafka")
+        .and_then(|k| k.as_table_mut())
+        .and_then(|k| {
+            k.entry("client")
+                .or_insert_with(|| toml::Value::Table(toml::Table::new()))
+                .as_table_mut()
+        });
+    if let Some(client) = client {
+        for (k, v) in env {
+            if let Some(rest) = k.strip_prefix(prefix) {
+                let prop = rest.to_ascii_lowercase().replace('_', ".");
+                client.insert(prop, toml::Value::String(v.clone()));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn parse_like(existing: &toml::Value, raw: &str) -> Result<toml::Value, String> {
+    Ok(match existing {
+        toml::Value::Integer(_) => toml::Value::Integer(
+            raw.trim()
+                .parse()
+                .map_err(|_| format!("expected an integer, got `{raw}`"))?,
+        ),
+        toml::Value::Boolean(_) => toml::Value::Boolean(
+            raw.trim()
+                .parse()
+                .map_err(|_| format!("expected true or false, got `{raw}`"))?,
+        ),
+        _ => toml::Value::String(raw.to_owned()),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SAMPLE: &str = r#"
+[kafka]
+brokers = "10.0.0.1:9092"
+
+[state]
+retention = "2d"
+
+[tools.send_email]
+category = "keyed"
+url = "http://127.0.0.1:8080/send_email"
+timeout = "5s"
+"#;
+
+    fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs
+            .iter()
+            .map(|(a, b)| (a.to_string(), b.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn file_values_and_defaults() {
+        let c = Config::from_toml_str(SAMPLE, env(&[])).unwrap();
+        assert_eq!(c.kafka.brokers, "10.0.0.1:9092");
+        assert_eq!(c.state.retention.0, Duration::from_secs(2 * 86400));
+        assert_eq!(c.kafka.topics.intents, "stepgate.intents");
+        let t = &c.tools["send_email"];
+        assert_eq!(t.category, Category::Keyed);
+        assert_eq!(t.retries, 2);
+        assert!(t.recorded());
+    }
+
+    #[test]
+    fn env_overrides_every_level() {
+        let c = Config::from_toml_str(
+            SAMPLE,
+            env(&[
+                ("STEPGATE_KAFKA_BROKERS", "127.0.0.1:19092"),
+                ("STEPGATE_GATE_MAX_BATCH", "7"),
+                ("STEPGATE_KAFKA_TOPICS_INTENTS", "x.intents"),
+                ("STEPGATE_TOOLS_SEND_EMAIL_URL", "http://127.0.0.1:9/x"),
+                ("STEPGATE_KAFKA_CLIENT_SECURITY_PROTOCOL", "ssl"),
+                ("OTHER", "ignored"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(c.kafka.brokers, "127.0.0.1:19092");
+        assert_eq!(c.gate.max_batch, 7);
+        assert_eq!(c.kafka.topics.intents, "x.intents");
+        assert_eq!(c.tools["send_email"].url, "http://127.0.0.1:9/x");
+        assert_eq!(c.kafka.client["security.protocol"], "ssl");
+    }
+
+    #[test]
+    fn bad_values_name_the_field() {
+        let e = Config::from_toml_str(SAMPLE, env(&[("STEPGATE_GATE_MAX_BATCH", "many")])).unwrap_err();
+        assert!(e.to_string().contains("STEPGATE_GATE_MAX_BATCH"), "{e}");
+        let e = Config::from_toml_str("[state]\nretention = \"soon\"\n", env(&[])).unwrap_err();
+        assert!(e.to_string().contains("soon"), "{e}");
+        let e = Config::from_toml_str("[gate]\nmax_batchh = 1\n", env(&[])).unwrap_err();
+        assert!(e.to_string().contains("max_batchh"), "{e}");
+        let e = Config::from_toml_str(
+            "[tools.x]\ncategory = \"keyed\"\nurl = \"ftp://h/x\"\n",
+            env(&[]),
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("tools.x.url"), "{e}");
+        let e = Config::from_toml_str(
+            "[tools.x]\ncategory = \"sometimes\"\nurl = \"http://h/x\"\n",
+            env(&[]),
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("sometimes"), "{e}");
+    }
+
+    #[test]
+    fn tool_deadline_covers_every_try() {
+        let c = Config::from_toml_str(SAMPLE, env(&[])).unwrap();
+        let t = &c.tools["send_email"];
+        // 3 tries × 5 s + 200 ms + 400 ms of backoff
+        assert_eq!(t.deadline(), Duration::from_millis(15_600));
+    }
+}

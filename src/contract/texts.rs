@@ -1,0 +1,194 @@
+//! Every text a model can receive from stepgate. Each says what happened, whether
+//! the action may have taken effect, and what to do next. Golden tests pin them.
+
+/// Model-facing messages, one function per situation.
+pub struct Texts;
+
+impl Texts {
+    /// A field of the intent is wrong (`problem` names the field and the rule).
+    pub fn rejected_field(tool: &str, problem: &str) -> String {
+        format!(
+            "This call to `{tool}` was rejected before execution, so nothing was performed: {problem}. \
+             Correct that and call the tool again."
+        )
+    }
+
+    /// The intent names a tool that is not configured.
+    pub fn unknown_tool(tool: &str, available: &[String]) -> String {
+        let list = if available.is_empty() {
+            "none".to_owned()
+        } else {
+            available
+                .iter()
+                .map(|t| format!("`{t}`"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        format!(
+            "There is no tool named `{tool}`, so nothing was performed. Available tools: {list}. \
+             Call one of those instead, or continue without this tool."
+        )
+    }
+
+    /// The whole intent exceeds the configured size limit.
+    pub fn oversized(tool: &str, size: usize, limit: usize) -> String {
+        format!(
+            "This call to `{tool}` was rejected before execution, so nothing was performed: it is \
+             {size} bytes, over the limit of {limit} bytes. Send smaller arguments (for example a \
+             reference to large content instead of the content itself) and call the tool again."
+        )
+    }
+
+    /// Started, then no outcome arrived before the tool's deadline (e.g. the executor died).
+    pub fn in_doubt_lost(tool: &str) -> String {
+        format!(
+            "The call to `{tool}` was started but no outcome was received, so it may or may not \
+             have taken effect. Do not call `{tool}` again for this step: repeating it returns \
+             this same answer. Tell the user that the outcome is unconfirmed and a person must \
+             check it before anything else is done about it."
+        )
+    }
+
+    /// The request reached the tool, then the answer was lost (5xx, timeout, broken connection).
+    pub fn in_doubt_unconfirmed(tool: &str, detail: &str) -> String {
+        format!(
+            "The call to `{tool}` reached the tool but its outcome is unknown ({detail}), so it may \
+             have taken effect. Do not call `{tool}` again for this step: repeating it returns \
+             this same answer. Tell the user that the outcome is unconfirmed and a person must \
+             check it before anything else is done about it."
+        )
+    }
+
+    /// A 4xx answer: a definite refusal, nothing performed.
+    pub fn tool_refused(tool: &str, http_status: u16, body: &str) -> String {
+        let body = excerpt(body);
+        format!(
+            "The tool `{tool}` refused the call (HTTP {http_status}) and did not perform the \
+             action. Its answer: {body}. Repeating this step returns this same answer; to try \
+             again with corrected arguments, make a new attempt of this step."
+        )
+    }
+
+    /// A read-only or idempotent tool kept failing; re-running it is safe.
+    pub fn tool_failed_safe(tool: &str, tries: u32, detail: &str) -> String {
+        format!(
+            "The tool `{tool}` failed after {tries} tries ({detail}). This tool is safe to run \
+             again: make a new attempt of this step later, or continue without its result."
+        )
+    }
+
+    /// The tool could not be reached at all: the request was never sent.
+    pub fn tool_unreachable(tool: &str, tries: u32, detail: &str) -> String {
+        format!(
+            "The tool `{tool}` could not be reached after {tries} tries ({detail}), so the action \
+             was not performed. Make a new attempt of this step later, or tell the user the tool \
+             is unavailable."
+        )
+    }
+}
+
+/// A bounded, single-line excerpt of a tool's answer for a message.
+fn excerpt(body: &str) -> String {
+    let flat: String = body
+        .trim()
+        .chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect();
+    if flat.is_empty() {
+        return "(empty)".to_owned();
+    }
+    if flat.chars().count() > 300 {
+        let cut: String = flat.chars().take(300).collect();
+        format!("{cut}…")
+    } else {
+        flat
+    }
+}
+
+#[cfg(test)]
+mod golden {
+    //! Golden texts: a change to what a model reads must be deliberate.
+    use super::*;
+
+    #[test]
+    fn rejected_field() {
+        assert_eq!(
+            Texts::rejected_field("send_email", "`step_index` must be an integer ≥ 0, got a string"),
+            "This call to `send_email` was rejected before execution, so nothing was performed: \
+             `step_index` must be an integer ≥ 0, got a string. Correct that and call the tool again."
+        );
+    }
+
+    #[test]
+    fn unknown_tool() {
+        assert_eq!(
+            Texts::unknown_tool("send_mail", &["search".into(), "send_email".into()]),
+            "There is no tool named `send_mail`, so nothing was performed. Available tools: \
+             `search`, `send_email`. Call one of those instead, or continue without this tool."
+        );
+        assert!(Texts::unknown_tool("x", &[]).contains("Available tools: none."));
+    }
+
+    #[test]
+    fn oversized() {
+        assert_eq!(
+            Texts::oversized("upload", 2_000_000, 1_048_576),
+            "This call to `upload` was rejected before execution, so nothing was performed: it is \
+             2000000 bytes, over the limit of 1048576 bytes. Send smaller arguments (for example a \
+             reference to large content instead of the content itself) and call the tool again."
+        );
+    }
+
+    #[test]
+    fn in_doubt_lost() {
+        assert_eq!(
+            Texts::in_doubt_lost("wire_money"),
+            "The call to `wire_money` was started but no outcome was received, so it may or may \
+             not have taken effect. Do not call `wire_money` again for this step: repeating it \
+             returns this same answer. Tell the user that the outcome is unconfirmed and a person \
+             must check it before anything else is done about it."
+        );
+    }
+
+    #[test]
+    fn in_doubt_unconfirmed() {
+        assert_eq!(
+            Texts::in_doubt_unconfirmed("wire_money", "HTTP 503"),
+            "The call to `wire_money` reached the tool but its outcome is unknown (HTTP 503), so \
+             it may have taken effect. Do not call `wire_money` again for this step: repeating it \
+             returns this same answer. Tell the user that the outcome is unconfirmed and a person \
+             must check it before anything else is done about it."
+        );
+    }
+
+    #[test]
+    fn tool_refused() {
+        assert_eq!(
+            Texts::tool_refused("create_ticket", 422, "{\"error\":\"title is required\"}\n"),
+            "The tool `create_ticket` refused the call (HTTP 422) and did not perform the action. \
+             Its answer: {\"error\":\"title is required\"}. Repeating this step returns this same \
+             answer; to try again with corrected arguments, make a new attempt of this step."
+        );
+        assert!(Texts::tool_refused("t", 400, "").contains("Its answer: (empty)."));
+        assert!(Texts::tool_refused("t", 400, &"x".repeat(1000)).contains("x…."));
+    }
+
+    #[test]
+    fn tool_failed_safe() {
+        assert_eq!(
+            Texts::tool_failed_safe("search", 3, "HTTP 500"),
+            "The tool `search` failed after 3 tries (HTTP 500). This tool is safe to run again: \
+             make a new attempt of this step later, or continue without its result."
+        );
+    }
+
+    #[test]
+    fn tool_unreachable() {
+        assert_eq!(
+            Texts::tool_unreachable("send_email", 3, "connection refused"),
+            "The tool `send_email` could not be reached after 3 tries (connection refused), so \
+             the action was not performed. Make a new attempt of this step later, or tell the \
+             user the tool is unavailable."
+        );
+    }
+}

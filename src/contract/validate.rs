@@ -1,0 +1,398 @@
+//! Turning raw intent bytes into an [`Intent`], or a precise [`Rejection`].
+
+use super::{Intent, MAX_TOOL_NAME_CHARS, MAX_WORKFLOW_ID_BYTES, StepKey, Texts};
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+/// Why an input was refused (the `reason` of a DLQ record, the `error.kind` of a
+/// `rejected` result).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RejectionReason {
+    Oversized,
+    MalformedJson,
+    NotAnObject,
+    MissingField,
+    WrongType,
+    InvalidValue,
+    UnknownTool,
+}
+
+impl RejectionReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RejectionReason::Oversized => "oversized",
+            RejectionReason::MalformedJson => "malformed_json",
+            RejectionReason::NotAnObject => "not_an_object",
+            RejectionReason::MissingField => "missing_field",
+            RejectionReason::WrongType => "wrong_type",
+            RejectionReason::InvalidValue => "invalid_value",
+            RejectionReason::UnknownTool => "unknown_tool",
+        }
+    }
+}
+
+/// A refused intent: the reason, a model-readable message, and — when the intent's
+/// `workflow_id`, `step_index` and `tool` could be read — where to address a
+/// `rejected` result.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Rejection {
+    pub reason: RejectionReason,
+    pub message: String,
+    pub address: Option<Address>,
+}
+
+/// Enough of an invalid intent to answer the agent waiting for it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Address {
+    pub step: StepKey,
+    pub call_id: Option<String>,
+}
+
+impl Rejection {
+    pub fn new(reason: RejectionReason, message: String) -> Self {
+        Rejection {
+            reason,
+            message,
+            address: None,
+        }
+    }
+}
+
+/// Beyond this size an oversized intent is not even parsed to find its address.
+const PARSE_FOR_ADDRESS_LIMIT: usize = 16 * 1024 * 1024;
+
+/// Parse and validate an intent. `known_tools` is the configured tool names, sorted.
+pub fn parse_intent(
+    bytes: &[u8],
+    max_bytes: usize,
+    known_tools: &[String],
+) -> Result<Intent, Rejection> {
+    if bytes.len() > max_bytes {
+        let address = if bytes.len() <= PARSE_FOR_ADDRESS_LIMIT {
+            serde_json::from_slice::<Value>(bytes)
+                .ok()
+                .and_then(|v| v.as_object().and_then(read_address))
+        } else {
+            None
+        };
+        let tool = address.as_ref().map_or("?", |a| a.step.tool.as_str());
+        return Err(Rejection {
+            reason: RejectionReason::Oversized,
+            message: Texts::oversized(tool, bytes.len(), max_bytes),
+            address,
+        });
+    }
+    let value: Value = serde_json::from_slice(bytes).map_err(|e| {
+        Rejection::new(
+            RejectionReason::MalformedJson,
+            format!("the intent is not valid JSON: {e}"),
+        )
+    })?;
+    let Value::Object(obj) = value else {
+        return Err(Rejection::new(
+            RejectionReason::NotAnObject,
+            format!(
+                "the intent must be a JSON object, got {}",
+                type_name(&value)
+            ),
+        ));
+    };
+    let address = read_address(&obj);
+    let tool_label = obj
+        .get("tool")
+        .and_then(Value::as_str)
+        .filter(|t| valid_tool_name(t))
+        .unwrap_or("?")
+        .to_owned();
+    let reject = |reason: RejectionReason, problem: String| Rejection {
+        reason,
+        message: Texts::rejected_field(&tool_label, &problem),
+        address: address.clone(),
+    };
+
+    let workflow_id = match obj.get("workflow_id") {
+        None | Some(Value::Null) => {
+            return Err(reject(
+                RejectionReason::MissingField,
+                "the required field `workflow_id` is missing (a string of 1 to 255 bytes naming the workflow)".into(),
+            ));
+        }
+        Some(Value::String(s)) => {
+            if let Err(problem) = check_workflow_id(s) {
+                return Err(reject(RejectionReason::InvalidValue, problem));
+            }
+            s.clone()
+        }
+        Some(other) => {
+            return Err(reject(
+                RejectionReason::WrongType,
+                format!("`workflow_id` must be a string, got {}", type_name(other)),
+            ));
+        }
+    };
+    let step_index = match required_u64(&obj, "step_index") {
+        Ok(n) => n,
+        Err((reason, problem)) => return Err(reject(reason, problem)),
+    };
+    let tool = match obj.get("tool") {
+        None | Some(Value::Null) => {
+            return Err(reject(
+                RejectionReason::MissingField,
+                "the required field `tool` is missing (the name of the tool to call)".into(),
+            ));
+        }
+        Some(Value::String(t)) if valid_tool_name(t) => t.clone(),
+        Some(Value::String(_)) => {
+            return Err(reject(
+                RejectionReason::InvalidValue,
+                format!(
+                    "`tool` must be 1 to {MAX_TOOL_NAME_CHARS} characters of letters, digits, `_`, `.`, `:` or `-`"
+                ),
+            ));
+        }
+        Some(other) => {
+            return Err(reject(
+                RejectionReason::WrongType,
+                format!("`tool` must be a string, got {}", type_name(other)),
+            ));
+        }
+    };
+    let attempt = match obj.get("attempt") {
+        None | Some(Value::Null) => 0,
+        Some(_) => match required_u64(&obj, "attempt") {
+            Ok(n) => n,
+            Err((reason, problem)) => return Err(reject(reason, problem)),
+        },
+    };
+    let arguments = match obj.get("arguments") {
+        None | Some(Value::Null) => {
+            return Err(reject(
+                RejectionReason::MissingField,
+                "the required field `arguments` is missing (a JSON object of the tool's arguments, `{}` when there are none)".into(),
+            ));
+        }
+        Some(Value::Object(m)) => m.clone(),
+        Some(other) => {
+            return Err(reject(
+                RejectionReason::WrongType,
+                format!(
+                    "`arguments` must be a JSON object of named arguments, got {}",
+                    type_name(other)
+                ),
+            ));
+        }
+    };
+    let call_id = match obj.get("call_id") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => Some(s.clone()),
+        Some(other) => {
+            return Err(reject(
+                RejectionReason::WrongType,
+                format!("`call_id` must be a string, got {}", type_name(other)),
+            ));
+        }
+    };
+    let metadata = match obj.get("metadata") {
+        None | Some(Value::Null) => None,
+        Some(Value::Object(m)) => Some(m.clone()),
+        Some(other) => {
+            return Err(reject(
+                RejectionReason::WrongType,
+                format!("`metadata` must be a JSON object, got {}", type_name(other)),
+            ));
+        }
+    };
+    if known_tools.binary_search(&tool).is_err() {
+        return Err(Rejection {
+            reason: RejectionReason::UnknownTool,
+            message: Texts::unknown_tool(&tool, known_tools),
+            address,
+        });
+    }
+    Ok(Intent {
+        workflow_id,
+        step_index,
+        tool,
+        attempt,
+        arguments,
+        call_id,
+        metadata,
+    })
+}
+
+fn required_u64(
+    obj: &Map<String, Value>,
+    field: &str,
+) -> Result<u64, (RejectionReason, String)> {
+    match obj.get(field) {
+        None | Some(Value::Null) => Err((
+            RejectionReason::MissingField,
+            format!("the required field `{field}` is missing (an integer ≥ 0)"),
+        )),
+        Some(Value::Number(n)) => match n.as_u64() {
+            Some(v) => Ok(v),
+            None if n.as_i64().is_some() => Err((
+                RejectionReason::InvalidValue,
+                format!("`{field}` must be an integer ≥ 0, got {n}"),
+            )),
+            None => Err((
+                RejectionReason::WrongType,
+                format!("`{field}` must be an integer ≥ 0, got the non-integer {n}"),
+            )),
+        },
+        Some(other) => Err((
+            RejectionReason::WrongType,
+            format!("`{field}` must be an integer ≥ 0, got {}", type_name(other)),
+        )),
+    }
+}
+
+fn check_workflow_id(s: &str) -> Result<(), String> {
+    if s.is_empty() {
+        return Err("`workflow_id` must not be empty".into());
+    }
+    if s.len() > MAX_WORKFLOW_ID_BYTES {
+        return Err(format!(
+            "`workflow_id` must be at most {MAX_WORKFLOW_ID_BYTES} bytes, got {}",
+            s.len()
+        ));
+    }
+    if s.chars().any(char::is_control) {
+        return Err("`workflow_id` must not contain control characters".into());
+    }
+    Ok(())
+}
+
+fn valid_tool_name(t: &str) -> bool {
+    !t.is_empty()
+        && t.chars().count() <= MAX_TOOL_NAME_CHARS
+        && t
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | ':' | '-'))
+}
+
+/// Best-effort: the step key of an intent that fails validation, if it can be read.
+fn read_address(obj: &Map<String, Value>) -> Option<Address> {
+    let workflow_id = obj.get("workflow_id")?.as_str()?;
+    check_workflow_id(workflow_id).ok()?;
+    let step_index = obj.get("step_index")?.as_u64()?;
+    let tool = obj.get("tool")?.as_str().filter(|t| valid_tool_name(t))?;
+    let attempt = obj.get("attempt").and_then(Value::as_u64).unwrap_or(0);
+    Some(Address {
+        step: StepKey {
+            workflow_id: workflow_id.to_owned(),
+            step_index,
+            tool: tool.to_owned(),
+            attempt,
+        },
+        call_id: obj
+            .get("call_id")
+            .and_then(Value::as_str)
+            .map(str::to_owned),
+    })
+}
+
+fn type_name(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn tools() -> Vec<String> {
+        vec!["search".into(), "send_email".into()]
+    }
+
+    fn parse(v: Value) -> Result<Intent, Rejection> {
+        parse_intent(v.to_string().as_bytes(), 1 << 20, &tools())
+    }
+
+    #[test]
+    fn a_full_intent_parses_and_unknown_fields_are_ignored() {
+        let i = parse(json!({"workflow_id": "w", "step_index": 3, "tool": "send_email",
+            "attempt": 1, "arguments": {"to": "a"}, "call_id": "c", "metadata": {"m": 1},
+            "future_field": true}))
+        .unwrap();
+        assert_eq!(i.step_key().to_string(), "w#3/send_email@1");
+        assert_eq!(i.call_id.as_deref(), Some("c"));
+    }
+
+    #[test]
+    fn attempt_defaults_to_zero() {
+        let i = parse(json!({"workflow_id": "w", "step_index": 0, "tool": "search", "arguments": {}}))
+            .unwrap();
+        assert_eq!(i.attempt, 0);
+        assert_eq!(i.call_id, None);
+    }
+
+    #[test]
+    fn each_bad_field_is_named() {
+        let cases = [
+            (json!({"step_index": 0, "tool": "search", "arguments": {}}), RejectionReason::MissingField, "`workflow_id`"),
+            (json!({"workflow_id": 5, "step_index": 0, "tool": "search", "arguments": {}}), RejectionReason::WrongType, "`workflow_id` must be a string"),
+            (json!({"workflow_id": "", "step_index": 0, "tool": "search", "arguments": {}}), RejectionReason::InvalidValue, "must not be empty"),
+            (json!({"workflow_id": "a\nb", "step_index": 0, "tool": "search", "arguments": {}}), RejectionReason::InvalidValue, "control characters"),
+            (json!({"workflow_id": "w", "step_index": "3", "tool": "search", "arguments": {}}), RejectionReason::WrongType, "`step_index` must be an integer ≥ 0, got a string"),
+            (json!({"workflow_id": "w", "step_index": -1, "tool": "search", "arguments": {}}), RejectionReason::InvalidValue, "got -1"),
+            (json!({"workflow_id": "w", "step_index": 1.5, "tool": "search", "arguments": {}}), RejectionReason::WrongType, "non-integer 1.5"),
+            (json!({"workflow_id": "w", "step_index": 0, "tool": "bad tool", "arguments": {}}), RejectionReason::InvalidValue, "`tool` must be 1 to 128"),
+            (json!({"workflow_id": "w", "step_index": 0, "tool": "search", "arguments": "q"}), RejectionReason::WrongType, "`arguments` must be a JSON object"),
+            (json!({"workflow_id": "w", "step_index": 0, "tool": "search"}), RejectionReason::MissingField, "`arguments` is missing"),
+            (json!({"workflow_id": "w", "step_index": 0, "tool": "search", "arguments": {}, "attempt": "1"}), RejectionReason::WrongType, "`attempt`"),
+            (json!({"workflow_id": "w", "step_index": 0, "tool": "search", "arguments": {}, "call_id": 7}), RejectionReason::WrongType, "`call_id` must be a string"),
+            (json!({"workflow_id": "w", "step_index": 0, "tool": "search", "arguments": {}, "metadata": []}), RejectionReason::WrongType, "`metadata` must be a JSON object"),
+        ];
+        for (input, reason, needle) in cases {
+            let r = parse(input.clone()).unwrap_err();
+            assert_eq!(r.reason, reason, "{input}");
+            assert!(r.message.contains(needle), "{input}: {}", r.message);
+        }
+    }
+
+    #[test]
+    fn addressable_rejections_carry_the_step() {
+        let r = parse(json!({"workflow_id": "w", "step_index": 2, "tool": "search", "arguments": [1], "call_id": "c1"}))
+            .unwrap_err();
+        let a = r.address.unwrap();
+        assert_eq!(a.step.to_string(), "w#2/search@0");
+        assert_eq!(a.call_id.as_deref(), Some("c1"));
+        let r = parse(json!({"workflow_id": "w", "step_index": "x", "tool": "search", "arguments": {}}))
+            .unwrap_err();
+        assert!(r.address.is_none());
+    }
+
+    #[test]
+    fn unknown_tool_lists_the_available_ones() {
+        let r = parse(json!({"workflow_id": "w", "step_index": 0, "tool": "send_mail", "arguments": {}}))
+            .unwrap_err();
+        assert_eq!(r.reason, RejectionReason::UnknownTool);
+        assert!(r.message.contains("`search`, `send_email`"));
+        assert!(r.address.is_some());
+    }
+
+    #[test]
+    fn malformed_and_oversized() {
+        let r = parse_intent(b"{not json", 1 << 20, &tools()).unwrap_err();
+        assert_eq!(r.reason, RejectionReason::MalformedJson);
+        assert!(r.address.is_none());
+        let r = parse_intent(b"[1,2]", 1 << 20, &tools()).unwrap_err();
+        assert_eq!(r.reason, RejectionReason::NotAnObject);
+        let big = json!({"workflow_id": "w", "step_index": 0, "tool": "search",
+            "arguments": {"blob": "x".repeat(2000)}})
+        .to_string();
+        let r = parse_intent(big.as_bytes(), 1000, &tools()).unwrap_err();
+        assert_eq!(r.reason, RejectionReason::Oversized);
+        assert!(r.message.contains("over the limit of 1000 bytes"));
+        assert_eq!(r.address.unwrap().step.tool, "search");
+    }
+}

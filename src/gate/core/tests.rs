@@ -1,0 +1,254 @@
+//! The gate's decisions over real RocksDB, without Kafka.
+use super::*;
+use crate::contract::{Outcome, Progress, ProgressEvent};
+use serde_json::json;
+
+const CONFIG: &str = r#"
+[state]
+retention = "1h"
+[gate]
+in_doubt_grace = "1s"
+fast_path_timeout = "5s"
+max_intent_bytes = 4096
+[tools.send_email]
+category = "keyed"
+url = "http://127.0.0.1:1/x"
+timeout = "2s"
+retries = 0
+[tools.wire]
+category = "unkeyed"
+url = "http://127.0.0.1:1/x"
+timeout = "2s"
+retries = 0
+[tools.search]
+category = "read_only"
+url = "http://127.0.0.1:1/x"
+"#;
+
+struct Fixture {
+    _dir: tempfile::TempDir,
+    store: StateStore,
+    core: GateCore,
+    seq: u64,
+    offset: i64,
+}
+
+impl Fixture {
+    fn new() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let store = StateStore::open(dir.path()).unwrap();
+        let config = Config::from_toml_str(CONFIG, Vec::new()).unwrap();
+        Fixture {
+            core: GateCore::new(&config, Arc::new(Metrics::new())),
+            store,
+            _dir: dir,
+            seq: 0,
+            offset: 0,
+        }
+    }
+
+    fn commit(&mut self, batch: Batch) {
+        self.seq += 1;
+        let seqs = batch.partitions().into_iter().map(|p| (p, self.seq)).collect();
+        self.store.commit(batch, &seqs).unwrap();
+    }
+
+    fn input(&mut self, topic: &str, payload: Vec<u8>) -> Input {
+        self.offset += 1;
+        Input {
+            topic: topic.into(),
+            partition: 0,
+            offset: self.offset,
+            key: Some(b"wf".to_vec()),
+            payload: Some(payload),
+            headers: vec![],
+        }
+    }
+
+    fn intent(&mut self, v: serde_json::Value, now: i64) -> Vec<Out> {
+        let input = self.input("intents", v.to_string().into_bytes());
+        let mut b = Batch::default();
+        self.core.on_intent(&self.store, &mut b, &input, now).unwrap();
+        self.commit(b);
+        self.core.take_outs()
+    }
+
+    fn progress(&mut self, p: Progress, now: i64) -> Vec<Out> {
+        let input = self.input("progress", serde_json::to_vec(&p).unwrap());
+        let mut b = Batch::default();
+        self.core.on_progress(&self.store, &mut b, &input, now).unwrap();
+        self.commit(b);
+        self.core.take_outs()
+    }
+
+    fn tick(&mut self, now: i64) -> Vec<Out> {
+        let mut b = Batch::default();
+        self.core.on_deadlines(&self.store, &mut b, now).unwrap();
+        self.commit(b);
+        self.core.take_outs()
+    }
+}
+
+fn email(call_id: &str, subject: &str) -> serde_json::Value {
+    json!({"workflow_id": "wf", "step_index": 1, "tool": "send_email",
+        "arguments": {"subject": subject}, "call_id": call_id})
+}
+
+fn call_of(outs: &[Out]) -> Call {
+    outs.iter()
+        .find_map(|o| match o {
+            Out::Call { call, .. } => Some(call.clone()),
+            _ => None,
+        })
+        .expect("a call was forwarded")
+}
+
+fn results(outs: &[Out]) -> Vec<ToolResult> {
+    outs.iter()
+        .filter_map(|o| match o {
+            Out::Result { result, .. } => Some(result.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+fn started(call: &Call) -> Progress {
+    Progress { step: call.step.clone(), dispatch: call.dispatch, fast_ref: call.fast_ref, at_ms: 0, event: ProgressEvent::Started }
+}
+
+fn finished(call: &Call, outcome: Outcome) -> Progress {
+    Progress { step: call.step.clone(), dispatch: call.dispatch, fast_ref: call.fast_ref, at_ms: 0, event: ProgressEvent::Finished { outcome } }
+}
+
+#[test]
+fn a_rephrased_repeat_in_flight_waits_and_gets_the_same_answer() {
+    let mut f = Fixture::new();
+    let call = call_of(&f.intent(email("c1", "Order confirmed"), 1000));
+    assert_eq!(f.store.step(0, &call.step).unwrap().unwrap().phase, Phase::Intended, "intended is durable before the call leaves");
+    let outs = f.intent(email("c2", "Your order is confirmed"), 1100);
+    assert!(outs.is_empty(), "a repeat is never forwarded: {outs:?}");
+    f.progress(started(&call), 1200);
+    let outs = f.progress(finished(&call, Outcome::Ok { output: json!({"message_id": "m-1"}) }), 1300);
+    let rs = results(&outs);
+    assert_eq!(rs.len(), 2);
+    assert_eq!((rs[0].call_id.as_deref(), rs[0].deduplicated), (Some("c1"), false));
+    assert_eq!((rs[1].call_id.as_deref(), rs[1].deduplicated), (Some("c2"), true));
+    assert_eq!(rs[1], rs[0].for_repeat(Some("c2".into())));
+    let rec = f.store.step(0, &call.step).unwrap().unwrap();
+    assert_eq!((rec.repeats, rec.rephrased_count), (1, 1));
+    assert_eq!(rec.rephrased[0].arguments["subject"], "Your order is confirmed");
+}
+
+#[test]
+fn a_repeat_after_completion_is_answered_from_the_record() {
+    let mut f = Fixture::new();
+    let call = call_of(&f.intent(email("c1", "a"), 1000));
+    f.progress(started(&call), 1100);
+    let first = results(&f.progress(finished(&call, Outcome::Ok { output: json!(1) }), 1200)).remove(0);
+    let outs = f.intent(email("c3", "a"), 5000);
+    assert!(!outs.iter().any(|o| matches!(o, Out::Call { .. })));
+    assert_eq!(results(&outs), vec![first.for_repeat(Some("c3".into()))]);
+}
+
+#[test]
+fn identical_arguments_at_two_steps_are_two_calls() {
+    let mut f = Fixture::new();
+    let a = call_of(&f.intent(email("c1", "same"), 1000));
+    let mut second = email("c2", "same");
+    second["step_index"] = json!(2);
+    let b = call_of(&f.intent(second, 1000));
+    assert_ne!(a.step, b.step);
+    assert_ne!(a.step.idempotency_key(), b.step.idempotency_key());
+}
+
+#[test]
+fn an_unkeyed_step_past_its_deadline_is_in_doubt_not_rerun() {
+    let mut f = Fixture::new();
+    let call = call_of(&f.intent(json!({"workflow_id": "wf", "step_index": 2, "tool": "wire", "arguments": {}, "call_id": "c1"}), 0));
+    f.progress(started(&call), 100);
+    assert!(f.tick(100 + 2000).is_empty(), "not before timeout + grace");
+    let outs = f.tick(100 + 3001);
+    assert!(!outs.iter().any(|o| matches!(o, Out::Call { .. })));
+    let r = results(&outs).remove(0);
+    assert_eq!(r.status, Status::InDoubt);
+    assert_eq!(r.error.as_ref().unwrap().kind, "executor_lost");
+    // A late outcome is kept for the operator, the answer stays in doubt.
+    assert!(results(&f.progress(finished(&call, Outcome::Ok { output: json!(1) }), 9000)).is_empty());
+    let rec = f.store.step(0, &call.step).unwrap().unwrap();
+    assert_eq!(rec.phase, Phase::InDoubt);
+    assert!(rec.late_outcome.is_some());
+    let again = f.intent(json!({"workflow_id": "wf", "step_index": 2, "tool": "wire", "arguments": {}, "call_id": "c9"}), 9500);
+    assert_eq!(results(&again)[0].status, Status::InDoubt);
+    assert!(results(&again)[0].deduplicated);
+}
+
+#[test]
+fn a_keyed_step_past_its_deadline_is_forwarded_again_with_the_same_key() {
+    let mut f = Fixture::new();
+    let call = call_of(&f.intent(email("c1", "x"), 0));
+    f.progress(started(&call), 0);
+    let again = call_of(&f.tick(3001));
+    assert_eq!(again.step, call.step);
+    assert_eq!(again.dispatch, 2);
+    // The first outcome wins, whichever dispatch it comes from.
+    let rs = results(&f.progress(finished(&again, Outcome::Ok { output: json!(1) }), 4000));
+    assert_eq!(rs.len(), 1);
+    assert_eq!(rs[0].call_id.as_deref(), Some("c1"));
+}
+
+#[test]
+fn deadlines_survive_a_restart() {
+    let mut f = Fixture::new();
+    let call = call_of(&f.intent(json!({"workflow_id": "wf", "step_index": 2, "tool": "wire", "arguments": {}}), 0));
+    f.progress(started(&call), 0);
+    f.core.reset();
+    assert!(f.tick(10_000).is_empty(), "nothing loaded yet");
+    f.core.load_partition(&f.store, 0).unwrap();
+    assert_eq!(results(&f.tick(10_000))[0].status, Status::InDoubt);
+}
+
+#[test]
+fn fast_path_calls_are_rerun_on_repeat_and_answered_once_each() {
+    let mut f = Fixture::new();
+    let q = json!({"workflow_id": "wf", "step_index": 0, "tool": "search", "arguments": {"q": "x"}, "call_id": "s1"});
+    let a = call_of(&f.intent(q.clone(), 0));
+    let b = call_of(&f.intent(q, 10));
+    assert!(a.fast_ref.is_some() && a.fast_ref != b.fast_ref);
+    let r = results(&f.progress(finished(&a, Outcome::Ok { output: json!([]) }), 20));
+    assert_eq!(r.len(), 1);
+    assert!(!r[0].deduplicated);
+    assert!(results(&f.progress(finished(&a, Outcome::Ok { output: json!([]) }), 30)).is_empty(), "a duplicate answer is dropped");
+    // Unanswered past its timeout: forwarded again.
+    let again = call_of(&f.tick(10 + 5001));
+    assert_eq!((again.fast_ref, again.dispatch), (b.fast_ref, 2));
+}
+
+#[test]
+fn bad_input_goes_to_the_dlq_and_addressable_input_gets_rejected() {
+    let mut f = Fixture::new();
+    let input = f.input("intents", b"{oops".to_vec());
+    let mut b = Batch::default();
+    f.core.on_intent(&f.store, &mut b, &input, 0).unwrap();
+    let outs = f.core.take_outs();
+    assert_eq!(outs.len(), 1);
+    assert!(matches!(&outs[0], Out::Dlq { record, .. } if record.payload == "{oops"));
+    let outs = f.intent(json!({"workflow_id": "wf", "step_index": 1, "tool": "nope", "arguments": {}, "call_id": "c"}), 0);
+    assert_eq!(outs.len(), 2);
+    let r = &results(&outs)[0];
+    assert_eq!(r.status, Status::Rejected);
+    assert_eq!(r.error.as_ref().unwrap().kind, "unknown_tool");
+}
+
+#[test]
+fn expired_records_are_purged_then_a_repeat_runs_again() {
+    let mut f = Fixture::new();
+    let call = call_of(&f.intent(email("c1", "x"), 0));
+    f.progress(started(&call), 0);
+    f.progress(finished(&call, Outcome::Ok { output: json!(1) }), 10);
+    let mut b = Batch::default();
+    assert_eq!(f.core.purge(&f.store, &mut b, [0], 10 + 3_600_000 - 1, 100).unwrap(), 0);
+    assert_eq!(f.core.purge(&f.store, &mut b, [0], 10 + 3_600_000, 100).unwrap(), 1);
+    f.commit(b);
+    assert!(f.store.step(0, &call.step).unwrap().is_none());
+    assert!(f.intent(email("c2", "x"), 4_000_000).iter().any(|o| matches!(o, Out::Call { .. })));
+}

@@ -1,0 +1,383 @@
+//! The gate: a consumer group over `intents` and the executors' `progress`.
+//!
+//! Per batch (every `gate.commit_interval` or `gate.max_batch` inputs): decide
+//! ([`GateCore`]), write the state durably (one synced RocksDB batch), then commit
+//! the forwarded calls, the answers and the input offsets in one Kafka transaction.
+//! The gate never calls a tool.
+
+mod core;
+
+pub use self::core::{GateCore, GateSettings, Input, Out};
+
+use crate::config::Config;
+use crate::contract::ToolResult;
+use crate::kafka::{self, OutRecord, RebalanceContext, RebalanceEvent, TxnConsumer};
+use crate::state::{Batch, Reconciled, StateError, StateStore};
+use crate::telemetry::{Health, Metrics};
+use rdkafka::consumer::Consumer;
+use rdkafka::error::KafkaError;
+use rdkafka::producer::{FutureProducer, Producer};
+use rdkafka::{Offset, TopicPartitionList};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use thiserror::Error;
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info, warn};
+
+#[derive(Debug, Error)]
+pub enum GateError {
+    #[error("Kafka: {0}")]
+    Kafka(#[from] KafkaError),
+    #[error("state: {0}")]
+    State(#[from] StateError),
+}
+
+/// The offset-metadata tag carrying a partition's last committed batch number.
+const SEQ_TAG: &str = "stepgate-seq:";
+
+/// Per-partition bookkeeping of an owned partition.
+struct Owned {
+    /// Last batch number committed for this partition (None before the first).
+    seq: Option<u64>,
+    /// Next intents offset to commit.
+    intents_next: i64,
+    /// Next progress offset to commit, once something was consumed.
+    progress_next: Option<i64>,
+}
+
+/// Run the gate until `shutdown`; recoverable failures restart the session from
+/// the last committed offsets.
+pub async fn run(
+    config: Arc<Config>,
+    store: Arc<StateStore>,
+    metrics: Arc<Metrics>,
+    health: Arc<Health>,
+    shutdown: CancellationToken,
+) -> Result<(), GateError> {
+    let mut core = GateCore::new(&config, metrics.clone());
+    let mut backoff = Duration::from_millis(250);
+    loop {
+        let mut session = Session {
+            config: &config,
+            store: &store,
+            metrics: &metrics,
+            health: &health,
+            owned: HashMap::new(),
+            assigned: BTreeSet::new(),
+        };
+        let result = session.run(&mut core, &shutdown).await;
+        health.set_gate_ready(false);
+        core.reset();
+        match result {
+            Ok(()) => return Ok(()),
+            Err(e) => {
+                error!(error = %e, "gate session failed; resuming from the last committed transaction");
+                tokio::select! {
+                    _ = shutdown.cancelled() => return Ok(()),
+                    _ = tokio::time::sleep(backoff) => {}
+                }
+                backoff = (backoff * 2).min(Duration::from_secs(10));
+            }
+        }
+    }
+}
+
+struct Session<'a> {
+    config: &'a Config,
+    store: &'a StateStore,
+    metrics: &'a Metrics,
+    health: &'a Health,
+    owned: HashMap<i32, Owned>,
+    assigned: BTreeSet<i32>,
+}
+
+/// What one batch has gathered.
+#[derive(Default)]
+struct Pending {
+    batch: Batch,
+    inputs: usize,
+    intents_next: BTreeMap<i32, i64>,
+    progress_next: BTreeMap<i32, i64>,
+    started: Option<Instant>,
+}
+
+impl Session<'_> {
+    async fn run(&mut self, core: &mut GateCore, shutdown: &CancellationToken) -> Result<(), GateError> {
+        let k = &self.config.kafka;
+        let (ctx, mut events) = RebalanceContext::new();
+        let consumer: Arc<TxnConsumer> = Arc::new(
+            kafka::txn_consumer_config(k, &k.gate_group, &format!("{}-gate", k.instance_id)).create_with_context(ctx)?,
+        );
+        let producer = kafka::init_txn_producer(k, &format!("{}-gate-{}", k.gate_group, k.instance_id)).await?;
+        consumer.subscribe(&[&k.topics.intents, &k.topics.progress])?;
+        info!(intents = %k.topics.intents, progress = %k.topics.progress, "gate consuming");
+
+        let commit_interval = self.config.gate.commit_interval.0;
+        let purge_interval = self.config.state.purge_interval.0;
+        let mut last_purge = Instant::now();
+        let mut tick = tokio::time::interval(commit_interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut pending = Pending::default();
+        let result = loop {
+            tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => break Ok(()),
+                Some(ev) = events.recv() => self.on_rebalance(core, &consumer, ev).await?,
+                _ = tick.tick() => {
+                    let now = now_ms();
+                    core.on_deadlines(self.store, &mut pending.batch, now)?;
+                    if last_purge.elapsed() >= purge_interval {
+                        last_purge = Instant::now();
+                        let parts: Vec<i32> = self.owned.keys().copied().collect();
+                        core.purge(self.store, &mut pending.batch, parts, now, 10_000)?;
+                        self.metrics.state_size(self.store.estimated_steps(), self.store.disk_bytes());
+                    }
+                    let due = pending.started.is_some_and(|t| t.elapsed() >= commit_interval);
+                    if due || (pending.inputs == 0 && (core.has_outs() || !pending.batch.is_empty())) {
+                        self.flush(core, &consumer, &producer, std::mem::take(&mut pending)).await?;
+                    }
+                }
+                msg = consumer.recv() => {
+                    let input = match msg {
+                        Ok(m) => kafka::to_input(&m),
+                        Err(e) => {
+                            warn!(error = %e, "consumer error (librdkafka retries by itself)");
+                            continue;
+                        }
+                    };
+                    self.ensure_owned(core, &consumer, input.partition).await?;
+                    let now = now_ms();
+                    if input.topic == k.topics.intents {
+                        core.on_intent(self.store, &mut pending.batch, &input, now)?;
+                        pending.intents_next.insert(input.partition, input.offset + 1);
+                    } else {
+                        core.on_progress(self.store, &mut pending.batch, &input, now)?;
+                        pending.progress_next.insert(input.partition, input.offset + 1);
+                    }
+                    pending.inputs += 1;
+                    pending.started.get_or_insert_with(Instant::now);
+                    if pending.inputs >= self.config.gate.max_batch {
+                        self.flush(core, &consumer, &producer, std::mem::take(&mut pending)).await?;
+                    }
+                }
+            }
+        };
+        // Commit what is done before leaving; what was not committed is re-read
+        // by the next owner (and undone here at the next start).
+        if result.is_ok() && pending.started.is_some() {
+            self.flush(core, &consumer, &producer, pending).await?;
+        }
+        drop(producer);
+        drop(consumer);
+        result
+    }
+
+    async fn on_rebalance(&mut self, core: &mut GateCore, consumer: &Arc<TxnConsumer>, ev: RebalanceEvent) -> Result<(), GateError> {
+        match ev {
+            RebalanceEvent::Assigned(parts) => {
+                let ps: BTreeSet<i32> = parts.iter().map(|(_, p)| *p).collect();
+                info!(partitions = ?ps, "partitions assigned");
+                self.assigned.extend(ps.iter().copied());
+                for p in ps {
+                    self.ensure_owned(core, consumer, p).await?;
+                }
+            }
+            RebalanceEvent::Revoked(parts) => {
+                let ps: BTreeSet<i32> = parts.iter().map(|(_, p)| *p).collect();
+                info!(partitions = ?ps, "partitions revoked");
+                for p in ps {
+                    self.assigned.remove(&p);
+                    self.owned.remove(&p);
+                    core.drop_partition(p);
+                }
+            }
+        }
+        self.health
+            .set_gate_ready(!self.assigned.is_empty() && self.assigned.iter().all(|p| self.owned.contains_key(p)));
+        Ok(())
+    }
+
+    /// Before a partition's first input: reconcile its state with what Kafka
+    /// committed, and load its pending deadlines.
+    async fn ensure_owned(&mut self, core: &mut GateCore, consumer: &Arc<TxnConsumer>, p: i32) -> Result<(), GateError> {
+        if self.owned.contains_key(&p) {
+            return Ok(());
+        }
+        let topics = self.config.kafka.topics.clone();
+        let c = consumer.clone();
+        let (intents_off, seq_meta, progress_off) = kafka::blocking(move || {
+            let mut tpl = TopicPartitionList::new();
+            tpl.add_partition(&topics.intents, p);
+            tpl.add_partition(&topics.progress, p);
+            let committed = c.committed_offsets(tpl, Duration::from_secs(30))?;
+            let i = committed.find_partition(&topics.intents, p);
+            let intents = i.as_ref().and_then(|e| e.offset().to_raw()).filter(|o| *o >= 0);
+            let meta = i.map(|e| e.metadata().to_owned()).unwrap_or_default();
+            let progress = committed
+                .find_partition(&topics.progress, p)
+                .and_then(|e| e.offset().to_raw())
+                .filter(|o| *o >= 0);
+            let intents = match intents {
+                Some(o) => o,
+                None => c.fetch_watermarks(&topics.intents, p, Duration::from_secs(30))?.0,
+            };
+            drop(committed);
+            Ok((intents, meta, progress))
+        })
+        .await?;
+        let committed_seq = seq_meta.strip_prefix(SEQ_TAG).and_then(|s| s.parse::<u64>().ok());
+        let seq = match self.store.reconcile(p, committed_seq)? {
+            Reconciled::InSync => committed_seq,
+            Reconciled::RolledBack { seq } => {
+                self.metrics.rolled_back(p, seq);
+                committed_seq
+            }
+            Reconciled::Diverged { state_seq, committed_seq } => {
+                self.metrics.divergence(p, state_seq, committed_seq);
+                state_seq.max(committed_seq)
+            }
+        };
+        core.load_partition(self.store, p)?;
+        self.owned.insert(
+            p,
+            Owned {
+                seq,
+                intents_next: intents_off,
+                progress_next: progress_off,
+            },
+        );
+        self.assigned.insert(p);
+        self.health
+            .set_gate_ready(self.assigned.iter().all(|q| self.owned.contains_key(q)));
+        Ok(())
+    }
+
+    /// Commit one batch: state first (synced), then the transaction with its
+    /// messages and input offsets.
+    async fn flush(
+        &mut self,
+        core: &mut GateCore,
+        consumer: &Arc<TxnConsumer>,
+        producer: &FutureProducer,
+        pending: Pending,
+    ) -> Result<(), GateError> {
+        let outs = core.take_outs();
+        if pending.batch.is_empty() && outs.is_empty() && pending.inputs == 0 {
+            return Ok(());
+        }
+        let started = Instant::now();
+        let touched = pending.batch.partitions();
+        let mut seqs = BTreeMap::new();
+        for p in &touched {
+            let o = self.owned.get(p).map(|o| o.seq).unwrap_or_default();
+            seqs.insert(*p, o.map_or(1, |s| s + 1));
+        }
+        producer.begin_transaction()?;
+        let records: Vec<OutRecord> = outs.iter().map(|o| self.record(o)).collect();
+        let sent = async {
+            // Produce first (it needs no state), then make the state durable while
+            // deliveries are in flight, then commit.
+            let send = kafka::send_all(producer, &records);
+            let state = async { self.store.commit(pending.batch, &seqs).map_err(GateError::from) };
+            let (s, st) = tokio::join!(send, state);
+            st?;
+            s?;
+            let mut tpl = TopicPartitionList::new();
+            let topics = &self.config.kafka.topics;
+            let intent_parts: BTreeSet<i32> = pending.intents_next.keys().chain(touched.iter()).copied().collect();
+            for p in intent_parts {
+                let owned = self.owned.get(&p);
+                let next = pending
+                    .intents_next
+                    .get(&p)
+                    .copied()
+                    .or(owned.map(|o| o.intents_next))
+                    .unwrap_or(0);
+                let seq = seqs.get(&p).copied().or(owned.and_then(|o| o.seq));
+                let mut e = tpl.add_partition(&topics.intents, p);
+                e.set_offset(Offset::Offset(next))?;
+                e.set_metadata(seq.map(|s| format!("{SEQ_TAG}{s}")).unwrap_or_default());
+            }
+            for (p, next) in &pending.progress_next {
+                tpl.add_partition_offset(&topics.progress, *p, Offset::Offset(*next))?;
+            }
+            if tpl.count() > 0 {
+                kafka::send_offsets(producer, consumer, tpl).await?;
+            }
+            kafka::commit_txn(producer).await?;
+            Ok::<(), GateError>(())
+        }
+        .await;
+        if let Err(e) = sent {
+            kafka::abort_txn(producer).await;
+            // The next session reconciles these partitions against Kafka and undoes
+            // the state of this batch.
+            return Err(e);
+        }
+        for (p, s) in seqs {
+            if let Some(o) = self.owned.get_mut(&p) {
+                o.seq = Some(s);
+            }
+        }
+        for (p, next) in pending.intents_next {
+            if let Some(o) = self.owned.get_mut(&p) {
+                o.intents_next = next;
+            }
+        }
+        for (p, next) in pending.progress_next {
+            if let Some(o) = self.owned.get_mut(&p) {
+                o.progress_next = Some(next);
+            }
+        }
+        for o in &outs {
+            if let Out::Result { result, .. } = o {
+                self.metrics.result_published(result.status.as_str(), result.deduplicated);
+            }
+        }
+        self.metrics.committed(started.elapsed());
+        Ok(())
+    }
+
+    fn record(&self, out: &Out) -> OutRecord {
+        let t = &self.config.kafka.topics;
+        match out {
+            Out::Call { partition, call } => OutRecord {
+                topic: t.calls.clone(),
+                partition: Some(*partition),
+                key: Some(call.step.workflow_id.as_bytes().to_vec()),
+                payload: serde_json::to_vec(call).expect("calls serialise"),
+                headers: Vec::new(),
+            },
+            Out::Result {
+                partition,
+                result,
+                traceparent,
+            } => result_record(&t.results, *partition, result, traceparent.as_deref()),
+            Out::Dlq { key, headers, record } => OutRecord {
+                topic: t.dlq.clone(),
+                partition: None,
+                key: key.clone(),
+                payload: serde_json::to_vec(record).expect("DLQ records serialise"),
+                headers: headers.clone(),
+            },
+        }
+    }
+}
+
+/// A Result v1 record: keyed by workflow id, in the intent's partition number.
+pub fn result_record(topic: &str, partition: i32, result: &ToolResult, traceparent: Option<&str>) -> OutRecord {
+    OutRecord {
+        topic: topic.to_owned(),
+        partition: Some(partition),
+        key: Some(result.workflow_id.as_bytes().to_vec()),
+        payload: result.to_json(),
+        headers: traceparent
+            .map(|tp| vec![("traceparent".to_owned(), Some(tp.as_bytes().to_vec()))])
+            .unwrap_or_default(),
+    }
+}
+
+fn now_ms() -> i64 {
+    chrono::Utc::now().timestamp_millis()
+}

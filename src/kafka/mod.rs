@@ -1,0 +1,361 @@
+//! Kafka plumbing: client configs, the rebalance context, topic creation and checks,
+//! and the transaction helpers shared by gate and executor.
+
+use crate::config::KafkaConfig;
+use rdkafka::ClientConfig;
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::{ClientContext, DefaultClientContext};
+use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, Rebalance, StreamConsumer};
+use rdkafka::error::KafkaError;
+use rdkafka::producer::{FutureProducer, Producer};
+use rdkafka::util::Timeout;
+use std::sync::Arc;
+use std::time::Duration;
+use thiserror::Error;
+use tokio::sync::mpsc;
+
+#[derive(Debug, Error)]
+pub enum KafkaSetupError {
+    #[error("Kafka: {0}")]
+    Kafka(#[from] KafkaError),
+    #[error(
+        "topic `{0}` does not exist: create the topics with `stepgate topics create --config <file>`"
+    )]
+    MissingTopic(String),
+    #[error("{0}")]
+    Layout(String),
+}
+
+/// The base config of every client: brokers, then the `[kafka.client]` pass-through.
+pub fn base_config(cfg: &KafkaConfig) -> ClientConfig {
+    let mut c = ClientConfig::new();
+    c.set("bootstrap.servers", &cfg.brokers);
+    for (k, v) in &cfg.client {
+        c.set(k, v);
+    }
+    c
+}
+
+/// A consumer that commits only through transactions and reads only committed data.
+pub fn txn_consumer_config(cfg: &KafkaConfig, group: &str, instance: &str) -> ClientConfig {
+    let mut c = ClientConfig::new();
+    c.set("bootstrap.servers", &cfg.brokers)
+        .set("group.id", group)
+        // Static membership: a restarted process gets its partitions back at once.
+        .set("group.instance.id", instance)
+        .set("enable.auto.commit", "false")
+        .set("enable.auto.offset.store", "false")
+        .set("auto.offset.reset", "earliest")
+        .set("isolation.level", "read_committed")
+        // Range keeps partition p of every subscribed topic on one member, which is
+        // what co-partitioned intents and progress need.
+        .set("partition.assignment.strategy", "range")
+        .set("session.timeout.ms", cfg.session_timeout.0.as_millis().to_string())
+        .set("max.poll.interval.ms", "600000")
+        .set("fetch.wait.max.ms", "50");
+    for (k, v) in &cfg.client {
+        c.set(k, v);
+    }
+    c
+}
+
+/// A transactional producer config (EOS v2: one producer per process, fenced by
+/// the consumer group's metadata).
+pub fn txn_producer_config(cfg: &KafkaConfig, transactional_id: &str) -> ClientConfig {
+    let mut c = ClientConfig::new();
+    c.set("bootstrap.servers", &cfg.brokers)
+        .set("transactional.id", transactional_id)
+        .set("enable.idempotence", "true")
+        .set("acks", "all")
+        .set("linger.ms", "1")
+        .set(
+            "transaction.timeout.ms",
+            cfg.transaction_timeout.0.as_millis().to_string(),
+        );
+    for (k, v) in &cfg.client {
+        c.set(k, v);
+    }
+    c
+}
+
+/// Rebalance events, signalled to the loop that owns the consumer (callbacks
+/// never do work themselves and never panic).
+#[derive(Debug)]
+pub enum RebalanceEvent {
+    Assigned(Vec<(String, i32)>),
+    Revoked(Vec<(String, i32)>),
+}
+
+pub struct RebalanceContext {
+    tx: mpsc::UnboundedSender<RebalanceEvent>,
+}
+
+impl RebalanceContext {
+    pub fn new() -> (Self, mpsc::UnboundedReceiver<RebalanceEvent>) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        (RebalanceContext { tx }, rx)
+    }
+}
+
+impl ClientContext for RebalanceContext {}
+
+impl ConsumerContext for RebalanceContext {
+    fn pre_rebalance(&self, _c: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        if let Rebalance::Revoke(tpl) = rebalance {
+            let _ = self.tx.send(RebalanceEvent::Revoked(list(tpl)));
+        }
+    }
+
+    fn post_rebalance(&self, _c: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        match rebalance {
+            Rebalance::Assign(tpl) => {
+                let _ = self.tx.send(RebalanceEvent::Assigned(list(tpl)));
+            }
+            Rebalance::Error(e) => tracing::warn!(error = %e, "rebalance error"),
+            Rebalance::Revoke(_) => {}
+        }
+    }
+}
+
+fn list(tpl: &rdkafka::TopicPartitionList) -> Vec<(String, i32)> {
+    tpl.elements()
+        .iter()
+        .map(|e| (e.topic().to_owned(), e.partition()))
+        .collect()
+}
+
+pub type TxnConsumer = StreamConsumer<RebalanceContext>;
+
+/// Create a transactional producer and initialise its transactions (fencing any
+/// earlier incarnation with the same id and aborting its open transaction).
+pub async fn init_txn_producer(cfg: &KafkaConfig, transactional_id: &str) -> Result<FutureProducer, KafkaError> {
+    let producer: FutureProducer = txn_producer_config(cfg, transactional_id).create()?;
+    let p = producer.clone();
+    tokio::task::spawn_blocking(move || p.init_transactions(Timeout::After(Duration::from_secs(60))))
+        .await
+        .map_err(|_| KafkaError::Canceled)??;
+    Ok(producer)
+}
+
+/// Run a blocking client call off the async threads.
+pub async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, KafkaError> + Send + 'static,
+) -> Result<T, KafkaError> {
+    tokio::task::spawn_blocking(f).await.map_err(|_| KafkaError::Canceled)?
+}
+
+/// Commit a transaction, retrying what librdkafka says is retriable.
+pub async fn commit_txn(producer: &FutureProducer) -> Result<(), KafkaError> {
+    let mut tries = 0;
+    loop {
+        let p = producer.clone();
+        match blocking(move || p.commit_transaction(Timeout::After(Duration::from_secs(30)))).await {
+            Err(KafkaError::Transaction(e)) if e.is_retriable() && tries < 5 => {
+                tries += 1;
+                tracing::warn!(error = %e, "transaction commit will be retried");
+            }
+            other => return other,
+        }
+    }
+}
+
+/// Abort the open transaction, if any; errors are logged (the caller is already
+/// on an error path and recreates the producer).
+pub async fn abort_txn(producer: &FutureProducer) {
+    let p = producer.clone();
+    if let Err(e) = blocking(move || p.abort_transaction(Timeout::After(Duration::from_secs(30)))).await {
+        tracing::warn!(error = %e, "transaction abort failed");
+    }
+}
+
+/// Partition counts of the topics, or an error naming the missing one.
+pub fn partition_counts(cfg: &KafkaConfig, topics: &[&str]) -> Result<Vec<usize>, KafkaSetupError> {
+    let consumer: BaseConsumer = base_config(cfg).create()?;
+    let md = consumer.fetch_metadata(None, Duration::from_secs(15))?;
+    let counts = topics
+        .iter()
+        .map(|t| {
+            md.topics()
+                .iter()
+                .find(|mt| mt.name() == *t && mt.error().is_none())
+                .map(|mt| mt.partitions().len())
+                .filter(|n| *n > 0)
+                .ok_or_else(|| KafkaSetupError::MissingTopic((*t).to_owned()))
+        })
+        .collect();
+    drop(md);
+    drop(consumer);
+    counts
+}
+
+/// Refuse to start on a topic layout that would misroute answers.
+pub fn check_layout(cfg: &KafkaConfig) -> Result<usize, KafkaSetupError> {
+    let t = &cfg.topics;
+    let counts = partition_counts(cfg, &[&t.intents, &t.results, &t.dlq, &t.calls, &t.progress])?;
+    let (intents, results, calls, progress) = (counts[0], counts[1], counts[3], counts[4]);
+    if results < intents {
+        return Err(KafkaSetupError::Layout(format!(
+            "`{}` has {results} partitions but `{}` has {intents}: results are written to the intent's partition number, so results needs at least as many. Add partitions to `{}` (kafka-topics --alter --partitions {intents}) or recreate both with `stepgate topics create`.",
+            t.results, t.intents, t.results
+        )));
+    }
+    if calls != intents || progress != intents {
+        return Err(KafkaSetupError::Layout(format!(
+            "the internal topics `{}` ({calls}) and `{}` ({progress}) must have as many partitions as `{}` ({intents}); `stepgate topics create` makes them equal.",
+            t.calls, t.progress, t.intents
+        )));
+    }
+    Ok(intents)
+}
+
+/// Create every topic stepgate uses (existing ones are left as they are).
+/// Returns (topic, created?) pairs.
+pub async fn create_topics(cfg: &KafkaConfig, retention: Duration) -> Result<Vec<(String, bool)>, KafkaSetupError> {
+    let admin: AdminClient<DefaultClientContext> = base_config(cfg).create()?;
+    let t = &cfg.topics;
+    let retention_ms = retention.as_millis().max(1).to_string();
+    let names = [&t.intents, &t.results, &t.dlq, &t.calls, &t.progress];
+    let topics: Vec<NewTopic> = names
+        .iter()
+        .map(|n| {
+            NewTopic::new(n, cfg.partitions, TopicReplication::Fixed(cfg.replication_factor))
+                // Topics are kept at least as long as steps are remembered, so a
+                // late repeat and an audit can still be traced through them.
+                .set("retention.ms", &retention_ms)
+        })
+        .collect();
+    let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
+    let results = admin.create_topics(topics.iter(), &opts).await?;
+    let mut out = Vec::new();
+    for r in results {
+        match r {
+            Ok(name) => out.push((name, true)),
+            Err((name, rdkafka::types::RDKafkaErrorCode::TopicAlreadyExists)) => out.push((name, false)),
+            Err((name, code)) => {
+                return Err(KafkaSetupError::Layout(format!("could not create topic `{name}`: {code}")));
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// A record to produce.
+#[derive(Debug, Clone)]
+pub struct OutRecord {
+    pub topic: String,
+    pub partition: Option<i32>,
+    pub key: Option<Vec<u8>>,
+    pub payload: Vec<u8>,
+    pub headers: Vec<(String, Option<Vec<u8>>)>,
+}
+
+/// Produce every record and wait for all deliveries (inside the caller's
+/// transaction, when there is one).
+pub async fn send_all(producer: &FutureProducer, records: &[OutRecord]) -> Result<(), KafkaError> {
+    use rdkafka::message::{Header, OwnedHeaders};
+    use rdkafka::producer::FutureRecord;
+    use rdkafka::types::RDKafkaErrorCode;
+    let mut pending = std::collections::VecDeque::new();
+    for r in records {
+        loop {
+            let mut rec: FutureRecord<'_, [u8], [u8]> = FutureRecord::to(&r.topic).payload(r.payload.as_slice());
+            if let Some(p) = r.partition {
+                rec = rec.partition(p);
+            }
+            if let Some(k) = &r.key {
+                rec = rec.key(k.as_slice());
+            }
+            if !r.headers.is_empty() {
+                let mut h = OwnedHeaders::new_with_capacity(r.headers.len());
+                for (k, v) in &r.headers {
+                    h = h.insert(Header { key: k, value: v.as_deref() });
+                }
+                rec = rec.headers(h);
+            }
+            match producer.send_result(rec) {
+                Ok(f) => {
+                    pending.push_back(f);
+                    break;
+                }
+                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), _)) => {
+                    // The local queue is full: wait for the oldest delivery, then retry.
+                    match pending.pop_front() {
+                        Some(f) => check_delivery(f.await)?,
+                        None => tokio::time::sleep(Duration::from_millis(5)).await,
+                    }
+                }
+                Err((e, _)) => return Err(e),
+            }
+        }
+    }
+    for f in pending {
+        check_delivery(f.await)?;
+    }
+    Ok(())
+}
+
+fn check_delivery(
+    r: Result<rdkafka::producer::future_producer::OwnedDeliveryResult, futures::channel::oneshot::Canceled>,
+) -> Result<(), KafkaError> {
+    match r {
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err((e, _))) => Err(e),
+        Err(_) => Err(KafkaError::Canceled),
+    }
+}
+
+/// Send the consumed offsets into the producer's open transaction.
+pub async fn send_offsets(
+    producer: &FutureProducer,
+    consumer: &Arc<TxnConsumer>,
+    offsets: rdkafka::TopicPartitionList,
+) -> Result<(), KafkaError> {
+    let meta = consumer
+        .group_metadata()
+        .ok_or(KafkaError::ConsumerCommit(rdkafka::types::RDKafkaErrorCode::InvalidGroupId))?;
+    let p = producer.clone();
+    blocking(move || p.send_offsets_to_transaction(&offsets, &meta, Timeout::After(Duration::from_secs(30)))).await
+}
+
+/// A record read from Kafka, owned.
+#[derive(Debug, Clone)]
+pub struct Input {
+    pub topic: String,
+    pub partition: i32,
+    pub offset: i64,
+    pub key: Option<Vec<u8>>,
+    pub payload: Option<Vec<u8>>,
+    pub headers: Vec<(String, Option<Vec<u8>>)>,
+}
+
+impl Input {
+    /// The W3C `traceparent` header, when present and readable.
+    pub fn traceparent(&self) -> Option<String> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case("traceparent"))
+            .and_then(|(_, v)| v.as_ref())
+            .and_then(|v| String::from_utf8(v.clone()).ok())
+    }
+}
+
+
+/// Copy a consumed message out of librdkafka's buffers.
+pub fn to_input(m: &rdkafka::message::BorrowedMessage<'_>) -> Input {
+    use rdkafka::message::{Headers, Message};
+    Input {
+        topic: m.topic().to_owned(),
+        partition: m.partition(),
+        offset: m.offset(),
+        key: m.key().map(<[u8]>::to_vec),
+        payload: m.payload().map(<[u8]>::to_vec),
+        headers: m
+            .headers()
+            .map(|h| {
+                h.iter()
+                    .map(|hd| (hd.key.to_owned(), hd.value.map(<[u8]>::to_vec)))
+                    .collect()
+            })
+            .unwrap_or_default(),
+    }
+}

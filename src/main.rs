@@ -1,0 +1,121 @@
+//! The `stepgate` binary: parse the command line, set up logging, dispatch.
+
+use anyhow::Context as _;
+use clap::Parser;
+use stepgate::cli::{Cli, Command, TopicsCommand};
+use stepgate::config::Config;
+use std::path::Path;
+use std::process::ExitCode;
+use tokio_util::sync::CancellationToken;
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(execute(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn load(path: Option<&Path>) -> anyhow::Result<Config> {
+    Config::load(path, std::env::vars()).context("loading the configuration")
+}
+
+async fn execute(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Run {
+            config,
+            role,
+            brokers,
+            instance_id,
+        } => {
+            let mut cfg = load(config.as_deref())?;
+            if let Some(b) = brokers {
+                cfg.kafka.brokers = b;
+            }
+            if let Some(i) = instance_id {
+                cfg.kafka.instance_id = i;
+            }
+            cfg.validate()?;
+            stepgate::telemetry::init_logging(&cfg.log);
+            let shutdown = shutdown_on_signals();
+            stepgate::app::run(cfg, role, shutdown).await?;
+            tracing::info!("stopped cleanly");
+            Ok(())
+        }
+        Command::Topics {
+            action: TopicsCommand::Create {
+                config,
+                partitions,
+                brokers,
+            },
+        } => {
+            let mut cfg = load(config.as_deref())?;
+            if let Some(n) = partitions {
+                cfg.kafka.partitions = n;
+            }
+            if let Some(b) = brokers {
+                cfg.kafka.brokers = b;
+            }
+            cfg.validate()?;
+            let created = stepgate::kafka::create_topics(&cfg.kafka, cfg.state.retention.0).await?;
+            for (name, new) in created {
+                println!("{} {name}", if new { "created" } else { "exists " });
+            }
+            let k = cfg.kafka.clone();
+            let n = tokio::task::spawn_blocking(move || stepgate::kafka::check_layout(&k)).await??;
+            println!("ok: every topic has a valid layout ({n} intent partitions)");
+            Ok(())
+        }
+        Command::Demo { metrics, keep_running } => {
+            stepgate::telemetry::init_logging(&stepgate::config::LogConfig {
+                format: "pretty".into(),
+                level: "warn".into(),
+            });
+            stepgate::demo::run(&metrics, keep_running, shutdown_on_signals()).await?;
+            Ok(())
+        }
+        Command::CheckConfig { config } => {
+            let cfg = load(config.as_deref())?;
+            print!("{}", toml::to_string_pretty(&cfg)?);
+            Ok(())
+        }
+    }
+}
+
+/// Cancelled on the first SIGTERM or SIGINT; a second one exits at once.
+fn shutdown_on_signals() -> CancellationToken {
+    let token = CancellationToken::new();
+    let t = token.clone();
+    tokio::spawn(async move {
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot listen for SIGTERM");
+                return;
+            }
+        };
+        for n in 0.. {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            }
+            if n > 0 {
+                eprintln!("second signal: exiting without draining");
+                std::process::exit(130);
+            }
+            tracing::info!("shutdown requested: finishing in-flight work and committing");
+            t.cancel();
+        }
+    });
+    token
+}

@@ -1,0 +1,456 @@
+//! The gate's state: the only owner of RocksDB.
+//!
+//! Column families:
+//! - `steps`: one [`StepRecord`] per step key (recorded tools only);
+//! - `deadlines`: started steps awaiting an outcome → their deadline;
+//! - `fast`: fast-path calls awaiting an answer (no step record);
+//! - `expiry`: `(partition, expires_at, step)` index for retention purges;
+//! - `meta`: per partition, the sequence number of the last applied batch and the
+//!   undo image of that batch.
+//!
+//! Every key starts with the input partition (4 bytes, big endian), so a
+//! partition's state can be reconciled, listed and (later) restored on its own.
+//!
+//! Crash consistency with Kafka: a batch's state is written (one synced
+//! WriteBatch) *before* the Kafka transaction carrying its effects and input
+//! offsets commits, and that transaction stores the batch's sequence number in the
+//! offset metadata of the partition. On restart [`StateStore::reconcile`] compares
+//! the two: equal means committed; one ahead means the transaction aborted, and the
+//! batch's undo image is applied, so state never claims a call was forwarded when
+//! Kafka never saw it.
+
+mod record;
+
+pub use record::{FastEntry, Phase, RephrasedCall, StepRecord, Waiter};
+
+use crate::contract::StepKey;
+use rocksdb::{ColumnFamilyDescriptor, DB, Direction, IteratorMode, Options, WriteBatch, WriteOptions};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum StateError {
+    #[error("RocksDB: {0}")]
+    Rocks(#[from] rocksdb::Error),
+    #[error("corrupt state record under {cf}: {source}")]
+    Corrupt {
+        cf: &'static str,
+        source: serde_json::Error,
+    },
+}
+
+/// A column family.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Cf {
+    Steps,
+    Deadlines,
+    Fast,
+    Expiry,
+}
+
+impl Cf {
+    const ALL: [Cf; 4] = [Cf::Steps, Cf::Deadlines, Cf::Fast, Cf::Expiry];
+    fn name(self) -> &'static str {
+        match self {
+            Cf::Steps => "steps",
+            Cf::Deadlines => "deadlines",
+            Cf::Fast => "fast",
+            Cf::Expiry => "expiry",
+        }
+    }
+}
+
+const META: &str = "meta";
+
+/// What [`StateStore::reconcile`] found for a partition.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reconciled {
+    /// State and Kafka agree.
+    InSync,
+    /// The last batch's transaction never committed; its writes were undone.
+    RolledBack { seq: u64 },
+    /// State and Kafka disagree beyond one batch (state lost or from another
+    /// history): records may be missing.
+    Diverged {
+        state_seq: Option<u64>,
+        committed_seq: Option<u64>,
+    },
+}
+
+#[derive(Serialize, Deserialize)]
+struct Undo {
+    seq: u64,
+    prev_seq: Option<u64>,
+    /// (cf, key, value before the batch)
+    entries: Vec<(Cf, Vec<u8>, Option<Vec<u8>>)>,
+}
+
+/// The RocksDB-backed state of one gate process.
+pub struct StateStore {
+    db: DB,
+}
+
+impl StateStore {
+    pub fn open(path: &Path) -> Result<StateStore, StateError> {
+        let mut opts = Options::default();
+        opts.create_if_missing(true);
+        opts.create_missing_column_families(true);
+        opts.set_compression_type(rocksdb::DBCompressionType::Lz4);
+        // Bounded memory whatever the number of records: RocksDB's defaults use a
+        // small shared block cache; keep write buffers modest.
+        opts.set_write_buffer_size(32 * 1024 * 1024);
+        let cfs = Cf::ALL
+            .iter()
+            .map(|c| c.name())
+            .chain([META])
+            .map(|n| ColumnFamilyDescriptor::new(n, opts.clone()));
+        let db = DB::open_cf_descriptors(&opts, path, cfs)?;
+        Ok(StateStore { db })
+    }
+
+    fn cf(&self, cf: Cf) -> &rocksdb::ColumnFamily {
+        self.db.cf_handle(cf.name()).expect("column families are created at open")
+    }
+
+    fn meta(&self) -> &rocksdb::ColumnFamily {
+        self.db.cf_handle(META).expect("column families are created at open")
+    }
+
+    fn get_raw(&self, cf: Cf, key: &[u8]) -> Result<Option<Vec<u8>>, StateError> {
+        Ok(self.db.get_cf(self.cf(cf), key)?)
+    }
+
+    /// A step's record, as committed.
+    pub fn step(&self, partition: i32, step: &StepKey) -> Result<Option<StepRecord>, StateError> {
+        self.get_raw(Cf::Steps, &step_key_bytes(partition, step))?
+            .map(|b| decode(Cf::Steps, &b))
+            .transpose()
+    }
+
+    /// The sequence number of the last batch applied to `partition`.
+    pub fn applied_seq(&self, partition: i32) -> Result<Option<u64>, StateError> {
+        Ok(self
+            .db
+            .get_cf(self.meta(), seq_key(partition))?
+            .and_then(|b| b.try_into().ok().map(u64::from_be_bytes)))
+    }
+
+    /// Bring a partition's state in line with what Kafka committed (see the module doc).
+    pub fn reconcile(&self, partition: i32, committed_seq: Option<u64>) -> Result<Reconciled, StateError> {
+        let state_seq = self.applied_seq(partition)?;
+        if state_seq == committed_seq {
+            return Ok(Reconciled::InSync);
+        }
+        let undo: Option<Undo> = self
+            .db
+            .get_cf(self.meta(), undo_key(partition))?
+            .map(|b| serde_json::from_slice(&b).map_err(|source| StateError::Corrupt { cf: META, source }))
+            .transpose()?;
+        if let Some(undo) = undo
+            && Some(undo.seq) == state_seq
+            && undo.prev_seq == committed_seq
+        {
+            let mut wb = WriteBatch::default();
+            for (cf, key, old) in &undo.entries {
+                match old {
+                    Some(v) => wb.put_cf(self.cf(*cf), key, v),
+                    None => wb.delete_cf(self.cf(*cf), key),
+                }
+            }
+            match undo.prev_seq {
+                Some(s) => wb.put_cf(self.meta(), seq_key(partition), s.to_be_bytes()),
+                None => wb.delete_cf(self.meta(), seq_key(partition)),
+            }
+            wb.delete_cf(self.meta(), undo_key(partition));
+            self.write_synced(wb)?;
+            return Ok(Reconciled::RolledBack { seq: undo.seq });
+        }
+        Ok(Reconciled::Diverged {
+            state_seq,
+            committed_seq,
+        })
+    }
+
+    /// Apply a batch durably (one synced write), keeping its undo image per
+    /// partition. `seqs` gives the batch's sequence number for every partition it
+    /// touches.
+    pub fn commit(&self, batch: Batch, seqs: &BTreeMap<i32, u64>) -> Result<(), StateError> {
+        if batch.writes.is_empty() {
+            return Ok(());
+        }
+        let mut undo: BTreeMap<i32, Vec<(Cf, Vec<u8>, Option<Vec<u8>>)>> = BTreeMap::new();
+        let mut wb = WriteBatch::default();
+        for ((cf, key), value) in batch.writes {
+            let partition = partition_of(&key);
+            let old = self.get_raw(cf, &key)?;
+            match &value {
+                Some(v) => wb.put_cf(self.cf(cf), &key, v),
+                None => wb.delete_cf(self.cf(cf), &key),
+            }
+            undo.entry(partition).or_default().push((cf, key, old));
+        }
+        for (partition, entries) in undo {
+            let seq = *seqs
+                .get(&partition)
+                .expect("the gate assigns a sequence number to every partition a batch touches");
+            let prev_seq = self.applied_seq(partition)?;
+            let u = Undo {
+                seq,
+                prev_seq,
+                entries,
+            };
+            wb.put_cf(self.meta(), undo_key(partition), serde_json::to_vec(&u).expect("undo serialises"));
+            wb.put_cf(self.meta(), seq_key(partition), seq.to_be_bytes());
+        }
+        self.write_synced(wb)
+    }
+
+    fn write_synced(&self, wb: WriteBatch) -> Result<(), StateError> {
+        let mut wo = WriteOptions::default();
+        wo.set_sync(true);
+        self.db.write_opt(wb, &wo)?;
+        Ok(())
+    }
+
+    /// Started steps of a partition with their deadlines (ms since the epoch).
+    pub fn deadlines(&self, partition: i32) -> Result<Vec<(StepKey, i64)>, StateError> {
+        let mut out = Vec::new();
+        for (key, value) in self.scan_prefix(Cf::Deadlines, &partition.to_be_bytes())? {
+            let step = decode_step_key(&key).ok_or(StateError::Corrupt {
+                cf: "deadlines",
+                source: serde::de::Error::custom("bad step key"),
+            })?;
+            out.push((step, decode::<i64>(Cf::Deadlines, &value)?));
+        }
+        Ok(out)
+    }
+
+    /// Fast-path calls of a partition awaiting an answer.
+    pub fn fast_entries(&self, partition: i32) -> Result<Vec<(i64, FastEntry)>, StateError> {
+        let mut out = Vec::new();
+        for (key, value) in self.scan_prefix(Cf::Fast, &partition.to_be_bytes())? {
+            let offset = i64::from_be_bytes(key[4..12].try_into().unwrap_or_default());
+            out.push((offset, decode(Cf::Fast, &value)?));
+        }
+        Ok(out)
+    }
+
+    /// Up to `limit` step records of `partition` whose retention ended before `now_ms`.
+    pub fn expired(&self, partition: i32, now_ms: i64, limit: usize) -> Result<Vec<(i64, StepKey)>, StateError> {
+        let mut out = Vec::new();
+        let prefix = partition.to_be_bytes();
+        for (key, _) in self.scan_prefix(Cf::Expiry, &prefix)? {
+            let at = i64::from_be_bytes(key[4..12].try_into().unwrap_or_default());
+            if at > now_ms || out.len() >= limit {
+                break;
+            }
+            if let Some(step) = decode_step_key(&key[12..]) {
+                out.push((at, step));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Every step record of a workflow in a partition, in step order.
+    pub fn workflow_steps(&self, partition: i32, workflow_id: &str) -> Result<Vec<StepRecord>, StateError> {
+        let mut prefix = partition.to_be_bytes().to_vec();
+        push_workflow(&mut prefix, workflow_id);
+        self.scan_prefix(Cf::Steps, &prefix)?
+            .into_iter()
+            .map(|(_, v)| decode(Cf::Steps, &v))
+            .collect()
+    }
+
+    fn scan_prefix(&self, cf: Cf, prefix: &[u8]) -> Result<Vec<(Vec<u8>, Vec<u8>)>, StateError> {
+        let mut out = Vec::new();
+        for item in self
+            .db
+            .iterator_cf(self.cf(cf), IteratorMode::From(prefix, Direction::Forward))
+        {
+            let (k, v) = item?;
+            if !k.starts_with(prefix) {
+                break;
+            }
+            out.push((k.to_vec(), v.to_vec()));
+        }
+        Ok(out)
+    }
+
+    /// Estimated number of step records (for metrics).
+    pub fn estimated_steps(&self) -> u64 {
+        self.db
+            .property_int_value_cf(self.cf(Cf::Steps), "rocksdb.estimate-num-keys")
+            .ok()
+            .flatten()
+            .unwrap_or(0)
+    }
+
+    /// Live on-disk size of all SST files, in bytes (for metrics).
+    pub fn disk_bytes(&self) -> u64 {
+        Cf::ALL
+            .iter()
+            .filter_map(|c| {
+                self.db
+                    .property_int_value_cf(self.cf(*c), "rocksdb.live-sst-files-size")
+                    .ok()
+                    .flatten()
+            })
+            .sum()
+    }
+}
+
+/// Pending writes of one batch, read-through to the committed state, so inputs of
+/// one batch see each other's effects.
+#[derive(Default)]
+pub struct Batch {
+    writes: HashMap<(Cf, Vec<u8>), Option<Vec<u8>>>,
+}
+
+impl Batch {
+    pub fn is_empty(&self) -> bool {
+        self.writes.is_empty()
+    }
+
+    fn get(&self, store: &StateStore, cf: Cf, key: Vec<u8>) -> Result<Option<Vec<u8>>, StateError> {
+        match self.writes.get(&(cf, key.clone())) {
+            Some(v) => Ok(v.clone()),
+            None => store.get_raw(cf, &key),
+        }
+    }
+
+    pub fn step(&self, store: &StateStore, partition: i32, step: &StepKey) -> Result<Option<StepRecord>, StateError> {
+        self.get(store, Cf::Steps, step_key_bytes(partition, step))?
+            .map(|b| decode(Cf::Steps, &b))
+            .transpose()
+    }
+
+    /// Write a step record, keeping the deadline and expiry indexes in line.
+    pub fn put_step(&mut self, store: &StateStore, partition: i32, record: &StepRecord) -> Result<(), StateError> {
+        let key = step_key_bytes(partition, &record.step);
+        if let Some(old) = self.step(store, partition, &record.step)?
+            && old.expires_at_ms != record.expires_at_ms
+        {
+            self.writes.insert((Cf::Expiry, expiry_key(&key, old.expires_at_ms)), None);
+        }
+        self.writes
+            .insert((Cf::Expiry, expiry_key(&key, record.expires_at_ms)), Some(Vec::new()));
+        let deadline = match record.phase {
+            Phase::Started => record.deadline_ms,
+            _ => None,
+        };
+        self.writes.insert(
+            (Cf::Deadlines, key.clone()),
+            deadline.map(|d| serde_json::to_vec(&d).expect("i64 serialises")),
+        );
+        self.writes
+            .insert((Cf::Steps, key), Some(serde_json::to_vec(record).expect("records serialise")));
+        Ok(())
+    }
+
+    /// Remove a step record and its index entries (retention).
+    pub fn delete_step(&mut self, store: &StateStore, partition: i32, step: &StepKey) -> Result<(), StateError> {
+        let key = step_key_bytes(partition, step);
+        if let Some(old) = self.step(store, partition, step)? {
+            self.writes.insert((Cf::Expiry, expiry_key(&key, old.expires_at_ms)), None);
+        }
+        self.writes.insert((Cf::Deadlines, key.clone()), None);
+        self.writes.insert((Cf::Steps, key), None);
+        Ok(())
+    }
+
+    /// Drop a dangling expiry index entry.
+    pub fn delete_expiry(&mut self, partition: i32, step: &StepKey, at_ms: i64) {
+        let key = step_key_bytes(partition, step);
+        self.writes.insert((Cf::Expiry, expiry_key(&key, at_ms)), None);
+    }
+
+    pub fn fast(&self, store: &StateStore, partition: i32, offset: i64) -> Result<Option<FastEntry>, StateError> {
+        self.get(store, Cf::Fast, fast_key(partition, offset))?
+            .map(|b| decode(Cf::Fast, &b))
+            .transpose()
+    }
+
+    pub fn put_fast(&mut self, partition: i32, offset: i64, entry: &FastEntry) {
+        self.writes.insert(
+            (Cf::Fast, fast_key(partition, offset)),
+            Some(serde_json::to_vec(entry).expect("entries serialise")),
+        );
+    }
+
+    pub fn delete_fast(&mut self, partition: i32, offset: i64) {
+        self.writes.insert((Cf::Fast, fast_key(partition, offset)), None);
+    }
+
+    /// The partitions this batch writes to.
+    pub fn partitions(&self) -> std::collections::BTreeSet<i32> {
+        self.writes.keys().map(|(_, k)| partition_of(k)).collect()
+    }
+}
+
+fn decode<T: serde::de::DeserializeOwned>(cf: Cf, bytes: &[u8]) -> Result<T, StateError> {
+    serde_json::from_slice(bytes).map_err(|source| StateError::Corrupt { cf: cf.name(), source })
+}
+
+fn partition_of(key: &[u8]) -> i32 {
+    i32::from_be_bytes(key[..4].try_into().expect("every key starts with its partition"))
+}
+
+fn seq_key(partition: i32) -> Vec<u8> {
+    [b"seq/".as_slice(), &partition.to_be_bytes()].concat()
+}
+
+fn undo_key(partition: i32) -> Vec<u8> {
+    [b"undo/".as_slice(), &partition.to_be_bytes()].concat()
+}
+
+fn push_workflow(buf: &mut Vec<u8>, workflow_id: &str) {
+    // Length-prefixed so that one workflow id is never a prefix of another's keys.
+    buf.extend_from_slice(&(workflow_id.len() as u16).to_be_bytes());
+    buf.extend_from_slice(workflow_id.as_bytes());
+}
+
+/// `partition | len(workflow) | workflow | step_index | attempt | tool`, ordered so a
+/// workflow's steps sort together by index.
+fn step_key_bytes(partition: i32, step: &StepKey) -> Vec<u8> {
+    let mut k = Vec::with_capacity(4 + 2 + step.workflow_id.len() + 16 + step.tool.len());
+    k.extend_from_slice(&partition.to_be_bytes());
+    push_workflow(&mut k, &step.workflow_id);
+    k.extend_from_slice(&step.step_index.to_be_bytes());
+    k.extend_from_slice(&step.attempt.to_be_bytes());
+    k.extend_from_slice(step.tool.as_bytes());
+    k
+}
+
+fn decode_step_key(k: &[u8]) -> Option<StepKey> {
+    let len = u16::from_be_bytes(k.get(4..6)?.try_into().ok()?) as usize;
+    let wf = std::str::from_utf8(k.get(6..6 + len)?).ok()?;
+    let rest = k.get(6 + len..)?;
+    let step_index = u64::from_be_bytes(rest.get(..8)?.try_into().ok()?);
+    let attempt = u64::from_be_bytes(rest.get(8..16)?.try_into().ok()?);
+    let tool = std::str::from_utf8(rest.get(16..)?).ok()?;
+    Some(StepKey {
+        workflow_id: wf.to_owned(),
+        step_index,
+        tool: tool.to_owned(),
+        attempt,
+    })
+}
+
+fn expiry_key(step_key: &[u8], at_ms: i64) -> Vec<u8> {
+    let mut k = step_key[..4].to_vec();
+    k.extend_from_slice(&at_ms.max(0).to_be_bytes());
+    k.extend_from_slice(step_key);
+    k
+}
+
+fn fast_key(partition: i32, offset: i64) -> Vec<u8> {
+    let mut k = partition.to_be_bytes().to_vec();
+    k.extend_from_slice(&offset.to_be_bytes());
+    k
+}
+
+#[cfg(test)]
+mod tests;

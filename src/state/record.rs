@@ -1,0 +1,129 @@
+//! What the gate remembers about a step.
+
+use crate::config::Category;
+use crate::contract::{Outcome, StepKey, ToolResult};
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+/// Where a step is in its lifecycle (DESIGN.md "Step lifecycle").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    /// Recorded durably; forwarded to an executor; not yet invoked.
+    Intended,
+    /// An executor recorded that it is invoking the tool.
+    Started,
+    /// The outcome (ok or error) is stored in `result`.
+    Completed,
+    /// Started, no outcome known: may have taken effect. Stored like an outcome.
+    InDoubt,
+}
+
+impl Phase {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Phase::Intended => "intended",
+            Phase::Started => "started",
+            Phase::Completed => "completed",
+            Phase::InDoubt => "in_doubt",
+        }
+    }
+
+    pub fn in_flight(self) -> bool {
+        matches!(self, Phase::Intended | Phase::Started)
+    }
+}
+
+/// A repeat that arrived while its step was in flight, answered with the outcome.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Waiter {
+    pub call_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub traceparent: Option<String>,
+}
+
+/// A repeat whose arguments differ from the first call's: the same step, rephrased
+/// by the model. Kept for audit.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RephrasedCall {
+    pub call_id: Option<String>,
+    pub arguments: Map<String, Value>,
+    pub at_ms: i64,
+}
+
+/// At most this many rephrased repeats are kept per step (the count is exact).
+pub const MAX_REPHRASED_KEPT: usize = 16;
+
+/// The record of one step key.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StepRecord {
+    pub step: StepKey,
+    pub category: Category,
+    pub phase: Phase,
+    /// The first call's arguments: what was executed.
+    pub arguments: Map<String, Value>,
+    /// The first call's `call_id`.
+    pub call_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metadata: Option<Map<String, Value>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub traceparent: Option<String>,
+    /// How many times the call was forwarded (re-forwarded only when re-running is safe).
+    pub dispatch: u32,
+    pub intended_at_ms: i64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_at_ms: Option<i64>,
+    /// Past this, a started call with no outcome is in doubt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deadline_ms: Option<i64>,
+    /// The first answer, as sent to the first caller.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result: Option<ToolResult>,
+    /// Repeats waiting for the outcome.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub waiters: Vec<Waiter>,
+    /// Calls of this step after the first (in flight or later).
+    pub repeats: u64,
+    /// How many of those had different arguments.
+    pub rephrased_count: u64,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rephrased: Vec<RephrasedCall>,
+    /// An outcome that arrived after the step was declared in doubt: kept for the
+    /// operator who resolves it, never sent to the agent by itself.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub late_outcome: Option<Outcome>,
+    pub expires_at_ms: i64,
+}
+
+impl StepRecord {
+    /// Count a repeat, keeping its arguments when the model rephrased them.
+    /// Returns whether it was rephrased.
+    pub fn note_repeat(&mut self, call_id: Option<String>, arguments: &Map<String, Value>, at_ms: i64) -> bool {
+        self.repeats += 1;
+        let rephrased = *arguments != self.arguments;
+        if rephrased {
+            self.rephrased_count += 1;
+            if self.rephrased.len() < MAX_REPHRASED_KEPT {
+                self.rephrased.push(RephrasedCall {
+                    call_id,
+                    arguments: arguments.clone(),
+                    at_ms,
+                });
+            }
+        }
+        rephrased
+    }
+}
+
+/// A fast-path call in flight (read-only/idempotent tools without a step log).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FastEntry {
+    pub step: StepKey,
+    pub call_id: Option<String>,
+    pub arguments: Map<String, Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub traceparent: Option<String>,
+    pub dispatch: u32,
+    /// Forwarded again when no answer has come by then.
+    pub deadline_ms: i64,
+}

@@ -1,0 +1,134 @@
+use super::*;
+use crate::config::Category;
+use serde_json::Map;
+
+fn step(i: u64) -> StepKey {
+    StepKey {
+        workflow_id: "wf".into(),
+        step_index: i,
+        tool: "t".into(),
+        attempt: 0,
+    }
+}
+
+fn record(i: u64, phase: Phase, expires: i64) -> StepRecord {
+    StepRecord {
+        step: step(i),
+        category: Category::Unkeyed,
+        phase,
+        arguments: Map::new(),
+        call_id: None,
+        metadata: None,
+        traceparent: None,
+        dispatch: 1,
+        intended_at_ms: 0,
+        started_at_ms: None,
+        deadline_ms: Some(500),
+        result: None,
+        waiters: vec![],
+        repeats: 0,
+        rephrased_count: 0,
+        rephrased: vec![],
+        late_outcome: None,
+        expires_at_ms: expires,
+    }
+}
+
+fn seqs(p: i32, s: u64) -> BTreeMap<i32, u64> {
+    BTreeMap::from([(p, s)])
+}
+
+#[test]
+fn committed_batches_survive_reopen() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let s = StateStore::open(dir.path()).unwrap();
+        let mut b = Batch::default();
+        b.put_step(&s, 2, &record(1, Phase::Started, 1000)).unwrap();
+        s.commit(b, &seqs(2, 1)).unwrap();
+    }
+    let s = StateStore::open(dir.path()).unwrap();
+    assert_eq!(s.step(2, &step(1)).unwrap().unwrap().phase, Phase::Started);
+    assert_eq!(s.step(1, &step(1)).unwrap(), None, "partitions are separate");
+    assert_eq!(s.deadlines(2).unwrap(), vec![(step(1), 500)]);
+    assert_eq!(s.applied_seq(2).unwrap(), Some(1));
+}
+
+#[test]
+fn reconcile_undoes_a_batch_kafka_never_committed() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = StateStore::open(dir.path()).unwrap();
+    let mut b = Batch::default();
+    b.put_step(&s, 0, &record(1, Phase::Intended, 1000)).unwrap();
+    s.commit(b, &seqs(0, 1)).unwrap();
+    let mut b = Batch::default();
+    b.put_step(&s, 0, &record(1, Phase::Started, 2000)).unwrap();
+    b.put_step(&s, 0, &record(2, Phase::Intended, 2000)).unwrap();
+    s.commit(b, &seqs(0, 2)).unwrap();
+
+    // Kafka committed batch 1 only: batch 2 must disappear.
+    assert_eq!(s.reconcile(0, Some(1)).unwrap(), Reconciled::RolledBack { seq: 2 });
+    assert_eq!(s.step(0, &step(1)).unwrap().unwrap().phase, Phase::Intended);
+    assert_eq!(s.step(0, &step(2)).unwrap(), None);
+    assert!(s.deadlines(0).unwrap().is_empty());
+    assert_eq!(s.expired(0, 5000, 10).unwrap(), vec![(1000, step(1))]);
+    assert_eq!(s.reconcile(0, Some(1)).unwrap(), Reconciled::InSync);
+}
+
+#[test]
+fn reconcile_reports_divergence_it_cannot_repair() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = StateStore::open(dir.path()).unwrap();
+    assert_eq!(s.reconcile(0, None).unwrap(), Reconciled::InSync);
+    assert_eq!(
+        s.reconcile(0, Some(9)).unwrap(),
+        Reconciled::Diverged {
+            state_seq: None,
+            committed_seq: Some(9)
+        }
+    );
+}
+
+#[test]
+fn first_batch_rolls_back_to_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = StateStore::open(dir.path()).unwrap();
+    let mut b = Batch::default();
+    b.put_step(&s, 0, &record(1, Phase::Intended, 1000)).unwrap();
+    s.commit(b, &seqs(0, 1)).unwrap();
+    assert_eq!(s.reconcile(0, None).unwrap(), Reconciled::RolledBack { seq: 1 });
+    assert_eq!(s.step(0, &step(1)).unwrap(), None);
+    assert_eq!(s.applied_seq(0).unwrap(), None);
+}
+
+#[test]
+fn expiry_index_follows_the_record() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = StateStore::open(dir.path()).unwrap();
+    let mut b = Batch::default();
+    b.put_step(&s, 0, &record(1, Phase::Intended, 1000)).unwrap();
+    b.put_step(&s, 0, &record(2, Phase::Completed, 3000)).unwrap();
+    s.commit(b, &seqs(0, 1)).unwrap();
+    let mut b = Batch::default();
+    b.put_step(&s, 0, &record(1, Phase::Completed, 4000)).unwrap();
+    s.commit(b, &seqs(0, 2)).unwrap();
+    assert_eq!(s.expired(0, 3500, 10).unwrap(), vec![(3000, step(2))]);
+    let mut b = Batch::default();
+    b.delete_step(&s, 0, &step(2)).unwrap();
+    s.commit(b, &seqs(0, 3)).unwrap();
+    assert!(s.expired(0, 3500, 10).unwrap().is_empty());
+    assert_eq!(s.expired(0, 9999, 10).unwrap(), vec![(4000, step(1))]);
+    assert_eq!(s.workflow_steps(0, "wf").unwrap().len(), 1);
+    assert!(s.workflow_steps(0, "w").unwrap().is_empty());
+}
+
+#[test]
+fn a_batch_reads_its_own_writes() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = StateStore::open(dir.path()).unwrap();
+    let mut b = Batch::default();
+    b.put_step(&s, 0, &record(1, Phase::Intended, 1000)).unwrap();
+    assert!(b.step(&s, 0, &step(1)).unwrap().is_some());
+    assert!(s.step(0, &step(1)).unwrap().is_none());
+    assert_eq!(b.partitions().into_iter().collect::<Vec<_>>(), vec![0]);
+}

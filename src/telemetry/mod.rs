@@ -1,0 +1,213 @@
+//! Telemetry as typed events: each method logs and counts together.
+//! Metric names follow `stepgate_<noun>_<unit>_total`; labels are bounded (tool,
+//! category, status, reason), never a workflow id.
+
+mod server;
+
+pub use server::{Health, serve};
+
+use prometheus::{Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts, Registry, TextEncoder};
+use std::time::Duration;
+use tracing::{info, warn};
+
+/// Every metric of one stepgate process.
+pub struct Metrics {
+    registry: Registry,
+    intents_received: IntCounter,
+    steps_forwarded: IntCounterVec,
+    fast_path_calls: IntCounterVec,
+    repeats_answered: IntCounterVec,
+    rephrased_retries: IntCounterVec,
+    rejected_inputs: IntCounterVec,
+    results_published: IntCounterVec,
+    invocations: IntCounterVec,
+    in_doubt_steps: IntCounterVec,
+    reforwarded: IntCounterVec,
+    late_outcomes: IntCounterVec,
+    steps_purged: IntCounter,
+    state_divergences: IntCounter,
+    batches_rolled_back: IntCounter,
+    tool_latency: HistogramVec,
+    commit_latency: Histogram,
+    state_records: IntGauge,
+    state_disk_bytes: IntGauge,
+}
+
+fn counter(r: &Registry, name: &str, help: &str) -> IntCounter {
+    let c = IntCounter::new(name, help).expect("metric names are valid");
+    r.register(Box::new(c.clone())).expect("each metric is registered once");
+    c
+}
+
+fn counter_vec(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+    let c = IntCounterVec::new(Opts::new(name, help), labels).expect("metric names are valid");
+    r.register(Box::new(c.clone())).expect("each metric is registered once");
+    c
+}
+
+fn gauge(r: &Registry, name: &str, help: &str) -> IntGauge {
+    let g = IntGauge::new(name, help).expect("metric names are valid");
+    r.register(Box::new(g.clone())).expect("each metric is registered once");
+    g
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let r = Registry::new();
+        let buckets = vec![0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
+        let tool_latency = HistogramVec::new(
+            HistogramOpts::new("stepgate_tool_latency_seconds", "Duration of one tool invocation, retries included.")
+                .buckets(buckets.clone()),
+            &["tool"],
+        )
+        .expect("metric names are valid");
+        r.register(Box::new(tool_latency.clone())).expect("registered once");
+        let commit_latency = Histogram::with_opts(
+            HistogramOpts::new(
+                "stepgate_commit_latency_seconds",
+                "Duration of committing one batch: synced state write and Kafka transaction.",
+            )
+            .buckets(buckets),
+        )
+        .expect("metric names are valid");
+        r.register(Box::new(commit_latency.clone())).expect("registered once");
+        Metrics {
+            intents_received: counter(&r, "stepgate_intents_received_total", "Intents read from the intents topic, valid or not."),
+            steps_forwarded: counter_vec(&r, "stepgate_steps_forwarded_total", "New steps recorded and forwarded to executors.", &["tool", "category"]),
+            fast_path_calls: counter_vec(&r, "stepgate_fast_path_calls_total", "Calls of read-only/idempotent tools forwarded without a step record.", &["tool"]),
+            repeats_answered: counter_vec(&r, "stepgate_repeats_total", "Repeats of a known step, by the step's state when the repeat arrived (completed or in_flight).", &["tool", "state"]),
+            rephrased_retries: counter_vec(&r, "stepgate_rephrased_retries_total", "Repeats whose arguments differ from the first call's.", &["tool"]),
+            rejected_inputs: counter_vec(&r, "stepgate_rejected_inputs_total", "Inputs sent to the dead-letter topic, by reason.", &["reason"]),
+            results_published: counter_vec(&r, "stepgate_results_total", "Final answers published, by status and whether they were deduplicated.", &["status", "deduplicated"]),
+            invocations: counter_vec(&r, "stepgate_invocations_total", "Tool invocations by executors, by outcome.", &["tool", "outcome"]),
+            in_doubt_steps: counter_vec(&r, "stepgate_in_doubt_steps_total", "Steps declared in doubt (may have run, outcome unknown).", &["tool"]),
+            reforwarded: counter_vec(&r, "stepgate_reforwarded_total", "Calls forwarded again after their deadline, where re-running is safe.", &["tool"]),
+            late_outcomes: counter_vec(&r, "stepgate_late_outcomes_total", "Outcomes that arrived after their step was settled.", &["tool"]),
+            steps_purged: counter(&r, "stepgate_steps_purged_total", "Step records removed at the end of their retention."),
+            state_divergences: counter(&r, "stepgate_state_divergences_total", "Partitions whose local state did not match Kafka's committed offsets at assignment."),
+            batches_rolled_back: counter(&r, "stepgate_batches_rolled_back_total", "Batches whose transaction did not commit and whose state writes were undone."),
+            state_records: gauge(&r, "stepgate_state_records", "Estimated step records in the local state."),
+            state_disk_bytes: gauge(&r, "stepgate_state_disk_bytes", "Live on-disk size of the local state."),
+            tool_latency,
+            commit_latency,
+            registry: r,
+        }
+    }
+
+    /// The text exposition of every metric.
+    pub fn render(&self) -> String {
+        let mut buf = Vec::new();
+        TextEncoder::new()
+            .encode(&self.registry.gather(), &mut buf)
+            .expect("text encoding into memory cannot fail");
+        String::from_utf8(buf).expect("the text format is UTF-8")
+    }
+
+    pub fn intent_received(&self) {
+        self.intents_received.inc();
+    }
+
+    pub fn step_forwarded(&self, step: &crate::contract::StepKey, category: &str) {
+        info!(step = %step, category, "new step recorded and forwarded");
+        self.steps_forwarded.with_label_values(&[&step.tool, category]).inc();
+    }
+
+    pub fn fast_path_call(&self, step: &crate::contract::StepKey) {
+        tracing::debug!(step = %step, "fast-path call forwarded");
+        self.fast_path_calls.with_label_values(&[&step.tool]).inc();
+    }
+
+    pub fn repeat(&self, step: &crate::contract::StepKey, in_flight: bool, rephrased: bool) {
+        let state = if in_flight { "in_flight" } else { "completed" };
+        info!(step = %step, state, rephrased, "repeat of a known step: not forwarded");
+        self.repeats_answered.with_label_values(&[&step.tool, state]).inc();
+        if rephrased {
+            self.rephrased_retries.with_label_values(&[&step.tool]).inc();
+        }
+    }
+
+    pub fn rejected(&self, reason: &str, message: &str, partition: i32, offset: i64) {
+        warn!(reason, partition, offset, message, "input refused: sent to the dead-letter topic");
+        self.rejected_inputs.with_label_values(&[reason]).inc();
+    }
+
+    pub fn result_published(&self, status: &str, deduplicated: bool) {
+        self.results_published
+            .with_label_values(&[status, if deduplicated { "true" } else { "false" }])
+            .inc();
+    }
+
+    pub fn invoked(&self, step: &crate::contract::StepKey, outcome: &str, took: Duration) {
+        info!(step = %step, outcome, took_ms = took.as_millis() as u64, "tool invoked");
+        self.invocations.with_label_values(&[&step.tool, outcome]).inc();
+        self.tool_latency.with_label_values(&[&step.tool]).observe(took.as_secs_f64());
+    }
+
+    pub fn in_doubt(&self, step: &crate::contract::StepKey, why: &str) {
+        warn!(step = %step, why, "step is in doubt: it may have run, its outcome is unknown");
+        self.in_doubt_steps.with_label_values(&[&step.tool]).inc();
+    }
+
+    pub fn reforwarded(&self, step: &crate::contract::StepKey, dispatch: u32) {
+        warn!(step = %step, dispatch, "no outcome by the deadline: forwarded again (safe for this tool)");
+        self.reforwarded.with_label_values(&[&step.tool]).inc();
+    }
+
+    pub fn late_outcome(&self, step: &crate::contract::StepKey) {
+        warn!(step = %step, "outcome arrived after the step was settled; kept for the operator");
+        self.late_outcomes.with_label_values(&[&step.tool]).inc();
+    }
+
+    pub fn purged(&self, n: usize) {
+        if n > 0 {
+            info!(records = n, "expired step records purged");
+            self.steps_purged.inc_by(n as u64);
+        }
+    }
+
+    pub fn divergence(&self, partition: i32, state_seq: Option<u64>, committed_seq: Option<u64>) {
+        warn!(
+            partition,
+            ?state_seq,
+            ?committed_seq,
+            "local state does not match Kafka for this partition: records of earlier steps may be missing"
+        );
+        self.state_divergences.inc();
+    }
+
+    pub fn rolled_back(&self, partition: i32, seq: u64) {
+        warn!(partition, seq, "last batch never committed in Kafka: its state writes were undone");
+        self.batches_rolled_back.inc();
+    }
+
+    pub fn committed(&self, took: Duration) {
+        self.commit_latency.observe(took.as_secs_f64());
+    }
+
+    pub fn state_size(&self, records: u64, disk_bytes: u64) {
+        self.state_records.set(records as i64);
+        self.state_disk_bytes.set(disk_bytes as i64);
+    }
+}
+
+/// Structured logs to stderr, `pretty` or `json`; `RUST_LOG` overrides the level.
+pub fn init_logging(cfg: &crate::config::LogConfig) {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_default_env()
+        .or_else(|_| EnvFilter::try_new(&cfg.level))
+        .unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    let _ = if cfg.format == "json" {
+        builder.json().try_init()
+    } else {
+        builder.try_init()
+    };
+}

@@ -1,0 +1,458 @@
+//! Shared test harness: a real broker from `KAFKA_BROKERS`, random topics and
+//! groups per test, a counting HTTP tool server, the stepgate binary as a child
+//! process (so it can be killed -9), and an agent that reads answers by call id.
+#![allow(dead_code)]
+
+use axum::Router;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::routing::post;
+use rdkafka::config::ClientConfig;
+use rdkafka::consumer::{BaseConsumer, Consumer, StreamConsumer};
+use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::{Offset, TopicPartitionList};
+use serde_json::Value;
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use stepgate::contract::ToolResult;
+use tokio::sync::Notify;
+
+pub fn brokers() -> String {
+    std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into())
+}
+
+pub fn random_name(prefix: &str) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    format!("{prefix}-{:x}-{}", nanos & 0xffff_ffff_ffff, std::process::id())
+}
+
+/// Wait for `cond` (polled every 50 ms) or fail after `limit`.
+pub async fn eventually<F: FnMut() -> bool>(limit: Duration, what: &str, mut cond: F) {
+    let start = Instant::now();
+    while !cond() {
+        assert!(start.elapsed() < limit, "timed out after {limit:?} waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+// ---------------------------------------------------------------- tool server
+
+/// How a tool answers, per invocation number (1-based); the last entry repeats.
+#[derive(Clone, Debug)]
+pub enum Reply {
+    Ok,
+    Status(u16),
+    /// Answer 200 after this delay.
+    Delay(Duration),
+}
+
+#[derive(Clone, Debug)]
+pub struct Invocation {
+    pub tool: String,
+    pub idempotency_key: String,
+    pub headers: HashMap<String, String>,
+    pub body: Value,
+}
+
+#[derive(Default)]
+struct ToolState {
+    script: HashMap<String, Vec<Reply>>,
+    calls: Vec<Invocation>,
+}
+
+#[derive(Clone)]
+pub struct ToolServer {
+    pub base: String,
+    state: Arc<Mutex<ToolState>>,
+    pub entered: Arc<Notify>,
+}
+
+impl ToolServer {
+    pub async fn start() -> ToolServer {
+        let state = Arc::new(Mutex::new(ToolState::default()));
+        let entered = Arc::new(Notify::new());
+        let app = Router::new()
+            .route("/t/{name}", post(handle))
+            .with_state((state.clone(), entered.clone()));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        ToolServer { base: format!("http://{addr}/t"), state, entered }
+    }
+
+    pub fn script(&self, tool: &str, replies: Vec<Reply>) {
+        self.state.lock().unwrap().script.insert(tool.into(), replies);
+    }
+
+    pub fn calls(&self, tool: &str) -> Vec<Invocation> {
+        self.state.lock().unwrap().calls.iter().filter(|c| c.tool == tool).cloned().collect()
+    }
+
+    pub fn count(&self, tool: &str) -> usize {
+        self.calls(tool).len()
+    }
+}
+
+async fn handle(
+    State((state, entered)): State<(Arc<Mutex<ToolState>>, Arc<Notify>)>,
+    Path(name): Path<String>,
+    headers: HeaderMap,
+    body: String,
+) -> (StatusCode, String) {
+    let reply = {
+        let mut s = state.lock().unwrap();
+        let n = s.calls.iter().filter(|c| c.tool == name).count();
+        s.calls.push(Invocation {
+            tool: name.clone(),
+            idempotency_key: headers.get("idempotency-key").and_then(|v| v.to_str().ok()).unwrap_or("").into(),
+            headers: headers
+                .iter()
+                .map(|(k, v)| (k.as_str().to_owned(), v.to_str().unwrap_or("").to_owned()))
+                .collect(),
+            body: serde_json::from_str(&body).unwrap_or(Value::Null),
+        });
+        let script = s.script.get(&name).cloned().unwrap_or_else(|| vec![Reply::Ok]);
+        script[n.min(script.len() - 1)].clone()
+    };
+    entered.notify_waiters();
+    let n_body = serde_json::json!({"tool": name, "echo": serde_json::from_str::<Value>(&body).unwrap_or(Value::Null)});
+    match reply {
+        Reply::Ok => (StatusCode::OK, n_body.to_string()),
+        Reply::Status(code) => (StatusCode::from_u16(code).unwrap(), format!("{{\"error\":\"status {code}\"}}")),
+        Reply::Delay(d) => {
+            tokio::time::sleep(d).await;
+            (StatusCode::OK, n_body.to_string())
+        }
+    }
+}
+
+// ---------------------------------------------------------------- the stack
+
+pub struct Stack {
+    pub prefix: String,
+    pub dir: tempfile::TempDir,
+    pub config_path: PathBuf,
+    pub http: String,
+    pub tools: ToolServer,
+    pub child: Option<Child>,
+    pub config: stepgate::config::Config,
+    starts: u32,
+}
+
+pub struct StackOptions {
+    pub tools: Vec<(&'static str, &'static str, &'static str)>,
+    /// Extra lines for the `[gate]` table.
+    pub gate: &'static str,
+    /// Extra lines for the `[state]` table.
+    pub state: &'static str,
+}
+
+impl Default for StackOptions {
+    fn default() -> Self {
+        StackOptions {
+            tools: vec![
+                ("send_email", "keyed", "5s"),
+                ("create_ticket", "unkeyed", "5s"),
+                ("wire", "unkeyed", "2s"),
+                ("charge", "keyed", "2s"),
+                ("search", "read_only", "5s"),
+            ],
+            gate: "",
+            state: "",
+        }
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+impl Stack {
+    /// Topics, a tool server and a config; the process is started with [`Stack::start`].
+    pub async fn new(opts: StackOptions) -> Stack {
+        let prefix = random_name("sgt");
+        let dir = tempfile::tempdir().unwrap();
+        let tools = ToolServer::start().await;
+        let http = format!("127.0.0.1:{}", free_port());
+        let mut toml = format!(
+            r#"
+[kafka]
+brokers = "{brokers}"
+gate_group = "{prefix}-gate"
+executor_group = "{prefix}-exec"
+instance_id = "{prefix}-0"
+partitions = 4
+session_timeout = "10s"
+transaction_timeout = "10s"
+[kafka.topics]
+intents = "{prefix}.intents"
+results = "{prefix}.results"
+dlq = "{prefix}.dlq"
+calls = "{prefix}.calls"
+progress = "{prefix}.progress"
+[state]
+path = "{state}"
+{state_extra}
+[gate]
+commit_interval = "20ms"
+in_doubt_grace = "1s"
+{gate_extra}
+[executor]
+commit_interval = "10ms"
+drain_timeout = "10s"
+[http]
+listen = "{http}"
+[log]
+level = "info,rdkafka=warn"
+"#,
+            brokers = brokers(),
+            state = dir.path().join("state").display(),
+            state_extra = opts.state,
+            gate_extra = opts.gate,
+        );
+        for (name, category, timeout) in &opts.tools {
+            toml.push_str(&format!(
+                "\n[tools.{name}]\ncategory = \"{category}\"\nurl = \"{}/{name}\"\ntimeout = \"{timeout}\"\nretries = 1\nbackoff = \"50ms\"\n",
+                tools.base
+            ));
+        }
+        let config_path = dir.path().join("stepgate.toml");
+        std::fs::write(&config_path, &toml).unwrap();
+        let config = stepgate::config::Config::from_toml_str(&toml, Vec::new()).unwrap();
+        stepgate::kafka::create_topics(&config.kafka, Duration::from_secs(86400)).await.unwrap();
+        Stack { prefix, dir, config_path, http, tools, child: None, config, starts: 0 }
+    }
+
+    /// Start `stepgate run` and wait until /readyz says ready.
+    pub async fn start(&mut self) {
+        assert!(self.child.is_none());
+        self.starts += 1;
+        let log = std::fs::File::create(self.dir.path().join(format!("stepgate-{}.log", self.starts))).unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_stepgate"))
+            .args(["run", "--config"])
+            .arg(&self.config_path)
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("stepgate binary starts");
+        self.child = Some(child);
+        let url = format!("http://{}/readyz", self.http);
+        let start = Instant::now();
+        loop {
+            if let Ok(r) = reqwest::get(&url).await
+                && r.status().is_success()
+            {
+                return;
+            }
+            if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
+                panic!("stepgate exited early ({status}): {}", self.log());
+            }
+            assert!(start.elapsed() < Duration::from_secs(60), "stepgate not ready in 60 s: {}", self.log());
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// kill -9.
+    pub fn kill(&mut self) {
+        let mut c = self.child.take().expect("running");
+        c.kill().unwrap();
+        c.wait().unwrap();
+    }
+
+    /// SIGTERM, then wait for the exit status.
+    pub async fn terminate(&mut self) -> std::process::ExitStatus {
+        let mut c = self.child.take().expect("running");
+        Command::new("kill").args(["-TERM", &c.id().to_string()]).status().unwrap();
+        let start = Instant::now();
+        loop {
+            if let Some(s) = c.try_wait().unwrap() {
+                return s;
+            }
+            assert!(start.elapsed() < Duration::from_secs(60), "no exit 60 s after SIGTERM");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    pub fn log(&self) -> String {
+        (1..=self.starts)
+            .map(|n| std::fs::read_to_string(self.dir.path().join(format!("stepgate-{n}.log"))).unwrap_or_default())
+            .collect::<Vec<_>>()
+            .join("\n--- restart ---\n")
+    }
+
+    pub async fn metrics(&self) -> String {
+        reqwest::get(format!("http://{}/metrics", self.http)).await.unwrap().text().await.unwrap()
+    }
+
+    pub fn agent(&self) -> Agent {
+        Agent::new(&self.config.kafka.topics.intents, &self.config.kafka.topics.results)
+    }
+
+    pub fn topic(&self, which: &str) -> String {
+        format!("{}.{which}", self.prefix)
+    }
+}
+
+impl Drop for Stack {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+// ---------------------------------------------------------------- the agent
+
+/// A received record.
+#[derive(Clone, Debug)]
+pub struct Received {
+    pub partition: i32,
+    pub key: Option<Vec<u8>>,
+    pub headers: Vec<(String, Vec<u8>)>,
+    pub value: Value,
+}
+
+/// Reads a whole topic from the beginning (read_committed) into memory.
+pub struct TopicReader {
+    records: Arc<Mutex<Vec<Received>>>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl TopicReader {
+    pub fn new(topic: &str) -> TopicReader {
+        let consumer: StreamConsumer = ClientConfig::new()
+            .set("bootstrap.servers", brokers())
+            .set("group.id", random_name("reader"))
+            .set("enable.auto.commit", "false")
+            .set("isolation.level", "read_committed")
+            .set("fetch.wait.max.ms", "20")
+            .create()
+            .unwrap();
+        let md_consumer: BaseConsumer = ClientConfig::new().set("bootstrap.servers", brokers()).create().unwrap();
+        let md = md_consumer.fetch_metadata(Some(topic), Duration::from_secs(10)).unwrap();
+        let n = md.topics()[0].partitions().len() as i32;
+        drop(md);
+        drop(md_consumer);
+        let mut tpl = TopicPartitionList::new();
+        for p in 0..n {
+            tpl.add_partition_offset(topic, p, Offset::Beginning).unwrap();
+        }
+        consumer.assign(&tpl).unwrap();
+        drop(tpl);
+        let records = Arc::new(Mutex::new(Vec::new()));
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (r, s) = (records.clone(), stop.clone());
+        tokio::spawn(async move {
+            while !s.load(std::sync::atomic::Ordering::SeqCst) {
+                let Ok(Ok(m)) = tokio::time::timeout(Duration::from_millis(200), consumer.recv()).await else { continue };
+                let value = m.payload().and_then(|p| serde_json::from_slice(p).ok()).unwrap_or(Value::Null);
+                let headers = m
+                    .headers()
+                    .map(|h| h.iter().map(|x| (x.key.to_owned(), x.value.unwrap_or_default().to_vec())).collect())
+                    .unwrap_or_default();
+                r.lock().unwrap().push(Received {
+                    partition: m.partition(),
+                    key: m.key().map(<[u8]>::to_vec),
+                    headers,
+                    value,
+                });
+            }
+        });
+        TopicReader { records, stop }
+    }
+
+    pub fn all(&self) -> Vec<Received> {
+        self.records.lock().unwrap().clone()
+    }
+
+    pub async fn wait_for(&self, n: usize, limit: Duration) -> Vec<Received> {
+        eventually(limit, &format!("{n} records"), || self.records.lock().unwrap().len() >= n).await;
+        self.all()
+    }
+}
+
+impl Drop for TopicReader {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+pub struct Agent {
+    producer: FutureProducer,
+    intents: String,
+    pub results: TopicReader,
+}
+
+impl Agent {
+    pub fn new(intents: &str, results: &str) -> Agent {
+        let producer = ClientConfig::new()
+            .set("bootstrap.servers", brokers())
+            .set("linger.ms", "0")
+            .create()
+            .unwrap();
+        Agent { producer, intents: intents.into(), results: TopicReader::new(results) }
+    }
+
+    /// Publish raw bytes keyed by `key` (optionally to a given partition, with headers).
+    pub async fn send_raw(&self, key: &str, payload: &[u8], partition: Option<i32>, headers: &[(&str, &str)]) {
+        let mut rec = FutureRecord::to(&self.intents).key(key).payload(payload);
+        if let Some(p) = partition {
+            rec = rec.partition(p);
+        }
+        if !headers.is_empty() {
+            let mut h = OwnedHeaders::new();
+            for (k, v) in headers {
+                h = h.insert(Header { key: k, value: Some(*v) });
+            }
+            rec = rec.headers(h);
+        }
+        self.producer.send(rec, Duration::from_secs(10)).await.map_err(|(e, _)| e).unwrap();
+    }
+
+    pub async fn send(&self, intent: &Value) {
+        let key = intent["workflow_id"].as_str().unwrap_or("none").to_owned();
+        self.send_raw(&key, intent.to_string().as_bytes(), None, &[]).await;
+    }
+
+    /// Every answer for `call_id` so far.
+    pub fn answers(&self, call_id: &str) -> Vec<(i32, ToolResult)> {
+        self.results
+            .all()
+            .into_iter()
+            .filter(|r| r.value["call_id"].as_str() == Some(call_id))
+            .map(|r| (r.partition, serde_json::from_value(r.value).expect("every result is a Result v1")))
+            .collect()
+    }
+
+    pub async fn answer(&self, call_id: &str, limit: Duration) -> ToolResult {
+        eventually(limit, &format!("an answer for {call_id}"), || !self.answers(call_id).is_empty()).await;
+        self.answers(call_id).remove(0).1
+    }
+
+    /// Publish and await the answer.
+    pub async fn call(&self, intent: Value) -> ToolResult {
+        let id = intent["call_id"].as_str().expect("test intents carry a call_id").to_owned();
+        self.send(&intent).await;
+        self.answer(&id, Duration::from_secs(30)).await
+    }
+}
+
+pub fn intent(wf: &str, step: u64, tool: &str, args: Value, call_id: &str) -> Value {
+    serde_json::json!({"workflow_id": wf, "step_index": step, "tool": tool, "arguments": args, "call_id": call_id})
+}
+
+/// `a` and `b` are the same answer except call_id and deduplicated.
+pub fn same_but_call_id(a: &ToolResult, b: &ToolResult) {
+    let mut b2 = b.clone();
+    b2.call_id = a.call_id.clone();
+    b2.deduplicated = a.deduplicated;
+    assert_eq!(a, &b2);
+}

@@ -1,0 +1,298 @@
+//! End to end against a real Kafka broker (`KAFKA_BROKERS`, default
+//! 127.0.0.1:9092): the stepgate binary, real HTTP tools, real RocksDB.
+
+mod common;
+
+use common::*;
+use serde_json::json;
+use std::time::Duration;
+use stepgate::contract::Status;
+
+const WAIT: Duration = Duration::from_secs(30);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rephrased_retry_runs_once_and_gets_the_original_answer() {
+    let mut s = Stack::new(StackOptions::default()).await;
+    s.start().await;
+    let agent = s.agent();
+    let first = agent
+        .call(intent("order-1", 1, "send_email", json!({"to": "a@example.com", "subject": "Order confirmed"}), "c1"))
+        .await;
+    let retry = agent
+        .call(intent("order-1", 1, "send_email", json!({"to": "a@example.com", "subject": "Your order is confirmed"}), "c2"))
+        .await;
+    assert_eq!(first.status, Status::Ok);
+    assert!(!first.deduplicated && retry.deduplicated);
+    assert_eq!(retry.call_id.as_deref(), Some("c2"));
+    same_but_call_id(&first, &retry);
+    assert_eq!(s.tools.count("send_email"), 1, "the tool ran once");
+    assert_eq!(s.tools.calls("send_email")[0].body["subject"], "Order confirmed", "the first call's arguments ran");
+    let m = s.metrics().await;
+    assert!(m.contains(r#"stepgate_rephrased_retries_total{tool="send_email"} 1"#), "{m}");
+    assert!(m.contains(r#"stepgate_repeats_total{state="completed",tool="send_email"} 1"#), "{m}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn identical_arguments_at_two_steps_run_twice() {
+    let mut s = Stack::new(StackOptions::default()).await;
+    s.start().await;
+    let agent = s.agent();
+    let a = agent.call(intent("wf-t", 1, "create_ticket", json!({"title": "Printer broken"}), "t1")).await;
+    let b = agent.call(intent("wf-t", 2, "create_ticket", json!({"title": "Printer broken"}), "t2")).await;
+    assert_eq!((a.status, b.status), (Status::Ok, Status::Ok));
+    assert!(!a.deduplicated && !b.deduplicated);
+    let calls = s.tools.calls("create_ticket");
+    assert_eq!(calls.len(), 2);
+    assert_ne!(calls[0].idempotency_key, calls[1].idempotency_key);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn five_concurrent_repeats_of_a_slow_step_run_once_and_all_are_answered() {
+    let mut s = Stack::new(StackOptions::default()).await;
+    s.tools.script("send_email", vec![Reply::Delay(Duration::from_millis(1500))]);
+    s.start().await;
+    let agent = s.agent();
+    for n in 0..5 {
+        agent
+            .send(&intent("wf-slow", 7, "send_email", json!({"subject": format!("try {n}")}), &format!("r{n}")))
+            .await;
+    }
+    let mut answers = Vec::new();
+    for n in 0..5 {
+        answers.push(agent.answer(&format!("r{n}"), WAIT).await);
+    }
+    assert_eq!(s.tools.count("send_email"), 1);
+    assert_eq!(answers.iter().filter(|a| !a.deduplicated).count(), 1, "exactly one caller caused the invocation");
+    for a in &answers[1..] {
+        same_but_call_id(&answers[0], a);
+    }
+    for n in 0..5 {
+        assert_eq!(agent.answers(&format!("r{n}")).len(), 1, "one answer per call");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn attempt_one_runs_again_with_its_own_key() {
+    let mut s = Stack::new(StackOptions::default()).await;
+    s.start().await;
+    let agent = s.agent();
+    agent.call(intent("wf-a", 1, "send_email", json!({"subject": "x"}), "a0")).await;
+    let mut again = intent("wf-a", 1, "send_email", json!({"subject": "x"}), "a1");
+    again["attempt"] = json!(1);
+    let r = agent.call(again).await;
+    assert!(!r.deduplicated);
+    assert_eq!(r.attempt, 1);
+    let calls = s.tools.calls("send_email");
+    assert_eq!(calls.len(), 2);
+    assert_ne!(calls[0].idempotency_key, calls[1].idempotency_key);
+    assert_eq!(calls[1].headers["stepgate-attempt"], "1");
+    assert_eq!(calls[1].headers["stepgate-workflow-id"], "wf-a");
+    assert_eq!(calls[1].headers["stepgate-step-index"], "1");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_kill_9_and_restart_repeats_are_answered_from_state() {
+    let mut s = Stack::new(StackOptions::default()).await;
+    s.start().await;
+    let agent = s.agent();
+    let first = agent.call(intent("wf-k", 1, "create_ticket", json!({"title": "x"}), "k1")).await;
+    s.kill();
+    s.start().await;
+    let repeat = agent.call(intent("wf-k", 1, "create_ticket", json!({"title": "x, again"}), "k2")).await;
+    assert!(repeat.deduplicated);
+    same_but_call_id(&first, &repeat);
+    assert_eq!(s.tools.count("create_ticket"), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unkeyed_call_cut_off_by_a_crash_is_in_doubt_and_not_rerun() {
+    let mut s = Stack::new(StackOptions::default()).await;
+    s.tools.script("wire", vec![Reply::Delay(Duration::from_secs(60))]);
+    s.start().await;
+    let agent = s.agent();
+    agent.send(&intent("wf-d", 3, "wire", json!({"amount": 120}), "d1")).await;
+    let tools = s.tools.clone();
+    eventually(WAIT, "the tool is invoked", || tools.count("wire") == 1).await;
+    s.kill();
+    s.start().await;
+    // deadline = timeout 2 s × 2 tries + 50 ms backoff + 1 s grace after `started` was read.
+    let r = agent.answer("d1", WAIT).await;
+    assert_eq!(r.status, Status::InDoubt, "{r:?}");
+    assert_eq!(r.error.as_ref().unwrap().kind, "executor_lost");
+    assert!(r.error.as_ref().unwrap().message.contains("Do not call `wire` again"));
+    let again = agent.call(intent("wf-d", 3, "wire", json!({"amount": 120}), "d2")).await;
+    assert_eq!(again.status, Status::InDoubt);
+    assert!(again.deduplicated);
+    same_but_call_id(&r, &again);
+    assert_eq!(s.tools.count("wire"), 1, "never re-run blindly");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keyed_call_cut_off_by_a_crash_is_rerun_with_the_same_key() {
+    let mut s = Stack::new(StackOptions::default()).await;
+    s.tools.script("charge", vec![Reply::Delay(Duration::from_secs(60)), Reply::Ok]);
+    s.start().await;
+    let agent = s.agent();
+    agent.send(&intent("wf-c", 2, "charge", json!({"cents": 999}), "ch1")).await;
+    let tools = s.tools.clone();
+    eventually(WAIT, "the tool is invoked", || tools.count("charge") == 1).await;
+    s.kill();
+    s.start().await;
+    let r = agent.answer("ch1", WAIT).await;
+    assert_eq!(r.status, Status::Ok, "{r:?}");
+    let calls = s.tools.calls("charge");
+    assert_eq!(calls.len(), 2);
+    assert_eq!(calls[0].idempotency_key, calls[1].idempotency_key, "the provider sees one operation");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_goes_to_the_dlq_with_a_rejected_answer_and_the_gate_goes_on() {
+    let mut s = Stack::new(StackOptions { gate: "max_intent_bytes = 2048", ..StackOptions::default() }).await;
+    s.start().await;
+    let agent = s.agent();
+    let dlq = TopicReader::new(&s.topic("dlq"));
+    let big = "x".repeat(4000);
+    let cases: Vec<(Vec<u8>, &str, Option<&str>)> = vec![
+        (b"{not json".to_vec(), "malformed_json", None),
+        (b"[1,2,3]".to_vec(), "not_an_object", None),
+        (json!({"workflow_id": "wf-b", "step_index": 1, "tool": "send_email", "call_id": "b1"}).to_string().into_bytes(), "missing_field", Some("b1")),
+        (json!({"workflow_id": "wf-b", "step_index": "two", "tool": "send_email", "arguments": {}, "call_id": "b2"}).to_string().into_bytes(), "wrong_type", None),
+        (json!({"workflow_id": "wf-b", "step_index": 3, "tool": "send_email", "arguments": "hi", "call_id": "b3"}).to_string().into_bytes(), "wrong_type", Some("b3")),
+        (json!({"workflow_id": "wf-b", "step_index": 4, "tool": "send_mail", "arguments": {}, "call_id": "b4"}).to_string().into_bytes(), "unknown_tool", Some("b4")),
+        (json!({"workflow_id": "wf-b", "step_index": 5, "tool": "send_email", "arguments": {"body": big}, "call_id": "b5"}).to_string().into_bytes(), "oversized", Some("b5")),
+        (vec![0xff, 0xfe, 0x00], "malformed_json", None),
+    ];
+    for (payload, _, _) in &cases {
+        agent.send_raw("wf-b", payload, None, &[("x-origin", "test")]).await;
+    }
+    let ok = agent.call(intent("wf-b", 9, "send_email", json!({"subject": "still works"}), "b-ok")).await;
+    assert_eq!(ok.status, Status::Ok);
+    let records = dlq.wait_for(cases.len(), WAIT).await;
+    let reasons: Vec<&str> = records.iter().map(|r| r.value["reason"].as_str().unwrap()).collect();
+    assert_eq!(reasons, cases.iter().map(|c| c.1).collect::<Vec<_>>());
+    for r in &records {
+        assert_eq!(r.key.as_deref(), Some(b"wf-b".as_slice()), "the original key is kept");
+        assert!(r.headers.iter().any(|(k, v)| k == "x-origin" && v == b"test"), "the original headers are kept");
+        assert!(r.value["offset"].is_i64() && r.value["topic"] == s.topic("intents"));
+    }
+    assert_eq!(records[7].value["payload_encoding"], "base64");
+    for (_, reason, call_id) in &cases {
+        if let Some(id) = call_id {
+            let r = agent.answer(id, WAIT).await;
+            assert_eq!(r.status, Status::Rejected);
+            let e = r.error.unwrap();
+            assert_eq!(e.kind, *reason);
+            assert!(e.message.contains("nothing was performed"), "{}", e.message);
+        }
+    }
+    let b4 = agent.answer("b4", WAIT).await.error.unwrap().message;
+    assert!(b4.contains("`send_email`"), "lists the real tools: {b4}");
+    assert_eq!(s.tools.count("send_email"), 1, "only the valid intent ran");
+    let m = s.metrics().await;
+    assert!(m.contains(r#"stepgate_rejected_inputs_total{reason="wrong_type"} 2"#), "{m}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_expire_after_the_retention_and_until_then_answer_repeats() {
+    let mut s = Stack::new(StackOptions {
+        state: "retention = \"4s\"\npurge_interval = \"200ms\"",
+        ..StackOptions::default()
+    })
+    .await;
+    s.start().await;
+    let agent = s.agent();
+    agent.call(intent("wf-r", 1, "create_ticket", json!({}), "e1")).await;
+    let r = agent.call(intent("wf-r", 1, "create_ticket", json!({}), "e2")).await;
+    assert!(r.deduplicated, "within the retention: answered from the record");
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let m = s.metrics().await;
+    assert!(m.contains("stepgate_steps_purged_total 1"), "{m}");
+    let r = agent.call(intent("wf-r", 1, "create_ticket", json!({}), "e3")).await;
+    assert!(!r.deduplicated, "after the retention the record is gone");
+    assert_eq!(s.tools.count("create_ticket"), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_finishes_the_call_in_flight_and_commits_it() {
+    let mut s = Stack::new(StackOptions::default()).await;
+    s.tools.script("create_ticket", vec![Reply::Delay(Duration::from_secs(2))]);
+    s.start().await;
+    let agent = s.agent();
+    agent.send(&intent("wf-t", 1, "create_ticket", json!({"title": "x"}), "g1")).await;
+    let tools = s.tools.clone();
+    eventually(WAIT, "the tool is invoked", || tools.count("create_ticket") == 1).await;
+    let status = s.terminate().await;
+    assert!(status.success(), "clean exit: {status:?}\n{}", s.log());
+    s.start().await;
+    let r = agent.answer("g1", WAIT).await;
+    assert_eq!(r.status, Status::Ok, "the drained outcome was committed: {r:?}");
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(s.tools.count("create_ticket"), 1, "not re-run after the restart");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_go_to_the_intents_partition_whatever_the_partitioner() {
+    let mut s = Stack::new(StackOptions::default()).await;
+    s.start().await;
+    let agent = s.agent();
+    for p in 0..4 {
+        let i = intent("same-key", 100 + p as u64, "search", json!({"q": p}), &format!("p{p}"));
+        agent
+            .send_raw("same-key", i.to_string().as_bytes(), Some(p), &[("traceparent", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")])
+            .await;
+    }
+    for p in 0..4 {
+        agent.answer(&format!("p{p}"), WAIT).await;
+        let (partition, r) = agent.answers(&format!("p{p}")).remove(0);
+        assert_eq!(partition, p, "answered in the intent's partition");
+        assert_eq!(r.status, Status::Ok);
+    }
+    let calls = s.tools.calls("search");
+    assert!(calls.iter().all(|c| c.headers.get("traceparent").map(String::as_str) == Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")));
+    let results = agent.results.all();
+    assert!(results.iter().all(|r| r.headers.iter().any(|(k, _)| k == "traceparent")), "traceparent reaches the result");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_only_repeats_are_rerun_not_recorded() {
+    let mut s = Stack::new(StackOptions::default()).await;
+    s.start().await;
+    let agent = s.agent();
+    let a = agent.call(intent("wf-s", 1, "search", json!({"q": "x"}), "s1")).await;
+    let b = agent.call(intent("wf-s", 1, "search", json!({"q": "x"}), "s2")).await;
+    assert!(!a.deduplicated && !b.deduplicated);
+    assert_eq!(s.tools.count("search"), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refuses_to_start_when_results_has_fewer_partitions_than_intents() {
+    let prefix = random_name("sgl");
+    let mut cfg = stepgate::config::Config::default();
+    cfg.kafka.brokers = brokers();
+    cfg.kafka.topics = stepgate::config::TopicsConfig::with_prefix(&prefix);
+    cfg.kafka.partitions = 4;
+    stepgate::kafka::create_topics(&cfg.kafka, Duration::from_secs(3600)).await.unwrap();
+    let mut small = cfg.clone();
+    small.kafka.topics.results = format!("{prefix}.results-small");
+    small.kafka.partitions = 2;
+    stepgate::kafka::create_topics(&small.kafka, Duration::from_secs(3600)).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("c.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "[kafka]\nbrokers = \"{}\"\n[kafka.topics]\nintents = \"{prefix}.intents\"\nresults = \"{prefix}.results-small\"\ndlq = \"{prefix}.dlq\"\ncalls = \"{prefix}.calls\"\nprogress = \"{prefix}.progress\"\n[state]\npath = \"{}\"\n[http]\nlisten = \"\"\n",
+            brokers(),
+            dir.path().join("s").display()
+        ),
+    )
+    .unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_stepgate"))
+        .args(["run", "--config"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("has 2 partitions but") && err.contains("at least as many"), "{err}");
+}

@@ -1,0 +1,146 @@
+//! The Rust types and the published JSON Schemas cannot drift: every message the
+//! code produces validates, the schemas' examples parse, and invalid intents are
+//! refused by both.
+
+use serde_json::{Value, json};
+use stepgate::contract::{
+    Call, DlqRecord, ErrorBody, Outcome, Progress, ProgressEvent, Rejection, RejectionReason, Status, StepKey,
+    ToolResult, parse_intent,
+};
+
+fn schema(name: &str) -> jsonschema::Validator {
+    let path = format!("{}/schemas/{name}", env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
+    let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: {e}"));
+    jsonschema::validator_for(&v).unwrap_or_else(|e| panic!("{path} is not a valid schema: {e}"))
+}
+
+fn examples(name: &str) -> Vec<Value> {
+    let path = format!("{}/schemas/{name}", env!("CARGO_MANIFEST_DIR"));
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    v["examples"].as_array().cloned().unwrap_or_default()
+}
+
+fn assert_valid(v: &jsonschema::Validator, instance: &Value) {
+    let errors: Vec<String> = v.iter_errors(instance).map(|e| e.to_string()).collect();
+    assert!(errors.is_empty(), "{instance} is invalid: {errors:?}");
+}
+
+fn step() -> StepKey {
+    StepKey { workflow_id: "order-7781".into(), step_index: 3, tool: "send_email".into(), attempt: 0 }
+}
+
+const TOOLS: &[&str] = &["send_email", "wire_transfer"];
+
+fn tools() -> Vec<String> {
+    TOOLS.iter().map(|s| s.to_string()).collect()
+}
+
+#[test]
+fn intent_examples_validate_and_parse() {
+    let v = schema("intent.v1.json");
+    for ex in examples("intent.v1.json") {
+        assert_valid(&v, &ex);
+        let i = parse_intent(ex.to_string().as_bytes(), 1 << 20, &tools()).expect("schema example parses");
+        // What we would publish ourselves validates too.
+        assert_valid(&v, &serde_json::to_value(&i).unwrap());
+    }
+}
+
+#[test]
+fn schema_and_parser_agree_on_intents() {
+    let v = schema("intent.v1.json");
+    let valid = [
+        json!({"workflow_id": "w", "step_index": 0, "tool": "send_email", "arguments": {}}),
+        json!({"workflow_id": "w", "step_index": 9, "tool": "send_email", "attempt": 2, "arguments": {"a": [1]}, "call_id": null, "extra": 1}),
+    ];
+    for i in &valid {
+        assert!(v.is_valid(i), "{i}");
+        assert!(parse_intent(i.to_string().as_bytes(), 1 << 20, &tools()).is_ok(), "{i}");
+    }
+    let invalid = [
+        json!({"step_index": 0, "tool": "send_email", "arguments": {}}),
+        json!({"workflow_id": "", "step_index": 0, "tool": "send_email", "arguments": {}}),
+        json!({"workflow_id": "a\u{1}b", "step_index": 0, "tool": "send_email", "arguments": {}}),
+        json!({"workflow_id": "w", "step_index": -1, "tool": "send_email", "arguments": {}}),
+        json!({"workflow_id": "w", "step_index": "1", "tool": "send_email", "arguments": {}}),
+        json!({"workflow_id": "w", "step_index": 1, "tool": "no spaces", "arguments": {}}),
+        json!({"workflow_id": "w", "step_index": 1, "tool": "send_email", "arguments": [1]}),
+        json!({"workflow_id": "w", "step_index": 1, "tool": "send_email"}),
+        json!({"workflow_id": "w", "step_index": 1, "tool": "send_email", "arguments": {}, "attempt": 1.5}),
+        json!({"workflow_id": "w", "step_index": 1, "tool": "send_email", "arguments": {}, "call_id": 3}),
+        json!({"workflow_id": "w", "step_index": 1, "tool": "send_email", "arguments": {}, "metadata": "x"}),
+        json!({"workflow_id": "w".repeat(256), "step_index": 1, "tool": "send_email", "arguments": {}}),
+    ];
+    for i in &invalid {
+        assert!(!v.is_valid(i), "schema accepts {i}");
+        assert!(parse_intent(i.to_string().as_bytes(), 1 << 20, &tools()).is_err(), "parser accepts {i}");
+    }
+}
+
+#[test]
+fn every_result_status_validates() {
+    let v = schema("result.v1.json");
+    for ex in examples("result.v1.json") {
+        assert_valid(&v, &ex);
+        let r: ToolResult = serde_json::from_value(ex.clone()).expect("example deserialises");
+        assert_eq!(serde_json::to_value(&r).unwrap(), ex, "round trip is exact");
+    }
+    let at = chrono::Utc::now();
+    let err = ErrorBody { kind: "k".into(), message: "m".into() };
+    let outcomes = [
+        Outcome::Ok { output: json!({"message_id": "m-1"}) },
+        Outcome::Ok { output: Value::Null },
+        Outcome::Error { error: err.clone() },
+        Outcome::InDoubt { error: err.clone() },
+    ];
+    for o in outcomes {
+        let r = ToolResult::from_outcome(&step(), None, o, at);
+        assert_valid(&v, &serde_json::to_value(&r).unwrap());
+        assert_valid(&v, &serde_json::to_value(r.for_repeat(Some("c2".into()))).unwrap());
+    }
+    let rejected = ToolResult {
+        workflow_id: "w".into(), step_index: 1, tool: "t".into(), attempt: 0, call_id: Some("c".into()),
+        status: Status::Rejected, output: None, error: Some(err), deduplicated: false,
+        completed_at: stepgate::contract::timestamp(at),
+    };
+    assert_valid(&v, &serde_json::to_value(&rejected).unwrap());
+    // The schema really constrains: an ok without output, or an unknown status, fails.
+    let mut bad = serde_json::to_value(&rejected).unwrap();
+    bad["status"] = json!("ok");
+    assert!(!v.is_valid(&bad));
+    bad["status"] = json!("maybe");
+    assert!(!v.is_valid(&bad));
+}
+
+#[test]
+fn dlq_records_validate() {
+    let v = schema("dlq.v1.json");
+    for reason in [
+        RejectionReason::Oversized, RejectionReason::MalformedJson, RejectionReason::NotAnObject,
+        RejectionReason::MissingField, RejectionReason::WrongType, RejectionReason::InvalidValue,
+        RejectionReason::UnknownTool,
+    ] {
+        let rej = Rejection::new(reason, "why".into());
+        for payload in [b"{oops".as_slice(), &[0xff, 0x00]] {
+            let d = DlqRecord::new(&rej, "stepgate.intents", 2, 41, payload, chrono::Utc::now());
+            assert_valid(&v, &serde_json::to_value(&d).unwrap());
+        }
+    }
+}
+
+#[test]
+fn internal_records_validate() {
+    let call = Call { step: step(), arguments: Default::default(), dispatch: 1, fast_ref: Some(7), traceparent: Some("00-x".into()) };
+    assert_valid(&schema("call.v1.json"), &serde_json::to_value(&call).unwrap());
+    let p = schema("progress.v1.json");
+    let started = Progress { step: step(), dispatch: 1, fast_ref: None, at_ms: 1, event: ProgressEvent::Started };
+    assert_valid(&p, &serde_json::to_value(&started).unwrap());
+    for outcome in [
+        Outcome::Ok { output: json!(1) },
+        Outcome::InDoubt { error: ErrorBody { kind: "k".into(), message: "m".into() } },
+    ] {
+        let fin = Progress { event: ProgressEvent::Finished { outcome }, ..started.clone() };
+        assert_valid(&p, &serde_json::to_value(&fin).unwrap());
+    }
+}
