@@ -28,7 +28,10 @@ pub enum AppError {
     #[error("cannot open the state at {path}: {source}")]
     State { path: String, source: StateError },
     #[error("cannot serve metrics on {addr}: {source}")]
-    Http { addr: String, source: std::io::Error },
+    Http {
+        addr: String,
+        source: std::io::Error,
+    },
     #[error("gate: {0}")]
     Gate(#[from] gate::GateError),
     #[error("executor: {0}")]
@@ -67,7 +70,11 @@ impl Running {
 }
 
 /// Check the topics, open the state, serve the endpoints and start the roles.
-pub async fn start(config: Config, role: Role, shutdown: CancellationToken) -> Result<Running, AppError> {
+pub async fn start(
+    config: Config,
+    role: Role,
+    shutdown: CancellationToken,
+) -> Result<Running, AppError> {
     let config = Arc::new(config);
     let k = config.kafka.clone();
     let partitions = tokio::task::spawn_blocking(move || kafka::check_layout(&k)).await??;
@@ -101,13 +108,25 @@ pub async fn start(config: Config, role: Role, shutdown: CancellationToken) -> R
                 path: config.state.path.display().to_string(),
                 source,
             })?;
-        let (c, m, h, s) = (config.clone(), metrics.clone(), health.clone(), shutdown.clone());
+        let (c, m, h, s) = (
+            config.clone(),
+            metrics.clone(),
+            health.clone(),
+            shutdown.clone(),
+        );
         tasks.push(tokio::spawn(async move {
-            gate::run(c, Arc::new(store), m, h, s).await.map_err(AppError::from)
+            gate::run(c, Arc::new(store), m, h, s)
+                .await
+                .map_err(AppError::from)
         }));
     }
     if run_exec {
-        let (c, m, h, s) = (config.clone(), metrics.clone(), health.clone(), shutdown.clone());
+        let (c, m, h, s) = (
+            config.clone(),
+            metrics.clone(),
+            health.clone(),
+            shutdown.clone(),
+        );
         tasks.push(tokio::spawn(async move {
             executor::run(c, m, h, s).await.map_err(AppError::from)
         }));

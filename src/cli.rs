@@ -5,7 +5,11 @@ use clap::{Parser, Subcommand};
 use std::path::PathBuf;
 
 #[derive(Debug, Parser)]
-#[command(name = "stepgate", version, about = "Exactly-once-effect tool calls for AI agents, on Kafka")]
+#[command(
+    name = "stepgate",
+    version,
+    about = "Exactly-once-effect tool calls for AI agents, on Kafka"
+)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,

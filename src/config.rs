@@ -40,9 +40,11 @@ impl Serialize for Dur {
 impl<'de> Deserialize<'de> for Dur {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let s = String::deserialize(d)?;
-        humantime::parse_duration(&s)
-            .map(Dur)
-            .map_err(|e| serde::de::Error::custom(format!("`{s}` is not a duration like \"250ms\", \"10s\" or \"7d\": {e}")))
+        humantime::parse_duration(&s).map(Dur).map_err(|e| {
+            serde::de::Error::custom(format!(
+                "`{s}` is not a duration like \"250ms\", \"10s\" or \"7d\": {e}"
+            ))
+        })
     }
 }
 
@@ -57,7 +59,7 @@ fn dur(s: &str) -> Dur {
 }
 
 /// The whole configuration.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
     pub kafka: KafkaConfig,
@@ -68,20 +70,6 @@ pub struct Config {
     pub log: LogConfig,
     /// Tools by name.
     pub tools: BTreeMap<String, ToolConfig>,
-}
-
-impl Default for Config {
-    fn default() -> Self {
-        Config {
-            kafka: KafkaConfig::default(),
-            state: StateConfig::default(),
-            gate: GateConfig::default(),
-            executor: ExecutorConfig::default(),
-            http: HttpConfig::default(),
-            log: LogConfig::default(),
-            tools: BTreeMap::new(),
-        }
-    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -400,7 +388,10 @@ impl Config {
             message: message.to_owned(),
         };
         if self.kafka.brokers.trim().is_empty() {
-            return Err(invalid("kafka.brokers", "must name at least one broker, e.g. \"127.0.0.1:9092\""));
+            return Err(invalid(
+                "kafka.brokers",
+                "must name at least one broker, e.g. \"127.0.0.1:9092\"",
+            ));
         }
         if self.kafka.instance_id.trim().is_empty() {
             return Err(invalid("kafka.instance_id", "must not be empty"));
@@ -415,7 +406,10 @@ impl Config {
                 return Err(invalid("kafka.topics", "topic names must not be empty"));
             }
             if names[i + 1..].contains(a) {
-                return Err(invalid("kafka.topics", &format!("topic `{a}` is used for two purposes")));
+                return Err(invalid(
+                    "kafka.topics",
+                    &format!("topic `{a}` is used for two purposes"),
+                ));
             }
         }
         if self.state.retention.0.is_zero() {
@@ -430,24 +424,39 @@ impl Config {
         if !matches!(self.log.format.as_str(), "pretty" | "json") {
             return Err(invalid("log.format", "must be \"pretty\" or \"json\""));
         }
-        if !self.http.listen.is_empty() && self.http.listen.parse::<std::net::SocketAddr>().is_err() {
-            return Err(invalid("http.listen", "must be an address like \"127.0.0.1:9464\" (or empty to disable)"));
+        if !self.http.listen.is_empty() && self.http.listen.parse::<std::net::SocketAddr>().is_err()
+        {
+            return Err(invalid(
+                "http.listen",
+                "must be an address like \"127.0.0.1:9464\" (or empty to disable)",
+            ));
         }
         for (name, tool) in &self.tools {
-            if !name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | ':' | '-'))
+            if !name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | ':' | '-'))
                 || name.is_empty()
                 || name.len() > crate::contract::MAX_TOOL_NAME_CHARS
             {
-                return Err(invalid(&format!("tools.{name}"), "tool names are 1 to 128 of [A-Za-z0-9_.:-]"));
+                return Err(invalid(
+                    &format!("tools.{name}"),
+                    "tool names are 1 to 128 of [A-Za-z0-9_.:-]",
+                ));
             }
             let url_ok = reqwest::Url::parse(&tool.url)
                 .map(|u| matches!(u.scheme(), "http" | "https") && u.host().is_some())
                 .unwrap_or(false);
             if !url_ok {
-                return Err(invalid(&format!("tools.{name}.url"), &format!("must be an http(s) URL, got `{}`", tool.url)));
+                return Err(invalid(
+                    &format!("tools.{name}.url"),
+                    &format!("must be an http(s) URL, got `{}`", tool.url),
+                ));
             }
             if tool.timeout.0.is_zero() {
-                return Err(invalid(&format!("tools.{name}.timeout"), "must be longer than 0"));
+                return Err(invalid(
+                    &format!("tools.{name}.timeout"),
+                    "must be longer than 0",
+                ));
             }
         }
         Ok(())
@@ -609,7 +618,8 @@ timeout = "5s"
 
     #[test]
     fn bad_values_name_the_field() {
-        let e = Config::from_toml_str(SAMPLE, env(&[("STEPGATE_GATE_MAX_BATCH", "many")])).unwrap_err();
+        let e =
+            Config::from_toml_str(SAMPLE, env(&[("STEPGATE_GATE_MAX_BATCH", "many")])).unwrap_err();
         assert!(e.to_string().contains("STEPGATE_GATE_MAX_BATCH"), "{e}");
         let e = Config::from_toml_str("[state]\nretention = \"soon\"\n", env(&[])).unwrap_err();
         assert!(e.to_string().contains("soon"), "{e}");

@@ -62,8 +62,12 @@ fn demo_tools(ledger: Arc<Mutex<Ledger>>) -> Router {
                     n
                 };
                 let out = match name {
-                    "send_email" => json!({"message_id": format!("m-{n}"), "subject": body.0.get("subject")}),
-                    "create_ticket" => json!({"ticket_id": format!("T-{n}"), "title": body.0.get("title")}),
+                    "send_email" => {
+                        json!({"message_id": format!("m-{n}"), "subject": body.0.get("subject")})
+                    }
+                    "create_ticket" => {
+                        json!({"ticket_id": format!("T-{n}"), "title": body.0.get("title")})
+                    }
                     "wire_transfer" => {
                         // Slower than its 1 s timeout: the bank may have moved the money.
                         tokio::time::sleep(Duration::from_secs(3)).await;
@@ -92,7 +96,14 @@ struct Agent {
 }
 
 impl Agent {
-    async fn call(&mut self, workflow: &str, step: u64, tool: &str, attempt: u64, args: Value) -> Result<ToolResult, DemoError> {
+    async fn call(
+        &mut self,
+        workflow: &str,
+        step: u64,
+        tool: &str,
+        attempt: u64,
+        args: Value,
+    ) -> Result<ToolResult, DemoError> {
         self.next_call += 1;
         let call_id = format!("call_{:03}", self.next_call);
         let intent = json!({"workflow_id": workflow, "step_index": step, "tool": tool,
@@ -103,7 +114,10 @@ impl Agent {
 
     async fn send(&self, key: &str, payload: &[u8]) -> Result<(), DemoError> {
         self.producer
-            .send(FutureRecord::to(&self.topic).key(key).payload(payload), Duration::from_secs(5))
+            .send(
+                FutureRecord::to(&self.topic).key(key).payload(payload),
+                Duration::from_secs(5),
+            )
             .await
             .map_err(|(e, _)| e)?;
         Ok(())
@@ -118,7 +132,10 @@ impl Agent {
             let m = tokio::time::timeout_at(deadline, self.consumer.recv())
                 .await
                 .map_err(|_| DemoError::NoAnswer(call_id.to_owned()))??;
-            if let Some(r) = m.payload().and_then(|p| serde_json::from_slice::<ToolResult>(p).ok()) {
+            if let Some(r) = m
+                .payload()
+                .and_then(|p| serde_json::from_slice::<ToolResult>(p).ok())
+            {
                 let id = r.call_id.clone().unwrap_or_default();
                 self.answers.insert(id, r);
             }
@@ -129,7 +146,11 @@ impl Agent {
 fn show(label: &str, r: &ToolResult) {
     let body = match r.status {
         Status::Ok => r.output.clone().unwrap_or(Value::Null).to_string(),
-        _ => r.error.as_ref().map(|e| format!("[{}] {}", e.kind, e.message)).unwrap_or_default(),
+        _ => r
+            .error
+            .as_ref()
+            .map(|e| format!("[{}] {}", e.kind, e.message))
+            .unwrap_or_default(),
     };
     println!(
         "    {label:<9} {:<8} status={:<8} deduplicated={:<5} {body}",
@@ -140,8 +161,14 @@ fn show(label: &str, r: &ToolResult) {
 }
 
 /// Run the tour. `metrics_addr` serves /metrics meanwhile.
-pub async fn run(metrics_addr: &str, keep_running: bool, shutdown: CancellationToken) -> Result<(), DemoError> {
-    println!("stepgate demo — in-process Kafka (librdkafka mock cluster), gate, executor, demo tools\n");
+pub async fn run(
+    metrics_addr: &str,
+    keep_running: bool,
+    shutdown: CancellationToken,
+) -> Result<(), DemoError> {
+    println!(
+        "stepgate demo — in-process Kafka (librdkafka mock cluster), gate, executor, demo tools\n"
+    );
     let mock = MockCluster::new(1)?;
     let brokers = mock.bootstrap_servers();
     let ledger = Arc::new(Mutex::new(Ledger::default()));
@@ -217,17 +244,45 @@ url = "http://{tools_addr}/search_orders"
         answers: HashMap::new(),
         next_call: 0,
     };
-    let count = |name: &'static str| ledger.lock().expect("demo ledger").counts.get(name).copied().unwrap_or(0);
-    let key = |name: &'static str| ledger.lock().expect("demo ledger").last_key.get(name).cloned().unwrap_or_default();
+    let count = |name: &'static str| {
+        ledger
+            .lock()
+            .expect("demo ledger")
+            .counts
+            .get(name)
+            .copied()
+            .unwrap_or(0)
+    };
+    let key = |name: &'static str| {
+        ledger
+            .lock()
+            .expect("demo ledger")
+            .last_key
+            .get(name)
+            .cloned()
+            .unwrap_or_default()
+    };
 
     println!("1. A rephrased retry is the same call (workflow order-7781, step 1, send_email)");
     let r1 = agent
-        .call("order-7781", 1, "send_email", 0, json!({"to": "a@example.com", "subject": "Order confirmed"}))
+        .call(
+            "order-7781",
+            1,
+            "send_email",
+            0,
+            json!({"to": "a@example.com", "subject": "Order confirmed"}),
+        )
         .await?;
     show("first", &r1);
     println!("    … the agent timed out; the model retries and rephrases the subject:");
     let r2 = agent
-        .call("order-7781", 1, "send_email", 0, json!({"to": "a@example.com", "subject": "Your order is confirmed"}))
+        .call(
+            "order-7781",
+            1,
+            "send_email",
+            0,
+            json!({"to": "a@example.com", "subject": "Your order is confirmed"}),
+        )
         .await?;
     show("retry", &r2);
     println!(
@@ -236,9 +291,25 @@ url = "http://{tools_addr}/search_orders"
     );
 
     println!("2. Identical arguments at two steps are two calls (create_ticket, steps 2 and 3)");
-    let t1 = agent.call("order-7781", 2, "create_ticket", 0, json!({"title": "Refund request"})).await?;
+    let t1 = agent
+        .call(
+            "order-7781",
+            2,
+            "create_ticket",
+            0,
+            json!({"title": "Refund request"}),
+        )
+        .await?;
     show("step 2", &t1);
-    let t2 = agent.call("order-7781", 3, "create_ticket", 0, json!({"title": "Refund request"})).await?;
+    let t2 = agent
+        .call(
+            "order-7781",
+            3,
+            "create_ticket",
+            0,
+            json!({"title": "Refund request"}),
+        )
+        .await?;
     show("step 3", &t2);
     println!(
         "    create_ticket ran {} times (an argument hash would have refused the second)\n",
@@ -248,7 +319,13 @@ url = "http://{tools_addr}/search_orders"
     println!("3. A deliberate re-execution says so: attempt 1 of step 1");
     let k0 = key("send_email");
     let r3 = agent
-        .call("order-7781", 1, "send_email", 1, json!({"to": "a@example.com", "subject": "Order confirmed (again)"}))
+        .call(
+            "order-7781",
+            1,
+            "send_email",
+            1,
+            json!({"to": "a@example.com", "subject": "Order confirmed (again)"}),
+        )
         .await?;
     show("attempt 1", &r3);
     println!(
@@ -258,18 +335,41 @@ url = "http://{tools_addr}/search_orders"
         short(&key("send_email"))
     );
 
-    println!("4. An unkeyed call whose outcome is unknown is in doubt, never blindly re-run (wire_transfer times out)");
-    let w1 = agent.call("order-7781", 4, "wire_transfer", 0, json!({"amount_eur": 120})).await?;
+    println!(
+        "4. An unkeyed call whose outcome is unknown is in doubt, never blindly re-run (wire_transfer times out)"
+    );
+    let w1 = agent
+        .call(
+            "order-7781",
+            4,
+            "wire_transfer",
+            0,
+            json!({"amount_eur": 120}),
+        )
+        .await?;
     show("first", &w1);
-    let w2 = agent.call("order-7781", 4, "wire_transfer", 0, json!({"amount_eur": 120})).await?;
+    let w2 = agent
+        .call(
+            "order-7781",
+            4,
+            "wire_transfer",
+            0,
+            json!({"amount_eur": 120}),
+        )
+        .await?;
     show("retry", &w2);
     println!("    wire_transfer ran {} time(s)\n", count("wire_transfer"));
 
     println!("5. Bad input is answered, not crashed on");
-    let b = agent.call("order-7781", 5, "send_mail", 0, json!({})).await?;
+    let b = agent
+        .call("order-7781", 5, "send_mail", 0, json!({}))
+        .await?;
     show("typo", &b);
     agent.send("order-7781", b"{not json").await?;
-    println!("    (and a malformed record went to the dead-letter topic `{}`)\n", config.kafka.topics.dlq);
+    println!(
+        "    (and a malformed record went to the dead-letter topic `{}`)\n",
+        config.kafka.topics.dlq
+    );
 
     let text = running.metrics.render();
     println!("metrics (excerpt):");

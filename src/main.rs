@@ -2,15 +2,18 @@
 
 use anyhow::Context as _;
 use clap::Parser;
-use stepgate::cli::{Cli, Command, TopicsCommand};
-use stepgate::config::Config;
 use std::path::Path;
 use std::process::ExitCode;
+use stepgate::cli::{Cli, Command, TopicsCommand};
+use stepgate::config::Config;
 use tokio_util::sync::CancellationToken;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("error: cannot start the async runtime: {e}");
@@ -53,11 +56,12 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Topics {
-            action: TopicsCommand::Create {
-                config,
-                partitions,
-                brokers,
-            },
+            action:
+                TopicsCommand::Create {
+                    config,
+                    partitions,
+                    brokers,
+                },
         } => {
             let mut cfg = load(config.as_deref())?;
             if let Some(n) = partitions {
@@ -72,11 +76,15 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
                 println!("{} {name}", if new { "created" } else { "exists " });
             }
             let k = cfg.kafka.clone();
-            let n = tokio::task::spawn_blocking(move || stepgate::kafka::check_layout(&k)).await??;
+            let n =
+                tokio::task::spawn_blocking(move || stepgate::kafka::check_layout(&k)).await??;
             println!("ok: every topic has a valid layout ({n} intent partitions)");
             Ok(())
         }
-        Command::Demo { metrics, keep_running } => {
+        Command::Demo {
+            metrics,
+            keep_running,
+        } => {
             stepgate::telemetry::init_logging(&stepgate::config::LogConfig {
                 format: "pretty".into(),
                 level: "warn".into(),
@@ -97,13 +105,14 @@ fn shutdown_on_signals() -> CancellationToken {
     let token = CancellationToken::new();
     let t = token.clone();
     tokio::spawn(async move {
-        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::error!(error = %e, "cannot listen for SIGTERM");
-                return;
-            }
-        };
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot listen for SIGTERM");
+                    return;
+                }
+            };
         for n in 0.. {
             tokio::select! {
                 _ = term.recv() => {}

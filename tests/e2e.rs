@@ -16,20 +16,42 @@ async fn a_rephrased_retry_runs_once_and_gets_the_original_answer() {
     s.start().await;
     let agent = s.agent();
     let first = agent
-        .call(intent("order-1", 1, "send_email", json!({"to": "a@example.com", "subject": "Order confirmed"}), "c1"))
+        .call(intent(
+            "order-1",
+            1,
+            "send_email",
+            json!({"to": "a@example.com", "subject": "Order confirmed"}),
+            "c1",
+        ))
         .await;
     let retry = agent
-        .call(intent("order-1", 1, "send_email", json!({"to": "a@example.com", "subject": "Your order is confirmed"}), "c2"))
+        .call(intent(
+            "order-1",
+            1,
+            "send_email",
+            json!({"to": "a@example.com", "subject": "Your order is confirmed"}),
+            "c2",
+        ))
         .await;
     assert_eq!(first.status, Status::Ok);
     assert!(!first.deduplicated && retry.deduplicated);
     assert_eq!(retry.call_id.as_deref(), Some("c2"));
     same_but_call_id(&first, &retry);
     assert_eq!(s.tools.count("send_email"), 1, "the tool ran once");
-    assert_eq!(s.tools.calls("send_email")[0].body["subject"], "Order confirmed", "the first call's arguments ran");
+    assert_eq!(
+        s.tools.calls("send_email")[0].body["subject"],
+        "Order confirmed",
+        "the first call's arguments ran"
+    );
     let m = s.metrics().await;
-    assert!(m.contains(r#"stepgate_rephrased_retries_total{tool="send_email"} 1"#), "{m}");
-    assert!(m.contains(r#"stepgate_repeats_total{state="completed",tool="send_email"} 1"#), "{m}");
+    assert!(
+        m.contains(r#"stepgate_rephrased_retries_total{tool="send_email"} 1"#),
+        "{m}"
+    );
+    assert!(
+        m.contains(r#"stepgate_repeats_total{state="completed",tool="send_email"} 1"#),
+        "{m}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -37,8 +59,24 @@ async fn identical_arguments_at_two_steps_run_twice() {
     let mut s = Stack::new(StackOptions::default()).await;
     s.start().await;
     let agent = s.agent();
-    let a = agent.call(intent("wf-t", 1, "create_ticket", json!({"title": "Printer broken"}), "t1")).await;
-    let b = agent.call(intent("wf-t", 2, "create_ticket", json!({"title": "Printer broken"}), "t2")).await;
+    let a = agent
+        .call(intent(
+            "wf-t",
+            1,
+            "create_ticket",
+            json!({"title": "Printer broken"}),
+            "t1",
+        ))
+        .await;
+    let b = agent
+        .call(intent(
+            "wf-t",
+            2,
+            "create_ticket",
+            json!({"title": "Printer broken"}),
+            "t2",
+        ))
+        .await;
     assert_eq!((a.status, b.status), (Status::Ok, Status::Ok));
     assert!(!a.deduplicated && !b.deduplicated);
     let calls = s.tools.calls("create_ticket");
@@ -49,12 +87,21 @@ async fn identical_arguments_at_two_steps_run_twice() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn five_concurrent_repeats_of_a_slow_step_run_once_and_all_are_answered() {
     let mut s = Stack::new(StackOptions::default()).await;
-    s.tools.script("send_email", vec![Reply::Delay(Duration::from_millis(1500))]);
+    s.tools.script(
+        "send_email",
+        vec![Reply::Delay(Duration::from_millis(1500))],
+    );
     s.start().await;
     let agent = s.agent();
     for n in 0..5 {
         agent
-            .send(&intent("wf-slow", 7, "send_email", json!({"subject": format!("try {n}")}), &format!("r{n}")))
+            .send(&intent(
+                "wf-slow",
+                7,
+                "send_email",
+                json!({"subject": format!("try {n}")}),
+                &format!("r{n}"),
+            ))
             .await;
     }
     let mut answers = Vec::new();
@@ -62,12 +109,20 @@ async fn five_concurrent_repeats_of_a_slow_step_run_once_and_all_are_answered() 
         answers.push(agent.answer(&format!("r{n}"), WAIT).await);
     }
     assert_eq!(s.tools.count("send_email"), 1);
-    assert_eq!(answers.iter().filter(|a| !a.deduplicated).count(), 1, "exactly one caller caused the invocation");
+    assert_eq!(
+        answers.iter().filter(|a| !a.deduplicated).count(),
+        1,
+        "exactly one caller caused the invocation"
+    );
     for a in &answers[1..] {
         same_but_call_id(&answers[0], a);
     }
     for n in 0..5 {
-        assert_eq!(agent.answers(&format!("r{n}")).len(), 1, "one answer per call");
+        assert_eq!(
+            agent.answers(&format!("r{n}")).len(),
+            1,
+            "one answer per call"
+        );
     }
 }
 
@@ -76,7 +131,15 @@ async fn attempt_one_runs_again_with_its_own_key() {
     let mut s = Stack::new(StackOptions::default()).await;
     s.start().await;
     let agent = s.agent();
-    agent.call(intent("wf-a", 1, "send_email", json!({"subject": "x"}), "a0")).await;
+    agent
+        .call(intent(
+            "wf-a",
+            1,
+            "send_email",
+            json!({"subject": "x"}),
+            "a0",
+        ))
+        .await;
     let mut again = intent("wf-a", 1, "send_email", json!({"subject": "x"}), "a1");
     again["attempt"] = json!(1);
     let r = agent.call(again).await;
@@ -95,10 +158,26 @@ async fn after_kill_9_and_restart_repeats_are_answered_from_state() {
     let mut s = Stack::new(StackOptions::default()).await;
     s.start().await;
     let agent = s.agent();
-    let first = agent.call(intent("wf-k", 1, "create_ticket", json!({"title": "x"}), "k1")).await;
+    let first = agent
+        .call(intent(
+            "wf-k",
+            1,
+            "create_ticket",
+            json!({"title": "x"}),
+            "k1",
+        ))
+        .await;
     s.kill();
     s.start().await;
-    let repeat = agent.call(intent("wf-k", 1, "create_ticket", json!({"title": "x, again"}), "k2")).await;
+    let repeat = agent
+        .call(intent(
+            "wf-k",
+            1,
+            "create_ticket",
+            json!({"title": "x, again"}),
+            "k2",
+        ))
+        .await;
     assert!(repeat.deduplicated);
     same_but_call_id(&first, &repeat);
     assert_eq!(s.tools.count("create_ticket"), 1);
@@ -107,10 +186,13 @@ async fn after_kill_9_and_restart_repeats_are_answered_from_state() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unkeyed_call_cut_off_by_a_crash_is_in_doubt_and_not_rerun() {
     let mut s = Stack::new(StackOptions::default()).await;
-    s.tools.script("wire", vec![Reply::Delay(Duration::from_secs(60))]);
+    s.tools
+        .script("wire", vec![Reply::Delay(Duration::from_secs(60))]);
     s.start().await;
     let agent = s.agent();
-    agent.send(&intent("wf-d", 3, "wire", json!({"amount": 120}), "d1")).await;
+    agent
+        .send(&intent("wf-d", 3, "wire", json!({"amount": 120}), "d1"))
+        .await;
     let tools = s.tools.clone();
     eventually(WAIT, "the tool is invoked", || tools.count("wire") == 1).await;
     s.kill();
@@ -119,8 +201,16 @@ async fn an_unkeyed_call_cut_off_by_a_crash_is_in_doubt_and_not_rerun() {
     let r = agent.answer("d1", WAIT).await;
     assert_eq!(r.status, Status::InDoubt, "{r:?}");
     assert_eq!(r.error.as_ref().unwrap().kind, "executor_lost");
-    assert!(r.error.as_ref().unwrap().message.contains("Do not call `wire` again"));
-    let again = agent.call(intent("wf-d", 3, "wire", json!({"amount": 120}), "d2")).await;
+    assert!(
+        r.error
+            .as_ref()
+            .unwrap()
+            .message
+            .contains("Do not call `wire` again")
+    );
+    let again = agent
+        .call(intent("wf-d", 3, "wire", json!({"amount": 120}), "d2"))
+        .await;
     assert_eq!(again.status, Status::InDoubt);
     assert!(again.deduplicated);
     same_but_call_id(&r, &again);
@@ -130,10 +220,15 @@ async fn an_unkeyed_call_cut_off_by_a_crash_is_in_doubt_and_not_rerun() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_keyed_call_cut_off_by_a_crash_is_rerun_with_the_same_key() {
     let mut s = Stack::new(StackOptions::default()).await;
-    s.tools.script("charge", vec![Reply::Delay(Duration::from_secs(60)), Reply::Ok]);
+    s.tools.script(
+        "charge",
+        vec![Reply::Delay(Duration::from_secs(60)), Reply::Ok],
+    );
     s.start().await;
     let agent = s.agent();
-    agent.send(&intent("wf-c", 2, "charge", json!({"cents": 999}), "ch1")).await;
+    agent
+        .send(&intent("wf-c", 2, "charge", json!({"cents": 999}), "ch1"))
+        .await;
     let tools = s.tools.clone();
     eventually(WAIT, "the tool is invoked", || tools.count("charge") == 1).await;
     s.kill();
@@ -142,12 +237,19 @@ async fn a_keyed_call_cut_off_by_a_crash_is_rerun_with_the_same_key() {
     assert_eq!(r.status, Status::Ok, "{r:?}");
     let calls = s.tools.calls("charge");
     assert_eq!(calls.len(), 2);
-    assert_eq!(calls[0].idempotency_key, calls[1].idempotency_key, "the provider sees one operation");
+    assert_eq!(
+        calls[0].idempotency_key, calls[1].idempotency_key,
+        "the provider sees one operation"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_goes_to_the_dlq_with_a_rejected_answer_and_the_gate_goes_on() {
-    let mut s = Stack::new(StackOptions { gate: "max_intent_bytes = 2048", ..StackOptions::default() }).await;
+    let mut s = Stack::new(StackOptions {
+        gate: "max_intent_bytes = 2048",
+        ..StackOptions::default()
+    })
+    .await;
     s.start().await;
     let agent = s.agent();
     let dlq = TopicReader::new(&s.topic("dlq"));
@@ -163,16 +265,38 @@ async fn bad_input_goes_to_the_dlq_with_a_rejected_answer_and_the_gate_goes_on()
         (vec![0xff, 0xfe, 0x00], "malformed_json", None),
     ];
     for (payload, _, _) in &cases {
-        agent.send_raw("wf-b", payload, None, &[("x-origin", "test")]).await;
+        agent
+            .send_raw("wf-b", payload, None, &[("x-origin", "test")])
+            .await;
     }
-    let ok = agent.call(intent("wf-b", 9, "send_email", json!({"subject": "still works"}), "b-ok")).await;
+    let ok = agent
+        .call(intent(
+            "wf-b",
+            9,
+            "send_email",
+            json!({"subject": "still works"}),
+            "b-ok",
+        ))
+        .await;
     assert_eq!(ok.status, Status::Ok);
     let records = dlq.wait_for(cases.len(), WAIT).await;
-    let reasons: Vec<&str> = records.iter().map(|r| r.value["reason"].as_str().unwrap()).collect();
+    let reasons: Vec<&str> = records
+        .iter()
+        .map(|r| r.value["reason"].as_str().unwrap())
+        .collect();
     assert_eq!(reasons, cases.iter().map(|c| c.1).collect::<Vec<_>>());
     for r in &records {
-        assert_eq!(r.key.as_deref(), Some(b"wf-b".as_slice()), "the original key is kept");
-        assert!(r.headers.iter().any(|(k, v)| k == "x-origin" && v == b"test"), "the original headers are kept");
+        assert_eq!(
+            r.key.as_deref(),
+            Some(b"wf-b".as_slice()),
+            "the original key is kept"
+        );
+        assert!(
+            r.headers
+                .iter()
+                .any(|(k, v)| k == "x-origin" && v == b"test"),
+            "the original headers are kept"
+        );
         assert!(r.value["offset"].is_i64() && r.value["topic"] == s.topic("intents"));
     }
     assert_eq!(records[7].value["payload_encoding"], "base64");
@@ -189,7 +313,10 @@ async fn bad_input_goes_to_the_dlq_with_a_rejected_answer_and_the_gate_goes_on()
     assert!(b4.contains("`send_email`"), "lists the real tools: {b4}");
     assert_eq!(s.tools.count("send_email"), 1, "only the valid intent ran");
     let m = s.metrics().await;
-    assert!(m.contains(r#"stepgate_rejected_inputs_total{reason="wrong_type"} 2"#), "{m}");
+    assert!(
+        m.contains(r#"stepgate_rejected_inputs_total{reason="wrong_type"} 2"#),
+        "{m}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -201,13 +328,22 @@ async fn records_expire_after_the_retention_and_until_then_answer_repeats() {
     .await;
     s.start().await;
     let agent = s.agent();
-    agent.call(intent("wf-r", 1, "create_ticket", json!({}), "e1")).await;
-    let r = agent.call(intent("wf-r", 1, "create_ticket", json!({}), "e2")).await;
-    assert!(r.deduplicated, "within the retention: answered from the record");
+    agent
+        .call(intent("wf-r", 1, "create_ticket", json!({}), "e1"))
+        .await;
+    let r = agent
+        .call(intent("wf-r", 1, "create_ticket", json!({}), "e2"))
+        .await;
+    assert!(
+        r.deduplicated,
+        "within the retention: answered from the record"
+    );
     tokio::time::sleep(Duration::from_secs(5)).await;
     let m = s.metrics().await;
     assert!(m.contains("stepgate_steps_purged_total 1"), "{m}");
-    let r = agent.call(intent("wf-r", 1, "create_ticket", json!({}), "e3")).await;
+    let r = agent
+        .call(intent("wf-r", 1, "create_ticket", json!({}), "e3"))
+        .await;
     assert!(!r.deduplicated, "after the retention the record is gone");
     assert_eq!(s.tools.count("create_ticket"), 2);
 }
@@ -215,19 +351,39 @@ async fn records_expire_after_the_retention_and_until_then_answer_repeats() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_finishes_the_call_in_flight_and_commits_it() {
     let mut s = Stack::new(StackOptions::default()).await;
-    s.tools.script("create_ticket", vec![Reply::Delay(Duration::from_secs(2))]);
+    s.tools
+        .script("create_ticket", vec![Reply::Delay(Duration::from_secs(2))]);
     s.start().await;
     let agent = s.agent();
-    agent.send(&intent("wf-t", 1, "create_ticket", json!({"title": "x"}), "g1")).await;
+    agent
+        .send(&intent(
+            "wf-t",
+            1,
+            "create_ticket",
+            json!({"title": "x"}),
+            "g1",
+        ))
+        .await;
     let tools = s.tools.clone();
-    eventually(WAIT, "the tool is invoked", || tools.count("create_ticket") == 1).await;
+    eventually(WAIT, "the tool is invoked", || {
+        tools.count("create_ticket") == 1
+    })
+    .await;
     let status = s.terminate().await;
     assert!(status.success(), "clean exit: {status:?}\n{}", s.log());
     s.start().await;
     let r = agent.answer("g1", WAIT).await;
-    assert_eq!(r.status, Status::Ok, "the drained outcome was committed: {r:?}");
+    assert_eq!(
+        r.status,
+        Status::Ok,
+        "the drained outcome was committed: {r:?}"
+    );
     tokio::time::sleep(Duration::from_secs(1)).await;
-    assert_eq!(s.tools.count("create_ticket"), 1, "not re-run after the restart");
+    assert_eq!(
+        s.tools.count("create_ticket"),
+        1,
+        "not re-run after the restart"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -236,9 +392,23 @@ async fn answers_go_to_the_intents_partition_whatever_the_partitioner() {
     s.start().await;
     let agent = s.agent();
     for p in 0..4 {
-        let i = intent("same-key", 100 + p as u64, "search", json!({"q": p}), &format!("p{p}"));
+        let i = intent(
+            "same-key",
+            100 + p as u64,
+            "search",
+            json!({"q": p}),
+            &format!("p{p}"),
+        );
         agent
-            .send_raw("same-key", i.to_string().as_bytes(), Some(p), &[("traceparent", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")])
+            .send_raw(
+                "same-key",
+                i.to_string().as_bytes(),
+                Some(p),
+                &[(
+                    "traceparent",
+                    "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+                )],
+            )
             .await;
     }
     for p in 0..4 {
@@ -248,9 +418,19 @@ async fn answers_go_to_the_intents_partition_whatever_the_partitioner() {
         assert_eq!(r.status, Status::Ok);
     }
     let calls = s.tools.calls("search");
-    assert!(calls.iter().all(|c| c.headers.get("traceparent").map(String::as_str) == Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")));
+    assert!(
+        calls
+            .iter()
+            .all(|c| c.headers.get("traceparent").map(String::as_str)
+                == Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"))
+    );
     let results = agent.results.all();
-    assert!(results.iter().all(|r| r.headers.iter().any(|(k, _)| k == "traceparent")), "traceparent reaches the result");
+    assert!(
+        results
+            .iter()
+            .all(|r| r.headers.iter().any(|(k, _)| k == "traceparent")),
+        "traceparent reaches the result"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -258,8 +438,12 @@ async fn read_only_repeats_are_rerun_not_recorded() {
     let mut s = Stack::new(StackOptions::default()).await;
     s.start().await;
     let agent = s.agent();
-    let a = agent.call(intent("wf-s", 1, "search", json!({"q": "x"}), "s1")).await;
-    let b = agent.call(intent("wf-s", 1, "search", json!({"q": "x"}), "s2")).await;
+    let a = agent
+        .call(intent("wf-s", 1, "search", json!({"q": "x"}), "s1"))
+        .await;
+    let b = agent
+        .call(intent("wf-s", 1, "search", json!({"q": "x"}), "s2"))
+        .await;
     assert!(!a.deduplicated && !b.deduplicated);
     assert_eq!(s.tools.count("search"), 2);
 }
@@ -271,11 +455,15 @@ async fn refuses_to_start_when_results_has_fewer_partitions_than_intents() {
     cfg.kafka.brokers = brokers();
     cfg.kafka.topics = stepgate::config::TopicsConfig::with_prefix(&prefix);
     cfg.kafka.partitions = 4;
-    stepgate::kafka::create_topics(&cfg.kafka, Duration::from_secs(3600)).await.unwrap();
+    stepgate::kafka::create_topics(&cfg.kafka, Duration::from_secs(3600))
+        .await
+        .unwrap();
     let mut small = cfg.clone();
     small.kafka.topics.results = format!("{prefix}.results-small");
     small.kafka.partitions = 2;
-    stepgate::kafka::create_topics(&small.kafka, Duration::from_secs(3600)).await.unwrap();
+    stepgate::kafka::create_topics(&small.kafka, Duration::from_secs(3600))
+        .await
+        .unwrap();
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("c.toml");
     std::fs::write(
@@ -294,5 +482,234 @@ async fn refuses_to_start_when_results_has_fewer_partitions_than_intents() {
         .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("has 2 partitions but") && err.contains("at least as many"), "{err}");
+    assert!(
+        err.contains("has 2 partitions but") && err.contains("at least as many"),
+        "{err}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gate_and_executor_run_as_separate_processes() {
+    let mut s = Stack::new(StackOptions::default()).await;
+    // The executor in a process of its own, with its own instance id and no HTTP.
+    let exec_cfg = s.dir.path().join("executor.toml");
+    let text = std::fs::read_to_string(&s.config_path)
+        .unwrap()
+        .replace(&format!("listen = \"{}\"", s.http), "listen = \"\"");
+    std::fs::write(&exec_cfg, text).unwrap();
+    let mut executor = std::process::Command::new(env!("CARGO_BIN_EXE_stepgate"))
+        .args([
+            "run",
+            "--role",
+            "executor",
+            "--instance-id",
+            "exec-only",
+            "--config",
+        ])
+        .arg(&exec_cfg)
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    s.start_with(&["--role", "gate"]).await;
+    let agent = s.agent();
+    let a = agent
+        .call(intent("wf-split", 1, "create_ticket", json!({}), "x1"))
+        .await;
+    let b = agent
+        .call(intent(
+            "wf-split",
+            1,
+            "create_ticket",
+            json!({"rephrased": true}),
+            "x2",
+        ))
+        .await;
+    assert_eq!(a.status, Status::Ok);
+    same_but_call_id(&a, &b);
+    assert_eq!(s.tools.count("create_ticket"), 1);
+    executor.kill().unwrap();
+    executor.wait().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn topics_create_makes_an_equal_layout_and_is_idempotent() {
+    let prefix = random_name("sgc");
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("c.toml");
+    std::fs::write(
+        &path,
+        format!("[kafka]\nbrokers = \"{}\"\npartitions = 3\n[kafka.topics]\nintents = \"{prefix}.intents\"\nresults = \"{prefix}.results\"\ndlq = \"{prefix}.dlq\"\ncalls = \"{prefix}.calls\"\nprogress = \"{prefix}.progress\"\n", brokers()),
+    )
+    .unwrap();
+    for expected in ["created", "exists"] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_stepgate"))
+            .args(["topics", "create", "--config"])
+            .arg(&path)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(
+            stdout.lines().filter(|l| l.starts_with(expected)).count(),
+            5,
+            "{stdout}"
+        );
+        assert!(stdout.contains("(3 intent partitions)"), "{stdout}");
+    }
+}
+
+#[test]
+fn an_invalid_config_fails_at_start_naming_the_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("bad.toml");
+    std::fs::write(
+        &path,
+        "[tools.pay]\ncategory = \"keyed\"\nurl = \"not a url\"\n",
+    )
+    .unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_stepgate"))
+        .args(["run", "--config"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("tools.pay.url"), "{err}");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_stepgate"))
+        .args(["check-config", "--config"])
+        .arg(&path)
+        .env("STEPGATE_TOOLS_PAY_URL", "http://127.0.0.1:1/pay")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("http://127.0.0.1:1/pay"));
+}
+
+/// kill -9 in the middle of a stream of new steps and repeats: every call is
+/// answered exactly once, no unkeyed step runs twice, and repeats carry the
+/// original answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_mid_stream_loses_nothing_and_runs_nothing_twice() {
+    let mut s = Stack::new(StackOptions::default()).await;
+    s.tools.script(
+        "create_ticket",
+        vec![Reply::Delay(Duration::from_millis(20))],
+    );
+    s.start().await;
+    let agent = s.agent();
+    let steps: Vec<(String, u64)> = (0..120)
+        .map(|i| (format!("wf-m{}", i % 12), i / 12))
+        .collect();
+    let mut ids = Vec::new();
+    for (n, (wf, step)) in steps.iter().enumerate() {
+        let id = format!("m{n}");
+        agent
+            .send(&intent(wf, *step, "create_ticket", json!({"n": n}), &id))
+            .await;
+        ids.push((wf.clone(), *step, id));
+        if n == 60 {
+            s.kill();
+        }
+    }
+    s.start().await;
+    // Repeats of every step, rephrased, after the restart.
+    for (n, (wf, step)) in steps.iter().enumerate() {
+        let id = format!("m{n}-again");
+        agent
+            .send(&intent(
+                wf,
+                *step,
+                "create_ticket",
+                json!({"n": n, "rephrased": true}),
+                &id,
+            ))
+            .await;
+        ids.push((wf.clone(), *step, id));
+    }
+    for (_, _, id) in &ids {
+        agent.answer(id, Duration::from_secs(60)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let mut by_step = std::collections::HashMap::new();
+    for (wf, step, id) in &ids {
+        let answers = agent.answers(id);
+        assert_eq!(answers.len(), 1, "{id} answered exactly once");
+        by_step
+            .entry((wf.clone(), *step))
+            .or_insert_with(Vec::new)
+            .push(answers[0].1.clone());
+    }
+    for answers in by_step.values() {
+        assert_eq!(
+            answers.iter().filter(|a| !a.deduplicated).count(),
+            1,
+            "{answers:?}"
+        );
+        let first = answers.iter().find(|a| !a.deduplicated).unwrap();
+        for a in answers {
+            same_but_call_id(first, a);
+        }
+    }
+    let mut keys: Vec<String> = s
+        .tools
+        .calls("create_ticket")
+        .into_iter()
+        .map(|c| c.idempotency_key)
+        .collect();
+    let invoked = keys.len();
+    keys.sort();
+    keys.dedup();
+    assert_eq!(keys.len(), invoked, "no unkeyed step ran twice");
+    assert!(invoked <= steps.len());
+}
+
+/// The crash window where state is ahead of Kafka: the gate dies after writing
+/// `intended` durably but before the transaction carrying the call commits. On
+/// restart the batch is undone and the intent processed again: the tool runs
+/// once, the agent gets one answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_between_state_write_and_commit_is_undone_on_restart() {
+    let mut s = Stack::new(StackOptions::default()).await;
+    s.spawn(&[], &[("STEPGATE_TEST_CRASH_AFTER_STATE_WRITE", "1")]);
+    s.wait_ready().await;
+    let agent = s.agent();
+    agent
+        .send(&intent("wf-x", 1, "create_ticket", json!({"t": 1}), "u1"))
+        .await;
+    let status = s.exited(WAIT).await;
+    assert!(!status.success(), "the fault was injected");
+    assert!(
+        s.log().contains("aborting before the transaction commits"),
+        "{}",
+        s.log()
+    );
+    assert_eq!(
+        s.tools.count("create_ticket"),
+        0,
+        "the call never left the gate"
+    );
+    s.start().await;
+    let r = agent.answer("u1", WAIT).await;
+    assert_eq!(r.status, Status::Ok);
+    assert!(
+        !r.deduplicated,
+        "the undone step is new again, not a repeat"
+    );
+    assert!(
+        s.log().contains("its state writes were undone"),
+        "{}",
+        s.log()
+    );
+    assert_eq!(s.tools.count("create_ticket"), 1);
+    assert_eq!(agent.answers("u1").len(), 1);
+    let m = s.metrics().await;
+    assert!(m.contains("stepgate_batches_rolled_back_total 1"), "{m}");
 }

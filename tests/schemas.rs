@@ -4,8 +4,8 @@
 
 use serde_json::{Value, json};
 use stepgate::contract::{
-    Call, DlqRecord, ErrorBody, Outcome, Progress, ProgressEvent, Rejection, RejectionReason, Status, StepKey,
-    ToolResult, parse_intent,
+    Call, DlqRecord, ErrorBody, Outcome, Progress, ProgressEvent, Rejection, RejectionReason,
+    Status, StepKey, ToolResult, parse_intent,
 };
 
 fn schema(name: &str) -> jsonschema::Validator {
@@ -27,7 +27,12 @@ fn assert_valid(v: &jsonschema::Validator, instance: &Value) {
 }
 
 fn step() -> StepKey {
-    StepKey { workflow_id: "order-7781".into(), step_index: 3, tool: "send_email".into(), attempt: 0 }
+    StepKey {
+        workflow_id: "order-7781".into(),
+        step_index: 3,
+        tool: "send_email".into(),
+        attempt: 0,
+    }
 }
 
 const TOOLS: &[&str] = &["send_email", "wire_transfer"];
@@ -41,7 +46,8 @@ fn intent_examples_validate_and_parse() {
     let v = schema("intent.v1.json");
     for ex in examples("intent.v1.json") {
         assert_valid(&v, &ex);
-        let i = parse_intent(ex.to_string().as_bytes(), 1 << 20, &tools()).expect("schema example parses");
+        let i = parse_intent(ex.to_string().as_bytes(), 1 << 20, &tools())
+            .expect("schema example parses");
         // What we would publish ourselves validates too.
         assert_valid(&v, &serde_json::to_value(&i).unwrap());
     }
@@ -56,7 +62,10 @@ fn schema_and_parser_agree_on_intents() {
     ];
     for i in &valid {
         assert!(v.is_valid(i), "{i}");
-        assert!(parse_intent(i.to_string().as_bytes(), 1 << 20, &tools()).is_ok(), "{i}");
+        assert!(
+            parse_intent(i.to_string().as_bytes(), 1 << 20, &tools()).is_ok(),
+            "{i}"
+        );
     }
     let invalid = [
         json!({"step_index": 0, "tool": "send_email", "arguments": {}}),
@@ -74,7 +83,10 @@ fn schema_and_parser_agree_on_intents() {
     ];
     for i in &invalid {
         assert!(!v.is_valid(i), "schema accepts {i}");
-        assert!(parse_intent(i.to_string().as_bytes(), 1 << 20, &tools()).is_err(), "parser accepts {i}");
+        assert!(
+            parse_intent(i.to_string().as_bytes(), 1 << 20, &tools()).is_err(),
+            "parser accepts {i}"
+        );
     }
 }
 
@@ -87,21 +99,38 @@ fn every_result_status_validates() {
         assert_eq!(serde_json::to_value(&r).unwrap(), ex, "round trip is exact");
     }
     let at = chrono::Utc::now();
-    let err = ErrorBody { kind: "k".into(), message: "m".into() };
+    let err = ErrorBody {
+        kind: "k".into(),
+        message: "m".into(),
+    };
     let outcomes = [
-        Outcome::Ok { output: json!({"message_id": "m-1"}) },
-        Outcome::Ok { output: Value::Null },
+        Outcome::Ok {
+            output: json!({"message_id": "m-1"}),
+        },
+        Outcome::Ok {
+            output: Value::Null,
+        },
         Outcome::Error { error: err.clone() },
         Outcome::InDoubt { error: err.clone() },
     ];
     for o in outcomes {
         let r = ToolResult::from_outcome(&step(), None, o, at);
         assert_valid(&v, &serde_json::to_value(&r).unwrap());
-        assert_valid(&v, &serde_json::to_value(r.for_repeat(Some("c2".into()))).unwrap());
+        assert_valid(
+            &v,
+            &serde_json::to_value(r.for_repeat(Some("c2".into()))).unwrap(),
+        );
     }
     let rejected = ToolResult {
-        workflow_id: "w".into(), step_index: 1, tool: "t".into(), attempt: 0, call_id: Some("c".into()),
-        status: Status::Rejected, output: None, error: Some(err), deduplicated: false,
+        workflow_id: "w".into(),
+        step_index: 1,
+        tool: "t".into(),
+        attempt: 0,
+        call_id: Some("c".into()),
+        status: Status::Rejected,
+        output: None,
+        error: Some(err),
+        deduplicated: false,
         completed_at: stepgate::contract::timestamp(at),
     };
     assert_valid(&v, &serde_json::to_value(&rejected).unwrap());
@@ -117,8 +146,12 @@ fn every_result_status_validates() {
 fn dlq_records_validate() {
     let v = schema("dlq.v1.json");
     for reason in [
-        RejectionReason::Oversized, RejectionReason::MalformedJson, RejectionReason::NotAnObject,
-        RejectionReason::MissingField, RejectionReason::WrongType, RejectionReason::InvalidValue,
+        RejectionReason::Oversized,
+        RejectionReason::MalformedJson,
+        RejectionReason::NotAnObject,
+        RejectionReason::MissingField,
+        RejectionReason::WrongType,
+        RejectionReason::InvalidValue,
         RejectionReason::UnknownTool,
     ] {
         let rej = Rejection::new(reason, "why".into());
@@ -131,16 +164,39 @@ fn dlq_records_validate() {
 
 #[test]
 fn internal_records_validate() {
-    let call = Call { step: step(), arguments: Default::default(), dispatch: 1, fast_ref: Some(7), traceparent: Some("00-x".into()) };
-    assert_valid(&schema("call.v1.json"), &serde_json::to_value(&call).unwrap());
+    let call = Call {
+        step: step(),
+        arguments: Default::default(),
+        dispatch: 1,
+        fast_ref: Some(7),
+        traceparent: Some("00-x".into()),
+    };
+    assert_valid(
+        &schema("call.v1.json"),
+        &serde_json::to_value(&call).unwrap(),
+    );
     let p = schema("progress.v1.json");
-    let started = Progress { step: step(), dispatch: 1, fast_ref: None, at_ms: 1, event: ProgressEvent::Started };
+    let started = Progress {
+        step: step(),
+        dispatch: 1,
+        fast_ref: None,
+        at_ms: 1,
+        event: ProgressEvent::Started,
+    };
     assert_valid(&p, &serde_json::to_value(&started).unwrap());
     for outcome in [
         Outcome::Ok { output: json!(1) },
-        Outcome::InDoubt { error: ErrorBody { kind: "k".into(), message: "m".into() } },
+        Outcome::InDoubt {
+            error: ErrorBody {
+                kind: "k".into(),
+                message: "m".into(),
+            },
+        },
     ] {
-        let fin = Progress { event: ProgressEvent::Finished { outcome }, ..started.clone() };
+        let fin = Progress {
+            event: ProgressEvent::Finished { outcome },
+            ..started.clone()
+        };
         assert_valid(&p, &serde_json::to_value(&fin).unwrap());
     }
 }

@@ -113,7 +113,10 @@ mod golden {
     #[test]
     fn rejected_field() {
         assert_eq!(
-            Texts::rejected_field("send_email", "`step_index` must be an integer ≥ 0, got a string"),
+            Texts::rejected_field(
+                "send_email",
+                "`step_index` must be an integer ≥ 0, got a string"
+            ),
             "This call to `send_email` was rejected before execution, so nothing was performed: \
              `step_index` must be an integer ≥ 0, got a string. Correct that and call the tool again."
         );

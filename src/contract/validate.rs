@@ -221,10 +221,7 @@ pub fn parse_intent(
     })
 }
 
-fn required_u64(
-    obj: &Map<String, Value>,
-    field: &str,
-) -> Result<u64, (RejectionReason, String)> {
+fn required_u64(obj: &Map<String, Value>, field: &str) -> Result<u64, (RejectionReason, String)> {
     match obj.get(field) {
         None | Some(Value::Null) => Err((
             RejectionReason::MissingField,
@@ -267,8 +264,7 @@ fn check_workflow_id(s: &str) -> Result<(), String> {
 fn valid_tool_name(t: &str) -> bool {
     !t.is_empty()
         && t.chars().count() <= MAX_TOOL_NAME_CHARS
-        && t
-            .chars()
+        && t.chars()
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | ':' | '-'))
 }
 
@@ -319,9 +315,11 @@ mod tests {
 
     #[test]
     fn a_full_intent_parses_and_unknown_fields_are_ignored() {
-        let i = parse(json!({"workflow_id": "w", "step_index": 3, "tool": "send_email",
+        let i = parse(
+            json!({"workflow_id": "w", "step_index": 3, "tool": "send_email",
             "attempt": 1, "arguments": {"to": "a"}, "call_id": "c", "metadata": {"m": 1},
-            "future_field": true}))
+            "future_field": true}),
+        )
         .unwrap();
         assert_eq!(i.step_key().to_string(), "w#3/send_email@1");
         assert_eq!(i.call_id.as_deref(), Some("c"));
@@ -329,8 +327,9 @@ mod tests {
 
     #[test]
     fn attempt_defaults_to_zero() {
-        let i = parse(json!({"workflow_id": "w", "step_index": 0, "tool": "search", "arguments": {}}))
-            .unwrap();
+        let i =
+            parse(json!({"workflow_id": "w", "step_index": 0, "tool": "search", "arguments": {}}))
+                .unwrap();
         assert_eq!(i.attempt, 0);
         assert_eq!(i.call_id, None);
     }
@@ -338,19 +337,71 @@ mod tests {
     #[test]
     fn each_bad_field_is_named() {
         let cases = [
-            (json!({"step_index": 0, "tool": "search", "arguments": {}}), RejectionReason::MissingField, "`workflow_id`"),
-            (json!({"workflow_id": 5, "step_index": 0, "tool": "search", "arguments": {}}), RejectionReason::WrongType, "`workflow_id` must be a string"),
-            (json!({"workflow_id": "", "step_index": 0, "tool": "search", "arguments": {}}), RejectionReason::InvalidValue, "must not be empty"),
-            (json!({"workflow_id": "a\nb", "step_index": 0, "tool": "search", "arguments": {}}), RejectionReason::InvalidValue, "control characters"),
-            (json!({"workflow_id": "w", "step_index": "3", "tool": "search", "arguments": {}}), RejectionReason::WrongType, "`step_index` must be an integer ≥ 0, got a string"),
-            (json!({"workflow_id": "w", "step_index": -1, "tool": "search", "arguments": {}}), RejectionReason::InvalidValue, "got -1"),
-            (json!({"workflow_id": "w", "step_index": 1.5, "tool": "search", "arguments": {}}), RejectionReason::WrongType, "non-integer 1.5"),
-            (json!({"workflow_id": "w", "step_index": 0, "tool": "bad tool", "arguments": {}}), RejectionReason::InvalidValue, "`tool` must be 1 to 128"),
-            (json!({"workflow_id": "w", "step_index": 0, "tool": "search", "arguments": "q"}), RejectionReason::WrongType, "`arguments` must be a JSON object"),
-            (json!({"workflow_id": "w", "step_index": 0, "tool": "search"}), RejectionReason::MissingField, "`arguments` is missing"),
-            (json!({"workflow_id": "w", "step_index": 0, "tool": "search", "arguments": {}, "attempt": "1"}), RejectionReason::WrongType, "`attempt`"),
-            (json!({"workflow_id": "w", "step_index": 0, "tool": "search", "arguments": {}, "call_id": 7}), RejectionReason::WrongType, "`call_id` must be a string"),
-            (json!({"workflow_id": "w", "step_index": 0, "tool": "search", "arguments": {}, "metadata": []}), RejectionReason::WrongType, "`metadata` must be a JSON object"),
+            (
+                json!({"step_index": 0, "tool": "search", "arguments": {}}),
+                RejectionReason::MissingField,
+                "`workflow_id`",
+            ),
+            (
+                json!({"workflow_id": 5, "step_index": 0, "tool": "search", "arguments": {}}),
+                RejectionReason::WrongType,
+                "`workflow_id` must be a string",
+            ),
+            (
+                json!({"workflow_id": "", "step_index": 0, "tool": "search", "arguments": {}}),
+                RejectionReason::InvalidValue,
+                "must not be empty",
+            ),
+            (
+                json!({"workflow_id": "a\nb", "step_index": 0, "tool": "search", "arguments": {}}),
+                RejectionReason::InvalidValue,
+                "control characters",
+            ),
+            (
+                json!({"workflow_id": "w", "step_index": "3", "tool": "search", "arguments": {}}),
+                RejectionReason::WrongType,
+                "`step_index` must be an integer ≥ 0, got a string",
+            ),
+            (
+                json!({"workflow_id": "w", "step_index": -1, "tool": "search", "arguments": {}}),
+                RejectionReason::InvalidValue,
+                "got -1",
+            ),
+            (
+                json!({"workflow_id": "w", "step_index": 1.5, "tool": "search", "arguments": {}}),
+                RejectionReason::WrongType,
+                "non-integer 1.5",
+            ),
+            (
+                json!({"workflow_id": "w", "step_index": 0, "tool": "bad tool", "arguments": {}}),
+                RejectionReason::InvalidValue,
+                "`tool` must be 1 to 128",
+            ),
+            (
+                json!({"workflow_id": "w", "step_index": 0, "tool": "search", "arguments": "q"}),
+                RejectionReason::WrongType,
+                "`arguments` must be a JSON object",
+            ),
+            (
+                json!({"workflow_id": "w", "step_index": 0, "tool": "search"}),
+                RejectionReason::MissingField,
+                "`arguments` is missing",
+            ),
+            (
+                json!({"workflow_id": "w", "step_index": 0, "tool": "search", "arguments": {}, "attempt": "1"}),
+                RejectionReason::WrongType,
+                "`attempt`",
+            ),
+            (
+                json!({"workflow_id": "w", "step_index": 0, "tool": "search", "arguments": {}, "call_id": 7}),
+                RejectionReason::WrongType,
+                "`call_id` must be a string",
+            ),
+            (
+                json!({"workflow_id": "w", "step_index": 0, "tool": "search", "arguments": {}, "metadata": []}),
+                RejectionReason::WrongType,
+                "`metadata` must be a JSON object",
+            ),
         ];
         for (input, reason, needle) in cases {
             let r = parse(input.clone()).unwrap_err();
@@ -366,15 +417,19 @@ mod tests {
         let a = r.address.unwrap();
         assert_eq!(a.step.to_string(), "w#2/search@0");
         assert_eq!(a.call_id.as_deref(), Some("c1"));
-        let r = parse(json!({"workflow_id": "w", "step_index": "x", "tool": "search", "arguments": {}}))
-            .unwrap_err();
+        let r = parse(
+            json!({"workflow_id": "w", "step_index": "x", "tool": "search", "arguments": {}}),
+        )
+        .unwrap_err();
         assert!(r.address.is_none());
     }
 
     #[test]
     fn unknown_tool_lists_the_available_ones() {
-        let r = parse(json!({"workflow_id": "w", "step_index": 0, "tool": "send_mail", "arguments": {}}))
-            .unwrap_err();
+        let r = parse(
+            json!({"workflow_id": "w", "step_index": 0, "tool": "send_mail", "arguments": {}}),
+        )
+        .unwrap_err();
         assert_eq!(r.reason, RejectionReason::UnknownTool);
         assert!(r.message.contains("`search`, `send_email`"));
         assert!(r.address.is_some());

@@ -94,7 +94,9 @@ impl Executor<'_> {
             kafka::txn_consumer_config(k, &k.executor_group, &format!("{}-exec", k.instance_id))
                 .create_with_context(ctx)?,
         );
-        let producer = kafka::init_txn_producer(k, &format!("{}-exec-{}", k.executor_group, k.instance_id)).await?;
+        let producer =
+            kafka::init_txn_producer(k, &format!("{}-exec-{}", k.executor_group, k.instance_id))
+                .await?;
         consumer.subscribe(&[&k.topics.calls])?;
         health.set_executor_ready(true);
         info!(calls = %k.topics.calls, "executor consuming");
@@ -164,7 +166,8 @@ impl Executor<'_> {
             );
         }
         if !self.finished.is_empty() {
-            self.commit_and_start(&consumer, &producer, Vec::new(), BTreeMap::new()).await?;
+            self.commit_and_start(&consumer, &producer, Vec::new(), BTreeMap::new())
+                .await?;
         }
         drop(producer);
         drop(consumer);
@@ -200,14 +203,22 @@ impl Executor<'_> {
             })
             .collect();
         let n_finished = self.finished.len();
-        records.extend(self.finished.iter().map(|(p, pr)| progress_record(progress_topic, *p, pr)));
+        records.extend(
+            self.finished
+                .iter()
+                .map(|(p, pr)| progress_record(progress_topic, *p, pr)),
+        );
         producer.begin_transaction()?;
         let committed = async {
             kafka::send_all(producer, &records).await?;
             if !offsets.is_empty() {
                 let mut tpl = TopicPartitionList::new();
                 for (p, next) in &offsets {
-                    tpl.add_partition_offset(&self.config.kafka.topics.calls, *p, Offset::Offset(*next))?;
+                    tpl.add_partition_offset(
+                        &self.config.kafka.topics.calls,
+                        *p,
+                        Offset::Offset(*next),
+                    )?;
                 }
                 kafka::send_offsets(producer, consumer, tpl).await?;
             }

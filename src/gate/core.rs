@@ -2,11 +2,11 @@
 //! messages out. One [`GateCore`] serves every partition a gate owns.
 
 use crate::config::{Config, ToolConfig};
-pub use crate::kafka::Input;
 use crate::contract::{
-    Call, DlqRecord, ErrorBody, Outcome, Progress, ProgressEvent, Rejection, RejectionReason, Status, StepKey, Texts,
-    ToolResult, parse_intent,
+    Call, DlqRecord, ErrorBody, Outcome, Progress, ProgressEvent, Rejection, RejectionReason,
+    Status, StepKey, Texts, ToolResult, parse_intent,
 };
+pub use crate::kafka::Input;
 use crate::state::{Batch, FastEntry, Phase, StateError, StateStore, StepRecord, Waiter};
 use crate::telemetry::Metrics;
 use chrono::{DateTime, TimeZone, Utc};
@@ -63,7 +63,9 @@ fn ms(d: Duration) -> i64 {
 }
 
 fn at(ms: i64) -> DateTime<Utc> {
-    Utc.timestamp_millis_opt(ms).single().unwrap_or_else(Utc::now)
+    Utc.timestamp_millis_opt(ms)
+        .single()
+        .unwrap_or_else(Utc::now)
 }
 
 impl GateCore {
@@ -104,7 +106,8 @@ impl GateCore {
             self.due.insert((d, partition, Due::Step(step)));
         }
         for (offset, e) in store.fast_entries(partition)? {
-            self.due.insert((e.deadline_ms, partition, Due::Fast(offset)));
+            self.due
+                .insert((e.deadline_ms, partition, Due::Fast(offset)));
         }
         Ok(())
     }
@@ -115,7 +118,13 @@ impl GateCore {
     }
 
     /// An intent from an agent.
-    pub fn on_intent(&mut self, store: &StateStore, batch: &mut Batch, input: &Input, now_ms: i64) -> Result<(), StateError> {
+    pub fn on_intent(
+        &mut self,
+        store: &StateStore,
+        batch: &mut Batch,
+        input: &Input,
+        now_ms: i64,
+    ) -> Result<(), StateError> {
         self.metrics.intent_received();
         let payload = input.payload.as_deref().unwrap_or_default();
         let intent = match parse_intent(payload, self.settings.max_intent_bytes, &self.tool_names) {
@@ -190,7 +199,8 @@ impl GateCore {
                 });
             }
             Some(mut record) => {
-                let rephrased = record.note_repeat(intent.call_id.clone(), &intent.arguments, now_ms);
+                let rephrased =
+                    record.note_repeat(intent.call_id.clone(), &intent.arguments, now_ms);
                 match (&record.result, record.phase.in_flight()) {
                     (Some(first), false) => {
                         let answer = first.for_repeat(intent.call_id);
@@ -216,8 +226,12 @@ impl GateCore {
     }
 
     fn reject(&mut self, input: &Input, rejection: Rejection, now_ms: i64) {
-        self.metrics
-            .rejected(rejection.reason.as_str(), &rejection.message, input.partition, input.offset);
+        self.metrics.rejected(
+            rejection.reason.as_str(),
+            &rejection.message,
+            input.partition,
+            input.offset,
+        );
         let payload = input.payload.as_deref().unwrap_or_default();
         if let Some(addr) = &rejection.address {
             self.outs.push(Out::Result {
@@ -243,19 +257,35 @@ impl GateCore {
         self.outs.push(Out::Dlq {
             key: input.key.clone(),
             headers: input.headers.clone(),
-            record: DlqRecord::new(&rejection, &input.topic, input.partition, input.offset, payload, at(now_ms)),
+            record: DlqRecord::new(
+                &rejection,
+                &input.topic,
+                input.partition,
+                input.offset,
+                payload,
+                at(now_ms),
+            ),
         });
     }
 
     /// Progress from an executor: `started`, or an outcome.
-    pub fn on_progress(&mut self, store: &StateStore, batch: &mut Batch, input: &Input, now_ms: i64) -> Result<(), StateError> {
+    pub fn on_progress(
+        &mut self,
+        store: &StateStore,
+        batch: &mut Batch,
+        input: &Input,
+        now_ms: i64,
+    ) -> Result<(), StateError> {
         let p = input.partition;
         let payload = input.payload.as_deref().unwrap_or_default();
         let progress: Progress = match serde_json::from_slice(payload) {
             Ok(pr) => pr,
             Err(e) => {
                 // Only stepgate writes this topic; keep the evidence and go on.
-                let rejection = Rejection::new(RejectionReason::MalformedJson, format!("unreadable progress record: {e}"));
+                let rejection = Rejection::new(
+                    RejectionReason::MalformedJson,
+                    format!("unreadable progress record: {e}"),
+                );
                 self.reject(input, rejection, now_ms);
                 return Ok(());
             }
@@ -265,7 +295,8 @@ impl GateCore {
                 && let Some(entry) = batch.fast(store, p, fast_ref)?
             {
                 batch.delete_fast(p, fast_ref);
-                let result = ToolResult::from_outcome(&entry.step, entry.call_id, outcome, at(now_ms));
+                let result =
+                    ToolResult::from_outcome(&entry.step, entry.call_id, outcome, at(now_ms));
                 self.outs.push(Out::Result {
                     partition: p,
                     result,
@@ -281,12 +312,14 @@ impl GateCore {
         match progress.event {
             ProgressEvent::Started => {
                 if record.phase == Phase::Intended && progress.dispatch == record.dispatch {
-                    let deadline = now_ms + ms(self.tool_deadline(&record.step.tool) + self.settings.in_doubt_grace);
+                    let deadline = now_ms
+                        + ms(self.tool_deadline(&record.step.tool) + self.settings.in_doubt_grace);
                     record.phase = Phase::Started;
                     record.started_at_ms = Some(progress.at_ms);
                     record.deadline_ms = Some(deadline);
                     batch.put_step(store, p, &record)?;
-                    self.due.insert((deadline, p, Due::Step(record.step.clone())));
+                    self.due
+                        .insert((deadline, p, Due::Step(record.step.clone())));
                 }
             }
             ProgressEvent::Finished { outcome } => {
@@ -326,7 +359,8 @@ impl GateCore {
             Outcome::InDoubt { .. } => Phase::InDoubt,
             _ => Phase::Completed,
         };
-        let result = ToolResult::from_outcome(&record.step, record.call_id.clone(), outcome, at(now_ms));
+        let result =
+            ToolResult::from_outcome(&record.step, record.call_id.clone(), outcome, at(now_ms));
         self.outs.push(Out::Result {
             partition: p,
             result: result.clone(),
@@ -347,7 +381,12 @@ impl GateCore {
 
     /// Act on every deadline that has passed: re-forward where re-running is safe,
     /// declare the rest in doubt.
-    pub fn on_deadlines(&mut self, store: &StateStore, batch: &mut Batch, now_ms: i64) -> Result<(), StateError> {
+    pub fn on_deadlines(
+        &mut self,
+        store: &StateStore,
+        batch: &mut Batch,
+        now_ms: i64,
+    ) -> Result<(), StateError> {
         while let Some((deadline, p, due)) = self.due.first().cloned() {
             if deadline > now_ms {
                 break;
@@ -355,7 +394,9 @@ impl GateCore {
             self.due.pop_first();
             match due {
                 Due::Step(step) => {
-                    let Some(mut record) = batch.step(store, p, &step)? else { continue };
+                    let Some(mut record) = batch.step(store, p, &step)? else {
+                        continue;
+                    };
                     if record.phase != Phase::Started || record.deadline_ms != Some(deadline) {
                         continue; // settled or re-dispatched since
                     }
@@ -387,7 +428,9 @@ impl GateCore {
                     }
                 }
                 Due::Fast(offset) => {
-                    let Some(mut entry) = batch.fast(store, p, offset)? else { continue };
+                    let Some(mut entry) = batch.fast(store, p, offset)? else {
+                        continue;
+                    };
                     if entry.deadline_ms != deadline {
                         continue;
                     }

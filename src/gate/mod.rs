@@ -103,13 +103,20 @@ struct Pending {
 }
 
 impl Session<'_> {
-    async fn run(&mut self, core: &mut GateCore, shutdown: &CancellationToken) -> Result<(), GateError> {
+    async fn run(
+        &mut self,
+        core: &mut GateCore,
+        shutdown: &CancellationToken,
+    ) -> Result<(), GateError> {
         let k = &self.config.kafka;
         let (ctx, mut events) = RebalanceContext::new();
         let consumer: Arc<TxnConsumer> = Arc::new(
-            kafka::txn_consumer_config(k, &k.gate_group, &format!("{}-gate", k.instance_id)).create_with_context(ctx)?,
+            kafka::txn_consumer_config(k, &k.gate_group, &format!("{}-gate", k.instance_id))
+                .create_with_context(ctx)?,
         );
-        let producer = kafka::init_txn_producer(k, &format!("{}-gate-{}", k.gate_group, k.instance_id)).await?;
+        let producer =
+            kafka::init_txn_producer(k, &format!("{}-gate-{}", k.gate_group, k.instance_id))
+                .await?;
         consumer.subscribe(&[&k.topics.intents, &k.topics.progress])?;
         info!(intents = %k.topics.intents, progress = %k.topics.progress, "gate consuming");
 
@@ -173,7 +180,12 @@ impl Session<'_> {
         result
     }
 
-    async fn on_rebalance(&mut self, core: &mut GateCore, consumer: &Arc<TxnConsumer>, ev: RebalanceEvent) -> Result<(), GateError> {
+    async fn on_rebalance(
+        &mut self,
+        core: &mut GateCore,
+        consumer: &Arc<TxnConsumer>,
+        ev: RebalanceEvent,
+    ) -> Result<(), GateError> {
         match ev {
             RebalanceEvent::Assigned(parts) => {
                 let ps: BTreeSet<i32> = parts.iter().map(|(_, p)| *p).collect();
@@ -193,14 +205,20 @@ impl Session<'_> {
                 }
             }
         }
-        self.health
-            .set_gate_ready(!self.assigned.is_empty() && self.assigned.iter().all(|p| self.owned.contains_key(p)));
+        self.health.set_gate_ready(
+            !self.assigned.is_empty() && self.assigned.iter().all(|p| self.owned.contains_key(p)),
+        );
         Ok(())
     }
 
     /// Before a partition's first input: reconcile its state with what Kafka
     /// committed, and load its pending deadlines.
-    async fn ensure_owned(&mut self, core: &mut GateCore, consumer: &Arc<TxnConsumer>, p: i32) -> Result<(), GateError> {
+    async fn ensure_owned(
+        &mut self,
+        core: &mut GateCore,
+        consumer: &Arc<TxnConsumer>,
+        p: i32,
+    ) -> Result<(), GateError> {
         if self.owned.contains_key(&p) {
             return Ok(());
         }
@@ -212,7 +230,10 @@ impl Session<'_> {
             tpl.add_partition(&topics.progress, p);
             let committed = c.committed_offsets(tpl, Duration::from_secs(30))?;
             let i = committed.find_partition(&topics.intents, p);
-            let intents = i.as_ref().and_then(|e| e.offset().to_raw()).filter(|o| *o >= 0);
+            let intents = i
+                .as_ref()
+                .and_then(|e| e.offset().to_raw())
+                .filter(|o| *o >= 0);
             let meta = i.map(|e| e.metadata().to_owned()).unwrap_or_default();
             let progress = committed
                 .find_partition(&topics.progress, p)
@@ -220,20 +241,28 @@ impl Session<'_> {
                 .filter(|o| *o >= 0);
             let intents = match intents {
                 Some(o) => o,
-                None => c.fetch_watermarks(&topics.intents, p, Duration::from_secs(30))?.0,
+                None => {
+                    c.fetch_watermarks(&topics.intents, p, Duration::from_secs(30))?
+                        .0
+                }
             };
             drop(committed);
             Ok((intents, meta, progress))
         })
         .await?;
-        let committed_seq = seq_meta.strip_prefix(SEQ_TAG).and_then(|s| s.parse::<u64>().ok());
+        let committed_seq = seq_meta
+            .strip_prefix(SEQ_TAG)
+            .and_then(|s| s.parse::<u64>().ok());
         let seq = match self.store.reconcile(p, committed_seq)? {
             Reconciled::InSync => committed_seq,
             Reconciled::RolledBack { seq } => {
                 self.metrics.rolled_back(p, seq);
                 committed_seq
             }
-            Reconciled::Diverged { state_seq, committed_seq } => {
+            Reconciled::Diverged {
+                state_seq,
+                committed_seq,
+            } => {
                 self.metrics.divergence(p, state_seq, committed_seq);
                 state_seq.max(committed_seq)
             }
@@ -279,13 +308,25 @@ impl Session<'_> {
             // Produce first (it needs no state), then make the state durable while
             // deliveries are in flight, then commit.
             let send = kafka::send_all(producer, &records);
-            let state = async { self.store.commit(pending.batch, &seqs).map_err(GateError::from) };
+            let state = async {
+                self.store
+                    .commit(pending.batch, &seqs)
+                    .map_err(GateError::from)
+            };
             let (s, st) = tokio::join!(send, state);
             st?;
             s?;
+            if !touched.is_empty() {
+                crash_point::state_written();
+            }
             let mut tpl = TopicPartitionList::new();
             let topics = &self.config.kafka.topics;
-            let intent_parts: BTreeSet<i32> = pending.intents_next.keys().chain(touched.iter()).copied().collect();
+            let intent_parts: BTreeSet<i32> = pending
+                .intents_next
+                .keys()
+                .chain(touched.iter())
+                .copied()
+                .collect();
             for p in intent_parts {
                 let owned = self.owned.get(&p);
                 let next = pending
@@ -332,7 +373,8 @@ impl Session<'_> {
         }
         for o in &outs {
             if let Out::Result { result, .. } = o {
-                self.metrics.result_published(result.status.as_str(), result.deduplicated);
+                self.metrics
+                    .result_published(result.status.as_str(), result.deduplicated);
             }
         }
         self.metrics.committed(started.elapsed());
@@ -354,7 +396,11 @@ impl Session<'_> {
                 result,
                 traceparent,
             } => result_record(&t.results, *partition, result, traceparent.as_deref()),
-            Out::Dlq { key, headers, record } => OutRecord {
+            Out::Dlq {
+                key,
+                headers,
+                record,
+            } => OutRecord {
                 topic: t.dlq.clone(),
                 partition: None,
                 key: key.clone(),
@@ -366,7 +412,12 @@ impl Session<'_> {
 }
 
 /// A Result v1 record: keyed by workflow id, in the intent's partition number.
-pub fn result_record(topic: &str, partition: i32, result: &ToolResult, traceparent: Option<&str>) -> OutRecord {
+pub fn result_record(
+    topic: &str,
+    partition: i32,
+    result: &ToolResult,
+    traceparent: Option<&str>,
+) -> OutRecord {
     OutRecord {
         topic: topic.to_owned(),
         partition: Some(partition),
@@ -375,6 +426,30 @@ pub fn result_record(topic: &str, partition: i32, result: &ToolResult, tracepare
         headers: traceparent
             .map(|tp| vec![("traceparent".to_owned(), Some(tp.as_bytes().to_vec()))])
             .unwrap_or_default(),
+    }
+}
+
+/// Fault injection for the crash-consistency tests: with
+/// `STEPGATE_TEST_CRASH_AFTER_STATE_WRITE=N`, the process aborts right after the
+/// N-th durable state write, before its Kafka transaction commits — the window
+/// where state is ahead of Kafka. Unset in production.
+mod crash_point {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static WRITES: AtomicU64 = AtomicU64::new(0);
+
+    pub fn state_written() {
+        let Some(n) = std::env::var("STEPGATE_TEST_CRASH_AFTER_STATE_WRITE")
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok())
+        else {
+            return;
+        };
+        if WRITES.fetch_add(1, Ordering::SeqCst) + 1 == n {
+            eprintln!(
+                "STEPGATE_TEST_CRASH_AFTER_STATE_WRITE={n}: aborting before the transaction commits"
+            );
+            std::process::abort();
+        }
     }
 }
 

@@ -50,7 +50,10 @@ pub fn txn_consumer_config(cfg: &KafkaConfig, group: &str, instance: &str) -> Cl
         // Range keeps partition p of every subscribed topic on one member, which is
         // what co-partitioned intents and progress need.
         .set("partition.assignment.strategy", "range")
-        .set("session.timeout.ms", cfg.session_timeout.0.as_millis().to_string())
+        .set(
+            "session.timeout.ms",
+            cfg.session_timeout.0.as_millis().to_string(),
+        )
         .set("max.poll.interval.ms", "600000")
         .set("fetch.wait.max.ms", "50");
     for (k, v) in &cfg.client {
@@ -128,12 +131,17 @@ pub type TxnConsumer = StreamConsumer<RebalanceContext>;
 
 /// Create a transactional producer and initialise its transactions (fencing any
 /// earlier incarnation with the same id and aborting its open transaction).
-pub async fn init_txn_producer(cfg: &KafkaConfig, transactional_id: &str) -> Result<FutureProducer, KafkaError> {
+pub async fn init_txn_producer(
+    cfg: &KafkaConfig,
+    transactional_id: &str,
+) -> Result<FutureProducer, KafkaError> {
     let producer: FutureProducer = txn_producer_config(cfg, transactional_id).create()?;
     let p = producer.clone();
-    tokio::task::spawn_blocking(move || p.init_transactions(Timeout::After(Duration::from_secs(60))))
-        .await
-        .map_err(|_| KafkaError::Canceled)??;
+    tokio::task::spawn_blocking(move || {
+        p.init_transactions(Timeout::After(Duration::from_secs(60)))
+    })
+    .await
+    .map_err(|_| KafkaError::Canceled)??;
     Ok(producer)
 }
 
@@ -141,7 +149,9 @@ pub async fn init_txn_producer(cfg: &KafkaConfig, transactional_id: &str) -> Res
 pub async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T, KafkaError> + Send + 'static,
 ) -> Result<T, KafkaError> {
-    tokio::task::spawn_blocking(f).await.map_err(|_| KafkaError::Canceled)?
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|_| KafkaError::Canceled)?
 }
 
 /// Commit a transaction, retrying what librdkafka says is retriable.
@@ -149,7 +159,8 @@ pub async fn commit_txn(producer: &FutureProducer) -> Result<(), KafkaError> {
     let mut tries = 0;
     loop {
         let p = producer.clone();
-        match blocking(move || p.commit_transaction(Timeout::After(Duration::from_secs(30)))).await {
+        match blocking(move || p.commit_transaction(Timeout::After(Duration::from_secs(30)))).await
+        {
             Err(KafkaError::Transaction(e)) if e.is_retriable() && tries < 5 => {
                 tries += 1;
                 tracing::warn!(error = %e, "transaction commit will be retried");
@@ -163,7 +174,9 @@ pub async fn commit_txn(producer: &FutureProducer) -> Result<(), KafkaError> {
 /// on an error path and recreates the producer).
 pub async fn abort_txn(producer: &FutureProducer) {
     let p = producer.clone();
-    if let Err(e) = blocking(move || p.abort_transaction(Timeout::After(Duration::from_secs(30)))).await {
+    if let Err(e) =
+        blocking(move || p.abort_transaction(Timeout::After(Duration::from_secs(30)))).await
+    {
         tracing::warn!(error = %e, "transaction abort failed");
     }
 }
@@ -191,7 +204,10 @@ pub fn partition_counts(cfg: &KafkaConfig, topics: &[&str]) -> Result<Vec<usize>
 /// Refuse to start on a topic layout that would misroute answers.
 pub fn check_layout(cfg: &KafkaConfig) -> Result<usize, KafkaSetupError> {
     let t = &cfg.topics;
-    let counts = partition_counts(cfg, &[&t.intents, &t.results, &t.dlq, &t.calls, &t.progress])?;
+    let counts = partition_counts(
+        cfg,
+        &[&t.intents, &t.results, &t.dlq, &t.calls, &t.progress],
+    )?;
     let (intents, results, calls, progress) = (counts[0], counts[1], counts[3], counts[4]);
     if results < intents {
         return Err(KafkaSetupError::Layout(format!(
@@ -210,7 +226,10 @@ pub fn check_layout(cfg: &KafkaConfig) -> Result<usize, KafkaSetupError> {
 
 /// Create every topic stepgate uses (existing ones are left as they are).
 /// Returns (topic, created?) pairs.
-pub async fn create_topics(cfg: &KafkaConfig, retention: Duration) -> Result<Vec<(String, bool)>, KafkaSetupError> {
+pub async fn create_topics(
+    cfg: &KafkaConfig,
+    retention: Duration,
+) -> Result<Vec<(String, bool)>, KafkaSetupError> {
     let admin: AdminClient<DefaultClientContext> = base_config(cfg).create()?;
     let t = &cfg.topics;
     let retention_ms = retention.as_millis().max(1).to_string();
@@ -218,10 +237,14 @@ pub async fn create_topics(cfg: &KafkaConfig, retention: Duration) -> Result<Vec
     let topics: Vec<NewTopic> = names
         .iter()
         .map(|n| {
-            NewTopic::new(n, cfg.partitions, TopicReplication::Fixed(cfg.replication_factor))
-                // Topics are kept at least as long as steps are remembered, so a
-                // late repeat and an audit can still be traced through them.
-                .set("retention.ms", &retention_ms)
+            NewTopic::new(
+                n,
+                cfg.partitions,
+                TopicReplication::Fixed(cfg.replication_factor),
+            )
+            // Topics are kept at least as long as steps are remembered, so a
+            // late repeat and an audit can still be traced through them.
+            .set("retention.ms", &retention_ms)
         })
         .collect();
     let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
@@ -230,12 +253,34 @@ pub async fn create_topics(cfg: &KafkaConfig, retention: Duration) -> Result<Vec
     for r in results {
         match r {
             Ok(name) => out.push((name, true)),
-            Err((name, rdkafka::types::RDKafkaErrorCode::TopicAlreadyExists)) => out.push((name, false)),
+            Err((name, rdkafka::types::RDKafkaErrorCode::TopicAlreadyExists)) => {
+                out.push((name, false))
+            }
             Err((name, code)) => {
-                return Err(KafkaSetupError::Layout(format!("could not create topic `{name}`: {code}")));
+                return Err(KafkaSetupError::Layout(format!(
+                    "could not create topic `{name}`: {code}"
+                )));
             }
         }
     }
+    // Creation returns before every broker's metadata shows the topics: wait for
+    // them, so that what runs next (a layout check, stepgate itself) sees them.
+    let cfg = cfg.clone();
+    let names: Vec<String> = names.iter().map(|n| n.to_string()).collect();
+    tokio::task::spawn_blocking(move || {
+        let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            match partition_counts(&cfg, &refs) {
+                Err(KafkaSetupError::MissingTopic(_)) if std::time::Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                other => return other.map(|_| ()),
+            }
+        }
+    })
+    .await
+    .map_err(|_| KafkaError::Canceled)??;
     Ok(out)
 }
 
@@ -258,7 +303,8 @@ pub async fn send_all(producer: &FutureProducer, records: &[OutRecord]) -> Resul
     let mut pending = std::collections::VecDeque::new();
     for r in records {
         loop {
-            let mut rec: FutureRecord<'_, [u8], [u8]> = FutureRecord::to(&r.topic).payload(r.payload.as_slice());
+            let mut rec: FutureRecord<'_, [u8], [u8]> =
+                FutureRecord::to(&r.topic).payload(r.payload.as_slice());
             if let Some(p) = r.partition {
                 rec = rec.partition(p);
             }
@@ -268,7 +314,10 @@ pub async fn send_all(producer: &FutureProducer, records: &[OutRecord]) -> Resul
             if !r.headers.is_empty() {
                 let mut h = OwnedHeaders::new_with_capacity(r.headers.len());
                 for (k, v) in &r.headers {
-                    h = h.insert(Header { key: k, value: v.as_deref() });
+                    h = h.insert(Header {
+                        key: k,
+                        value: v.as_deref(),
+                    });
                 }
                 rec = rec.headers(h);
             }
@@ -295,7 +344,10 @@ pub async fn send_all(producer: &FutureProducer, records: &[OutRecord]) -> Resul
 }
 
 fn check_delivery(
-    r: Result<rdkafka::producer::future_producer::OwnedDeliveryResult, futures::channel::oneshot::Canceled>,
+    r: Result<
+        rdkafka::producer::future_producer::OwnedDeliveryResult,
+        futures::channel::oneshot::Canceled,
+    >,
 ) -> Result<(), KafkaError> {
     match r {
         Ok(Ok(_)) => Ok(()),
@@ -310,11 +362,14 @@ pub async fn send_offsets(
     consumer: &Arc<TxnConsumer>,
     offsets: rdkafka::TopicPartitionList,
 ) -> Result<(), KafkaError> {
-    let meta = consumer
-        .group_metadata()
-        .ok_or(KafkaError::ConsumerCommit(rdkafka::types::RDKafkaErrorCode::InvalidGroupId))?;
+    let meta = consumer.group_metadata().ok_or(KafkaError::ConsumerCommit(
+        rdkafka::types::RDKafkaErrorCode::InvalidGroupId,
+    ))?;
     let p = producer.clone();
-    blocking(move || p.send_offsets_to_transaction(&offsets, &meta, Timeout::After(Duration::from_secs(30)))).await
+    blocking(move || {
+        p.send_offsets_to_transaction(&offsets, &meta, Timeout::After(Duration::from_secs(30)))
+    })
+    .await
 }
 
 /// A record read from Kafka, owned.
@@ -338,7 +393,6 @@ impl Input {
             .and_then(|v| String::from_utf8(v.clone()).ok())
     }
 }
-
 
 /// Copy a consumed message out of librdkafka's buffers.
 pub fn to_input(m: &rdkafka::message::BorrowedMessage<'_>) -> Input {

@@ -24,7 +24,9 @@ mod record;
 pub use record::{FastEntry, Phase, RephrasedCall, StepRecord, Waiter};
 
 use crate::contract::StepKey;
-use rocksdb::{ColumnFamilyDescriptor, DB, Direction, IteratorMode, Options, WriteBatch, WriteOptions};
+use rocksdb::{
+    ColumnFamilyDescriptor, DB, Direction, IteratorMode, Options, WriteBatch, WriteOptions,
+};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
@@ -80,12 +82,17 @@ pub enum Reconciled {
     },
 }
 
+/// One key's value before a batch: (cf, key, value or absent).
+type Prior = (Cf, Vec<u8>, Option<Vec<u8>>);
+
+/// A raw key-value pair.
+type Raw = (Vec<u8>, Vec<u8>);
+
 #[derive(Serialize, Deserialize)]
 struct Undo {
     seq: u64,
     prev_seq: Option<u64>,
-    /// (cf, key, value before the batch)
-    entries: Vec<(Cf, Vec<u8>, Option<Vec<u8>>)>,
+    entries: Vec<Prior>,
 }
 
 /// The RocksDB-backed state of one gate process.
@@ -112,11 +119,15 @@ impl StateStore {
     }
 
     fn cf(&self, cf: Cf) -> &rocksdb::ColumnFamily {
-        self.db.cf_handle(cf.name()).expect("column families are created at open")
+        self.db
+            .cf_handle(cf.name())
+            .expect("column families are created at open")
     }
 
     fn meta(&self) -> &rocksdb::ColumnFamily {
-        self.db.cf_handle(META).expect("column families are created at open")
+        self.db
+            .cf_handle(META)
+            .expect("column families are created at open")
     }
 
     fn get_raw(&self, cf: Cf, key: &[u8]) -> Result<Option<Vec<u8>>, StateError> {
@@ -139,7 +150,11 @@ impl StateStore {
     }
 
     /// Bring a partition's state in line with what Kafka committed (see the module doc).
-    pub fn reconcile(&self, partition: i32, committed_seq: Option<u64>) -> Result<Reconciled, StateError> {
+    pub fn reconcile(
+        &self,
+        partition: i32,
+        committed_seq: Option<u64>,
+    ) -> Result<Reconciled, StateError> {
         let state_seq = self.applied_seq(partition)?;
         if state_seq == committed_seq {
             return Ok(Reconciled::InSync);
@@ -147,7 +162,10 @@ impl StateStore {
         let undo: Option<Undo> = self
             .db
             .get_cf(self.meta(), undo_key(partition))?
-            .map(|b| serde_json::from_slice(&b).map_err(|source| StateError::Corrupt { cf: META, source }))
+            .map(|b| {
+                serde_json::from_slice(&b)
+                    .map_err(|source| StateError::Corrupt { cf: META, source })
+            })
             .transpose()?;
         if let Some(undo) = undo
             && Some(undo.seq) == state_seq
@@ -181,7 +199,7 @@ impl StateStore {
         if batch.writes.is_empty() {
             return Ok(());
         }
-        let mut undo: BTreeMap<i32, Vec<(Cf, Vec<u8>, Option<Vec<u8>>)>> = BTreeMap::new();
+        let mut undo: BTreeMap<i32, Vec<Prior>> = BTreeMap::new();
         let mut wb = WriteBatch::default();
         for ((cf, key), value) in batch.writes {
             let partition = partition_of(&key);
@@ -202,7 +220,11 @@ impl StateStore {
                 prev_seq,
                 entries,
             };
-            wb.put_cf(self.meta(), undo_key(partition), serde_json::to_vec(&u).expect("undo serialises"));
+            wb.put_cf(
+                self.meta(),
+                undo_key(partition),
+                serde_json::to_vec(&u).expect("undo serialises"),
+            );
             wb.put_cf(self.meta(), seq_key(partition), seq.to_be_bytes());
         }
         self.write_synced(wb)
@@ -239,7 +261,12 @@ impl StateStore {
     }
 
     /// Up to `limit` step records of `partition` whose retention ended before `now_ms`.
-    pub fn expired(&self, partition: i32, now_ms: i64, limit: usize) -> Result<Vec<(i64, StepKey)>, StateError> {
+    pub fn expired(
+        &self,
+        partition: i32,
+        now_ms: i64,
+        limit: usize,
+    ) -> Result<Vec<(i64, StepKey)>, StateError> {
         let mut out = Vec::new();
         let prefix = partition.to_be_bytes();
         for (key, _) in self.scan_prefix(Cf::Expiry, &prefix)? {
@@ -255,7 +282,11 @@ impl StateStore {
     }
 
     /// Every step record of a workflow in a partition, in step order.
-    pub fn workflow_steps(&self, partition: i32, workflow_id: &str) -> Result<Vec<StepRecord>, StateError> {
+    pub fn workflow_steps(
+        &self,
+        partition: i32,
+        workflow_id: &str,
+    ) -> Result<Vec<StepRecord>, StateError> {
         let mut prefix = partition.to_be_bytes().to_vec();
         push_workflow(&mut prefix, workflow_id);
         self.scan_prefix(Cf::Steps, &prefix)?
@@ -264,7 +295,7 @@ impl StateStore {
             .collect()
     }
 
-    fn scan_prefix(&self, cf: Cf, prefix: &[u8]) -> Result<Vec<(Vec<u8>, Vec<u8>)>, StateError> {
+    fn scan_prefix(&self, cf: Cf, prefix: &[u8]) -> Result<Vec<Raw>, StateError> {
         let mut out = Vec::new();
         for item in self
             .db
@@ -321,22 +352,35 @@ impl Batch {
         }
     }
 
-    pub fn step(&self, store: &StateStore, partition: i32, step: &StepKey) -> Result<Option<StepRecord>, StateError> {
+    pub fn step(
+        &self,
+        store: &StateStore,
+        partition: i32,
+        step: &StepKey,
+    ) -> Result<Option<StepRecord>, StateError> {
         self.get(store, Cf::Steps, step_key_bytes(partition, step))?
             .map(|b| decode(Cf::Steps, &b))
             .transpose()
     }
 
     /// Write a step record, keeping the deadline and expiry indexes in line.
-    pub fn put_step(&mut self, store: &StateStore, partition: i32, record: &StepRecord) -> Result<(), StateError> {
+    pub fn put_step(
+        &mut self,
+        store: &StateStore,
+        partition: i32,
+        record: &StepRecord,
+    ) -> Result<(), StateError> {
         let key = step_key_bytes(partition, &record.step);
         if let Some(old) = self.step(store, partition, &record.step)?
             && old.expires_at_ms != record.expires_at_ms
         {
-            self.writes.insert((Cf::Expiry, expiry_key(&key, old.expires_at_ms)), None);
+            self.writes
+                .insert((Cf::Expiry, expiry_key(&key, old.expires_at_ms)), None);
         }
-        self.writes
-            .insert((Cf::Expiry, expiry_key(&key, record.expires_at_ms)), Some(Vec::new()));
+        self.writes.insert(
+            (Cf::Expiry, expiry_key(&key, record.expires_at_ms)),
+            Some(Vec::new()),
+        );
         let deadline = match record.phase {
             Phase::Started => record.deadline_ms,
             _ => None,
@@ -345,16 +389,24 @@ impl Batch {
             (Cf::Deadlines, key.clone()),
             deadline.map(|d| serde_json::to_vec(&d).expect("i64 serialises")),
         );
-        self.writes
-            .insert((Cf::Steps, key), Some(serde_json::to_vec(record).expect("records serialise")));
+        self.writes.insert(
+            (Cf::Steps, key),
+            Some(serde_json::to_vec(record).expect("records serialise")),
+        );
         Ok(())
     }
 
     /// Remove a step record and its index entries (retention).
-    pub fn delete_step(&mut self, store: &StateStore, partition: i32, step: &StepKey) -> Result<(), StateError> {
+    pub fn delete_step(
+        &mut self,
+        store: &StateStore,
+        partition: i32,
+        step: &StepKey,
+    ) -> Result<(), StateError> {
         let key = step_key_bytes(partition, step);
         if let Some(old) = self.step(store, partition, step)? {
-            self.writes.insert((Cf::Expiry, expiry_key(&key, old.expires_at_ms)), None);
+            self.writes
+                .insert((Cf::Expiry, expiry_key(&key, old.expires_at_ms)), None);
         }
         self.writes.insert((Cf::Deadlines, key.clone()), None);
         self.writes.insert((Cf::Steps, key), None);
@@ -364,10 +416,16 @@ impl Batch {
     /// Drop a dangling expiry index entry.
     pub fn delete_expiry(&mut self, partition: i32, step: &StepKey, at_ms: i64) {
         let key = step_key_bytes(partition, step);
-        self.writes.insert((Cf::Expiry, expiry_key(&key, at_ms)), None);
+        self.writes
+            .insert((Cf::Expiry, expiry_key(&key, at_ms)), None);
     }
 
-    pub fn fast(&self, store: &StateStore, partition: i32, offset: i64) -> Result<Option<FastEntry>, StateError> {
+    pub fn fast(
+        &self,
+        store: &StateStore,
+        partition: i32,
+        offset: i64,
+    ) -> Result<Option<FastEntry>, StateError> {
         self.get(store, Cf::Fast, fast_key(partition, offset))?
             .map(|b| decode(Cf::Fast, &b))
             .transpose()
@@ -381,7 +439,8 @@ impl Batch {
     }
 
     pub fn delete_fast(&mut self, partition: i32, offset: i64) {
-        self.writes.insert((Cf::Fast, fast_key(partition, offset)), None);
+        self.writes
+            .insert((Cf::Fast, fast_key(partition, offset)), None);
     }
 
     /// The partitions this batch writes to.
@@ -391,11 +450,18 @@ impl Batch {
 }
 
 fn decode<T: serde::de::DeserializeOwned>(cf: Cf, bytes: &[u8]) -> Result<T, StateError> {
-    serde_json::from_slice(bytes).map_err(|source| StateError::Corrupt { cf: cf.name(), source })
+    serde_json::from_slice(bytes).map_err(|source| StateError::Corrupt {
+        cf: cf.name(),
+        source,
+    })
 }
 
 fn partition_of(key: &[u8]) -> i32 {
-    i32::from_be_bytes(key[..4].try_into().expect("every key starts with its partition"))
+    i32::from_be_bytes(
+        key[..4]
+            .try_into()
+            .expect("every key starts with its partition"),
+    )
 }
 
 fn seq_key(partition: i32) -> Vec<u8> {

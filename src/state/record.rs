@@ -98,7 +98,12 @@ pub struct StepRecord {
 impl StepRecord {
     /// Count a repeat, keeping its arguments when the model rephrased them.
     /// Returns whether it was rephrased.
-    pub fn note_repeat(&mut self, call_id: Option<String>, arguments: &Map<String, Value>, at_ms: i64) -> bool {
+    pub fn note_repeat(
+        &mut self,
+        call_id: Option<String>,
+        arguments: &Map<String, Value>,
+        at_ms: i64,
+    ) -> bool {
         self.repeats += 1;
         let rephrased = *arguments != self.arguments;
         if rephrased {

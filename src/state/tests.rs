@@ -49,7 +49,11 @@ fn committed_batches_survive_reopen() {
     }
     let s = StateStore::open(dir.path()).unwrap();
     assert_eq!(s.step(2, &step(1)).unwrap().unwrap().phase, Phase::Started);
-    assert_eq!(s.step(1, &step(1)).unwrap(), None, "partitions are separate");
+    assert_eq!(
+        s.step(1, &step(1)).unwrap(),
+        None,
+        "partitions are separate"
+    );
     assert_eq!(s.deadlines(2).unwrap(), vec![(step(1), 500)]);
     assert_eq!(s.applied_seq(2).unwrap(), Some(1));
 }
@@ -59,15 +63,20 @@ fn reconcile_undoes_a_batch_kafka_never_committed() {
     let dir = tempfile::tempdir().unwrap();
     let s = StateStore::open(dir.path()).unwrap();
     let mut b = Batch::default();
-    b.put_step(&s, 0, &record(1, Phase::Intended, 1000)).unwrap();
+    b.put_step(&s, 0, &record(1, Phase::Intended, 1000))
+        .unwrap();
     s.commit(b, &seqs(0, 1)).unwrap();
     let mut b = Batch::default();
     b.put_step(&s, 0, &record(1, Phase::Started, 2000)).unwrap();
-    b.put_step(&s, 0, &record(2, Phase::Intended, 2000)).unwrap();
+    b.put_step(&s, 0, &record(2, Phase::Intended, 2000))
+        .unwrap();
     s.commit(b, &seqs(0, 2)).unwrap();
 
     // Kafka committed batch 1 only: batch 2 must disappear.
-    assert_eq!(s.reconcile(0, Some(1)).unwrap(), Reconciled::RolledBack { seq: 2 });
+    assert_eq!(
+        s.reconcile(0, Some(1)).unwrap(),
+        Reconciled::RolledBack { seq: 2 }
+    );
     assert_eq!(s.step(0, &step(1)).unwrap().unwrap().phase, Phase::Intended);
     assert_eq!(s.step(0, &step(2)).unwrap(), None);
     assert!(s.deadlines(0).unwrap().is_empty());
@@ -94,9 +103,13 @@ fn first_batch_rolls_back_to_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let s = StateStore::open(dir.path()).unwrap();
     let mut b = Batch::default();
-    b.put_step(&s, 0, &record(1, Phase::Intended, 1000)).unwrap();
+    b.put_step(&s, 0, &record(1, Phase::Intended, 1000))
+        .unwrap();
     s.commit(b, &seqs(0, 1)).unwrap();
-    assert_eq!(s.reconcile(0, None).unwrap(), Reconciled::RolledBack { seq: 1 });
+    assert_eq!(
+        s.reconcile(0, None).unwrap(),
+        Reconciled::RolledBack { seq: 1 }
+    );
     assert_eq!(s.step(0, &step(1)).unwrap(), None);
     assert_eq!(s.applied_seq(0).unwrap(), None);
 }
@@ -106,11 +119,14 @@ fn expiry_index_follows_the_record() {
     let dir = tempfile::tempdir().unwrap();
     let s = StateStore::open(dir.path()).unwrap();
     let mut b = Batch::default();
-    b.put_step(&s, 0, &record(1, Phase::Intended, 1000)).unwrap();
-    b.put_step(&s, 0, &record(2, Phase::Completed, 3000)).unwrap();
+    b.put_step(&s, 0, &record(1, Phase::Intended, 1000))
+        .unwrap();
+    b.put_step(&s, 0, &record(2, Phase::Completed, 3000))
+        .unwrap();
     s.commit(b, &seqs(0, 1)).unwrap();
     let mut b = Batch::default();
-    b.put_step(&s, 0, &record(1, Phase::Completed, 4000)).unwrap();
+    b.put_step(&s, 0, &record(1, Phase::Completed, 4000))
+        .unwrap();
     s.commit(b, &seqs(0, 2)).unwrap();
     assert_eq!(s.expired(0, 3500, 10).unwrap(), vec![(3000, step(2))]);
     let mut b = Batch::default();
@@ -127,7 +143,8 @@ fn a_batch_reads_its_own_writes() {
     let dir = tempfile::tempdir().unwrap();
     let s = StateStore::open(dir.path()).unwrap();
     let mut b = Batch::default();
-    b.put_step(&s, 0, &record(1, Phase::Intended, 1000)).unwrap();
+    b.put_step(&s, 0, &record(1, Phase::Intended, 1000))
+        .unwrap();
     assert!(b.step(&s, 0, &step(1)).unwrap().is_some());
     assert!(s.step(0, &step(1)).unwrap().is_none());
     assert_eq!(b.partitions().into_iter().collect::<Vec<_>>(), vec![0]);

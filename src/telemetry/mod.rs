@@ -6,7 +6,10 @@ mod server;
 
 pub use server::{Health, serve};
 
-use prometheus::{Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts, Registry, TextEncoder};
+use prometheus::{
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts,
+    Registry, TextEncoder,
+};
 use std::time::Duration;
 use tracing::{info, warn};
 
@@ -35,19 +38,22 @@ pub struct Metrics {
 
 fn counter(r: &Registry, name: &str, help: &str) -> IntCounter {
     let c = IntCounter::new(name, help).expect("metric names are valid");
-    r.register(Box::new(c.clone())).expect("each metric is registered once");
+    r.register(Box::new(c.clone()))
+        .expect("each metric is registered once");
     c
 }
 
 fn counter_vec(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
     let c = IntCounterVec::new(Opts::new(name, help), labels).expect("metric names are valid");
-    r.register(Box::new(c.clone())).expect("each metric is registered once");
+    r.register(Box::new(c.clone()))
+        .expect("each metric is registered once");
     c
 }
 
 fn gauge(r: &Registry, name: &str, help: &str) -> IntGauge {
     let g = IntGauge::new(name, help).expect("metric names are valid");
-    r.register(Box::new(g.clone())).expect("each metric is registered once");
+    r.register(Box::new(g.clone()))
+        .expect("each metric is registered once");
     g
 }
 
@@ -60,14 +66,20 @@ impl Default for Metrics {
 impl Metrics {
     pub fn new() -> Self {
         let r = Registry::new();
-        let buckets = vec![0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
+        let buckets = vec![
+            0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+        ];
         let tool_latency = HistogramVec::new(
-            HistogramOpts::new("stepgate_tool_latency_seconds", "Duration of one tool invocation, retries included.")
-                .buckets(buckets.clone()),
+            HistogramOpts::new(
+                "stepgate_tool_latency_seconds",
+                "Duration of one tool invocation, retries included.",
+            )
+            .buckets(buckets.clone()),
             &["tool"],
         )
         .expect("metric names are valid");
-        r.register(Box::new(tool_latency.clone())).expect("registered once");
+        r.register(Box::new(tool_latency.clone()))
+            .expect("registered once");
         let commit_latency = Histogram::with_opts(
             HistogramOpts::new(
                 "stepgate_commit_latency_seconds",
@@ -76,24 +88,99 @@ impl Metrics {
             .buckets(buckets),
         )
         .expect("metric names are valid");
-        r.register(Box::new(commit_latency.clone())).expect("registered once");
+        r.register(Box::new(commit_latency.clone()))
+            .expect("registered once");
         Metrics {
-            intents_received: counter(&r, "stepgate_intents_received_total", "Intents read from the intents topic, valid or not."),
-            steps_forwarded: counter_vec(&r, "stepgate_steps_forwarded_total", "New steps recorded and forwarded to executors.", &["tool", "category"]),
-            fast_path_calls: counter_vec(&r, "stepgate_fast_path_calls_total", "Calls of read-only/idempotent tools forwarded without a step record.", &["tool"]),
-            repeats_answered: counter_vec(&r, "stepgate_repeats_total", "Repeats of a known step, by the step's state when the repeat arrived (completed or in_flight).", &["tool", "state"]),
-            rephrased_retries: counter_vec(&r, "stepgate_rephrased_retries_total", "Repeats whose arguments differ from the first call's.", &["tool"]),
-            rejected_inputs: counter_vec(&r, "stepgate_rejected_inputs_total", "Inputs sent to the dead-letter topic, by reason.", &["reason"]),
-            results_published: counter_vec(&r, "stepgate_results_total", "Final answers published, by status and whether they were deduplicated.", &["status", "deduplicated"]),
-            invocations: counter_vec(&r, "stepgate_invocations_total", "Tool invocations by executors, by outcome.", &["tool", "outcome"]),
-            in_doubt_steps: counter_vec(&r, "stepgate_in_doubt_steps_total", "Steps declared in doubt (may have run, outcome unknown).", &["tool"]),
-            reforwarded: counter_vec(&r, "stepgate_reforwarded_total", "Calls forwarded again after their deadline, where re-running is safe.", &["tool"]),
-            late_outcomes: counter_vec(&r, "stepgate_late_outcomes_total", "Outcomes that arrived after their step was settled.", &["tool"]),
-            steps_purged: counter(&r, "stepgate_steps_purged_total", "Step records removed at the end of their retention."),
-            state_divergences: counter(&r, "stepgate_state_divergences_total", "Partitions whose local state did not match Kafka's committed offsets at assignment."),
-            batches_rolled_back: counter(&r, "stepgate_batches_rolled_back_total", "Batches whose transaction did not commit and whose state writes were undone."),
-            state_records: gauge(&r, "stepgate_state_records", "Estimated step records in the local state."),
-            state_disk_bytes: gauge(&r, "stepgate_state_disk_bytes", "Live on-disk size of the local state."),
+            intents_received: counter(
+                &r,
+                "stepgate_intents_received_total",
+                "Intents read from the intents topic, valid or not.",
+            ),
+            steps_forwarded: counter_vec(
+                &r,
+                "stepgate_steps_forwarded_total",
+                "New steps recorded and forwarded to executors.",
+                &["tool", "category"],
+            ),
+            fast_path_calls: counter_vec(
+                &r,
+                "stepgate_fast_path_calls_total",
+                "Calls of read-only/idempotent tools forwarded without a step record.",
+                &["tool"],
+            ),
+            repeats_answered: counter_vec(
+                &r,
+                "stepgate_repeats_total",
+                "Repeats of a known step, by the step's state when the repeat arrived (completed or in_flight).",
+                &["tool", "state"],
+            ),
+            rephrased_retries: counter_vec(
+                &r,
+                "stepgate_rephrased_retries_total",
+                "Repeats whose arguments differ from the first call's.",
+                &["tool"],
+            ),
+            rejected_inputs: counter_vec(
+                &r,
+                "stepgate_rejected_inputs_total",
+                "Inputs sent to the dead-letter topic, by reason.",
+                &["reason"],
+            ),
+            results_published: counter_vec(
+                &r,
+                "stepgate_results_total",
+                "Final answers published, by status and whether they were deduplicated.",
+                &["status", "deduplicated"],
+            ),
+            invocations: counter_vec(
+                &r,
+                "stepgate_invocations_total",
+                "Tool invocations by executors, by outcome.",
+                &["tool", "outcome"],
+            ),
+            in_doubt_steps: counter_vec(
+                &r,
+                "stepgate_in_doubt_steps_total",
+                "Steps declared in doubt (may have run, outcome unknown).",
+                &["tool"],
+            ),
+            reforwarded: counter_vec(
+                &r,
+                "stepgate_reforwarded_total",
+                "Calls forwarded again after their deadline, where re-running is safe.",
+                &["tool"],
+            ),
+            late_outcomes: counter_vec(
+                &r,
+                "stepgate_late_outcomes_total",
+                "Outcomes that arrived after their step was settled.",
+                &["tool"],
+            ),
+            steps_purged: counter(
+                &r,
+                "stepgate_steps_purged_total",
+                "Step records removed at the end of their retention.",
+            ),
+            state_divergences: counter(
+                &r,
+                "stepgate_state_divergences_total",
+                "Partitions whose local state did not match Kafka's committed offsets at assignment.",
+            ),
+            batches_rolled_back: counter(
+                &r,
+                "stepgate_batches_rolled_back_total",
+                "Batches whose transaction did not commit and whose state writes were undone.",
+            ),
+            state_records: gauge(
+                &r,
+                "stepgate_state_records",
+                "Estimated step records in the local state.",
+            ),
+            state_disk_bytes: gauge(
+                &r,
+                "stepgate_state_disk_bytes",
+                "Live on-disk size of the local state.",
+            ),
             tool_latency,
             commit_latency,
             registry: r,
@@ -115,7 +202,9 @@ impl Metrics {
 
     pub fn step_forwarded(&self, step: &crate::contract::StepKey, category: &str) {
         info!(step = %step, category, "new step recorded and forwarded");
-        self.steps_forwarded.with_label_values(&[&step.tool, category]).inc();
+        self.steps_forwarded
+            .with_label_values(&[&step.tool, category])
+            .inc();
     }
 
     pub fn fast_path_call(&self, step: &crate::contract::StepKey) {
@@ -126,14 +215,21 @@ impl Metrics {
     pub fn repeat(&self, step: &crate::contract::StepKey, in_flight: bool, rephrased: bool) {
         let state = if in_flight { "in_flight" } else { "completed" };
         info!(step = %step, state, rephrased, "repeat of a known step: not forwarded");
-        self.repeats_answered.with_label_values(&[&step.tool, state]).inc();
+        self.repeats_answered
+            .with_label_values(&[&step.tool, state])
+            .inc();
         if rephrased {
-            self.rephrased_retries.with_label_values(&[&step.tool]).inc();
+            self.rephrased_retries
+                .with_label_values(&[&step.tool])
+                .inc();
         }
     }
 
     pub fn rejected(&self, reason: &str, message: &str, partition: i32, offset: i64) {
-        warn!(reason, partition, offset, message, "input refused: sent to the dead-letter topic");
+        warn!(
+            reason,
+            partition, offset, message, "input refused: sent to the dead-letter topic"
+        );
         self.rejected_inputs.with_label_values(&[reason]).inc();
     }
 
@@ -145,8 +241,12 @@ impl Metrics {
 
     pub fn invoked(&self, step: &crate::contract::StepKey, outcome: &str, took: Duration) {
         info!(step = %step, outcome, took_ms = took.as_millis() as u64, "tool invoked");
-        self.invocations.with_label_values(&[&step.tool, outcome]).inc();
-        self.tool_latency.with_label_values(&[&step.tool]).observe(took.as_secs_f64());
+        self.invocations
+            .with_label_values(&[&step.tool, outcome])
+            .inc();
+        self.tool_latency
+            .with_label_values(&[&step.tool])
+            .observe(took.as_secs_f64());
     }
 
     pub fn in_doubt(&self, step: &crate::contract::StepKey, why: &str) {
@@ -182,7 +282,10 @@ impl Metrics {
     }
 
     pub fn rolled_back(&self, partition: i32, seq: u64) {
-        warn!(partition, seq, "last batch never committed in Kafka: its state writes were undone");
+        warn!(
+            partition,
+            seq, "last batch never committed in Kafka: its state writes were undone"
+        );
         self.batches_rolled_back.inc();
     }
 

@@ -77,9 +77,14 @@ pub async fn serve(
     Ok(addr)
 }
 
-async fn metrics_handler(State(s): State<AppState>) -> ([(axum::http::HeaderName, &'static str); 1], String) {
+async fn metrics_handler(
+    State(s): State<AppState>,
+) -> ([(axum::http::HeaderName, &'static str); 1], String) {
     (
-        [(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4",
+        )],
         s.metrics.render(),
     )
 }

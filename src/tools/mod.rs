@@ -65,7 +65,11 @@ impl ToolRegistry {
             return Outcome::Error {
                 error: ErrorBody {
                     kind: "tool_unreachable".into(),
-                    message: Texts::tool_unreachable(tool_name, 0, "no executor has this tool configured"),
+                    message: Texts::tool_unreachable(
+                        tool_name,
+                        0,
+                        "no executor has this tool configured",
+                    ),
                 },
             };
         };

@@ -9,7 +9,14 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 /// A server whose `/r` answers each request with the next status of `script`
 /// (the last one repeats), counting requests and keeping the last headers.
-async fn server(script: Vec<u16>, delay: Duration) -> (String, Arc<AtomicU32>, Arc<std::sync::Mutex<Option<HeaderMap>>>) {
+async fn server(
+    script: Vec<u16>,
+    delay: Duration,
+) -> (
+    String,
+    Arc<AtomicU32>,
+    Arc<std::sync::Mutex<Option<HeaderMap>>>,
+) {
     let hits = Arc::new(AtomicU32::new(0));
     let seen = Arc::new(std::sync::Mutex::new(None));
     let (h, s) = (hits.clone(), seen.clone());
@@ -22,7 +29,10 @@ async fn server(script: Vec<u16>, delay: Duration) -> (String, Arc<AtomicU32>, A
                 *s.lock().unwrap() = Some(headers);
                 tokio::time::sleep(delay).await;
                 let code = script[n.min(script.len() - 1)];
-                (StatusCode::from_u16(code).unwrap(), format!("{{\"echo\":{body}}}"))
+                (
+                    StatusCode::from_u16(code).unwrap(),
+                    format!("{{\"echo\":{body}}}"),
+                )
             }
         }),
     );
@@ -70,7 +80,12 @@ fn kind(o: &Outcome) -> (&'static str, String) {
 async fn success_sends_the_protocol_headers_and_returns_the_body() {
     let (url, hits, seen) = server(vec![200], Duration::ZERO).await;
     let o = registry("keyed", &url, "5s").invoke(&call()).await;
-    assert_eq!(o, Outcome::Ok { output: serde_json::json!({"echo": {"a": 1}}) });
+    assert_eq!(
+        o,
+        Outcome::Ok {
+            output: serde_json::json!({"echo": {"a": 1}})
+        }
+    );
     assert_eq!(hits.load(Ordering::SeqCst), 1);
     let h = seen.lock().unwrap().clone().unwrap();
     assert_eq!(h["idempotency-key"], call().step.idempotency_key().as_str());
@@ -123,7 +138,11 @@ async fn exhausted_retries_of_safe_tools_say_it_is_safe_to_try_again() {
     assert_eq!(hits.load(Ordering::SeqCst), 3);
     let (url, _, _) = server(vec![500], Duration::ZERO).await;
     let o = registry("keyed", &url, "5s").invoke(&call()).await;
-    assert_eq!(kind(&o).0, "in_doubt", "a keyed tool that may have run is in doubt");
+    assert_eq!(
+        kind(&o).0,
+        "in_doubt",
+        "a keyed tool that may have run is in doubt"
+    );
 }
 
 #[tokio::test]

@@ -30,14 +30,21 @@ pub fn random_name(prefix: &str) -> String {
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
         .as_nanos();
-    format!("{prefix}-{:x}-{}", nanos & 0xffff_ffff_ffff, std::process::id())
+    format!(
+        "{prefix}-{:x}-{}",
+        nanos & 0xffff_ffff_ffff,
+        std::process::id()
+    )
 }
 
 /// Wait for `cond` (polled every 50 ms) or fail after `limit`.
 pub async fn eventually<F: FnMut() -> bool>(limit: Duration, what: &str, mut cond: F) {
     let start = Instant::now();
     while !cond() {
-        assert!(start.elapsed() < limit, "timed out after {limit:?} waiting for: {what}");
+        assert!(
+            start.elapsed() < limit,
+            "timed out after {limit:?} waiting for: {what}"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
@@ -84,15 +91,30 @@ impl ToolServer {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-        ToolServer { base: format!("http://{addr}/t"), state, entered }
+        ToolServer {
+            base: format!("http://{addr}/t"),
+            state,
+            entered,
+        }
     }
 
     pub fn script(&self, tool: &str, replies: Vec<Reply>) {
-        self.state.lock().unwrap().script.insert(tool.into(), replies);
+        self.state
+            .lock()
+            .unwrap()
+            .script
+            .insert(tool.into(), replies);
     }
 
     pub fn calls(&self, tool: &str) -> Vec<Invocation> {
-        self.state.lock().unwrap().calls.iter().filter(|c| c.tool == tool).cloned().collect()
+        self.state
+            .lock()
+            .unwrap()
+            .calls
+            .iter()
+            .filter(|c| c.tool == tool)
+            .cloned()
+            .collect()
     }
 
     pub fn count(&self, tool: &str) -> usize {
@@ -111,21 +133,32 @@ async fn handle(
         let n = s.calls.iter().filter(|c| c.tool == name).count();
         s.calls.push(Invocation {
             tool: name.clone(),
-            idempotency_key: headers.get("idempotency-key").and_then(|v| v.to_str().ok()).unwrap_or("").into(),
+            idempotency_key: headers
+                .get("idempotency-key")
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("")
+                .into(),
             headers: headers
                 .iter()
                 .map(|(k, v)| (k.as_str().to_owned(), v.to_str().unwrap_or("").to_owned()))
                 .collect(),
             body: serde_json::from_str(&body).unwrap_or(Value::Null),
         });
-        let script = s.script.get(&name).cloned().unwrap_or_else(|| vec![Reply::Ok]);
+        let script = s
+            .script
+            .get(&name)
+            .cloned()
+            .unwrap_or_else(|| vec![Reply::Ok]);
         script[n.min(script.len() - 1)].clone()
     };
     entered.notify_waiters();
     let n_body = serde_json::json!({"tool": name, "echo": serde_json::from_str::<Value>(&body).unwrap_or(Value::Null)});
     match reply {
         Reply::Ok => (StatusCode::OK, n_body.to_string()),
-        Reply::Status(code) => (StatusCode::from_u16(code).unwrap(), format!("{{\"error\":\"status {code}\"}}")),
+        Reply::Status(code) => (
+            StatusCode::from_u16(code).unwrap(),
+            format!("{{\"error\":\"status {code}\"}}"),
+        ),
         Reply::Delay(d) => {
             tokio::time::sleep(d).await;
             (StatusCode::OK, n_body.to_string())
@@ -171,7 +204,11 @@ impl Default for StackOptions {
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 impl Stack {
@@ -226,23 +263,56 @@ level = "info,rdkafka=warn"
         let config_path = dir.path().join("stepgate.toml");
         std::fs::write(&config_path, &toml).unwrap();
         let config = stepgate::config::Config::from_toml_str(&toml, Vec::new()).unwrap();
-        stepgate::kafka::create_topics(&config.kafka, Duration::from_secs(86400)).await.unwrap();
-        Stack { prefix, dir, config_path, http, tools, child: None, config, starts: 0 }
+        stepgate::kafka::create_topics(&config.kafka, Duration::from_secs(86400))
+            .await
+            .unwrap();
+        Stack {
+            prefix,
+            dir,
+            config_path,
+            http,
+            tools,
+            child: None,
+            config,
+            starts: 0,
+        }
     }
 
     /// Start `stepgate run` and wait until /readyz says ready.
     pub async fn start(&mut self) {
+        self.start_with(&[]).await
+    }
+
+    /// [`Stack::start`] with extra arguments for `stepgate run`.
+    pub async fn start_with(&mut self, args: &[&str]) {
+        self.spawn(args, &[]);
+        self.wait_ready().await;
+    }
+
+    /// Start `stepgate run` without waiting for readiness.
+    pub fn spawn(&mut self, args: &[&str], env: &[(&str, &str)]) {
         assert!(self.child.is_none());
         self.starts += 1;
-        let log = std::fs::File::create(self.dir.path().join(format!("stepgate-{}.log", self.starts))).unwrap();
+        let log = std::fs::File::create(
+            self.dir
+                .path()
+                .join(format!("stepgate-{}.log", self.starts)),
+        )
+        .unwrap();
         let child = Command::new(env!("CARGO_BIN_EXE_stepgate"))
             .args(["run", "--config"])
             .arg(&self.config_path)
+            .args(args)
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
             .expect("stepgate binary starts");
         self.child = Some(child);
+    }
+
+    /// Wait until /readyz says ready.
+    pub async fn wait_ready(&mut self) {
         let url = format!("http://{}/readyz", self.http);
         let start = Instant::now();
         loop {
@@ -254,8 +324,25 @@ level = "info,rdkafka=warn"
             if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
                 panic!("stepgate exited early ({status}): {}", self.log());
             }
-            assert!(start.elapsed() < Duration::from_secs(60), "stepgate not ready in 60 s: {}", self.log());
+            assert!(
+                start.elapsed() < Duration::from_secs(60),
+                "stepgate not ready in 60 s: {}",
+                self.log()
+            );
             tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Wait for the process to exit by itself.
+    pub async fn exited(&mut self, limit: Duration) -> std::process::ExitStatus {
+        let start = Instant::now();
+        loop {
+            if let Some(s) = self.child.as_mut().expect("running").try_wait().unwrap() {
+                self.child = None;
+                return s;
+            }
+            assert!(start.elapsed() < limit, "still running after {limit:?}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
 
@@ -269,30 +356,47 @@ level = "info,rdkafka=warn"
     /// SIGTERM, then wait for the exit status.
     pub async fn terminate(&mut self) -> std::process::ExitStatus {
         let mut c = self.child.take().expect("running");
-        Command::new("kill").args(["-TERM", &c.id().to_string()]).status().unwrap();
+        Command::new("kill")
+            .args(["-TERM", &c.id().to_string()])
+            .status()
+            .unwrap();
         let start = Instant::now();
         loop {
             if let Some(s) = c.try_wait().unwrap() {
                 return s;
             }
-            assert!(start.elapsed() < Duration::from_secs(60), "no exit 60 s after SIGTERM");
+            assert!(
+                start.elapsed() < Duration::from_secs(60),
+                "no exit 60 s after SIGTERM"
+            );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
 
     pub fn log(&self) -> String {
         (1..=self.starts)
-            .map(|n| std::fs::read_to_string(self.dir.path().join(format!("stepgate-{n}.log"))).unwrap_or_default())
+            .map(|n| {
+                std::fs::read_to_string(self.dir.path().join(format!("stepgate-{n}.log")))
+                    .unwrap_or_default()
+            })
             .collect::<Vec<_>>()
             .join("\n--- restart ---\n")
     }
 
     pub async fn metrics(&self) -> String {
-        reqwest::get(format!("http://{}/metrics", self.http)).await.unwrap().text().await.unwrap()
+        reqwest::get(format!("http://{}/metrics", self.http))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
     }
 
     pub fn agent(&self) -> Agent {
-        Agent::new(&self.config.kafka.topics.intents, &self.config.kafka.topics.results)
+        Agent::new(
+            &self.config.kafka.topics.intents,
+            &self.config.kafka.topics.results,
+        )
     }
 
     pub fn topic(&self, which: &str) -> String {
@@ -336,14 +440,20 @@ impl TopicReader {
             .set("fetch.wait.max.ms", "20")
             .create()
             .unwrap();
-        let md_consumer: BaseConsumer = ClientConfig::new().set("bootstrap.servers", brokers()).create().unwrap();
-        let md = md_consumer.fetch_metadata(Some(topic), Duration::from_secs(10)).unwrap();
+        let md_consumer: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", brokers())
+            .create()
+            .unwrap();
+        let md = md_consumer
+            .fetch_metadata(Some(topic), Duration::from_secs(10))
+            .unwrap();
         let n = md.topics()[0].partitions().len() as i32;
         drop(md);
         drop(md_consumer);
         let mut tpl = TopicPartitionList::new();
         for p in 0..n {
-            tpl.add_partition_offset(topic, p, Offset::Beginning).unwrap();
+            tpl.add_partition_offset(topic, p, Offset::Beginning)
+                .unwrap();
         }
         consumer.assign(&tpl).unwrap();
         drop(tpl);
@@ -352,11 +462,22 @@ impl TopicReader {
         let (r, s) = (records.clone(), stop.clone());
         tokio::spawn(async move {
             while !s.load(std::sync::atomic::Ordering::SeqCst) {
-                let Ok(Ok(m)) = tokio::time::timeout(Duration::from_millis(200), consumer.recv()).await else { continue };
-                let value = m.payload().and_then(|p| serde_json::from_slice(p).ok()).unwrap_or(Value::Null);
+                let Ok(Ok(m)) =
+                    tokio::time::timeout(Duration::from_millis(200), consumer.recv()).await
+                else {
+                    continue;
+                };
+                let value = m
+                    .payload()
+                    .and_then(|p| serde_json::from_slice(p).ok())
+                    .unwrap_or(Value::Null);
                 let headers = m
                     .headers()
-                    .map(|h| h.iter().map(|x| (x.key.to_owned(), x.value.unwrap_or_default().to_vec())).collect())
+                    .map(|h| {
+                        h.iter()
+                            .map(|x| (x.key.to_owned(), x.value.unwrap_or_default().to_vec()))
+                            .collect()
+                    })
                     .unwrap_or_default();
                 r.lock().unwrap().push(Received {
                     partition: m.partition(),
@@ -374,7 +495,10 @@ impl TopicReader {
     }
 
     pub async fn wait_for(&self, n: usize, limit: Duration) -> Vec<Received> {
-        eventually(limit, &format!("{n} records"), || self.records.lock().unwrap().len() >= n).await;
+        eventually(limit, &format!("{n} records"), || {
+            self.records.lock().unwrap().len() >= n
+        })
+        .await;
         self.all()
     }
 }
@@ -398,11 +522,21 @@ impl Agent {
             .set("linger.ms", "0")
             .create()
             .unwrap();
-        Agent { producer, intents: intents.into(), results: TopicReader::new(results) }
+        Agent {
+            producer,
+            intents: intents.into(),
+            results: TopicReader::new(results),
+        }
     }
 
     /// Publish raw bytes keyed by `key` (optionally to a given partition, with headers).
-    pub async fn send_raw(&self, key: &str, payload: &[u8], partition: Option<i32>, headers: &[(&str, &str)]) {
+    pub async fn send_raw(
+        &self,
+        key: &str,
+        payload: &[u8],
+        partition: Option<i32>,
+        headers: &[(&str, &str)],
+    ) {
         let mut rec = FutureRecord::to(&self.intents).key(key).payload(payload);
         if let Some(p) = partition {
             rec = rec.partition(p);
@@ -410,16 +544,24 @@ impl Agent {
         if !headers.is_empty() {
             let mut h = OwnedHeaders::new();
             for (k, v) in headers {
-                h = h.insert(Header { key: k, value: Some(*v) });
+                h = h.insert(Header {
+                    key: k,
+                    value: Some(*v),
+                });
             }
             rec = rec.headers(h);
         }
-        self.producer.send(rec, Duration::from_secs(10)).await.map_err(|(e, _)| e).unwrap();
+        self.producer
+            .send(rec, Duration::from_secs(10))
+            .await
+            .map_err(|(e, _)| e)
+            .unwrap();
     }
 
     pub async fn send(&self, intent: &Value) {
         let key = intent["workflow_id"].as_str().unwrap_or("none").to_owned();
-        self.send_raw(&key, intent.to_string().as_bytes(), None, &[]).await;
+        self.send_raw(&key, intent.to_string().as_bytes(), None, &[])
+            .await;
     }
 
     /// Every answer for `call_id` so far.
@@ -428,18 +570,29 @@ impl Agent {
             .all()
             .into_iter()
             .filter(|r| r.value["call_id"].as_str() == Some(call_id))
-            .map(|r| (r.partition, serde_json::from_value(r.value).expect("every result is a Result v1")))
+            .map(|r| {
+                (
+                    r.partition,
+                    serde_json::from_value(r.value).expect("every result is a Result v1"),
+                )
+            })
             .collect()
     }
 
     pub async fn answer(&self, call_id: &str, limit: Duration) -> ToolResult {
-        eventually(limit, &format!("an answer for {call_id}"), || !self.answers(call_id).is_empty()).await;
+        eventually(limit, &format!("an answer for {call_id}"), || {
+            !self.answers(call_id).is_empty()
+        })
+        .await;
         self.answers(call_id).remove(0).1
     }
 
     /// Publish and await the answer.
     pub async fn call(&self, intent: Value) -> ToolResult {
-        let id = intent["call_id"].as_str().expect("test intents carry a call_id").to_owned();
+        let id = intent["call_id"]
+            .as_str()
+            .expect("test intents carry a call_id")
+            .to_owned();
         self.send(&intent).await;
         self.answer(&id, Duration::from_secs(30)).await
     }

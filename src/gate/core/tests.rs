@@ -49,7 +49,11 @@ impl Fixture {
 
     fn commit(&mut self, batch: Batch) {
         self.seq += 1;
-        let seqs = batch.partitions().into_iter().map(|p| (p, self.seq)).collect();
+        let seqs = batch
+            .partitions()
+            .into_iter()
+            .map(|p| (p, self.seq))
+            .collect();
         self.store.commit(batch, &seqs).unwrap();
     }
 
@@ -68,7 +72,9 @@ impl Fixture {
     fn intent(&mut self, v: serde_json::Value, now: i64) -> Vec<Out> {
         let input = self.input("intents", v.to_string().into_bytes());
         let mut b = Batch::default();
-        self.core.on_intent(&self.store, &mut b, &input, now).unwrap();
+        self.core
+            .on_intent(&self.store, &mut b, &input, now)
+            .unwrap();
         self.commit(b);
         self.core.take_outs()
     }
@@ -76,7 +82,9 @@ impl Fixture {
     fn progress(&mut self, p: Progress, now: i64) -> Vec<Out> {
         let input = self.input("progress", serde_json::to_vec(&p).unwrap());
         let mut b = Batch::default();
-        self.core.on_progress(&self.store, &mut b, &input, now).unwrap();
+        self.core
+            .on_progress(&self.store, &mut b, &input, now)
+            .unwrap();
         self.commit(b);
         self.core.take_outs()
     }
@@ -113,30 +121,63 @@ fn results(outs: &[Out]) -> Vec<ToolResult> {
 }
 
 fn started(call: &Call) -> Progress {
-    Progress { step: call.step.clone(), dispatch: call.dispatch, fast_ref: call.fast_ref, at_ms: 0, event: ProgressEvent::Started }
+    Progress {
+        step: call.step.clone(),
+        dispatch: call.dispatch,
+        fast_ref: call.fast_ref,
+        at_ms: 0,
+        event: ProgressEvent::Started,
+    }
 }
 
 fn finished(call: &Call, outcome: Outcome) -> Progress {
-    Progress { step: call.step.clone(), dispatch: call.dispatch, fast_ref: call.fast_ref, at_ms: 0, event: ProgressEvent::Finished { outcome } }
+    Progress {
+        step: call.step.clone(),
+        dispatch: call.dispatch,
+        fast_ref: call.fast_ref,
+        at_ms: 0,
+        event: ProgressEvent::Finished { outcome },
+    }
 }
 
 #[test]
 fn a_rephrased_repeat_in_flight_waits_and_gets_the_same_answer() {
     let mut f = Fixture::new();
     let call = call_of(&f.intent(email("c1", "Order confirmed"), 1000));
-    assert_eq!(f.store.step(0, &call.step).unwrap().unwrap().phase, Phase::Intended, "intended is durable before the call leaves");
+    assert_eq!(
+        f.store.step(0, &call.step).unwrap().unwrap().phase,
+        Phase::Intended,
+        "intended is durable before the call leaves"
+    );
     let outs = f.intent(email("c2", "Your order is confirmed"), 1100);
     assert!(outs.is_empty(), "a repeat is never forwarded: {outs:?}");
     f.progress(started(&call), 1200);
-    let outs = f.progress(finished(&call, Outcome::Ok { output: json!({"message_id": "m-1"}) }), 1300);
+    let outs = f.progress(
+        finished(
+            &call,
+            Outcome::Ok {
+                output: json!({"message_id": "m-1"}),
+            },
+        ),
+        1300,
+    );
     let rs = results(&outs);
     assert_eq!(rs.len(), 2);
-    assert_eq!((rs[0].call_id.as_deref(), rs[0].deduplicated), (Some("c1"), false));
-    assert_eq!((rs[1].call_id.as_deref(), rs[1].deduplicated), (Some("c2"), true));
+    assert_eq!(
+        (rs[0].call_id.as_deref(), rs[0].deduplicated),
+        (Some("c1"), false)
+    );
+    assert_eq!(
+        (rs[1].call_id.as_deref(), rs[1].deduplicated),
+        (Some("c2"), true)
+    );
     assert_eq!(rs[1], rs[0].for_repeat(Some("c2".into())));
     let rec = f.store.step(0, &call.step).unwrap().unwrap();
     assert_eq!((rec.repeats, rec.rephrased_count), (1, 1));
-    assert_eq!(rec.rephrased[0].arguments["subject"], "Your order is confirmed");
+    assert_eq!(
+        rec.rephrased[0].arguments["subject"],
+        "Your order is confirmed"
+    );
 }
 
 #[test]
@@ -144,7 +185,8 @@ fn a_repeat_after_completion_is_answered_from_the_record() {
     let mut f = Fixture::new();
     let call = call_of(&f.intent(email("c1", "a"), 1000));
     f.progress(started(&call), 1100);
-    let first = results(&f.progress(finished(&call, Outcome::Ok { output: json!(1) }), 1200)).remove(0);
+    let first =
+        results(&f.progress(finished(&call, Outcome::Ok { output: json!(1) }), 1200)).remove(0);
     let outs = f.intent(email("c3", "a"), 5000);
     assert!(!outs.iter().any(|o| matches!(o, Out::Call { .. })));
     assert_eq!(results(&outs), vec![first.for_repeat(Some("c3".into()))]);
@@ -173,7 +215,9 @@ fn an_unkeyed_step_past_its_deadline_is_in_doubt_not_rerun() {
     assert_eq!(r.status, Status::InDoubt);
     assert_eq!(r.error.as_ref().unwrap().kind, "executor_lost");
     // A late outcome is kept for the operator, the answer stays in doubt.
-    assert!(results(&f.progress(finished(&call, Outcome::Ok { output: json!(1) }), 9000)).is_empty());
+    assert!(
+        results(&f.progress(finished(&call, Outcome::Ok { output: json!(1) }), 9000)).is_empty()
+    );
     let rec = f.store.step(0, &call.step).unwrap().unwrap();
     assert_eq!(rec.phase, Phase::InDoubt);
     assert!(rec.late_outcome.is_some());
@@ -199,7 +243,10 @@ fn a_keyed_step_past_its_deadline_is_forwarded_again_with_the_same_key() {
 #[test]
 fn deadlines_survive_a_restart() {
     let mut f = Fixture::new();
-    let call = call_of(&f.intent(json!({"workflow_id": "wf", "step_index": 2, "tool": "wire", "arguments": {}}), 0));
+    let call = call_of(&f.intent(
+        json!({"workflow_id": "wf", "step_index": 2, "tool": "wire", "arguments": {}}),
+        0,
+    ));
     f.progress(started(&call), 0);
     f.core.reset();
     assert!(f.tick(10_000).is_empty(), "nothing loaded yet");
@@ -217,7 +264,10 @@ fn fast_path_calls_are_rerun_on_repeat_and_answered_once_each() {
     let r = results(&f.progress(finished(&a, Outcome::Ok { output: json!([]) }), 20));
     assert_eq!(r.len(), 1);
     assert!(!r[0].deduplicated);
-    assert!(results(&f.progress(finished(&a, Outcome::Ok { output: json!([]) }), 30)).is_empty(), "a duplicate answer is dropped");
+    assert!(
+        results(&f.progress(finished(&a, Outcome::Ok { output: json!([]) }), 30)).is_empty(),
+        "a duplicate answer is dropped"
+    );
     // Unanswered past its timeout: forwarded again.
     let again = call_of(&f.tick(10 + 5001));
     assert_eq!((again.fast_ref, again.dispatch), (b.fast_ref, 2));
@@ -246,9 +296,23 @@ fn expired_records_are_purged_then_a_repeat_runs_again() {
     f.progress(started(&call), 0);
     f.progress(finished(&call, Outcome::Ok { output: json!(1) }), 10);
     let mut b = Batch::default();
-    assert_eq!(f.core.purge(&f.store, &mut b, [0], 10 + 3_600_000 - 1, 100).unwrap(), 0);
-    assert_eq!(f.core.purge(&f.store, &mut b, [0], 10 + 3_600_000, 100).unwrap(), 1);
+    assert_eq!(
+        f.core
+            .purge(&f.store, &mut b, [0], 10 + 3_600_000 - 1, 100)
+            .unwrap(),
+        0
+    );
+    assert_eq!(
+        f.core
+            .purge(&f.store, &mut b, [0], 10 + 3_600_000, 100)
+            .unwrap(),
+        1
+    );
     f.commit(b);
     assert!(f.store.step(0, &call.step).unwrap().is_none());
-    assert!(f.intent(email("c2", "x"), 4_000_000).iter().any(|o| matches!(o, Out::Call { .. })));
+    assert!(
+        f.intent(email("c2", "x"), 4_000_000)
+            .iter()
+            .any(|o| matches!(o, Out::Call { .. }))
+    );
 }
