@@ -87,7 +87,7 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
         } => {
             stepgate::telemetry::init_logging(&stepgate::config::LogConfig {
                 format: "pretty".into(),
-                level: "warn".into(),
+                level: "error".into(),
             });
             stepgate::demo::run(&metrics, keep_running, shutdown_on_signals()).await?;
             Ok(())

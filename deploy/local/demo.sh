@@ -4,4 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 bash deploy/local/deps.sh
-exec cargo run --quiet -- demo "$@"
+# Built with --all-targets so the demo and the tests share one build of RocksDB
+# (a plain `cargo run` resolves features without dev-dependencies and would
+# compile RocksDB a second time).
+cargo build --all-targets --quiet
+target_dir=$(cargo metadata --format-version 1 --no-deps | sed -e 's/.*"target_directory":"\([^"]*\)".*/\1/')
+exec "$target_dir/debug/stepgate" demo "$@"
