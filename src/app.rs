@@ -25,18 +25,18 @@ pub enum Role {
 pub enum AppError {
     #[error(transparent)]
     Setup(#[from] KafkaSetupError),
-    #[error("cannot open the state at {path}: {source}")]
+    #[error("cannot open the state at {path}")]
     State { path: String, source: StateError },
-    #[error("cannot serve metrics on {addr}: {source}")]
+    #[error("cannot serve metrics on {addr}")]
     Http {
         addr: String,
         source: std::io::Error,
     },
-    #[error("gate: {0}")]
+    #[error("gate")]
     Gate(#[from] gate::GateError),
-    #[error("executor: {0}")]
+    #[error("executor")]
     Executor(#[from] executor::ExecutorError),
-    #[error("a task failed: {0}")]
+    #[error("a task failed")]
     Join(#[from] tokio::task::JoinError),
 }
 

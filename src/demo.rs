@@ -23,13 +23,13 @@ use tokio_util::sync::CancellationToken;
 
 #[derive(Debug, Error)]
 pub enum DemoError {
-    #[error("Kafka mock: {0}")]
+    #[error("Kafka mock")]
     Kafka(#[from] rdkafka::error::KafkaError),
     #[error(transparent)]
     App(#[from] app::AppError),
-    #[error("config: {0}")]
+    #[error("demo config")]
     Config(#[from] crate::config::ConfigError),
-    #[error("io: {0}")]
+    #[error("demo I/O")]
     Io(#[from] std::io::Error),
     #[error("no answer for call `{0}` within 30 s")]
     NoAnswer(String),

@@ -27,7 +27,7 @@ use tracing::{error, info, warn};
 
 #[derive(Debug, Error)]
 pub enum ExecutorError {
-    #[error("Kafka: {0}")]
+    #[error("Kafka")]
     Kafka(#[from] KafkaError),
 }
 
@@ -59,7 +59,7 @@ pub async fn run(
         match r {
             Ok(()) => return Ok(()),
             Err(e) => {
-                error!(error = %e, "executor session failed; restarting");
+                error!(error = %crate::telemetry::error_chain(&e), "executor session failed; restarting");
                 tokio::select! {
                     _ = shutdown.cancelled() => return Ok(()),
                     _ = tokio::time::sleep(backoff) => {}

@@ -27,9 +27,9 @@ use tracing::{error, info, warn};
 
 #[derive(Debug, Error)]
 pub enum GateError {
-    #[error("Kafka: {0}")]
+    #[error("Kafka")]
     Kafka(#[from] KafkaError),
-    #[error("state: {0}")]
+    #[error("state")]
     State(#[from] StateError),
 }
 
@@ -72,7 +72,7 @@ pub async fn run(
         match result {
             Ok(()) => return Ok(()),
             Err(e) => {
-                error!(error = %e, "gate session failed; resuming from the last committed transaction");
+                error!(error = %crate::telemetry::error_chain(&e), "gate session failed; resuming from the last committed transaction");
                 tokio::select! {
                     _ = shutdown.cancelled() => return Ok(()),
                     _ = tokio::time::sleep(backoff) => {}

@@ -16,7 +16,7 @@ use tokio::sync::mpsc;
 
 #[derive(Debug, Error)]
 pub enum KafkaSetupError {
-    #[error("Kafka: {0}")]
+    #[error("Kafka")]
     Kafka(#[from] KafkaError),
     #[error(
         "topic `{0}` does not exist: create the topics with `stepgate topics create --config <file>`"

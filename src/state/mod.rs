@@ -34,9 +34,9 @@ use thiserror::Error;
 
 #[derive(Debug, Error)]
 pub enum StateError {
-    #[error("RocksDB: {0}")]
+    #[error("RocksDB")]
     Rocks(#[from] rocksdb::Error),
-    #[error("corrupt state record under {cf}: {source}")]
+    #[error("corrupt state record under {cf}")]
     Corrupt {
         cf: &'static str,
         source: serde_json::Error,

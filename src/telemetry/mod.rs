@@ -314,3 +314,15 @@ pub fn init_logging(cfg: &crate::config::LogConfig) {
         builder.try_init()
     };
 }
+
+/// An error with its causes, `outer: inner: …`, for log lines.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
