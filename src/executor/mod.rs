@@ -60,11 +60,9 @@ pub async fn run(
             Ok(()) => return Ok(()),
             Err(e) => {
                 error!(error = %crate::telemetry::error_chain(&e), "executor session failed; restarting");
-                tokio::select! {
-                    _ = shutdown.cancelled() => return Ok(()),
-                    _ = tokio::time::sleep(backoff) => {}
+                if !kafka::wait_before_restart(&shutdown, &mut backoff).await {
+                    return Ok(());
                 }
-                backoff = (backoff * 2).min(Duration::from_secs(10));
             }
         }
     }

@@ -73,11 +73,9 @@ pub async fn run(
             Ok(()) => return Ok(()),
             Err(e) => {
                 error!(error = %crate::telemetry::error_chain(&e), "gate session failed; resuming from the last committed transaction");
-                tokio::select! {
-                    _ = shutdown.cancelled() => return Ok(()),
-                    _ = tokio::time::sleep(backoff) => {}
+                if !kafka::wait_before_restart(&shutdown, &mut backoff).await {
+                    return Ok(());
                 }
-                backoff = (backoff * 2).min(Duration::from_secs(10));
             }
         }
     }
@@ -172,7 +170,9 @@ impl Session<'_> {
         };
         // Commit what is done before leaving; what was not committed is re-read
         // by the next owner (and undone here at the next start).
-        if result.is_ok() && pending.started.is_some() {
+        if result.is_ok()
+            && (pending.started.is_some() || !pending.batch.is_empty() || core.has_outs())
+        {
             self.flush(core, &consumer, &producer, pending).await?;
         }
         drop(producer);

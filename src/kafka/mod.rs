@@ -145,6 +145,20 @@ pub async fn init_txn_producer(
     Ok(producer)
 }
 
+/// Wait before restarting a failed session, doubling the wait each time (capped
+/// at 10 s). Returns false when shutdown came first.
+pub async fn wait_before_restart(
+    shutdown: &tokio_util::sync::CancellationToken,
+    backoff: &mut Duration,
+) -> bool {
+    let wait = *backoff;
+    *backoff = (wait * 2).min(Duration::from_secs(10));
+    tokio::select! {
+        _ = shutdown.cancelled() => false,
+        _ = tokio::time::sleep(wait) => true,
+    }
+}
+
 /// Run a blocking client call off the async threads.
 pub async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T, KafkaError> + Send + 'static,
