@@ -130,6 +130,9 @@ pub struct TopicsConfig {
     pub calls: String,
     /// Executors → gate: `started` and outcomes (internal).
     pub progress: String,
+    /// The gate's state changes, compacted: restores a partition's state on a new
+    /// owner or disk (internal).
+    pub changelog: String,
 }
 
 impl TopicsConfig {
@@ -141,7 +144,20 @@ impl TopicsConfig {
             dlq: format!("{prefix}.dlq"),
             calls: format!("{prefix}.calls"),
             progress: format!("{prefix}.progress"),
+            changelog: format!("{prefix}.changelog"),
         }
+    }
+
+    /// Every topic name, public ones first.
+    pub fn all(&self) -> [&String; 6] {
+        [
+            &self.intents,
+            &self.results,
+            &self.dlq,
+            &self.calls,
+            &self.progress,
+            &self.changelog,
+        ]
     }
 }
 
@@ -399,8 +415,7 @@ impl Config {
         if self.kafka.partitions < 1 {
             return Err(invalid("kafka.partitions", "must be at least 1"));
         }
-        let t = &self.kafka.topics;
-        let names = [&t.intents, &t.results, &t.dlq, &t.calls, &t.progress];
+        let names = self.kafka.topics.all();
         for (i, a) in names.iter().enumerate() {
             if a.is_empty() {
                 return Err(invalid("kafka.topics", "topic names must not be empty"));

@@ -212,13 +212,7 @@ url = "http://{tools_addr}/search_orders"
         state = state_dir.display()
     );
     let config = Config::from_toml_str(&toml, Vec::new())?;
-    for t in [
-        &config.kafka.topics.intents,
-        &config.kafka.topics.results,
-        &config.kafka.topics.dlq,
-        &config.kafka.topics.calls,
-        &config.kafka.topics.progress,
-    ] {
+    for t in config.kafka.topics.all() {
         mock.create_topic(t, 4, 1)?;
     }
     let stop = CancellationToken::new();

@@ -469,7 +469,7 @@ async fn refuses_to_start_when_results_has_fewer_partitions_than_intents() {
     std::fs::write(
         &path,
         format!(
-            "[kafka]\nbrokers = \"{}\"\n[kafka.topics]\nintents = \"{prefix}.intents\"\nresults = \"{prefix}.results-small\"\ndlq = \"{prefix}.dlq\"\ncalls = \"{prefix}.calls\"\nprogress = \"{prefix}.progress\"\n[state]\npath = \"{}\"\n[http]\nlisten = \"\"\n",
+            "[kafka]\nbrokers = \"{}\"\n[kafka.topics]\nintents = \"{prefix}.intents\"\nresults = \"{prefix}.results-small\"\ndlq = \"{prefix}.dlq\"\ncalls = \"{prefix}.calls\"\nprogress = \"{prefix}.progress\"\nchangelog = \"{prefix}.changelog\"\n[state]\npath = \"{}\"\n[http]\nlisten = \"\"\n",
             brokers(),
             dir.path().join("s").display()
         ),
@@ -538,7 +538,7 @@ async fn topics_create_makes_an_equal_layout_and_is_idempotent() {
     let path = dir.path().join("c.toml");
     std::fs::write(
         &path,
-        format!("[kafka]\nbrokers = \"{}\"\npartitions = 3\n[kafka.topics]\nintents = \"{prefix}.intents\"\nresults = \"{prefix}.results\"\ndlq = \"{prefix}.dlq\"\ncalls = \"{prefix}.calls\"\nprogress = \"{prefix}.progress\"\n", brokers()),
+        format!("[kafka]\nbrokers = \"{}\"\npartitions = 3\n[kafka.topics]\nintents = \"{prefix}.intents\"\nresults = \"{prefix}.results\"\ndlq = \"{prefix}.dlq\"\ncalls = \"{prefix}.calls\"\nprogress = \"{prefix}.progress\"\nchangelog = \"{prefix}.changelog\"\n", brokers()),
     )
     .unwrap();
     for expected in ["created", "exists"] {
@@ -555,7 +555,7 @@ async fn topics_create_makes_an_equal_layout_and_is_idempotent() {
         );
         assert_eq!(
             stdout.lines().filter(|l| l.starts_with(expected)).count(),
-            5,
+            6,
             "{stdout}"
         );
         assert!(stdout.contains("(3 intent partitions)"), "{stdout}");
@@ -712,4 +712,130 @@ async fn a_crash_between_state_write_and_commit_is_undone_on_restart() {
     assert_eq!(agent.answers("u1").len(), 1);
     let m = s.metrics().await;
     assert!(m.contains("stepgate_batches_rolled_back_total 1"), "{m}");
+}
+
+/// A lost disk: the gate's RocksDB is deleted while it is down; on restart each
+/// partition is restored from the changelog and repeats are still answered from
+/// the record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_disk_is_restored_from_the_changelog() {
+    let mut s = Stack::new(StackOptions::default()).await;
+    s.start().await;
+    let agent = s.agent();
+    let mut firsts = Vec::new();
+    for n in 0..8u64 {
+        let wf = format!("wf-disk-{n}");
+        firsts.push(
+            agent
+                .call(intent(
+                    &wf,
+                    1,
+                    "create_ticket",
+                    json!({"n": n}),
+                    &format!("ld{n}"),
+                ))
+                .await,
+        );
+    }
+    s.kill();
+    std::fs::remove_dir_all(s.dir.path().join("state")).unwrap();
+    s.start().await;
+    for (n, first) in firsts.iter().enumerate() {
+        let wf = format!("wf-disk-{n}");
+        let again = agent
+            .call(intent(
+                &wf,
+                1,
+                "create_ticket",
+                json!({"n": n, "again": 1}),
+                &format!("ld{n}-r"),
+            ))
+            .await;
+        assert!(again.deduplicated, "{again:?}");
+        same_but_call_id(first, &again);
+    }
+    assert_eq!(s.tools.count("create_ticket"), 8, "nothing ran twice");
+    let m = s.metrics().await;
+    assert!(m.contains("stepgate_state_divergences_total"), "{m}");
+    assert!(
+        !m.contains("stepgate_state_restored_records_total 0"),
+        "records were restored: {m}"
+    );
+}
+
+/// Two gates in one group split the partitions; when one is killed its
+/// partitions move to the other, which restores them from the changelog, and
+/// deduplication holds across the move (and back again after a restart).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deduplication_holds_when_partitions_move_between_gates() {
+    let mut s = Stack::new(StackOptions {
+        session_timeout: "6s",
+        ..StackOptions::default()
+    })
+    .await;
+    let mut executor = s.spawn_other("exec", "", &["--role", "executor"]);
+    let b_http = format!("127.0.0.1:{}", free_port());
+    let mut gate_b = s.spawn_other("gate-b", &b_http, &["--role", "gate"]);
+    s.start_with(&["--role", "gate"]).await;
+    let agent = s.agent();
+    let wfs: Vec<String> = (0..16).map(|n| format!("wf-move-{n}")).collect();
+    let mut firsts = Vec::new();
+    for (n, wf) in wfs.iter().enumerate() {
+        firsts.push(
+            agent
+                .call(intent(
+                    wf,
+                    1,
+                    "create_ticket",
+                    json!({"n": n}),
+                    &format!("mv{n}"),
+                ))
+                .await,
+        );
+    }
+    // Kill gate A: after the session timeout its partitions go to gate B.
+    s.kill();
+    for (n, wf) in wfs.iter().enumerate() {
+        let again = agent
+            .call(intent(
+                wf,
+                1,
+                "create_ticket",
+                json!({"n": n, "r": 1}),
+                &format!("mv{n}-b"),
+            ))
+            .await;
+        assert!(again.deduplicated, "{again:?}\n{}", s.other_log("gate-b"));
+        same_but_call_id(&firsts[n], &again);
+    }
+    assert!(
+        s.other_log("gate-b")
+            .contains("restored from the changelog"),
+        "{}",
+        s.other_log("gate-b")
+    );
+    // Gate A comes back: partitions are split again, A's stale state is replaced.
+    s.start_with(&["--role", "gate"]).await;
+    for (n, wf) in wfs.iter().enumerate() {
+        let again = agent
+            .call(intent(
+                wf,
+                1,
+                "create_ticket",
+                json!({"n": n, "r": 2}),
+                &format!("mv{n}-a"),
+            ))
+            .await;
+        assert!(again.deduplicated);
+        same_but_call_id(&firsts[n], &again);
+    }
+    assert_eq!(
+        s.tools.count("create_ticket"),
+        wfs.len(),
+        "each step ran once across both moves"
+    );
+    for c in [&mut executor, &mut gate_b] {
+        c.kill().unwrap();
+        c.wait().unwrap();
+    }
 }

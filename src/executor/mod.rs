@@ -29,6 +29,8 @@ use tracing::{error, info, warn};
 pub enum ExecutorError {
     #[error("Kafka")]
     Kafka(#[from] KafkaError),
+    #[error("partitions were revoked while calls were buffered; they are re-read")]
+    Rebalanced,
 }
 
 /// An outcome waiting to be published, in the call's partition.
@@ -58,6 +60,9 @@ pub async fn run(
         health.set_executor_ready(false);
         match r {
             Ok(()) => return Ok(()),
+            Err(ExecutorError::Rebalanced) => {
+                info!("partitions revoked with calls buffered: re-reading from the last commit");
+            }
             Err(e) => {
                 error!(error = %crate::telemetry::error_chain(&e), "executor session failed; restarting");
                 if !kafka::wait_before_restart(&shutdown, &mut backoff).await {
@@ -111,10 +116,12 @@ impl Executor<'_> {
                 biased;
                 _ = shutdown.cancelled() => break,
                 Some(ev) = events.recv() => {
-                    if let RebalanceEvent::Revoked(parts) = ev {
-                        // Not committed yet: the next owner reads them again.
-                        calls.retain(|(p, _)| !parts.iter().any(|(_, q)| q == p));
-                        offsets.retain(|p, _| !parts.iter().any(|(_, q)| q == p));
+                    if matches!(ev, RebalanceEvent::Revoked(_)) && !offsets.is_empty() {
+                        // Calls consumed but not committed may belong to revoked
+                        // partitions, or to re-assigned ones whose position moved
+                        // past them: drop them (none was started) and re-read from
+                        // the last commit with a fresh consumer.
+                        return Err(ExecutorError::Rebalanced);
                     }
                 }
                 Some(done) = rx.recv() => {
@@ -262,7 +269,7 @@ fn progress_record(topic: &str, partition: i32, p: &Progress) -> OutRecord {
         topic: topic.to_owned(),
         partition: Some(partition),
         key: Some(p.step.workflow_id.as_bytes().to_vec()),
-        payload: serde_json::to_vec(p).expect("progress records serialise"),
+        payload: Some(serde_json::to_vec(p).expect("progress records serialise")),
         headers: Vec::new(),
     }
 }

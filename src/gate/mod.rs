@@ -16,6 +16,7 @@ use crate::state::{Batch, Reconciled, StateError, StateStore};
 use crate::telemetry::{Health, Metrics};
 use rdkafka::consumer::Consumer;
 use rdkafka::error::KafkaError;
+use rdkafka::message::Message;
 use rdkafka::producer::{FutureProducer, Producer};
 use rdkafka::{Offset, TopicPartitionList};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -31,6 +32,10 @@ pub enum GateError {
     Kafka(#[from] KafkaError),
     #[error("state")]
     State(#[from] StateError),
+    #[error("partitions were revoked while a batch was open; it is re-read from the last commit")]
+    Rebalanced,
+    #[error("restoring partition {partition} from the changelog did not finish within {limit:?}")]
+    RestoreTimeout { partition: i32, limit: Duration },
 }
 
 /// The offset-metadata tag carrying a partition's last committed batch number.
@@ -71,6 +76,9 @@ pub async fn run(
         core.reset();
         match result {
             Ok(()) => return Ok(()),
+            Err(GateError::Rebalanced) => {
+                info!("partitions revoked mid-batch: resuming from the last committed transaction");
+            }
             Err(e) => {
                 error!(error = %crate::telemetry::error_chain(&e), "gate session failed; resuming from the last committed transaction");
                 if !kafka::wait_before_restart(&shutdown, &mut backoff).await {
@@ -128,7 +136,10 @@ impl Session<'_> {
             tokio::select! {
                 biased;
                 _ = shutdown.cancelled() => break Ok(()),
-                Some(ev) = events.recv() => self.on_rebalance(core, &consumer, ev).await?,
+                Some(ev) = events.recv() => {
+                    let open = pending.inputs > 0 || !pending.batch.is_empty() || core.has_outs();
+                    self.on_rebalance(core, &consumer, ev, open).await?
+                }
                 _ = tick.tick() => {
                     let now = now_ms();
                     core.on_deadlines(self.store, &mut pending.batch, now)?;
@@ -185,6 +196,7 @@ impl Session<'_> {
         core: &mut GateCore,
         consumer: &Arc<TxnConsumer>,
         ev: RebalanceEvent,
+        batch_open: bool,
     ) -> Result<(), GateError> {
         match ev {
             RebalanceEvent::Assigned(parts) => {
@@ -198,6 +210,13 @@ impl Session<'_> {
             RebalanceEvent::Revoked(parts) => {
                 let ps: BTreeSet<i32> = parts.iter().map(|(_, p)| *p).collect();
                 info!(partitions = ?ps, "partitions revoked");
+                if batch_open {
+                    // The open batch may hold inputs of revoked partitions, or of
+                    // re-assigned ones whose position already moved past them:
+                    // drop it (nothing of it is durable yet) and re-read from the
+                    // last commit with a fresh consumer.
+                    return Err(GateError::Rebalanced);
+                }
                 for p in ps {
                     self.assigned.remove(&p);
                     self.owned.remove(&p);
@@ -263,8 +282,16 @@ impl Session<'_> {
                 state_seq,
                 committed_seq,
             } => {
+                // New owner, lost disk, or state from another history: the
+                // changelog is the truth up to the last committed batch.
                 self.metrics.divergence(p, state_seq, committed_seq);
-                state_seq.max(committed_seq)
+                let started = Instant::now();
+                let n = tokio::task::block_in_place(|| {
+                    restore_partition(&self.config.kafka, self.store, p)
+                })?;
+                self.store.finish_restore(p, committed_seq)?;
+                self.metrics.restored(p, n, started.elapsed());
+                committed_seq
             }
         };
         core.load_partition(self.store, p)?;
@@ -303,7 +330,15 @@ impl Session<'_> {
             seqs.insert(*p, o.map_or(1, |s| s + 1));
         }
         producer.begin_transaction()?;
-        let records: Vec<OutRecord> = outs.iter().map(|o| self.record(o)).collect();
+        let mut records: Vec<OutRecord> = outs.iter().map(|o| self.record(o)).collect();
+        let changelog_topic = &self.config.kafka.topics.changelog;
+        records.extend(pending.batch.changelog().into_iter().map(|e| OutRecord {
+            topic: changelog_topic.clone(),
+            partition: Some(e.partition),
+            key: Some(e.key),
+            payload: e.value,
+            headers: Vec::new(),
+        }));
         let sent = async {
             // Produce first (it needs no state), then make the state durable while
             // deliveries are in flight, then commit.
@@ -388,7 +423,7 @@ impl Session<'_> {
                 topic: t.calls.clone(),
                 partition: Some(*partition),
                 key: Some(call.step.workflow_id.as_bytes().to_vec()),
-                payload: serde_json::to_vec(call).expect("calls serialise"),
+                payload: Some(serde_json::to_vec(call).expect("calls serialise")),
                 headers: Vec::new(),
             },
             Out::Result {
@@ -404,11 +439,66 @@ impl Session<'_> {
                 topic: t.dlq.clone(),
                 partition: None,
                 key: key.clone(),
-                payload: serde_json::to_vec(record).expect("DLQ records serialise"),
+                payload: Some(serde_json::to_vec(record).expect("DLQ records serialise")),
                 headers: headers.clone(),
             },
         }
     }
+}
+
+/// How long a restore may take before the session gives up and retries.
+const RESTORE_LIMIT: Duration = Duration::from_secs(600);
+
+/// Rebuild a partition's local state from its changelog partition, read to its
+/// end (read_committed: only committed batches). Blocking.
+fn restore_partition(
+    cfg: &crate::config::KafkaConfig,
+    store: &StateStore,
+    p: i32,
+) -> Result<usize, GateError> {
+    use rdkafka::consumer::BaseConsumer;
+    let mut c = kafka::base_config(cfg);
+    c.set("group.id", format!("{}-restore", cfg.gate_group))
+        .set("enable.auto.commit", "false")
+        .set("enable.partition.eof", "true")
+        .set("isolation.level", "read_committed")
+        .set("auto.offset.reset", "earliest");
+    let consumer: BaseConsumer = c.create()?;
+    let mut tpl = TopicPartitionList::new();
+    tpl.add_partition_offset(&cfg.topics.changelog, p, Offset::Beginning)?;
+    consumer.assign(&tpl)?;
+    drop(tpl);
+    store.wipe_partition(p)?;
+    let deadline = Instant::now() + RESTORE_LIMIT;
+    let mut buf = Vec::with_capacity(10_000);
+    let mut n = 0;
+    loop {
+        match consumer.poll(Duration::from_millis(500)) {
+            Some(Ok(m)) => {
+                if let Some(k) = m.key() {
+                    buf.push((k.to_vec(), m.payload().map(<[u8]>::to_vec)));
+                }
+                if buf.len() >= 10_000 {
+                    n += store.apply_changelog(&buf)?;
+                    buf.clear();
+                }
+            }
+            Some(Err(KafkaError::PartitionEOF(_))) => break,
+            Some(Err(e)) => {
+                warn!(partition = p, error = %e, "changelog read error during restore (retrying)")
+            }
+            None => {}
+        }
+        if Instant::now() > deadline {
+            return Err(GateError::RestoreTimeout {
+                partition: p,
+                limit: RESTORE_LIMIT,
+            });
+        }
+    }
+    n += store.apply_changelog(&buf)?;
+    drop(consumer);
+    Ok(n)
 }
 
 /// A Result v1 record: keyed by workflow id, in the intent's partition number.
@@ -422,7 +512,7 @@ pub fn result_record(
         topic: topic.to_owned(),
         partition: Some(partition),
         key: Some(result.workflow_id.as_bytes().to_vec()),
-        payload: result.to_json(),
+        payload: Some(result.to_json()),
         headers: traceparent
             .map(|tp| vec![("traceparent".to_owned(), Some(tp.as_bytes().to_vec()))])
             .unwrap_or_default(),

@@ -218,21 +218,20 @@ pub fn partition_counts(cfg: &KafkaConfig, topics: &[&str]) -> Result<Vec<usize>
 /// Refuse to start on a topic layout that would misroute answers.
 pub fn check_layout(cfg: &KafkaConfig) -> Result<usize, KafkaSetupError> {
     let t = &cfg.topics;
-    let counts = partition_counts(
-        cfg,
-        &[&t.intents, &t.results, &t.dlq, &t.calls, &t.progress],
-    )?;
-    let (intents, results, calls, progress) = (counts[0], counts[1], counts[3], counts[4]);
+    let names: Vec<&str> = t.all().iter().map(|s| s.as_str()).collect();
+    let counts = partition_counts(cfg, &names)?;
+    let (intents, results, calls, progress, changelog) =
+        (counts[0], counts[1], counts[3], counts[4], counts[5]);
     if results < intents {
         return Err(KafkaSetupError::Layout(format!(
             "`{}` has {results} partitions but `{}` has {intents}: results are written to the intent's partition number, so results needs at least as many. Add partitions to `{}` (kafka-topics --alter --partitions {intents}) or recreate both with `stepgate topics create`.",
             t.results, t.intents, t.results
         )));
     }
-    if calls != intents || progress != intents {
+    if calls != intents || progress != intents || changelog != intents {
         return Err(KafkaSetupError::Layout(format!(
-            "the internal topics `{}` ({calls}) and `{}` ({progress}) must have as many partitions as `{}` ({intents}); `stepgate topics create` makes them equal.",
-            t.calls, t.progress, t.intents
+            "the internal topics `{}` ({calls}), `{}` ({progress}) and `{}` ({changelog}) must have as many partitions as `{}` ({intents}); `stepgate topics create` makes them equal.",
+            t.calls, t.progress, t.changelog, t.intents
         )));
     }
     Ok(intents)
@@ -247,18 +246,23 @@ pub async fn create_topics(
     let admin: AdminClient<DefaultClientContext> = base_config(cfg).create()?;
     let t = &cfg.topics;
     let retention_ms = retention.as_millis().max(1).to_string();
-    let names = [&t.intents, &t.results, &t.dlq, &t.calls, &t.progress];
+    let names = t.all();
     let topics: Vec<NewTopic> = names
         .iter()
         .map(|n| {
-            NewTopic::new(
+            let topic = NewTopic::new(
                 n,
                 cfg.partitions,
                 TopicReplication::Fixed(cfg.replication_factor),
-            )
-            // Topics are kept at least as long as steps are remembered, so a
-            // late repeat and an audit can still be traced through them.
-            .set("retention.ms", &retention_ms)
+            );
+            if *n == &t.changelog {
+                // Latest value per key; tombstones remove purged records.
+                topic.set("cleanup.policy", "compact")
+            } else {
+                // Kept at least as long as steps are remembered, so a late repeat
+                // and an audit can still be traced through them.
+                topic.set("retention.ms", &retention_ms)
+            }
         })
         .collect();
     let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
@@ -304,7 +308,8 @@ pub struct OutRecord {
     pub topic: String,
     pub partition: Option<i32>,
     pub key: Option<Vec<u8>>,
-    pub payload: Vec<u8>,
+    /// None for a tombstone.
+    pub payload: Option<Vec<u8>>,
     pub headers: Vec<(String, Option<Vec<u8>>)>,
 }
 
@@ -317,8 +322,10 @@ pub async fn send_all(producer: &FutureProducer, records: &[OutRecord]) -> Resul
     let mut pending = std::collections::VecDeque::new();
     for r in records {
         loop {
-            let mut rec: FutureRecord<'_, [u8], [u8]> =
-                FutureRecord::to(&r.topic).payload(r.payload.as_slice());
+            let mut rec: FutureRecord<'_, [u8], [u8]> = FutureRecord::to(&r.topic);
+            if let Some(p) = &r.payload {
+                rec = rec.payload(p.as_slice());
+            }
             if let Some(p) = r.partition {
                 rec = rec.partition(p);
             }

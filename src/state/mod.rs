@@ -55,6 +55,21 @@ pub enum Cf {
 
 impl Cf {
     const ALL: [Cf; 4] = [Cf::Steps, Cf::Deadlines, Cf::Fast, Cf::Expiry];
+
+    /// The first byte of a changelog key.
+    fn tag(self) -> u8 {
+        match self {
+            Cf::Steps => 1,
+            Cf::Deadlines => 2,
+            Cf::Fast => 3,
+            Cf::Expiry => 4,
+        }
+    }
+
+    fn from_tag(tag: u8) -> Option<Cf> {
+        Cf::ALL.into_iter().find(|c| c.tag() == tag)
+    }
+
     fn name(self) -> &'static str {
         match self {
             Cf::Steps => "steps",
@@ -333,6 +348,68 @@ impl StateStore {
     }
 }
 
+/// One state change as written to the changelog topic: the key is the column
+/// family's tag byte followed by the state key; `None` is a tombstone.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ChangelogEntry {
+    pub partition: i32,
+    pub key: Vec<u8>,
+    pub value: Option<Vec<u8>>,
+}
+
+impl StateStore {
+    /// Forget everything local about a partition, before restoring it.
+    pub fn wipe_partition(&self, partition: i32) -> Result<(), StateError> {
+        let from = partition.to_be_bytes();
+        let to = partition.saturating_add(1).to_be_bytes();
+        let mut wb = WriteBatch::default();
+        for cf in Cf::ALL {
+            wb.delete_range_cf(self.cf(cf), from, to);
+        }
+        wb.delete_cf(self.meta(), seq_key(partition));
+        wb.delete_cf(self.meta(), undo_key(partition));
+        self.write_synced(wb)
+    }
+
+    /// Apply changelog records in order (later ones win); returns how many were
+    /// applied. Not synced: [`StateStore::finish_restore`] syncs once at the end.
+    pub fn apply_changelog(
+        &self,
+        records: &[(Vec<u8>, Option<Vec<u8>>)],
+    ) -> Result<usize, StateError> {
+        let mut wb = WriteBatch::default();
+        let mut n = 0;
+        for (key, value) in records {
+            let Some((tag, state_key)) = key.split_first() else {
+                continue;
+            };
+            let Some(cf) = Cf::from_tag(*tag) else {
+                continue;
+            };
+            if state_key.len() < 4 {
+                continue;
+            }
+            match value {
+                Some(v) => wb.put_cf(self.cf(cf), state_key, v),
+                None => wb.delete_cf(self.cf(cf), state_key),
+            }
+            n += 1;
+        }
+        self.db.write(wb)?;
+        Ok(n)
+    }
+
+    /// Mark a restored partition as reflecting Kafka's batch `seq` (synced).
+    pub fn finish_restore(&self, partition: i32, seq: Option<u64>) -> Result<(), StateError> {
+        let mut wb = WriteBatch::default();
+        match seq {
+            Some(s) => wb.put_cf(self.meta(), seq_key(partition), s.to_be_bytes()),
+            None => wb.delete_cf(self.meta(), seq_key(partition)),
+        }
+        self.write_synced(wb)
+    }
+}
+
 /// Pending writes of one batch, read-through to the committed state, so inputs of
 /// one batch see each other's effects.
 #[derive(Default)]
@@ -441,6 +518,26 @@ impl Batch {
     pub fn delete_fast(&mut self, partition: i32, offset: i64) {
         self.writes
             .insert((Cf::Fast, fast_key(partition, offset)), None);
+    }
+
+    /// The batch's writes as changelog records, in a stable order.
+    pub fn changelog(&self) -> Vec<ChangelogEntry> {
+        let mut out: Vec<ChangelogEntry> = self
+            .writes
+            .iter()
+            .map(|((cf, key), value)| {
+                let mut k = Vec::with_capacity(key.len() + 1);
+                k.push(cf.tag());
+                k.extend_from_slice(key);
+                ChangelogEntry {
+                    partition: partition_of(key),
+                    key: k,
+                    value: value.clone(),
+                }
+            })
+            .collect();
+        out.sort_by(|a, b| a.key.cmp(&b.key));
+        out
     }
 
     /// The partitions this batch writes to.

@@ -30,6 +30,7 @@ pub struct Metrics {
     steps_purged: IntCounter,
     state_divergences: IntCounter,
     batches_rolled_back: IntCounter,
+    restored_records: IntCounter,
     tool_latency: HistogramVec,
     commit_latency: Histogram,
     state_records: IntGauge,
@@ -171,6 +172,11 @@ impl Metrics {
                 "stepgate_batches_rolled_back_total",
                 "Batches whose transaction did not commit and whose state writes were undone.",
             ),
+            restored_records: counter(
+                &r,
+                "stepgate_state_restored_records_total",
+                "Changelog records applied while restoring partitions.",
+            ),
             state_records: gauge(
                 &r,
                 "stepgate_state_records",
@@ -276,9 +282,19 @@ impl Metrics {
             partition,
             ?state_seq,
             ?committed_seq,
-            "local state does not match Kafka for this partition: records of earlier steps may be missing"
+            "local state does not match Kafka for this partition: restoring it from the changelog"
         );
         self.state_divergences.inc();
+    }
+
+    pub fn restored(&self, partition: i32, records: usize, took: Duration) {
+        info!(
+            partition,
+            records,
+            took_ms = took.as_millis() as u64,
+            "partition state restored from the changelog"
+        );
+        self.restored_records.inc_by(records as u64);
     }
 
     pub fn rolled_back(&self, partition: i32, seq: u64) {

@@ -181,6 +181,8 @@ pub struct Stack {
 
 pub struct StackOptions {
     pub tools: Vec<(&'static str, &'static str, &'static str)>,
+    /// The consumer session timeout (how long a killed member keeps its partitions).
+    pub session_timeout: &'static str,
     /// Extra lines for the `[gate]` table.
     pub gate: &'static str,
     /// Extra lines for the `[state]` table.
@@ -197,13 +199,14 @@ impl Default for StackOptions {
                 ("charge", "keyed", "2s"),
                 ("search", "read_only", "5s"),
             ],
+            session_timeout: "10s",
             gate: "",
             state: "",
         }
     }
 }
 
-fn free_port() -> u16 {
+pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -226,7 +229,7 @@ gate_group = "{prefix}-gate"
 executor_group = "{prefix}-exec"
 instance_id = "{prefix}-0"
 partitions = 4
-session_timeout = "10s"
+session_timeout = "{session_timeout}"
 transaction_timeout = "10s"
 [kafka.topics]
 intents = "{prefix}.intents"
@@ -234,6 +237,7 @@ results = "{prefix}.results"
 dlq = "{prefix}.dlq"
 calls = "{prefix}.calls"
 progress = "{prefix}.progress"
+changelog = "{prefix}.changelog"
 [state]
 path = "{state}"
 {state_extra}
@@ -252,6 +256,7 @@ level = "info,rdkafka=warn"
             brokers = brokers(),
             state = dir.path().join("state").display(),
             state_extra = opts.state,
+            session_timeout = opts.session_timeout,
             gate_extra = opts.gate,
         );
         for (name, category, timeout) in &opts.tools {
@@ -371,6 +376,51 @@ level = "info,rdkafka=warn"
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+    }
+
+    /// A copy of the config for another process of the same deployment: its own
+    /// instance id, state directory and HTTP address ("" for none).
+    pub fn config_for(&self, name: &str, http: &str) -> PathBuf {
+        let text = std::fs::read_to_string(&self.config_path)
+            .unwrap()
+            .replace(
+                &format!("instance_id = \"{}-0\"", self.prefix),
+                &format!("instance_id = \"{}-{name}\"", self.prefix),
+            )
+            .replace(
+                &format!("listen = \"{}\"", self.http),
+                &format!("listen = \"{http}\""),
+            )
+            .replace(
+                &self.dir.path().join("state").display().to_string(),
+                &self
+                    .dir
+                    .path()
+                    .join(format!("state-{name}"))
+                    .display()
+                    .to_string(),
+            );
+        let path = self.dir.path().join(format!("stepgate-{name}.toml"));
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+
+    /// Start another `stepgate run` of this deployment (see [`Stack::config_for`]).
+    pub fn spawn_other(&self, name: &str, http: &str, args: &[&str]) -> Child {
+        let log = std::fs::File::create(self.dir.path().join(format!("other-{name}.log"))).unwrap();
+        Command::new(env!("CARGO_BIN_EXE_stepgate"))
+            .args(["run", "--config"])
+            .arg(self.config_for(name, http))
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("stepgate binary starts")
+    }
+
+    pub fn other_log(&self, name: &str) -> String {
+        std::fs::read_to_string(self.dir.path().join(format!("other-{name}.log")))
+            .unwrap_or_default()
     }
 
     pub fn log(&self) -> String {
