@@ -252,7 +252,7 @@ async fn bad_input_goes_to_the_dlq_with_a_rejected_answer_and_the_gate_goes_on()
     .await;
     s.start().await;
     let agent = s.agent();
-    let dlq = TopicReader::new(&s.topic("dlq"));
+    let dlq = s.reader("dlq");
     let big = "x".repeat(4000);
     let cases: Vec<(Vec<u8>, &str, Option<&str>)> = vec![
         (b"{not json".to_vec(), "malformed_json", None),
@@ -838,4 +838,30 @@ async fn deduplication_holds_when_partitions_move_between_gates() {
         c.kill().unwrap();
         c.wait().unwrap();
     }
+}
+
+/// Lost disk *and* lost group offsets (a new group id, or offsets expired while
+/// the group was idle): the changelog still restores the records.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_changelog_restores_state_even_when_group_offsets_are_gone() {
+    let mut s = Stack::new(StackOptions::default()).await;
+    s.start().await;
+    let agent = s.agent();
+    let first = agent
+        .call(intent("wf-og", 1, "create_ticket", json!({}), "og1"))
+        .await;
+    s.kill();
+    std::fs::remove_dir_all(s.dir.path().join("state")).unwrap();
+    let text = std::fs::read_to_string(&s.config_path).unwrap().replace(
+        &format!("gate_group = \"{}-gate\"", s.prefix),
+        &format!("gate_group = \"{}-gate2\"", s.prefix),
+    );
+    std::fs::write(&s.config_path, text).unwrap();
+    s.start().await;
+    let again = agent
+        .call(intent("wf-og", 1, "create_ticket", json!({"r": 1}), "og2"))
+        .await;
+    assert!(again.deduplicated);
+    same_but_call_id(&first, &again);
+    assert_eq!(s.tools.count("create_ticket"), 1);
 }

@@ -129,6 +129,8 @@ impl Session<'_> {
         let commit_interval = self.config.gate.commit_interval.0;
         let purge_interval = self.config.state.purge_interval.0;
         let mut last_purge = Instant::now();
+        let grace = self.config.gate.in_doubt_grace.0;
+        let mut healthy_since = Instant::now();
         let mut tick = tokio::time::interval(commit_interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut pending = Pending::default();
@@ -142,7 +144,12 @@ impl Session<'_> {
                 }
                 _ = tick.tick() => {
                     let now = now_ms();
-                    core.on_deadlines(self.store, &mut pending.batch, now)?;
+                    // Outcomes may be queued behind an outage (ours or the
+                    // broker's): only settle deadlines after a grace period of
+                    // health, so an outage never turns a known outcome into doubt.
+                    if healthy_since.elapsed() >= grace {
+                        core.on_deadlines(self.store, &mut pending.batch, now)?;
+                    }
                     if last_purge.elapsed() >= purge_interval {
                         last_purge = Instant::now();
                         let parts: Vec<i32> = self.owned.keys().copied().collect();
@@ -159,6 +166,7 @@ impl Session<'_> {
                         Ok(m) => kafka::to_input(&m),
                         Err(e) => {
                             warn!(error = %e, "consumer error (librdkafka retries by itself)");
+                            healthy_since = Instant::now();
                             continue;
                         }
                     };
@@ -243,7 +251,7 @@ impl Session<'_> {
         }
         let topics = self.config.kafka.topics.clone();
         let c = consumer.clone();
-        let (intents_off, seq_meta, progress_off) = kafka::blocking(move || {
+        let (intents_off, seq_meta, progress_off, changelog_filled) = kafka::blocking(move || {
             let mut tpl = TopicPartitionList::new();
             tpl.add_partition(&topics.intents, p);
             tpl.add_partition(&topics.progress, p);
@@ -266,13 +274,26 @@ impl Session<'_> {
                 }
             };
             drop(committed);
-            Ok((intents, meta, progress))
+            let (low, high) = c.fetch_watermarks(&topics.changelog, p, Duration::from_secs(30))?;
+            Ok((intents, meta, progress, high > low))
         })
         .await?;
         let committed_seq = seq_meta
             .strip_prefix(SEQ_TAG)
             .and_then(|s| s.parse::<u64>().ok());
-        let seq = match self.store.reconcile(p, committed_seq)? {
+        let reconciled = match self.store.reconcile(p, committed_seq)? {
+            // Nothing here and nothing committed, yet the changelog has records:
+            // the group's offsets are gone (expired, or a new group id). The
+            // changelog still is the truth.
+            Reconciled::InSync if committed_seq.is_none() && changelog_filled => {
+                Reconciled::Diverged {
+                    state_seq: None,
+                    committed_seq: None,
+                }
+            }
+            other => other,
+        };
+        let seq = match reconciled {
             Reconciled::InSync => committed_seq,
             Reconciled::RolledBack { seq } => {
                 self.metrics.rolled_back(p, seq);
@@ -451,7 +472,7 @@ const RESTORE_LIMIT: Duration = Duration::from_secs(600);
 
 /// Rebuild a partition's local state from its changelog partition, read to its
 /// end (read_committed: only committed batches). Blocking.
-fn restore_partition(
+pub fn restore_partition(
     cfg: &crate::config::KafkaConfig,
     store: &StateStore,
     p: i32,

@@ -146,13 +146,13 @@ pub async fn init_txn_producer(
 }
 
 /// Wait before restarting a failed session, doubling the wait each time (capped
-/// at 10 s). Returns false when shutdown came first.
+/// at 5 s). Returns false when shutdown came first.
 pub async fn wait_before_restart(
     shutdown: &tokio_util::sync::CancellationToken,
     backoff: &mut Duration,
 ) -> bool {
     let wait = *backoff;
-    *backoff = (wait * 2).min(Duration::from_secs(10));
+    *backoff = (wait * 2).min(Duration::from_secs(5));
     tokio::select! {
         _ = shutdown.cancelled() => false,
         _ = tokio::time::sleep(wait) => true,

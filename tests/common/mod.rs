@@ -180,9 +180,13 @@ pub struct Stack {
 }
 
 pub struct StackOptions {
+    /// Bootstrap servers (default: [`brokers`]).
+    pub brokers: Option<String>,
     pub tools: Vec<(&'static str, &'static str, &'static str)>,
     /// The consumer session timeout (how long a killed member keeps its partitions).
     pub session_timeout: &'static str,
+    /// `gate.in_doubt_grace`.
+    pub grace: &'static str,
     /// Extra lines for the `[gate]` table.
     pub gate: &'static str,
     /// Extra lines for the `[state]` table.
@@ -199,7 +203,9 @@ impl Default for StackOptions {
                 ("charge", "keyed", "2s"),
                 ("search", "read_only", "5s"),
             ],
+            brokers: None,
             session_timeout: "10s",
+            grace: "1s",
             gate: "",
             state: "",
         }
@@ -243,7 +249,7 @@ path = "{state}"
 {state_extra}
 [gate]
 commit_interval = "20ms"
-in_doubt_grace = "1s"
+in_doubt_grace = "{grace}"
 {gate_extra}
 [executor]
 commit_interval = "10ms"
@@ -253,10 +259,11 @@ listen = "{http}"
 [log]
 level = "info,rdkafka=warn"
 "#,
-            brokers = brokers(),
+            brokers = opts.brokers.clone().unwrap_or_else(brokers),
             state = dir.path().join("state").display(),
             state_extra = opts.state,
             session_timeout = opts.session_timeout,
+            grace = opts.grace,
             gate_extra = opts.gate,
         );
         for (name, category, timeout) in &opts.tools {
@@ -444,9 +451,15 @@ level = "info,rdkafka=warn"
 
     pub fn agent(&self) -> Agent {
         Agent::new(
+            &self.config.kafka.brokers,
             &self.config.kafka.topics.intents,
             &self.config.kafka.topics.results,
         )
+    }
+
+    /// A reader of one of this deployment's topics (`"dlq"`, …), from the beginning.
+    pub fn reader(&self, which: &str) -> TopicReader {
+        TopicReader::new(&self.config.kafka.brokers, &self.topic(which))
     }
 
     pub fn topic(&self, which: &str) -> String {
@@ -481,9 +494,9 @@ pub struct TopicReader {
 }
 
 impl TopicReader {
-    pub fn new(topic: &str) -> TopicReader {
+    pub fn new(brokers: &str, topic: &str) -> TopicReader {
         let consumer: StreamConsumer = ClientConfig::new()
-            .set("bootstrap.servers", brokers())
+            .set("bootstrap.servers", brokers)
             .set("group.id", random_name("reader"))
             .set("enable.auto.commit", "false")
             .set("isolation.level", "read_committed")
@@ -491,7 +504,7 @@ impl TopicReader {
             .create()
             .unwrap();
         let md_consumer: BaseConsumer = ClientConfig::new()
-            .set("bootstrap.servers", brokers())
+            .set("bootstrap.servers", brokers)
             .create()
             .unwrap();
         let md = md_consumer
@@ -566,16 +579,16 @@ pub struct Agent {
 }
 
 impl Agent {
-    pub fn new(intents: &str, results: &str) -> Agent {
+    pub fn new(brokers: &str, intents: &str, results: &str) -> Agent {
         let producer = ClientConfig::new()
-            .set("bootstrap.servers", brokers())
+            .set("bootstrap.servers", brokers)
             .set("linger.ms", "0")
             .create()
             .unwrap();
         Agent {
             producer,
             intents: intents.into(),
-            results: TopicReader::new(results),
+            results: TopicReader::new(brokers, results),
         }
     }
 
