@@ -111,7 +111,7 @@ impl Default for KafkaConfig {
             partitions: 4,
             replication_factor: 1,
             session_timeout: dur("30s"),
-            transaction_timeout: dur("60s"),
+            transaction_timeout: dur("30s"),
             client: BTreeMap::new(),
         }
     }

@@ -156,10 +156,15 @@ impl Session<'_> {
                         core.purge(self.store, &mut pending.batch, parts, now, 10_000)?;
                         self.metrics.state_size(self.store.estimated_steps(), self.store.disk_bytes());
                     }
-                    let due = pending.started.is_some_and(|t| t.elapsed() >= commit_interval);
-                    if due || (pending.inputs == 0 && (core.has_outs() || !pending.batch.is_empty())) {
+                    // Work from deadlines and purges alone is committed at once;
+                    // with inputs it joins their batch.
+                    if pending.inputs == 0 && (core.has_outs() || !pending.batch.is_empty()) {
                         self.flush(core, &consumer, &producer, std::mem::take(&mut pending)).await?;
                     }
+                }
+                // A batch closes `commit_interval` after its first input.
+                _ = batch_closes(pending.started, commit_interval) => {
+                    self.flush(core, &consumer, &producer, std::mem::take(&mut pending)).await?;
                 }
                 msg = consumer.recv() => {
                     let input = match msg {
@@ -464,6 +469,14 @@ impl Session<'_> {
                 headers: headers.clone(),
             },
         }
+    }
+}
+
+/// Resolves when a batch opened at `started` is due; never without one.
+async fn batch_closes(started: Option<Instant>, interval: Duration) {
+    match started {
+        Some(t) => tokio::time::sleep_until((t + interval).into()).await,
+        None => std::future::pending().await,
     }
 }
 
