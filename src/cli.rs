@@ -47,6 +47,32 @@ pub enum Command {
         #[arg(long)]
         keep_running: bool,
     },
+    /// Publish one intent and print its answer (Result v1 JSON). Exits 0 when the
+    /// status is `ok`, 2 for `error`/`in_doubt`/`rejected`, 1 when no answer came.
+    Call {
+        /// The config whose brokers and topics to use (defaults otherwise).
+        #[arg(long, short, env = "STEPGATE_CONFIG")]
+        config: Option<PathBuf>,
+        /// Overrides `kafka.brokers`.
+        #[arg(long)]
+        brokers: Option<String>,
+        #[arg(long)]
+        workflow: String,
+        #[arg(long)]
+        step: u64,
+        #[arg(long)]
+        tool: String,
+        /// The arguments, a JSON object.
+        #[arg(long, default_value = "{}")]
+        args: String,
+        #[arg(long, default_value_t = 0)]
+        attempt: u64,
+        #[arg(long)]
+        call_id: Option<String>,
+        /// How long to wait for the answer.
+        #[arg(long, default_value = "60s")]
+        timeout: humantime::Duration,
+    },
     /// Load and validate a config (file + STEPGATE_* environment), print it as TOML.
     CheckConfig {
         #[arg(long, short, env = "STEPGATE_CONFIG")]

@@ -17,6 +17,7 @@
 //! - [`telemetry`]: typed events → logs + Prometheus; `/metrics`, health.
 //! - [`app`]: one process's roles, started together and shut down together.
 //! - [`demo`]: the zero-setup demo on an in-process Kafka mock.
+//! - [`client`]: the agent-side library: publish a step, await its answer.
 //! - [`cli`]: the command line.
 //!
 //! ## The path of a message
@@ -33,6 +34,7 @@
 
 pub mod app;
 pub mod cli;
+pub mod client;
 pub mod config;
 pub mod contract;
 pub mod demo;

@@ -5,6 +5,7 @@ use clap::Parser;
 use std::path::Path;
 use std::process::ExitCode;
 use stepgate::cli::{Cli, Command, TopicsCommand};
+use stepgate::client::{Client, ClientOptions, StepCall};
 use stepgate::config::Config;
 use tokio_util::sync::CancellationToken;
 
@@ -90,6 +91,37 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
                 level: "error".into(),
             });
             stepgate::demo::run(&metrics, keep_running, shutdown_on_signals()).await?;
+            Ok(())
+        }
+        Command::Call {
+            config,
+            brokers,
+            workflow,
+            step,
+            tool,
+            args,
+            attempt,
+            call_id,
+            timeout,
+        } => {
+            let mut cfg = load(config.as_deref())?;
+            if let Some(b) = brokers {
+                cfg.kafka.brokers = b;
+            }
+            let arguments: serde_json::Value =
+                serde_json::from_str(&args).context("--args must be a JSON object")?;
+            let mut call = StepCall::new(&workflow, step, &tool, arguments)?.attempt(attempt);
+            if let Some(id) = call_id {
+                call = call.call_id(&id);
+            }
+            let mut options = ClientOptions::from_config(&cfg);
+            options.timeout = timeout.into();
+            let client = Client::new(options).await?;
+            let answer = client.call(call).await?;
+            println!("{}", serde_json::to_string_pretty(&answer)?);
+            if answer.status != stepgate::contract::Status::Ok {
+                std::process::exit(2);
+            }
             Ok(())
         }
         Command::CheckConfig { config } => {

@@ -13,6 +13,8 @@ command -v pkg-config >/dev/null 2>&1 || missing+=(pkg-config)
 if [[ "${STEPGATE_NEED_KAFKA:-0}" == 1 ]]; then
   command -v java >/dev/null 2>&1 || missing+=(openjdk-17-jre-headless)
   command -v mvn >/dev/null 2>&1 || missing+=(maven)
+  command -v kcat >/dev/null 2>&1 || missing+=(kcat)                  # interop tests
+  command -v python3 >/dev/null 2>&1 || missing+=(python3 python3-pip)
 fi
 
 if ((${#missing[@]})); then
@@ -25,6 +27,13 @@ if ((${#missing[@]})); then
     echo "run: sudo apt-get install -y ${missing[*]}" >&2
     exit 1
   fi
+fi
+
+# The interop tests drive stepgate from Python's confluent-kafka.
+if [[ "${STEPGATE_NEED_KAFKA:-0}" == 1 ]] && ! python3 -c 'import confluent_kafka' 2>/dev/null; then
+  echo "installing the Python package confluent-kafka"
+  python3 -m pip install -q confluent-kafka 2>/dev/null ||
+    python3 -m pip install -q --break-system-packages confluent-kafka
 fi
 
 if ! command -v cargo >/dev/null 2>&1; then

@@ -1,0 +1,391 @@
+//! The agent side: publish an intent for a step and await its final answer.
+//!
+//! The step key is born here, not in the model: a [`Workflow`] numbers its steps,
+//! and a timed-out call is re-published as *the same step* (a new `call_id`,
+//! the same `(workflow_id, step_index, tool, attempt)`), which stepgate answers
+//! with the original result instead of running the tool again. Only
+//! [`Workflow::retry_step`] asks for a deliberate re-execution (`attempt` + 1).
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), stepgate::client::ClientError> {
+//! use stepgate::client::{Client, ClientOptions};
+//! let client = Client::new(ClientOptions::new("127.0.0.1:9092")).await?;
+//! let wf = client.workflow("order-7781");
+//! let answer = wf.call("send_email", serde_json::json!({"to": "a@example.com"})).await?;
+//! println!("{:?} {:?}", answer.status, answer.output);
+//! # Ok(()) }
+//! ```
+
+use crate::contract::{Intent, StepKey, ToolResult};
+use rdkafka::consumer::{BaseConsumer, Consumer, StreamConsumer};
+use rdkafka::error::KafkaError;
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
+use serde_json::{Map, Value};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use thiserror::Error;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+#[derive(Debug, Error)]
+pub enum ClientError {
+    #[error("Kafka")]
+    Kafka(#[from] KafkaError),
+    #[error("no answer for step {step} within {waited:?} ({publishes} publishes)")]
+    Timeout {
+        step: StepKey,
+        waited: Duration,
+        publishes: u32,
+    },
+    #[error("`arguments` must be a JSON object, got {0}")]
+    ArgumentsNotAnObject(Value),
+    #[error("the results topic `{0}` does not exist")]
+    NoResultsTopic(String),
+}
+
+/// Where and how the client talks to stepgate.
+#[derive(Debug, Clone)]
+pub struct ClientOptions {
+    pub brokers: String,
+    pub intents_topic: String,
+    pub results_topic: String,
+    /// Give up on a call after this long.
+    pub timeout: Duration,
+    /// Re-publish the same step when no answer came within this long (an answer
+    /// to any of the call's publishes ends the wait).
+    pub republish_after: Duration,
+    /// librdkafka properties for both clients (TLS, SASL, …).
+    pub kafka: BTreeMap<String, String>,
+}
+
+impl ClientOptions {
+    pub fn new(brokers: &str) -> Self {
+        ClientOptions {
+            brokers: brokers.to_owned(),
+            intents_topic: "stepgate.intents".into(),
+            results_topic: "stepgate.results".into(),
+            timeout: Duration::from_secs(120),
+            republish_after: Duration::from_secs(15),
+            kafka: BTreeMap::new(),
+        }
+    }
+
+    /// Brokers, topics and client properties of a stepgate config.
+    pub fn from_config(config: &crate::config::Config) -> Self {
+        ClientOptions {
+            brokers: config.kafka.brokers.clone(),
+            intents_topic: config.kafka.topics.intents.clone(),
+            results_topic: config.kafka.topics.results.clone(),
+            kafka: config.kafka.client.clone(),
+            ..ClientOptions::new(&config.kafka.brokers)
+        }
+    }
+
+    fn kafka_config(&self) -> ClientConfig {
+        let mut c = ClientConfig::new();
+        c.set("bootstrap.servers", &self.brokers);
+        for (k, v) in &self.kafka {
+            c.set(k, v);
+        }
+        c
+    }
+}
+
+/// One tool call at one step of a workflow.
+#[derive(Debug, Clone)]
+pub struct StepCall {
+    pub workflow_id: String,
+    pub step_index: u64,
+    pub tool: String,
+    pub arguments: Map<String, Value>,
+    pub attempt: u64,
+    /// Set one to correlate with your own logs; one is generated otherwise.
+    pub call_id: Option<String>,
+    pub metadata: Option<Map<String, Value>>,
+}
+
+impl StepCall {
+    /// `arguments` must be a JSON object.
+    pub fn new(
+        workflow_id: &str,
+        step_index: u64,
+        tool: &str,
+        arguments: Value,
+    ) -> Result<Self, ClientError> {
+        let Value::Object(arguments) = arguments else {
+            return Err(ClientError::ArgumentsNotAnObject(arguments));
+        };
+        Ok(StepCall {
+            workflow_id: workflow_id.to_owned(),
+            step_index,
+            tool: tool.to_owned(),
+            arguments,
+            attempt: 0,
+            call_id: None,
+            metadata: None,
+        })
+    }
+
+    pub fn attempt(mut self, attempt: u64) -> Self {
+        self.attempt = attempt;
+        self
+    }
+
+    pub fn call_id(mut self, call_id: &str) -> Self {
+        self.call_id = Some(call_id.to_owned());
+        self
+    }
+
+    pub fn step_key(&self) -> StepKey {
+        StepKey {
+            workflow_id: self.workflow_id.clone(),
+            step_index: self.step_index,
+            tool: self.tool.clone(),
+            attempt: self.attempt,
+        }
+    }
+}
+
+type Waiters = Arc<Mutex<HashMap<String, mpsc::UnboundedSender<ToolResult>>>>;
+
+/// A connection to stepgate for one agent process; cheap to share (`&Client`)
+/// across many concurrent calls.
+pub struct Client {
+    options: ClientOptions,
+    producer: FutureProducer,
+    waiters: Waiters,
+    next_id: AtomicU64,
+    id_prefix: String,
+    stop: CancellationToken,
+}
+
+impl Drop for Client {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+impl Client {
+    /// Connect, and start reading answers from the current end of the results
+    /// topic (so no answer to a call made from now on can be missed).
+    pub async fn new(options: ClientOptions) -> Result<Client, ClientError> {
+        let producer: FutureProducer = options
+            .kafka_config()
+            .set("linger.ms", "0")
+            .set("enable.idempotence", "true")
+            .create()?;
+        let id_prefix = format!(
+            "sg-{:x}-{:x}",
+            std::process::id(),
+            chrono::Utc::now().timestamp_nanos_opt().unwrap_or_default() & 0xffff_ffff_ffff
+        );
+        let waiters: Waiters = Arc::default();
+        let stop = CancellationToken::new();
+        let opts = options.clone();
+        let group = format!("{id_prefix}-reader");
+        let consumer = tokio::task::spawn_blocking(move || answers_consumer(&opts, &group))
+            .await
+            .map_err(|_| KafkaError::Canceled)??;
+        let (w, s) = (waiters.clone(), stop.clone());
+        tokio::spawn(async move {
+            loop {
+                let msg = tokio::select! {
+                    _ = s.cancelled() => break,
+                    m = consumer.recv() => m,
+                };
+                let Ok(m) = msg else { continue };
+                let Some(result) = m
+                    .payload()
+                    .and_then(|p| serde_json::from_slice::<ToolResult>(p).ok())
+                else {
+                    continue;
+                };
+                let Some(id) = result.call_id.clone() else {
+                    continue;
+                };
+                let tx = w.lock().expect("waiters lock").get(&id).cloned();
+                if let Some(tx) = tx {
+                    let _ = tx.send(result);
+                }
+            }
+        });
+        Ok(Client {
+            options,
+            producer,
+            waiters,
+            next_id: AtomicU64::new(0),
+            id_prefix,
+            stop,
+        })
+    }
+
+    fn new_call_id(&self) -> String {
+        format!(
+            "{}-{}",
+            self.id_prefix,
+            self.next_id.fetch_add(1, Ordering::Relaxed)
+        )
+    }
+
+    /// Publish the step and await its final answer; on silence, re-publish the
+    /// same step every `republish_after`, until `timeout`.
+    pub async fn call(&self, call: StepCall) -> Result<ToolResult, ClientError> {
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let mut ids = Vec::new();
+        let started = tokio::time::Instant::now();
+        let deadline = started + self.options.timeout;
+        let result = loop {
+            let id = match (&call.call_id, ids.is_empty()) {
+                (Some(id), true) => id.clone(),
+                _ => self.new_call_id(),
+            };
+            self.waiters
+                .lock()
+                .expect("waiters lock")
+                .insert(id.clone(), tx.clone());
+            ids.push(id.clone());
+            if let Err(e) = self.publish(&call, &id).await {
+                break Err(e);
+            }
+            let wait_until =
+                (tokio::time::Instant::now() + self.options.republish_after).min(deadline);
+            match tokio::time::timeout_at(wait_until, rx.recv()).await {
+                Ok(Some(answer)) => break Ok(answer),
+                Ok(None) => unreachable!("the sender lives in this function"),
+                Err(_) if tokio::time::Instant::now() >= deadline => {
+                    break Err(ClientError::Timeout {
+                        step: call.step_key(),
+                        waited: started.elapsed(),
+                        publishes: ids.len() as u32,
+                    });
+                }
+                Err(_) => {
+                    tracing::info!(step = %call.step_key(), "no answer yet: publishing the same step again")
+                }
+            }
+        };
+        let mut w = self.waiters.lock().expect("waiters lock");
+        for id in ids {
+            w.remove(&id);
+        }
+        result
+    }
+
+    async fn publish(&self, call: &StepCall, call_id: &str) -> Result<(), ClientError> {
+        let intent = Intent {
+            workflow_id: call.workflow_id.clone(),
+            step_index: call.step_index,
+            tool: call.tool.clone(),
+            attempt: call.attempt,
+            arguments: call.arguments.clone(),
+            call_id: Some(call_id.to_owned()),
+            metadata: call.metadata.clone(),
+        };
+        let payload = serde_json::to_vec(&intent).expect("intents serialise");
+        self.producer
+            .send(
+                FutureRecord::to(&self.options.intents_topic)
+                    .key(&call.workflow_id)
+                    .payload(&payload),
+                Duration::from_secs(30),
+            )
+            .await
+            .map_err(|(e, _)| ClientError::Kafka(e))?;
+        Ok(())
+    }
+
+    /// A workflow whose steps this client numbers, from 0.
+    pub fn workflow(&self, workflow_id: &str) -> Workflow<'_> {
+        Workflow {
+            client: self,
+            id: workflow_id.to_owned(),
+            next: AtomicU64::new(0),
+            attempts: Mutex::default(),
+        }
+    }
+}
+
+/// Assigned to every results partition at its current end, with the offsets
+/// resolved now (not lazily), so answers published after this returns are read.
+fn answers_consumer(options: &ClientOptions, group: &str) -> Result<StreamConsumer, ClientError> {
+    let consumer: StreamConsumer = options
+        .kafka_config()
+        .set("group.id", group)
+        .set("enable.auto.commit", "false")
+        .set("isolation.level", "read_committed")
+        .set("fetch.wait.max.ms", "10")
+        .create()?;
+    let meta: BaseConsumer = options.kafka_config().create()?;
+    let md = meta.fetch_metadata(Some(&options.results_topic), Duration::from_secs(15))?;
+    let partitions = md
+        .topics()
+        .first()
+        .filter(|t| t.error().is_none())
+        .map(|t| t.partitions().len() as i32)
+        .unwrap_or(0);
+    drop(md);
+    if partitions == 0 {
+        return Err(ClientError::NoResultsTopic(options.results_topic.clone()));
+    }
+    let mut tpl = TopicPartitionList::new();
+    for p in 0..partitions {
+        let (_, high) =
+            meta.fetch_watermarks(&options.results_topic, p, Duration::from_secs(15))?;
+        tpl.add_partition_offset(&options.results_topic, p, Offset::Offset(high))?;
+    }
+    consumer.assign(&tpl)?;
+    drop(tpl);
+    drop(meta);
+    Ok(consumer)
+}
+
+/// A workflow's steps, numbered in call order. One `Workflow` per workflow run;
+/// to resume a run in another process, start numbering where it stopped
+/// ([`Workflow::starting_at`]) so resumed steps keep their step keys.
+pub struct Workflow<'a> {
+    client: &'a Client,
+    id: String,
+    next: AtomicU64,
+    attempts: Mutex<HashMap<u64, u64>>,
+}
+
+impl Workflow<'_> {
+    pub fn starting_at(self, step_index: u64) -> Self {
+        self.next.store(step_index, Ordering::SeqCst);
+        self
+    }
+
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// Call `tool` as the next step.
+    pub async fn call(&self, tool: &str, arguments: Value) -> Result<ToolResult, ClientError> {
+        let step = self.next.fetch_add(1, Ordering::SeqCst);
+        self.client
+            .call(StepCall::new(&self.id, step, tool, arguments)?)
+            .await
+    }
+
+    /// Run step `step_index` again, deliberately: the next `attempt` of it, with
+    /// its own provider idempotency key.
+    pub async fn retry_step(
+        &self,
+        step_index: u64,
+        tool: &str,
+        arguments: Value,
+    ) -> Result<ToolResult, ClientError> {
+        let attempt = {
+            let mut a = self.attempts.lock().expect("attempts lock");
+            let n = a.entry(step_index).or_insert(0);
+            *n += 1;
+            *n
+        };
+        self.client
+            .call(StepCall::new(&self.id, step_index, tool, arguments)?.attempt(attempt))
+            .await
+    }
+}

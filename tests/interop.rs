@@ -1,0 +1,169 @@
+//! Clients nobody here wrote: Python's confluent-kafka (the schema examples and
+//! the example agent loop) and kcat (a raw intent line), against the binary.
+
+mod common;
+
+use common::*;
+use std::process::Command;
+use std::time::Duration;
+use stepgate::contract::Status;
+
+fn python(s: &Stack, script: &str, args: &[&str]) -> String {
+    let out = Command::new("python3")
+        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/").to_owned() + script)
+        .args(args)
+        .output()
+        .expect("python3 runs (deploy/local/test.sh installs confluent-kafka)");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{script} failed:\n{stdout}\n{}\n--- stepgate log ---\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        s.log()
+    );
+    stdout
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_confluent_kafka_publishes_the_schema_examples_and_reads_answers() {
+    let mut s = Stack::new(StackOptions::default()).await;
+    s.start().await;
+    let t = &s.config.kafka.topics;
+    let out = python(
+        &s,
+        "tests/interop/python_agent.py",
+        &[
+            &s.config.kafka.brokers,
+            &t.intents,
+            &t.results,
+            concat!(env!("CARGO_MANIFEST_DIR"), "/schemas"),
+            "send_email",
+        ],
+    );
+    assert!(out.contains("python interop:"), "{out}");
+    assert_eq!(
+        s.tools.count("send_email"),
+        1,
+        "one schema example, its rephrased repeat never ran"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_python_example_agent_loop_runs() {
+    let mut s = Stack::new(StackOptions::default()).await;
+    s.start().await;
+    let t = &s.config.kafka.topics;
+    let out = python(
+        &s,
+        "examples/agent_loop.py",
+        &[
+            "--brokers",
+            &s.config.kafka.brokers,
+            "--intents",
+            &t.intents,
+            "--results",
+            &t.results,
+        ],
+    );
+    assert!(
+        out.contains("=> same answer, the email was sent once."),
+        "{out}"
+    );
+    assert_eq!(s.tools.count("send_email"), 1);
+    assert_eq!(s.tools.count("search"), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kcat_publishes_a_raw_intent_line_and_gets_its_answer_in_that_partition() {
+    let mut s = Stack::new(StackOptions::default()).await;
+    s.start().await;
+    let agent = s.agent();
+    let line = r#"{"workflow_id":"wf-kcat","step_index":1,"tool":"create_ticket","arguments":{"title":"from kcat"},"call_id":"kcat-1"}"#;
+    for partition in ["2", "3"] {
+        let mut child = Command::new("kcat")
+            .args([
+                "-P",
+                "-b",
+                &s.config.kafka.brokers,
+                "-t",
+                &s.config.kafka.topics.intents,
+                "-k",
+                "wf-kcat",
+                "-p",
+                partition,
+            ])
+            .stdin(std::process::Stdio::piped())
+            .spawn()
+            .expect("kcat runs (deploy/local/test.sh installs it)");
+        use std::io::Write;
+        let mut stdin = child.stdin.take().unwrap();
+        writeln!(
+            stdin,
+            "{}",
+            line.replace("kcat-1", &format!("kcat-p{partition}"))
+        )
+        .unwrap();
+        drop(stdin);
+        assert!(child.wait().unwrap().success());
+    }
+    for p in [2, 3] {
+        let id = format!("kcat-p{p}");
+        let r = agent.answer(&id, Duration::from_secs(30)).await;
+        assert_eq!(r.status, Status::Ok);
+        assert_eq!(
+            agent.answers(&id)[0].0,
+            p,
+            "answered in the intent's partition"
+        );
+    }
+    // The same workflow in two partitions is two separate step logs: the
+    // contract asks agents to key by workflow_id; a client that does not is
+    // still answered, in place.
+    assert_eq!(s.tools.count("create_ticket"), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_rust_example_agent_runs() {
+    let mut s = Stack::new(StackOptions::default()).await;
+    s.start().await;
+    // Examples are built next to the test binaries (target/<profile>/examples).
+    let exe = std::env::current_exe().unwrap();
+    let example = exe
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("examples")
+        .join("agent");
+    let t = &s.config.kafka.topics;
+    let out = Command::new(&example)
+        .args([
+            &s.config.kafka.brokers,
+            "wf-example",
+            &t.intents,
+            &t.results,
+        ])
+        .output()
+        .unwrap_or_else(|e| {
+            panic!(
+                "{}: {e} (built by `cargo test --all-targets`)",
+                example.display()
+            )
+        });
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("step 0 again: deduplicated=true"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("step 0, attempt 1: Ok"), "{stdout}");
+    assert_eq!(
+        s.tools.count("send_email"),
+        2,
+        "the original and the deliberate retry"
+    );
+}
