@@ -118,6 +118,7 @@ fn record(i: usize) -> StepRecord {
         rephrased: Vec::new(),
         late_outcome: None,
         expires_at_ms: i64::MAX / 2,
+        intent_ts_ms: None,
     }
 }
 

@@ -865,3 +865,159 @@ async fn the_changelog_restores_state_even_when_group_offsets_are_gone() {
     same_but_call_id(&first, &again);
     assert_eq!(s.tools.count("create_ticket"), 1);
 }
+
+/// After a known workload, `/metrics` counts exactly what happened.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_count_a_known_workload_exactly() {
+    let mut s = Stack::new(StackOptions::default()).await;
+    s.tools.script(
+        "create_ticket",
+        vec![Reply::Delay(Duration::from_millis(1500))],
+    );
+    s.start().await;
+    let agent = s.agent();
+    agent
+        .call(intent(
+            "wf-m",
+            1,
+            "send_email",
+            json!({"subject": "a"}),
+            "m1",
+        ))
+        .await;
+    agent
+        .call(intent(
+            "wf-m",
+            1,
+            "send_email",
+            json!({"subject": "a, rephrased"}),
+            "m2",
+        ))
+        .await;
+    agent
+        .send(&intent("wf-m", 2, "create_ticket", json!({"t": 1}), "m3"))
+        .await;
+    agent
+        .send(&intent("wf-m", 2, "create_ticket", json!({"t": 1}), "m4"))
+        .await;
+    agent
+        .call(intent("wf-m", 3, "search", json!({"q": "x"}), "m5"))
+        .await;
+    agent.call(intent("wf-m", 4, "nope", json!({}), "m6")).await;
+    agent.send_raw("wf-m", b"{broken", None, &[]).await;
+    agent.answer("m3", WAIT).await;
+    agent.answer("m4", WAIT).await;
+    let s_ref = &s;
+    let mut m = std::collections::HashMap::new();
+    let start = std::time::Instant::now();
+    while start.elapsed() < WAIT {
+        m = parse_metrics(&s_ref.metrics().await);
+        let settled = m.get("stepgate_intents_received_total") == Some(&7.0)
+            && m.keys().any(|k| k.starts_with("stepgate_consumer_lag{"));
+        if settled {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let expect = [
+        ("stepgate_intents_received_total", 7.0),
+        (
+            r#"stepgate_steps_forwarded_total{category="keyed",tool="send_email"}"#,
+            1.0,
+        ),
+        (
+            r#"stepgate_steps_forwarded_total{category="unkeyed",tool="create_ticket"}"#,
+            1.0,
+        ),
+        (
+            r#"stepgate_repeats_total{state="completed",tool="send_email"}"#,
+            1.0,
+        ),
+        (
+            r#"stepgate_repeats_total{state="in_flight",tool="create_ticket"}"#,
+            1.0,
+        ),
+        (
+            r#"stepgate_rephrased_retries_total{tool="send_email"}"#,
+            1.0,
+        ),
+        (r#"stepgate_fast_path_calls_total{tool="search"}"#, 1.0),
+        (
+            r#"stepgate_rejected_inputs_total{reason="unknown_tool"}"#,
+            1.0,
+        ),
+        (
+            r#"stepgate_rejected_inputs_total{reason="malformed_json"}"#,
+            1.0,
+        ),
+        (
+            r#"stepgate_invocations_total{outcome="ok",tool="send_email"}"#,
+            1.0,
+        ),
+        (
+            r#"stepgate_invocations_total{outcome="ok",tool="create_ticket"}"#,
+            1.0,
+        ),
+        (
+            r#"stepgate_invocations_total{outcome="ok",tool="search"}"#,
+            1.0,
+        ),
+        (
+            r#"stepgate_results_total{deduplicated="false",status="ok"}"#,
+            3.0,
+        ),
+        (
+            r#"stepgate_results_total{deduplicated="true",status="ok"}"#,
+            2.0,
+        ),
+        (
+            r#"stepgate_results_total{deduplicated="false",status="rejected"}"#,
+            1.0,
+        ),
+        (
+            r#"stepgate_answer_latency_seconds_count{deduplicated="false"}"#,
+            4.0,
+        ),
+        (
+            r#"stepgate_answer_latency_seconds_count{deduplicated="true"}"#,
+            2.0,
+        ),
+        (
+            r#"stepgate_tool_latency_seconds_count{tool="create_ticket"}"#,
+            1.0,
+        ),
+    ];
+    for (k, v) in expect {
+        assert_eq!(m.get(k), Some(&v), "{k}\n{m:#?}");
+    }
+    assert!(
+        !m.contains_key(r#"stepgate_rephrased_retries_total{tool="create_ticket"}"#),
+        "identical repeat is not rephrased"
+    );
+    assert!(
+        m.get(r#"stepgate_in_doubt_steps_total{tool="create_ticket"}"#)
+            .is_none()
+    );
+    assert!(
+        m.keys().any(|k| k.starts_with(&format!(
+            "stepgate_consumer_lag{{group=\"{}-gate\"",
+            s.prefix
+        ))),
+        "{m:#?}"
+    );
+    assert!(m["stepgate_commit_latency_seconds_count"] >= 1.0);
+    let health = reqwest::get(format!("http://{}/healthz", s.http))
+        .await
+        .unwrap();
+    assert!(health.status().is_success());
+}
+
+fn parse_metrics(text: &str) -> std::collections::HashMap<String, f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .filter_map(|l| {
+            let (k, v) = l.rsplit_once(' ')?;
+            Some((k.to_owned(), v.parse().ok()?))
+        })
+        .collect()
+}

@@ -92,7 +92,7 @@ impl Executor<'_> {
         shutdown: &CancellationToken,
     ) -> Result<(), ExecutorError> {
         let k = &self.config.kafka;
-        let (ctx, mut events) = RebalanceContext::new();
+        let (ctx, mut events) = RebalanceContext::new(self.metrics.clone(), &k.executor_group);
         let consumer: Arc<TxnConsumer> = Arc::new(
             kafka::txn_consumer_config(k, &k.executor_group, &format!("{}-exec", k.instance_id))
                 .create_with_context(ctx)?,

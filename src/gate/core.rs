@@ -24,6 +24,8 @@ pub enum Out {
         partition: i32,
         result: ToolResult,
         traceparent: Option<String>,
+        /// When the answered intent was published, for the answer-latency metric.
+        since_ms: Option<i64>,
     },
     /// A refused input, with its original key and headers.
     Dlq {
@@ -147,6 +149,7 @@ impl GateCore {
                 traceparent: traceparent.clone(),
                 dispatch: 1,
                 deadline_ms,
+                intent_ts_ms: input.timestamp_ms,
             };
             batch.put_fast(p, input.offset, &entry);
             self.due.insert((deadline_ms, p, Due::Fast(input.offset)));
@@ -184,6 +187,7 @@ impl GateCore {
                     rephrased: Vec::new(),
                     late_outcome: None,
                     expires_at_ms: now_ms + ms(self.settings.retention),
+                    intent_ts_ms: input.timestamp_ms,
                 };
                 batch.put_step(store, p, &record)?;
                 self.metrics.step_forwarded(&step, tool.category.as_str());
@@ -209,12 +213,14 @@ impl GateCore {
                             partition: p,
                             result: answer,
                             traceparent,
+                            since_ms: input.timestamp_ms,
                         });
                     }
                     _ => {
                         self.metrics.repeat(&step, true, rephrased);
                         record.waiters.push(Waiter {
                             call_id: intent.call_id,
+                            intent_ts_ms: input.timestamp_ms,
                             traceparent,
                         });
                     }
@@ -252,6 +258,7 @@ impl GateCore {
                     completed_at: crate::contract::timestamp(at(now_ms)),
                 },
                 traceparent: input.traceparent(),
+                since_ms: input.timestamp_ms,
             });
         }
         self.outs.push(Out::Dlq {
@@ -301,6 +308,7 @@ impl GateCore {
                     partition: p,
                     result,
                     traceparent: entry.traceparent,
+                    since_ms: entry.intent_ts_ms,
                 });
             }
             return Ok(());
@@ -365,12 +373,14 @@ impl GateCore {
             partition: p,
             result: result.clone(),
             traceparent: record.traceparent.clone(),
+            since_ms: record.intent_ts_ms,
         });
         for w in record.waiters.drain(..) {
             self.outs.push(Out::Result {
                 partition: p,
                 result: result.for_repeat(w.call_id),
                 traceparent: w.traceparent,
+                since_ms: w.intent_ts_ms,
             });
         }
         record.result = Some(result);

@@ -92,7 +92,7 @@ pub async fn run(
 struct Session<'a> {
     config: &'a Config,
     store: &'a StateStore,
-    metrics: &'a Metrics,
+    metrics: &'a Arc<Metrics>,
     health: &'a Health,
     owned: HashMap<i32, Owned>,
     assigned: BTreeSet<i32>,
@@ -115,7 +115,7 @@ impl Session<'_> {
         shutdown: &CancellationToken,
     ) -> Result<(), GateError> {
         let k = &self.config.kafka;
-        let (ctx, mut events) = RebalanceContext::new();
+        let (ctx, mut events) = RebalanceContext::new(self.metrics.clone(), &k.gate_group);
         let consumer: Arc<TxnConsumer> = Arc::new(
             kafka::txn_consumer_config(k, &k.gate_group, &format!("{}-gate", k.instance_id))
                 .create_with_context(ctx)?,
@@ -432,10 +432,15 @@ impl Session<'_> {
                 o.progress_next = Some(next);
             }
         }
+        let now = now_ms();
         for o in &outs {
-            if let Out::Result { result, .. } = o {
+            if let Out::Result {
+                result, since_ms, ..
+            } = o
+            {
+                let latency = since_ms.map(|t| Duration::from_millis((now - t).max(0) as u64));
                 self.metrics
-                    .result_published(result.status.as_str(), result.deduplicated);
+                    .result_published(result.status.as_str(), result.deduplicated, latency);
             }
         }
         self.metrics.committed(started.elapsed());
@@ -456,6 +461,7 @@ impl Session<'_> {
                 partition,
                 result,
                 traceparent,
+                ..
             } => result_record(&t.results, *partition, result, traceparent.as_deref()),
             Out::Dlq {
                 key,

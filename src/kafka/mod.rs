@@ -55,6 +55,7 @@ pub fn txn_consumer_config(cfg: &KafkaConfig, group: &str, instance: &str) -> Cl
             cfg.session_timeout.0.as_millis().to_string(),
         )
         .set("max.poll.interval.ms", "600000")
+        .set("statistics.interval.ms", "5000")
         .set("fetch.wait.max.ms", "50");
     for (k, v) in &cfg.client {
         c.set(k, v);
@@ -89,18 +90,64 @@ pub enum RebalanceEvent {
     Revoked(Vec<(String, i32)>),
 }
 
+/// Signals rebalances to the consuming loop, and turns librdkafka's statistics
+/// into consumer-lag gauges.
 pub struct RebalanceContext {
     tx: mpsc::UnboundedSender<RebalanceEvent>,
+    metrics: Arc<crate::telemetry::Metrics>,
+    group: String,
 }
 
 impl RebalanceContext {
-    pub fn new() -> (Self, mpsc::UnboundedReceiver<RebalanceEvent>) {
+    pub fn new(
+        metrics: Arc<crate::telemetry::Metrics>,
+        group: &str,
+    ) -> (Self, mpsc::UnboundedReceiver<RebalanceEvent>) {
         let (tx, rx) = mpsc::unbounded_channel();
-        (RebalanceContext { tx }, rx)
+        (
+            RebalanceContext {
+                tx,
+                metrics,
+                group: group.to_owned(),
+            },
+            rx,
+        )
     }
 }
 
-impl ClientContext for RebalanceContext {}
+impl ClientContext for RebalanceContext {
+    // Only the lag is read, from the raw JSON: decoding the whole statistics
+    // document into rdkafka's typed struct is slower and breaks on new fields.
+    fn stats_raw(&self, statistics: &[u8]) {
+        let Ok(v) = serde_json::from_slice::<serde_json::Value>(statistics) else {
+            return;
+        };
+        let Some(topics) = v.get("topics").and_then(|t| t.as_object()) else {
+            return;
+        };
+        for (topic, t) in topics {
+            let Some(parts) = t.get("partitions").and_then(|p| p.as_object()) else {
+                continue;
+            };
+            for (p, part) in parts {
+                // Offsets are committed through transactions, which librdkafka's
+                // own `consumer_lag` does not see: lag is measured from what
+                // the application has consumed to the last stable offset.
+                let field = |k: &str| part.get(k).and_then(|v| v.as_i64()).unwrap_or(-1);
+                let (Ok(p), end, consumed) =
+                    (p.parse::<i32>(), field("ls_offset"), field("app_offset"))
+                else {
+                    continue;
+                };
+                // -1 is librdkafka's "internal" partition and an unknown offset.
+                if p >= 0 && end >= 0 && consumed >= 0 {
+                    self.metrics
+                        .consumer_lag(&self.group, topic, p, (end - consumed).max(0));
+                }
+            }
+        }
+    }
+}
 
 impl ConsumerContext for RebalanceContext {
     fn pre_rebalance(&self, _c: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
@@ -402,6 +449,8 @@ pub struct Input {
     pub key: Option<Vec<u8>>,
     pub payload: Option<Vec<u8>>,
     pub headers: Vec<(String, Option<Vec<u8>>)>,
+    /// The record's Kafka timestamp, ms since the epoch.
+    pub timestamp_ms: Option<i64>,
 }
 
 impl Input {
@@ -432,5 +481,6 @@ pub fn to_input(m: &rdkafka::message::BorrowedMessage<'_>) -> Input {
                     .collect()
             })
             .unwrap_or_default(),
+        timestamp_ms: m.timestamp().to_millis(),
     }
 }

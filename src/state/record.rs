@@ -38,6 +38,9 @@ impl Phase {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Waiter {
     pub call_id: Option<String>,
+    /// When the repeat was published (its Kafka timestamp), for latency metrics.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub intent_ts_ms: Option<i64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub traceparent: Option<String>,
 }
@@ -93,6 +96,9 @@ pub struct StepRecord {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub late_outcome: Option<Outcome>,
     pub expires_at_ms: i64,
+    /// When the first call was published (its Kafka timestamp), for latency metrics.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub intent_ts_ms: Option<i64>,
 }
 
 impl StepRecord {
@@ -131,4 +137,6 @@ pub struct FastEntry {
     pub dispatch: u32,
     /// Forwarded again when no answer has come by then.
     pub deadline_ms: i64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub intent_ts_ms: Option<i64>,
 }

@@ -31,6 +31,7 @@ fn record(i: u64, phase: Phase, expires: i64) -> StepRecord {
         rephrased: vec![],
         late_outcome: None,
         expires_at_ms: expires,
+        intent_ts_ms: None,
     }
 }
 

@@ -32,6 +32,8 @@ pub struct Metrics {
     batches_rolled_back: IntCounter,
     restored_records: IntCounter,
     tool_latency: HistogramVec,
+    answer_latency: HistogramVec,
+    consumer_lag: prometheus::IntGaugeVec,
     commit_latency: Histogram,
     state_records: IntGauge,
     state_disk_bytes: IntGauge,
@@ -80,6 +82,27 @@ impl Metrics {
         )
         .expect("metric names are valid");
         r.register(Box::new(tool_latency.clone()))
+            .expect("registered once");
+        let answer_latency = HistogramVec::new(
+            HistogramOpts::new(
+                "stepgate_answer_latency_seconds",
+                "From an intent's publication (its Kafka timestamp) to the commit of its answer.",
+            )
+            .buckets(buckets.clone()),
+            &["deduplicated"],
+        )
+        .expect("metric names are valid");
+        r.register(Box::new(answer_latency.clone()))
+            .expect("registered once");
+        let consumer_lag = prometheus::IntGaugeVec::new(
+            Opts::new(
+                "stepgate_consumer_lag",
+                "Records not yet consumed, per group and partition (librdkafka statistics).",
+            ),
+            &["group", "topic", "partition"],
+        )
+        .expect("metric names are valid");
+        r.register(Box::new(consumer_lag.clone()))
             .expect("registered once");
         let commit_latency = Histogram::with_opts(
             HistogramOpts::new(
@@ -188,6 +211,8 @@ impl Metrics {
                 "Live on-disk size of the local state.",
             ),
             tool_latency,
+            answer_latency,
+            consumer_lag,
             commit_latency,
             registry: r,
         }
@@ -239,10 +264,23 @@ impl Metrics {
         self.rejected_inputs.with_label_values(&[reason]).inc();
     }
 
-    pub fn result_published(&self, status: &str, deduplicated: bool) {
+    pub fn result_published(&self, status: &str, deduplicated: bool, latency: Option<Duration>) {
+        let dedup = if deduplicated { "true" } else { "false" };
         self.results_published
-            .with_label_values(&[status, if deduplicated { "true" } else { "false" }])
+            .with_label_values(&[status, dedup])
             .inc();
+        if let Some(l) = latency {
+            self.answer_latency
+                .with_label_values(&[dedup])
+                .observe(l.as_secs_f64());
+        }
+    }
+
+    /// Consumer lag of one partition, from librdkafka's statistics.
+    pub fn consumer_lag(&self, group: &str, topic: &str, partition: i32, lag: i64) {
+        self.consumer_lag
+            .with_label_values(&[group, topic, &partition.to_string()])
+            .set(lag);
     }
 
     pub fn invoked(&self, step: &crate::contract::StepKey, outcome: &str, took: Duration) {

@@ -66,6 +66,7 @@ impl Fixture {
             key: Some(b"wf".to_vec()),
             payload: Some(payload),
             headers: vec![],
+            timestamp_ms: None,
         }
     }
 
