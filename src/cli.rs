@@ -73,6 +73,11 @@ pub enum Command {
         #[arg(long, default_value = "60s")]
         timeout: humantime::Duration,
     },
+    /// The gate's local state.
+    State {
+        #[command(subcommand)]
+        action: StateCommand,
+    },
     /// Load and validate a config (file + STEPGATE_* environment), print it as TOML.
     CheckConfig {
         #[arg(long, short, env = "STEPGATE_CONFIG")]
@@ -90,6 +95,23 @@ pub enum TopicsCommand {
         /// Overrides `kafka.partitions`.
         #[arg(long)]
         partitions: Option<i32>,
+        /// Overrides `kafka.brokers`.
+        #[arg(long)]
+        brokers: Option<String>,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum StateCommand {
+    /// Rebuild a gate's RocksDB state from the changelog topic (disaster
+    /// recovery, or moving to a new disk). Never touches a running gate's state:
+    /// `--path` must be a new, empty directory.
+    Rebuild {
+        #[arg(long, short, env = "STEPGATE_CONFIG")]
+        config: Option<PathBuf>,
+        /// Where to write the rebuilt state (default: `state.path`).
+        #[arg(long)]
+        path: Option<PathBuf>,
         /// Overrides `kafka.brokers`.
         #[arg(long)]
         brokers: Option<String>,

@@ -4,7 +4,7 @@ use anyhow::Context as _;
 use clap::Parser;
 use std::path::Path;
 use std::process::ExitCode;
-use stepgate::cli::{Cli, Command, TopicsCommand};
+use stepgate::cli::{Cli, Command, StateCommand, TopicsCommand};
 use stepgate::client::{Client, ClientOptions, StepCall};
 use stepgate::config::Config;
 use tokio_util::sync::CancellationToken;
@@ -122,6 +122,33 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
             if answer.status != stepgate::contract::Status::Ok {
                 std::process::exit(2);
             }
+            Ok(())
+        }
+        Command::State {
+            action:
+                StateCommand::Rebuild {
+                    config,
+                    path,
+                    brokers,
+                },
+        } => {
+            let mut cfg = load(config.as_deref())?;
+            if let Some(b) = brokers {
+                cfg.kafka.brokers = b;
+            }
+            let path = path.unwrap_or_else(|| cfg.state.path.clone());
+            let report = tokio::task::spawn_blocking(move || {
+                stepgate::gate::rebuild_state(&cfg.kafka, &path, |p, n, records| {
+                    eprintln!("partition {p}/{n}: {records} changelog records applied");
+                })
+            })
+            .await??;
+            println!(
+                "rebuilt {} partitions, {} changelog records, into {}",
+                report.partitions,
+                report.records,
+                report.path.display()
+            );
             Ok(())
         }
         Command::CheckConfig { config } => {

@@ -541,6 +541,84 @@ pub fn restore_partition(
     Ok(n)
 }
 
+/// What [`rebuild_state`] did.
+#[derive(Debug)]
+pub struct Rebuilt {
+    pub path: std::path::PathBuf,
+    pub partitions: usize,
+    pub records: usize,
+}
+
+#[derive(Debug, Error)]
+pub enum RebuildError {
+    #[error("`{0}` exists and is not empty: rebuild into a new directory")]
+    NotEmpty(std::path::PathBuf),
+    #[error("Kafka")]
+    Setup(#[from] kafka::KafkaSetupError),
+    #[error("Kafka")]
+    Kafka(#[from] KafkaError),
+    #[error("restore")]
+    Gate(#[from] GateError),
+    #[error("state")]
+    State(#[from] StateError),
+}
+
+/// Rebuild a whole gate state from the changelog into a new directory, each
+/// partition marked with the batch number its group last committed, so a gate
+/// started on it finds every partition in sync. Blocking; `progress` is told
+/// (partition, partitions, records) as each partition finishes.
+pub fn rebuild_state(
+    cfg: &crate::config::KafkaConfig,
+    path: &std::path::Path,
+    mut progress: impl FnMut(i32, usize, usize),
+) -> Result<Rebuilt, RebuildError> {
+    if path.exists()
+        && std::fs::read_dir(path)
+            .map(|mut d| d.next().is_some())
+            .unwrap_or(true)
+    {
+        return Err(RebuildError::NotEmpty(path.to_owned()));
+    }
+    let partitions = kafka::check_layout(cfg)?;
+    let store = StateStore::open(path)?;
+    // The committed batch numbers, read as the gate group (without joining it).
+    let consumer: rdkafka::consumer::BaseConsumer = kafka::base_config(cfg)
+        .set("group.id", &cfg.gate_group)
+        .set("enable.auto.commit", "false")
+        .set("isolation.level", "read_committed")
+        .create()?;
+    let mut tpl = TopicPartitionList::new();
+    for p in 0..partitions as i32 {
+        tpl.add_partition(&cfg.topics.intents, p);
+    }
+    let committed = consumer.committed_offsets(tpl, Duration::from_secs(30))?;
+    let seqs: Vec<Option<u64>> = (0..partitions as i32)
+        .map(|p| {
+            committed
+                .find_partition(&cfg.topics.intents, p)
+                .and_then(|e| {
+                    e.metadata()
+                        .strip_prefix(SEQ_TAG)
+                        .and_then(|s| s.parse().ok())
+                })
+        })
+        .collect();
+    drop(committed);
+    drop(consumer);
+    let mut records = 0;
+    for p in 0..partitions as i32 {
+        let n = restore_partition(cfg, &store, p)?;
+        store.finish_restore(p, seqs[p as usize])?;
+        records += n;
+        progress(p, partitions, n);
+    }
+    Ok(Rebuilt {
+        path: path.to_owned(),
+        partitions,
+        records,
+    })
+}
+
 /// A Result v1 record: keyed by workflow id, in the intent's partition number.
 pub fn result_record(
     topic: &str,
