@@ -73,6 +73,28 @@ pub enum Command {
         #[arg(long, default_value = "60s")]
         timeout: humantime::Duration,
     },
+    /// Report what agents did, replayed from the intents and results topics
+    /// (read-only: live state is not touched).
+    Audit {
+        #[arg(long, short, env = "STEPGATE_CONFIG")]
+        config: Option<PathBuf>,
+        /// Overrides `kafka.brokers`.
+        #[arg(long)]
+        brokers: Option<String>,
+        /// Only this workflow.
+        #[arg(long)]
+        workflow: Option<String>,
+        /// Only records at or after this time (RFC 3339, e.g. 2026-11-29T08:00:00Z);
+        /// from the beginning otherwise.
+        #[arg(long)]
+        since: Option<String>,
+        /// `text` (default), `json` or `html`.
+        #[arg(long, default_value = "text")]
+        format: AuditFormat,
+        /// Write the report to this file instead of standard output.
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
     /// The gate's local state.
     State {
         #[command(subcommand)]
@@ -116,4 +138,11 @@ pub enum StateCommand {
         #[arg(long)]
         brokers: Option<String>,
     },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum AuditFormat {
+    Text,
+    Json,
+    Html,
 }

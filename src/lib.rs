@@ -15,6 +15,7 @@
 //! - [`tools`]: the tool registry and the HTTP tool protocol.
 //! - [`kafka`]: client configs, rebalance signalling, topics, transactions.
 //! - [`telemetry`]: typed events → logs + Prometheus; `/metrics`, health.
+//! - [`audit`]: reports of what agents did, replayed from the topics.
 //! - [`app`]: one process's roles, started together and shut down together.
 //! - [`demo`]: the zero-setup demo on an in-process Kafka mock.
 //! - [`client`]: the agent-side library: publish a step, await its answer.
@@ -33,6 +34,7 @@
 //! is re-run where that is safe, and `in_doubt` otherwise.
 
 pub mod app;
+pub mod audit;
 pub mod cli;
 pub mod client;
 pub mod config;

@@ -4,7 +4,7 @@ use anyhow::Context as _;
 use clap::Parser;
 use std::path::Path;
 use std::process::ExitCode;
-use stepgate::cli::{Cli, Command, StateCommand, TopicsCommand};
+use stepgate::cli::{AuditFormat, Cli, Command, StateCommand, TopicsCommand};
 use stepgate::client::{Client, ClientOptions, StepCall};
 use stepgate::config::Config;
 use tokio_util::sync::CancellationToken;
@@ -121,6 +121,52 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
             println!("{}", serde_json::to_string_pretty(&answer)?);
             if answer.status != stepgate::contract::Status::Ok {
                 std::process::exit(2);
+            }
+            Ok(())
+        }
+        Command::Audit {
+            config,
+            brokers,
+            workflow,
+            since,
+            format,
+            out,
+        } => {
+            let mut cfg = load(config.as_deref())?;
+            if let Some(b) = brokers {
+                cfg.kafka.brokers = b;
+            }
+            let since_ms = since
+                .map(|s| {
+                    chrono::DateTime::parse_from_rfc3339(&s)
+                        .map(|t| t.timestamp_millis())
+                        .with_context(|| format!("--since `{s}` is not an RFC 3339 time"))
+                })
+                .transpose()?;
+            let query = stepgate::audit::AuditQuery { workflow, since_ms };
+            let k = cfg.kafka.clone();
+            let report = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
+                let read = |topic: &str| {
+                    stepgate::audit::replay_topic(&k, topic, since_ms, |n| {
+                        eprint!("\rreading {topic}: {n} records");
+                    })
+                };
+                let intents = read(&k.topics.intents)?;
+                eprintln!();
+                let results = read(&k.topics.results)?;
+                eprintln!();
+                Ok(stepgate::audit::build(&intents, &results, &query))
+            })
+            .await??;
+            let text = match format {
+                AuditFormat::Text => stepgate::audit::render_text(&report),
+                AuditFormat::Json => serde_json::to_string_pretty(&report)? + "\n",
+                AuditFormat::Html => stepgate::audit::render_html(&report),
+            };
+            match out {
+                Some(path) => std::fs::write(&path, text)
+                    .with_context(|| format!("writing {}", path.display()))?,
+                None => print!("{text}"),
             }
             Ok(())
         }

@@ -1093,3 +1093,114 @@ async fn state_rebuild_reconstructs_a_state_that_answers_the_same() {
         "the rebuilt state is in sync: {m}"
     );
 }
+
+/// `stepgate audit` over a known recorded workload.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn audit_reports_a_recorded_workload() {
+    let mut s = Stack::new(StackOptions::default()).await;
+    s.tools
+        .script("wire", vec![Reply::Delay(Duration::from_secs(3))]);
+    s.start().await;
+    let agent = s.agent();
+    let wf = "wf-audit";
+    agent
+        .call(intent(
+            wf,
+            1,
+            "send_email",
+            json!({"to": "a", "subject": "Order confirmed"}),
+            "a1",
+        ))
+        .await;
+    agent
+        .call(intent(
+            wf,
+            1,
+            "send_email",
+            json!({"to": "a", "subject": "Your order is confirmed"}),
+            "a2",
+        ))
+        .await;
+    agent
+        .call(intent(
+            wf,
+            2,
+            "create_ticket",
+            json!({"title": "Refund"}),
+            "a3",
+        ))
+        .await;
+    agent
+        .call(intent(
+            wf,
+            3,
+            "create_ticket",
+            json!({"title": "Refund"}),
+            "a4",
+        ))
+        .await;
+    let d = agent
+        .call(intent(wf, 4, "wire", json!({"eur": 5}), "a5"))
+        .await;
+    assert_eq!(d.status, Status::InDoubt);
+    agent
+        .call(intent("wf-other", 0, "create_ticket", json!({}), "o1"))
+        .await;
+    let audit = |format: &str| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_stepgate"))
+            .args(["audit", "--workflow", wf, "--format", format, "--config"])
+            .arg(&s.config_path)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let report: serde_json::Value = serde_json::from_str(&audit("json")).unwrap();
+    let sum = &report["summary"];
+    assert_eq!(
+        (
+            sum["workflows"].as_u64(),
+            sum["steps"].as_u64(),
+            sum["calls"].as_u64(),
+            sum["repeats"].as_u64()
+        ),
+        (Some(1), Some(4), Some(5), Some(1))
+    );
+    assert_eq!(
+        (
+            sum["rephrased"].as_u64(),
+            sum["in_doubt"].as_u64(),
+            sum["hash_collisions"].as_u64()
+        ),
+        (Some(1), Some(1), Some(1))
+    );
+    let change = &report["workflows"][0]["steps"][0]["calls"][1]["changes"][0];
+    assert_eq!(
+        (change["path"].as_str(), change["after"].as_str()),
+        (Some("subject"), Some("Your order is confirmed"))
+    );
+    let text = audit("text");
+    println!("{text}");
+    assert!(
+        text.contains(r#"rephrased subject: "Order confirmed" → "Your order is confirmed""#),
+        "{text}"
+    );
+    assert!(
+        text.contains("identical arguments to create_ticket at steps 2, 3"),
+        "{text}"
+    );
+    assert!(
+        text.contains("step 4 wire (attempt 0) → in_doubt"),
+        "{text}"
+    );
+    let html = audit("html");
+    assert!(
+        html.contains("<!doctype html>") && html.contains("in doubt: may have run"),
+        "{html}"
+    );
+    assert_eq!(s.tools.count("send_email"), 1, "the audit touched nothing");
+}
