@@ -247,7 +247,14 @@ impl Executor<'_> {
         let tools = self.tools.clone();
         let metrics = self.metrics.clone();
         let tx = self.tx.clone();
-        tokio::spawn(async move {
+        // The step key (and the caller's trace) on every event of the invocation.
+        let span = tracing::info_span!(
+            "invoke",
+            step = %call.step,
+            dispatch = call.dispatch,
+            traceparent = call.traceparent.as_deref().unwrap_or("")
+        );
+        let task = async move {
             let t = Instant::now();
             let outcome = tools.invoke(&call).await;
             metrics.invoked(&call.step, outcome.label(), t.elapsed());
@@ -260,7 +267,8 @@ impl Executor<'_> {
             };
             // The receiver lives as long as the executor; after it, nothing to do.
             let _ = tx.send((partition, progress));
-        });
+        };
+        tokio::spawn(tracing::Instrument::instrument(task, span));
     }
 }
 

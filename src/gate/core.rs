@@ -139,6 +139,13 @@ impl GateCore {
         let p = input.partition;
         let step = intent.step_key();
         let traceparent = input.traceparent();
+        let _span = tracing::info_span!(
+            "intent",
+            step = %step,
+            call_id = intent.call_id.as_deref().unwrap_or(""),
+            traceparent = traceparent.as_deref().unwrap_or("")
+        )
+        .entered();
         let tool = &self.tools[&intent.tool];
         if !tool.recorded() {
             let deadline_ms = now_ms + ms(self.settings.fast_path_timeout);
