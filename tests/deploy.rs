@@ -217,3 +217,36 @@ fn the_dashboard_queries_name_exported_metrics() {
         assert!(seen.contains(needed), "the dashboard shows {needed}");
     }
 }
+
+/// `docker compose config` (or the standalone `docker-compose`) validates the
+/// compose file against the Compose schema; it needs no Docker engine.
+#[test]
+fn docker_compose_config_validates_the_stack() {
+    let attempts: [&[&str]; 2] = [&["docker", "compose"], &["docker-compose"]];
+    for cmd in attempts {
+        let Ok(out) = std::process::Command::new(cmd[0])
+            .args(&cmd[1..])
+            .args(["config", "-q"])
+            .current_dir(root())
+            .output()
+        else {
+            continue;
+        };
+        if cmd.len() == 2
+            && !out.status.success()
+            && String::from_utf8_lossy(&out.stderr).contains("unknown")
+        {
+            continue; // the compose plugin is not installed: try docker-compose
+        }
+        assert!(
+            out.status.success(),
+            "{}: {}",
+            cmd.join(" "),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        return;
+    }
+    panic!(
+        "neither `docker compose` nor `docker-compose` is installed (deploy/local/test.sh installs docker-compose)"
+    );
+}

@@ -31,6 +31,8 @@ pub enum ExecutorError {
     Kafka(#[from] KafkaError),
     #[error("partitions were revoked while calls were buffered; they are re-read")]
     Rebalanced,
+    #[error("no partitions assigned for {0:?}: rejoining with a fresh consumer")]
+    Unassigned(Duration),
 }
 
 /// An outcome waiting to be published, in the call's partition.
@@ -110,12 +112,21 @@ impl Executor<'_> {
         // Calls consumed but not yet committed as started (not yet invoked).
         let mut calls: Vec<(i32, Call)> = Vec::new();
         let mut offsets: BTreeMap<i32, i64> = BTreeMap::new();
+        // A member left without partitions for this long (e.g. fenced while the
+        // broker restarted) starts over with a fresh consumer.
+        let stuck_after = k.session_timeout.0 * 3;
+        let mut unassigned_since = Some(Instant::now());
         loop {
             let can_take = self.in_flight + calls.len() < concurrency;
             tokio::select! {
                 biased;
                 _ = shutdown.cancelled() => break,
                 Some(ev) = events.recv() => {
+                    match &ev {
+                        RebalanceEvent::Assigned(parts) if !parts.is_empty() => unassigned_since = None,
+                        RebalanceEvent::Assigned(_) => {}
+                        RebalanceEvent::Revoked(_) => unassigned_since = Some(Instant::now()),
+                    }
                     if matches!(ev, RebalanceEvent::Revoked(_)) && !offsets.is_empty() {
                         // Calls consumed but not committed may belong to revoked
                         // partitions, or to re-assigned ones whose position moved
@@ -143,6 +154,9 @@ impl Executor<'_> {
                     }
                 }
                 _ = tick.tick() => {
+                    if unassigned_since.is_some_and(|t| t.elapsed() > stuck_after) {
+                        return Err(ExecutorError::Unassigned(stuck_after));
+                    }
                     if !calls.is_empty() || !self.finished.is_empty() || !offsets.is_empty() {
                         let batch = std::mem::take(&mut calls);
                         let offs = std::mem::take(&mut offsets);

@@ -34,6 +34,8 @@ pub enum GateError {
     State(#[from] StateError),
     #[error("partitions were revoked while a batch was open; it is re-read from the last commit")]
     Rebalanced,
+    #[error("no partitions assigned for {0:?}: rejoining with a fresh consumer")]
+    Unassigned(Duration),
     #[error("restoring partition {partition} from the changelog did not finish within {limit:?}")]
     RestoreTimeout { partition: i32, limit: Duration },
 }
@@ -131,6 +133,8 @@ impl Session<'_> {
         let mut last_purge = Instant::now();
         let grace = self.config.gate.in_doubt_grace.0;
         let mut healthy_since = Instant::now();
+        let stuck_after = k.session_timeout.0 * 3;
+        let mut unassigned_since = Instant::now();
         let mut tick = tokio::time::interval(commit_interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut pending = Pending::default();
@@ -143,6 +147,14 @@ impl Session<'_> {
                     self.on_rebalance(core, &consumer, ev, open).await?
                 }
                 _ = tick.tick() => {
+                    // A member left without partitions for this long (e.g.
+                    // fenced while the broker restarted) starts over.
+                    if self.assigned.is_empty() && unassigned_since.elapsed() > stuck_after {
+                        return Err(GateError::Unassigned(stuck_after));
+                    }
+                    if !self.assigned.is_empty() {
+                        unassigned_since = Instant::now();
+                    }
                     let now = now_ms();
                     // Outcomes may be queued behind an outage (ours or the
                     // broker's): only settle deadlines after a grace period of
@@ -256,7 +268,7 @@ impl Session<'_> {
         }
         let topics = self.config.kafka.topics.clone();
         let c = consumer.clone();
-        let (intents_off, seq_meta, progress_off, changelog_filled) = kafka::blocking(move || {
+        let (intents_off, seq_meta, progress_off) = kafka::blocking(move || {
             let mut tpl = TopicPartitionList::new();
             tpl.add_partition(&topics.intents, p);
             tpl.add_partition(&topics.progress, p);
@@ -279,30 +291,34 @@ impl Session<'_> {
                 }
             };
             drop(committed);
-            let (low, high) = c.fetch_watermarks(&topics.changelog, p, Duration::from_secs(30))?;
-            Ok((intents, meta, progress, high > low))
+            Ok((intents, meta, progress))
         })
         .await?;
         let committed_seq = seq_meta
             .strip_prefix(SEQ_TAG)
             .and_then(|s| s.parse::<u64>().ok());
-        let reconciled = match self.store.reconcile(p, committed_seq)? {
-            // Nothing here and nothing committed, yet the changelog has records:
-            // the group's offsets are gone (expired, or a new group id). The
-            // changelog still is the truth.
-            Reconciled::InSync if committed_seq.is_none() && changelog_filled => {
-                Reconciled::Diverged {
-                    state_seq: None,
-                    committed_seq: None,
+        let nothing_local = self.store.applied_seq(p)?.is_none();
+        let restore = match self.store.reconcile(p, committed_seq)? {
+            // Nothing here and nothing committed: a new deployment, or the
+            // group's offsets are gone (expired, a new group id) while the
+            // changelog still holds the truth. Reading the changelog tells
+            // (an empty partition ends at once).
+            Reconciled::InSync if committed_seq.is_none() && nothing_local => {
+                let (c, topic) = (consumer.clone(), self.config.kafka.topics.changelog.clone());
+                match kafka::blocking(move || {
+                    c.fetch_watermarks(&topic, p, Duration::from_secs(10))
+                })
+                .await
+                {
+                    Ok((low, high)) => high > low,
+                    // Unknown: reading the changelog will tell.
+                    Err(_) => true,
                 }
             }
-            other => other,
-        };
-        let seq = match reconciled {
-            Reconciled::InSync => committed_seq,
+            Reconciled::InSync => false,
             Reconciled::RolledBack { seq } => {
                 self.metrics.rolled_back(p, seq);
-                committed_seq
+                false
             }
             Reconciled::Diverged {
                 state_seq,
@@ -311,15 +327,20 @@ impl Session<'_> {
                 // New owner, lost disk, or state from another history: the
                 // changelog is the truth up to the last committed batch.
                 self.metrics.divergence(p, state_seq, committed_seq);
-                let started = Instant::now();
-                let n = tokio::task::block_in_place(|| {
-                    restore_partition(&self.config.kafka, self.store, p)
-                })?;
-                self.store.finish_restore(p, committed_seq)?;
-                self.metrics.restored(p, n, started.elapsed());
-                committed_seq
+                true
             }
         };
+        if restore {
+            let started = Instant::now();
+            let n = tokio::task::block_in_place(|| {
+                restore_partition(&self.config.kafka, self.store, p)
+            })?;
+            self.store.finish_restore(p, committed_seq)?;
+            if n > 0 {
+                self.metrics.restored(p, n, started.elapsed());
+            }
+        }
+        let seq = committed_seq;
         core.load_partition(self.store, p)?;
         self.owned.insert(
             p,
