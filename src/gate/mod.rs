@@ -283,13 +283,11 @@ impl Session<'_> {
                 .find_partition(&topics.progress, p)
                 .and_then(|e| e.offset().to_raw())
                 .filter(|o| *o >= 0);
-            let intents = match intents {
-                Some(o) => o,
-                None => {
-                    c.fetch_watermarks(&topics.intents, p, Duration::from_secs(30))?
-                        .0
-                }
-            };
+            // Nothing committed yet: commit from 0 when needed — with
+            // auto.offset.reset=earliest that also covers a log whose start moved.
+            // (Not a watermark query: those were seen to time out for minutes
+            // after a broker restart.)
+            let intents = intents.unwrap_or(0);
             drop(committed);
             Ok((intents, meta, progress))
         })
