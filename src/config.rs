@@ -302,27 +302,124 @@ impl Category {
     }
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+/// MCP-style tool annotations. Without an explicit `category`, they choose one:
+/// `readOnlyHint` → `read_only`; else `idempotentHint` → `idempotent`; else
+/// `unkeyed` (an effect with no known provider key). `keyed` is never inferred:
+/// it needs a provider key, so it is declared.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
+pub struct ToolAnnotations {
+    #[serde(
+        rename = "readOnlyHint",
+        default,
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub read_only: Option<bool>,
+    #[serde(
+        rename = "idempotentHint",
+        default,
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub idempotent: Option<bool>,
+    #[serde(
+        rename = "destructiveHint",
+        default,
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub destructive: Option<bool>,
+    #[serde(
+        rename = "openWorldHint",
+        default,
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub open_world: Option<bool>,
+}
+
+impl ToolAnnotations {
+    pub fn category(&self) -> Category {
+        if self.read_only == Some(true) {
+            Category::ReadOnly
+        } else if self.idempotent == Some(true) {
+            Category::Idempotent
+        } else {
+            Category::Unkeyed
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, try_from = "RawToolConfig")]
 pub struct ToolConfig {
+    /// How the tool may be retried; from `annotations` when not given.
     pub category: Category,
     /// `http://…` or `https://…` endpoint receiving `POST` with the arguments.
     pub url: String,
     /// Per-request timeout.
-    #[serde(default = "default_tool_timeout")]
     pub timeout: Dur,
     /// Extra tries after a failure where retrying is allowed.
-    #[serde(default = "default_retries")]
     pub retries: u32,
     /// First backoff between tries; doubles each time, capped at 10 × this.
-    #[serde(default = "default_backoff")]
     pub backoff: Dur,
     /// Keep the full step log for a read-only/idempotent tool (repeats answered
     /// from the record instead of re-run). Always on for keyed/unkeyed tools.
-    #[serde(default)]
     pub record: bool,
+    /// The header carrying the step's idempotency key, as the provider names it
+    /// (`Idempotency-Key` for Stripe and most; `X-Request-Id` for others).
+    pub idempotency_header: String,
+    /// Also put the key into the JSON body at this dotted path
+    /// (e.g. `metadata.idempotency_key`) for providers that read it there.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub idempotency_field: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub annotations: Option<ToolAnnotations>,
 }
 
+/// A tool as written in the config, before `category` is settled.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawToolConfig {
+    category: Option<Category>,
+    url: String,
+    #[serde(default = "default_tool_timeout")]
+    timeout: Dur,
+    #[serde(default = "default_retries")]
+    retries: u32,
+    #[serde(default = "default_backoff")]
+    backoff: Dur,
+    #[serde(default)]
+    record: bool,
+    #[serde(default = "default_key_header")]
+    idempotency_header: String,
+    #[serde(default)]
+    idempotency_field: Option<String>,
+    #[serde(default)]
+    annotations: Option<ToolAnnotations>,
+}
+
+impl TryFrom<RawToolConfig> for ToolConfig {
+    type Error = String;
+    fn try_from(r: RawToolConfig) -> Result<Self, String> {
+        // Explicit config overrides the annotations.
+        let category = r.category.or(r.annotations.map(|a| a.category())).ok_or_else(|| {
+            "a tool needs `category` (read_only | idempotent | keyed | unkeyed) or MCP `annotations`".to_owned()
+        })?;
+        Ok(ToolConfig {
+            category,
+            url: r.url,
+            timeout: r.timeout,
+            retries: r.retries,
+            backoff: r.backoff,
+            record: r.record,
+            idempotency_header: r.idempotency_header,
+            idempotency_field: r.idempotency_field,
+            annotations: r.annotations,
+        })
+    }
+}
+
+fn default_key_header() -> String {
+    "Idempotency-Key".into()
+}
 fn default_tool_timeout() -> Dur {
     dur("10s")
 }
@@ -465,6 +562,26 @@ impl Config {
                 return Err(invalid(
                     &format!("tools.{name}.url"),
                     &format!("must be an http(s) URL, got `{}`", tool.url),
+                ));
+            }
+            if reqwest::header::HeaderName::from_bytes(tool.idempotency_header.as_bytes()).is_err()
+            {
+                return Err(invalid(
+                    &format!("tools.{name}.idempotency_header"),
+                    &format!(
+                        "`{}` is not a valid HTTP header name",
+                        tool.idempotency_header
+                    ),
+                ));
+            }
+            if tool
+                .idempotency_field
+                .as_ref()
+                .is_some_and(|f| f.split('.').any(str::is_empty))
+            {
+                return Err(invalid(
+                    &format!("tools.{name}.idempotency_field"),
+                    "must be a dotted path like \"metadata.idempotency_key\"",
                 ));
             }
             if tool.timeout.0.is_zero() {
@@ -652,6 +769,61 @@ timeout = "5s"
         )
         .unwrap_err();
         assert!(e.to_string().contains("sometimes"), "{e}");
+    }
+
+    #[test]
+    fn mcp_annotations_choose_a_category_unless_one_is_given() {
+        let cases = [
+            ("{readOnlyHint = true}", Category::ReadOnly),
+            (
+                "{readOnlyHint = false, idempotentHint = true}",
+                Category::Idempotent,
+            ),
+            ("{destructiveHint = false}", Category::Unkeyed),
+            (
+                "{destructiveHint = true, openWorldHint = true}",
+                Category::Unkeyed,
+            ),
+            ("{}", Category::Unkeyed),
+        ];
+        for (ann, want) in cases {
+            let c = Config::from_toml_str(
+                &format!("[tools.t]\nurl = \"http://h/t\"\nannotations = {ann}\n"),
+                env(&[]),
+            )
+            .unwrap();
+            assert_eq!(c.tools["t"].category, want, "{ann}");
+        }
+        let c = Config::from_toml_str(
+            "[tools.t]\nurl = \"http://h/t\"\ncategory = \"keyed\"\nannotations = {readOnlyHint = true}\n",
+            env(&[]),
+        )
+        .unwrap();
+        assert_eq!(
+            c.tools["t"].category,
+            Category::Keyed,
+            "explicit config overrides"
+        );
+        let e = Config::from_toml_str("[tools.t]\nurl = \"http://h/t\"\n", env(&[])).unwrap_err();
+        assert!(e.to_string().contains("needs `category`"), "{e}");
+    }
+
+    #[test]
+    fn provider_key_settings_are_checked() {
+        let c = Config::from_toml_str(SAMPLE, env(&[])).unwrap();
+        assert_eq!(c.tools["send_email"].idempotency_header, "Idempotency-Key");
+        let e = Config::from_toml_str(
+            "[tools.t]\nurl = \"http://h/t\"\ncategory = \"keyed\"\nidempotency_header = \"bad header\"\n",
+            env(&[]),
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("tools.t.idempotency_header"), "{e}");
+        let e = Config::from_toml_str(
+            "[tools.t]\nurl = \"http://h/t\"\ncategory = \"keyed\"\nidempotency_field = \"a..b\"\n",
+            env(&[]),
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("tools.t.idempotency_field"), "{e}");
     }
 
     #[test]

@@ -112,14 +112,19 @@ impl ToolRegistry {
 
     async fn try_once(&self, tool: &ToolConfig, call: &Call) -> Try {
         let step = &call.step;
+        let key = step.idempotency_key();
+        let mut body = serde_json::Value::Object(call.arguments.clone());
+        if let Some(path) = &tool.idempotency_field {
+            set_path(&mut body, path, serde_json::Value::String(key.clone()));
+        }
         let mut req = self
             .http
             .post(&tool.url)
             .timeout(tool.timeout.0)
-            .header("Idempotency-Key", step.idempotency_key())
+            .header(tool.idempotency_header.as_str(), key)
             .header("Stepgate-Step-Index", step.step_index.to_string())
             .header("Stepgate-Attempt", step.attempt.to_string())
-            .json(&call.arguments);
+            .json(&body);
         match reqwest::header::HeaderValue::from_bytes(step.workflow_id.as_bytes()) {
             Ok(v) => req = req.header("Stepgate-Workflow-Id", v),
             Err(_) => req = req.header("Stepgate-Workflow-Id", percent_escape(&step.workflow_id)),
@@ -162,6 +167,26 @@ impl ToolRegistry {
             });
         }
         Try::MaybeRan(format!("HTTP {code}"))
+    }
+}
+
+/// Put `value` at a dotted path of `body`, creating objects on the way (a
+/// non-object in the way is replaced: the provider's field wins).
+fn set_path(body: &mut serde_json::Value, path: &str, value: serde_json::Value) {
+    let mut cur = body;
+    let mut parts = path.split('.').peekable();
+    while let Some(part) = parts.next() {
+        if !cur.is_object() {
+            *cur = serde_json::Value::Object(Default::default());
+        }
+        let obj = cur.as_object_mut().expect("made an object above");
+        if parts.peek().is_none() {
+            obj.insert(part.to_owned(), value);
+            return;
+        }
+        cur = obj
+            .entry(part.to_owned())
+            .or_insert_with(|| serde_json::Value::Object(Default::default()));
     }
 }
 

@@ -160,3 +160,26 @@ async fn a_refused_connection_is_retried_for_every_category_then_not_performed()
         assert!(error.message.contains("after 3 tries"), "{}", error.message);
     }
 }
+
+#[tokio::test]
+async fn the_provider_key_goes_where_the_provider_reads_it() {
+    let (url, _, seen) = server(vec![200], Duration::ZERO).await;
+    let cfg = Config::from_toml_str(
+        &format!(
+            "[tools.t]\ncategory = \"keyed\"\nurl = \"{url}\"\nidempotency_header = \"X-Request-Id\"\nidempotency_field = \"metadata.idempotency_key\"\n"
+        ),
+        Vec::new(),
+    )
+    .unwrap();
+    let o = ToolRegistry::new(&cfg).invoke(&call()).await;
+    let key = call().step.idempotency_key();
+    let Outcome::Ok { output } = o else {
+        panic!("{o:?}")
+    };
+    // The echo server returns the body it received.
+    assert_eq!(output["echo"]["metadata"]["idempotency_key"], key.as_str());
+    assert_eq!(output["echo"]["a"], 1, "the arguments are kept");
+    let h = seen.lock().unwrap().clone().unwrap();
+    assert_eq!(h["x-request-id"], key.as_str());
+    assert!(h.get("idempotency-key").is_none());
+}
