@@ -30,8 +30,13 @@ fn main() -> ExitCode {
     }
 }
 
-fn load(path: Option<&Path>) -> anyhow::Result<Config> {
-    Config::load(path, std::env::vars()).context("loading the configuration")
+/// The config from file and environment, with `--brokers` applied when given.
+fn load(path: Option<&Path>, brokers: Option<String>) -> anyhow::Result<Config> {
+    let mut cfg = Config::load(path, std::env::vars()).context("loading the configuration")?;
+    if let Some(b) = brokers {
+        cfg.kafka.brokers = b;
+    }
+    Ok(cfg)
 }
 
 async fn execute(cli: Cli) -> anyhow::Result<()> {
@@ -42,10 +47,7 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
             brokers,
             instance_id,
         } => {
-            let mut cfg = load(config.as_deref())?;
-            if let Some(b) = brokers {
-                cfg.kafka.brokers = b;
-            }
+            let mut cfg = load(config.as_deref(), brokers)?;
             if let Some(i) = instance_id {
                 cfg.kafka.instance_id = i;
             }
@@ -64,12 +66,9 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
                     brokers,
                 },
         } => {
-            let mut cfg = load(config.as_deref())?;
+            let mut cfg = load(config.as_deref(), brokers)?;
             if let Some(n) = partitions {
                 cfg.kafka.partitions = n;
-            }
-            if let Some(b) = brokers {
-                cfg.kafka.brokers = b;
             }
             cfg.validate()?;
             let created = stepgate::kafka::create_topics(&cfg.kafka, cfg.state.retention.0).await?;
@@ -104,10 +103,7 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
             call_id,
             timeout,
         } => {
-            let mut cfg = load(config.as_deref())?;
-            if let Some(b) = brokers {
-                cfg.kafka.brokers = b;
-            }
+            let cfg = load(config.as_deref(), brokers)?;
             let arguments: serde_json::Value =
                 serde_json::from_str(&args).context("--args must be a JSON object")?;
             let mut call = StepCall::new(&workflow, step, &tool, arguments)?.attempt(attempt);
@@ -132,10 +128,7 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
             format,
             out,
         } => {
-            let mut cfg = load(config.as_deref())?;
-            if let Some(b) = brokers {
-                cfg.kafka.brokers = b;
-            }
+            let cfg = load(config.as_deref(), brokers)?;
             let since_ms = since
                 .map(|s| {
                     chrono::DateTime::parse_from_rfc3339(&s)
@@ -178,10 +171,7 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
                     brokers,
                 },
         } => {
-            let mut cfg = load(config.as_deref())?;
-            if let Some(b) = brokers {
-                cfg.kafka.brokers = b;
-            }
+            let cfg = load(config.as_deref(), brokers)?;
             let path = path.unwrap_or_else(|| cfg.state.path.clone());
             let report = tokio::task::spawn_blocking(move || {
                 stepgate::gate::rebuild_state(&cfg.kafka, &path, |p, n, records| {
@@ -198,7 +188,7 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::CheckConfig { config } => {
-            let cfg = load(config.as_deref())?;
+            let cfg = load(config.as_deref(), None)?;
             print!("{}", toml::to_string_pretty(&cfg)?);
             Ok(())
         }

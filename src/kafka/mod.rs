@@ -26,14 +26,20 @@ pub enum KafkaSetupError {
     Layout(String),
 }
 
-/// The base config of every client: brokers, then the `[kafka.client]` pass-through.
-pub fn base_config(cfg: &KafkaConfig) -> ClientConfig {
-    let mut c = ClientConfig::new();
-    c.set("bootstrap.servers", &cfg.brokers);
+/// The `[kafka.client]` pass-through, applied last so an operator can override
+/// any of stepgate's defaults (TLS, SASL, timeouts, …).
+fn with_overrides(mut c: ClientConfig, cfg: &KafkaConfig) -> ClientConfig {
     for (k, v) in &cfg.client {
         c.set(k, v);
     }
     c
+}
+
+/// The base config of every client: brokers, then the `[kafka.client]` pass-through.
+pub fn base_config(cfg: &KafkaConfig) -> ClientConfig {
+    let mut c = ClientConfig::new();
+    c.set("bootstrap.servers", &cfg.brokers);
+    with_overrides(c, cfg)
 }
 
 /// A consumer that commits only through transactions and reads only committed data.
@@ -57,10 +63,7 @@ pub fn txn_consumer_config(cfg: &KafkaConfig, group: &str, instance: &str) -> Cl
         .set("max.poll.interval.ms", "600000")
         .set("statistics.interval.ms", "5000")
         .set("fetch.wait.max.ms", "50");
-    for (k, v) in &cfg.client {
-        c.set(k, v);
-    }
-    c
+    with_overrides(c, cfg)
 }
 
 /// A transactional producer config (EOS v2: one producer per process, fenced by
@@ -76,10 +79,7 @@ pub fn txn_producer_config(cfg: &KafkaConfig, transactional_id: &str) -> ClientC
             "transaction.timeout.ms",
             cfg.transaction_timeout.0.as_millis().to_string(),
         );
-    for (k, v) in &cfg.client {
-        c.set(k, v);
-    }
-    c
+    with_overrides(c, cfg)
 }
 
 /// Rebalance events, signalled to the loop that owns the consumer (callbacks
