@@ -31,6 +31,9 @@ results = "$p.results"
 dlq = "$p.dlq"
 calls = "$p.calls"
 progress = "$p.progress"
+changelog = "$p.changelog"
+commands = "$p.commands"
+approvals = "$p.approvals"
 [state]
 path = "$work/state"
 [http]

@@ -46,6 +46,8 @@ dlq = "{p}.dlq"
 calls = "{p}.calls"
 progress = "{p}.progress"
 changelog = "{p}.changelog"
+commands = "{p}.commands"
+approvals = "{p}.approvals"
 [state]
 path = "{state}"
 [gate]

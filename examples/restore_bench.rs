@@ -119,6 +119,8 @@ fn record(i: usize) -> StepRecord {
         late_outcome: None,
         expires_at_ms: i64::MAX / 2,
         intent_ts_ms: None,
+        operator_log: Vec::new(),
+        partition: 0,
     }
 }
 

@@ -95,6 +95,41 @@ pub enum Command {
         #[arg(long)]
         out: Option<PathBuf>,
     },
+    /// A workflow's recorded steps, as the gate last committed them (read from
+    /// the changelog topic).
+    Steps {
+        #[command(subcommand)]
+        action: StepsCommand,
+    },
+    /// Settle an in-doubt step: it did take effect (`--executed --output JSON`,
+    /// which becomes its `ok` answer) or it did not (`--not-executed`: its next
+    /// call runs it). Recorded with who and when.
+    #[command(group(clap::ArgGroup::new("outcome").required(true).args(["executed", "not_executed"])))]
+    Resolve {
+        workflow_id: String,
+        step_index: u64,
+        tool: String,
+        #[arg(long, default_value_t = 0)]
+        attempt: u64,
+        /// The call did take effect.
+        #[arg(long, requires = "output")]
+        executed: bool,
+        /// Its output (a JSON value) with `--executed`: what the agent receives.
+        #[arg(long)]
+        output: Option<String>,
+        /// The call did not take effect: allow the step to run again.
+        #[arg(long)]
+        not_executed: bool,
+        #[command(flatten)]
+        who: Who,
+        #[command(flatten)]
+        target: Target,
+    },
+    /// Calls of `approval` tools waiting for a person.
+    Approvals {
+        #[command(subcommand)]
+        action: ApprovalsCommand,
+    },
     /// The gate's local state.
     State {
         #[command(subcommand)]
@@ -120,6 +155,85 @@ pub enum TopicsCommand {
         /// Overrides `kafka.brokers`.
         #[arg(long)]
         brokers: Option<String>,
+    },
+}
+
+/// Who decides, and why (recorded for audit).
+#[derive(Debug, clap::Args)]
+pub struct Who {
+    /// Who decides (default: $STEPGATE_OPERATOR, then $USER).
+    #[arg(long, env = "STEPGATE_OPERATOR")]
+    pub by: Option<String>,
+    /// Why (shown to the model in a denial).
+    #[arg(long)]
+    pub reason: Option<String>,
+}
+
+/// Which deployment, and how long to wait for the gate to apply a decision.
+#[derive(Debug, clap::Args)]
+pub struct Target {
+    #[arg(long, short, env = "STEPGATE_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Overrides `kafka.brokers`.
+    #[arg(long)]
+    pub brokers: Option<String>,
+    /// How long to wait until a gate has applied the decision.
+    #[arg(long, default_value = "30s")]
+    pub wait: humantime::Duration,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum StepsCommand {
+    /// List a workflow's steps with their state and operators' decisions.
+    Show {
+        workflow_id: String,
+        /// Print the records as JSON.
+        #[arg(long)]
+        json: bool,
+        #[arg(long, short, env = "STEPGATE_CONFIG")]
+        config: Option<PathBuf>,
+        /// Overrides `kafka.brokers`.
+        #[arg(long)]
+        brokers: Option<String>,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ApprovalsCommand {
+    /// Calls waiting for approval, oldest first.
+    List {
+        /// Print them as JSON.
+        #[arg(long)]
+        json: bool,
+        #[arg(long, short, env = "STEPGATE_CONFIG")]
+        config: Option<PathBuf>,
+        /// Overrides `kafka.brokers`.
+        #[arg(long)]
+        brokers: Option<String>,
+    },
+    /// Let a held call run.
+    Approve {
+        workflow_id: String,
+        step_index: u64,
+        tool: String,
+        #[arg(long, default_value_t = 0)]
+        attempt: u64,
+        #[command(flatten)]
+        who: Who,
+        #[command(flatten)]
+        target: Target,
+    },
+    /// Refuse a held call: the agent is told a person refused it (with `--reason`).
+    Deny {
+        workflow_id: String,
+        step_index: u64,
+        tool: String,
+        #[arg(long, default_value_t = 0)]
+        attempt: u64,
+        #[command(flatten)]
+        who: Who,
+        #[command(flatten)]
+        target: Target,
     },
 }
 

@@ -133,6 +133,12 @@ pub struct TopicsConfig {
     /// The gate's state changes, compacted: restores a partition's state on a new
     /// owner or disk (internal).
     pub changelog: String,
+    /// Operators → gate: resolutions of in-doubt steps, approvals and denials
+    /// (written by `stepgate resolve` / `stepgate approvals`).
+    pub commands: String,
+    /// Gate → operators: calls waiting for a person's approval, and the
+    /// decisions (public: an approval UI can read it).
+    pub approvals: String,
 }
 
 impl TopicsConfig {
@@ -145,11 +151,13 @@ impl TopicsConfig {
             calls: format!("{prefix}.calls"),
             progress: format!("{prefix}.progress"),
             changelog: format!("{prefix}.changelog"),
+            commands: format!("{prefix}.commands"),
+            approvals: format!("{prefix}.approvals"),
         }
     }
 
     /// Every topic name, public ones first.
-    pub fn all(&self) -> [&String; 6] {
+    pub fn all(&self) -> [&String; 8] {
         [
             &self.intents,
             &self.results,
@@ -157,6 +165,8 @@ impl TopicsConfig {
             &self.calls,
             &self.progress,
             &self.changelog,
+            &self.commands,
+            &self.approvals,
         ]
     }
 }
@@ -302,6 +312,36 @@ impl Category {
     }
 }
 
+/// What an `unkeyed` tool does about the risk of running twice; see README
+/// "Choosing a category".
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Policy {
+    /// Run each step once; an unknown outcome is reported `in_doubt` and the
+    /// step stays settled until an operator resolves it.
+    #[default]
+    InDoubt,
+    /// Every call waits for a person's approval before it runs.
+    Approval,
+    /// The tool ends its workflow: any new step of the workflow after it is
+    /// rejected.
+    LastStep,
+}
+
+impl Policy {
+    fn is_default(&self) -> bool {
+        *self == Policy::InDoubt
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Policy::InDoubt => "in_doubt",
+            Policy::Approval => "approval",
+            Policy::LastStep => "last_step",
+        }
+    }
+}
+
 /// MCP-style tool annotations. Without an explicit `category`, they choose one:
 /// `readOnlyHint` → `read_only`; else `idempotentHint` → `idempotent`; else
 /// `unkeyed` (an effect with no known provider key). `keyed` is never inferred:
@@ -352,6 +392,9 @@ impl ToolAnnotations {
 pub struct ToolConfig {
     /// How the tool may be retried; from `annotations` when not given.
     pub category: Category,
+    /// For `unkeyed` tools: in doubt (default), approval, or last step.
+    #[serde(skip_serializing_if = "Policy::is_default")]
+    pub policy: Policy,
     /// `http://…` or `https://…` endpoint receiving `POST` with the arguments.
     pub url: String,
     /// Per-request timeout.
@@ -379,6 +422,8 @@ pub struct ToolConfig {
 #[serde(deny_unknown_fields)]
 struct RawToolConfig {
     category: Option<Category>,
+    #[serde(default)]
+    policy: Option<Policy>,
     url: String,
     #[serde(default = "default_tool_timeout")]
     timeout: Dur,
@@ -403,8 +448,16 @@ impl TryFrom<RawToolConfig> for ToolConfig {
         let category = r.category.or(r.annotations.map(|a| a.category())).ok_or_else(|| {
             "a tool needs `category` (read_only | idempotent | keyed | unkeyed) or MCP `annotations`".to_owned()
         })?;
+        if r.policy.is_some_and(|p| p != Policy::InDoubt) && category != Category::Unkeyed {
+            return Err(format!(
+                "`policy` applies to unkeyed tools only; this tool is {}, which is safe to re-run \
+                 (remove `policy`, or declare `category = \"unkeyed\"`)",
+                category.as_str()
+            ));
+        }
         Ok(ToolConfig {
             category,
+            policy: r.policy.unwrap_or_default(),
             url: r.url,
             timeout: r.timeout,
             retries: r.retries,
@@ -418,7 +471,7 @@ impl TryFrom<RawToolConfig> for ToolConfig {
 }
 
 fn default_key_header() -> String {
-    "Idempotency-Key".into()
+    crate::contract::headers::IDEMPOTENCY_KEY.into()
 }
 fn default_tool_timeout() -> Dur {
     dur("10s")

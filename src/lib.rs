@@ -19,6 +19,9 @@
 //! - [`app`]: one process's roles, started together and shut down together.
 //! - [`demo`]: the zero-setup demo on an in-process Kafka mock.
 //! - [`client`]: the agent-side library: publish a step, await its answer.
+//! - [`operator`]: steps of a workflow, resolutions and approvals, for operators.
+//! - [`tool`]: for people who write tools: the step's key, and a ledger that
+//!   stores it with the effect in one database transaction.
 //! - [`cli`]: the command line.
 //!
 //! ## The path of a message
@@ -43,6 +46,8 @@ pub mod demo;
 pub mod executor;
 pub mod gate;
 pub mod kafka;
+pub mod operator;
 pub mod state;
 pub mod telemetry;
+pub mod tool;
 pub mod tools;

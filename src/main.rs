@@ -4,9 +4,13 @@ use anyhow::Context as _;
 use clap::Parser;
 use std::path::Path;
 use std::process::ExitCode;
-use stepgate::cli::{AuditFormat, Cli, Command, StateCommand, TopicsCommand};
+use stepgate::cli::{
+    ApprovalsCommand, AuditFormat, Cli, Command, StateCommand, StepsCommand, Target, TopicsCommand,
+    Who,
+};
 use stepgate::client::{Client, ClientOptions, StepCall};
 use stepgate::config::Config;
+use stepgate::contract::{Action, StepKey};
 use tokio_util::sync::CancellationToken;
 
 fn main() -> ExitCode {
@@ -28,6 +32,34 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// Send an operator's decision and print the step once a gate applied it.
+async fn decide(step: StepKey, action: Action, who: Who, target: Target) -> anyhow::Result<()> {
+    let cfg = load(target.config.as_deref(), target.brokers)?;
+    let by = who
+        .by
+        .or_else(|| std::env::var("USER").ok())
+        .filter(|b| !b.trim().is_empty())
+        .context(
+            "say who decides with --by NAME (or STEPGATE_OPERATOR): it is recorded for audit",
+        )?;
+    let name = action.as_str();
+    let record = stepgate::operator::decide(
+        &cfg.kafka,
+        step,
+        action,
+        &by,
+        who.reason,
+        target.wait.into(),
+    )
+    .await?;
+    println!(
+        "{name} applied by the gate: step {} is now {}",
+        record.step,
+        record.phase.as_str()
+    );
+    Ok(())
 }
 
 /// The config from file and environment, with `--brokers` applied when given.
@@ -163,6 +195,111 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
             }
             Ok(())
         }
+        Command::Steps {
+            action:
+                StepsCommand::Show {
+                    workflow_id,
+                    json,
+                    config,
+                    brokers,
+                },
+        } => {
+            let cfg = load(config.as_deref(), brokers)?;
+            let k = cfg.kafka.clone();
+            let steps = tokio::task::spawn_blocking(move || {
+                stepgate::operator::workflow_steps(&k, &workflow_id)
+            })
+            .await??;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&steps)?);
+            } else {
+                print!("{}", stepgate::operator::render_steps(&steps));
+            }
+            Ok(())
+        }
+        Command::Resolve {
+            workflow_id,
+            step_index,
+            tool,
+            attempt,
+            executed,
+            output,
+            not_executed: _,
+            who,
+            target,
+        } => {
+            let action = if executed {
+                let text = output.unwrap_or_default();
+                let output: serde_json::Value = serde_json::from_str(&text)
+                    .with_context(|| format!("--output must be JSON, got `{text}`"))?;
+                Action::ResolveExecuted { output }
+            } else {
+                Action::ResolveNotExecuted
+            };
+            let step = StepKey {
+                workflow_id,
+                step_index,
+                tool,
+                attempt,
+            };
+            decide(step, action, who, target).await
+        }
+        Command::Approvals { action } => match action {
+            ApprovalsCommand::List {
+                json,
+                config,
+                brokers,
+            } => {
+                let cfg = load(config.as_deref(), brokers)?;
+                let k = cfg.kafka.clone();
+                let pending =
+                    tokio::task::spawn_blocking(move || stepgate::operator::pending_approvals(&k))
+                        .await??;
+                if json {
+                    println!("{}", serde_json::to_string_pretty(&pending)?);
+                } else {
+                    print!("{}", stepgate::operator::render_approvals(&pending));
+                }
+                Ok(())
+            }
+            ApprovalsCommand::Approve {
+                workflow_id,
+                step_index,
+                tool,
+                attempt,
+                who,
+                target,
+            } => {
+                let step = StepKey {
+                    workflow_id,
+                    step_index,
+                    tool,
+                    attempt,
+                };
+                decide(step, Action::Approve, who, target).await
+            }
+            ApprovalsCommand::Deny {
+                workflow_id,
+                step_index,
+                tool,
+                attempt,
+                who,
+                target,
+            } => {
+                if who.reason.as_deref().is_none_or(|r| r.trim().is_empty()) {
+                    anyhow::bail!(
+                        "a denial needs --reason: the agent's model is told it, so it can explain the refusal"
+                    );
+                }
+                let step = StepKey {
+                    workflow_id,
+                    step_index,
+                    tool,
+                    attempt,
+                };
+                decide(step, Action::Deny, who, target).await
+            }
+        },
         Command::State {
             action:
                 StateCommand::Rebuild {

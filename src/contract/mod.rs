@@ -4,11 +4,13 @@
 //! Public messages: [`Intent`] (v1, from agents), [`ToolResult`] (v1, to agents),
 //! [`DlqRecord`]. Internal messages between gate and executors: [`Call`], [`Progress`].
 
+mod operator;
 mod texts;
 mod validate;
 
+pub use operator::{Action, ApprovalEvent, ApprovalKind, Command};
 pub use texts::Texts;
-pub use validate::{Rejection, RejectionReason, parse_intent};
+pub use validate::{Address, Rejection, RejectionReason, parse_intent};
 
 use chrono::{DateTime, SecondsFormat, Utc};
 use serde::{Deserialize, Serialize};
@@ -18,6 +20,16 @@ use std::fmt;
 
 /// Maximum length of a `workflow_id`, in bytes.
 pub const MAX_WORKFLOW_ID_BYTES: usize = 255;
+/// Header names of the HTTP tool protocol (DESIGN.md "Tools").
+pub mod headers {
+    /// The step's idempotency key (the header name is configurable per tool).
+    pub const IDEMPOTENCY_KEY: &str = "Idempotency-Key";
+    pub const WORKFLOW_ID: &str = "Stepgate-Workflow-Id";
+    pub const STEP_INDEX: &str = "Stepgate-Step-Index";
+    pub const ATTEMPT: &str = "Stepgate-Attempt";
+    pub const TRACEPARENT: &str = "traceparent";
+}
+
 /// Maximum length of a tool name.
 pub const MAX_TOOL_NAME_CHARS: usize = 128;
 

@@ -85,6 +85,45 @@ impl Texts {
              is unavailable."
         )
     }
+
+    /// A new step of a workflow after a `last_step` tool ended it.
+    pub fn workflow_ended(
+        tool: &str,
+        workflow_id: &str,
+        last_index: u64,
+        last_tool: &str,
+    ) -> String {
+        format!(
+            "This call to `{tool}` was rejected before execution, so nothing was performed: \
+             workflow `{workflow_id}` already ended with step {last_index} (`{last_tool}`), a \
+             tool that must be the last step of its workflow because it cannot be safely \
+             repeated. Do not call more tools in this workflow; report the outcome of step \
+             {last_index} to the user. Further work needs a new workflow."
+        )
+    }
+
+    /// A person refused a call that needed approval.
+    pub fn denied(tool: &str, reason: Option<&str>) -> String {
+        let reason = match reason.map(str::trim).filter(|r| !r.is_empty()) {
+            Some(r) => format!(" Their reason: {}.", excerpt(r).trim_end_matches('.')),
+            None => String::new(),
+        };
+        format!(
+            "A person reviewed this call to `{tool}` and refused it, so it was not performed.\
+             {reason} Do not call `{tool}` again for this step: repeating it returns this same \
+             answer. Tell the user the action was refused, and continue without it or ask them \
+             how to proceed."
+        )
+    }
+
+    /// An operator confirmed an in-doubt call did not take effect.
+    pub fn resolved_not_executed(tool: &str) -> String {
+        format!(
+            "A person checked the earlier call to `{tool}` for this step and confirmed that it \
+             was not performed. If the action is still wanted, call `{tool}` again for this same \
+             step: it will run once."
+        )
+    }
 }
 
 /// A bounded, single-line excerpt of a tool's answer for a message.
@@ -182,6 +221,46 @@ mod golden {
             Texts::tool_failed_safe("search", 3, "HTTP 500"),
             "The tool `search` failed after 3 tries (HTTP 500). This tool is safe to run again: \
              make a new attempt of this step later, or continue without its result."
+        );
+    }
+
+    #[test]
+    fn workflow_ended() {
+        assert_eq!(
+            Texts::workflow_ended("search", "order-7781", 4, "send_fax"),
+            "This call to `search` was rejected before execution, so nothing was performed: \
+             workflow `order-7781` already ended with step 4 (`send_fax`), a tool that must be \
+             the last step of its workflow because it cannot be safely repeated. Do not call \
+             more tools in this workflow; report the outcome of step 4 to the user. Further work \
+             needs a new workflow."
+        );
+    }
+
+    #[test]
+    fn denied() {
+        assert_eq!(
+            Texts::denied("wire_money", Some("amount above the daily limit.")),
+            "A person reviewed this call to `wire_money` and refused it, so it was not \
+             performed. Their reason: amount above the daily limit. Do not call `wire_money` \
+             again for this step: repeating it returns this same answer. Tell the user the \
+             action was refused, and continue without it or ask them how to proceed."
+        );
+        assert_eq!(
+            Texts::denied("wire_money", Some("  ")),
+            Texts::denied("wire_money", None)
+        );
+        assert!(Texts::denied("t", None).starts_with(
+            "A person reviewed this call to `t` and refused it, so it was not performed. Do not"
+        ));
+    }
+
+    #[test]
+    fn resolved_not_executed() {
+        assert_eq!(
+            Texts::resolved_not_executed("send_fax"),
+            "A person checked the earlier call to `send_fax` for this step and confirmed that it \
+             was not performed. If the action is still wanted, call `send_fax` again for this \
+             same step: it will run once."
         );
     }
 

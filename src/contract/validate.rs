@@ -16,6 +16,10 @@ pub enum RejectionReason {
     WrongType,
     InvalidValue,
     UnknownTool,
+    /// A new step of a workflow that a `last_step` tool ended.
+    WorkflowEnded,
+    /// An operator command that is unreadable or does not fit the step's state.
+    BadCommand,
 }
 
 impl RejectionReason {
@@ -28,6 +32,8 @@ impl RejectionReason {
             RejectionReason::WrongType => "wrong_type",
             RejectionReason::InvalidValue => "invalid_value",
             RejectionReason::UnknownTool => "unknown_tool",
+            RejectionReason::WorkflowEnded => "workflow_ended",
+            RejectionReason::BadCommand => "bad_command",
         }
     }
 }

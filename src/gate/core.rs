@@ -1,13 +1,16 @@
 //! The gate's decisions, free of Kafka: inputs and time in, state writes and
 //! messages out. One [`GateCore`] serves every partition a gate owns.
 
-use crate::config::{Config, ToolConfig};
+use crate::config::{Config, Policy, ToolConfig};
 use crate::contract::{
-    Call, DlqRecord, ErrorBody, Outcome, Progress, ProgressEvent, Rejection, RejectionReason,
-    Status, StepKey, Texts, ToolResult, parse_intent,
+    Action, Address, ApprovalEvent, ApprovalKind, Call, Command, DlqRecord, ErrorBody, Intent,
+    Outcome, Progress, ProgressEvent, Rejection, RejectionReason, Status, StepKey, Texts,
+    ToolResult, parse_intent,
 };
 pub use crate::kafka::Input;
-use crate::state::{Batch, FastEntry, Phase, StateError, StateStore, StepRecord, Waiter};
+use crate::state::{
+    Batch, FastEntry, OperatorEntry, Phase, StateError, StateStore, StepRecord, Waiter, WorkflowEnd,
+};
 use crate::telemetry::Metrics;
 use chrono::{DateTime, TimeZone, Utc};
 use std::collections::{BTreeMap, BTreeSet};
@@ -26,6 +29,11 @@ pub enum Out {
         traceparent: Option<String>,
         /// When the answered intent was published, for the answer-latency metric.
         since_ms: Option<i64>,
+    },
+    /// To the operators' approvals topic, in the step's partition.
+    Approval {
+        partition: i32,
+        event: ApprovalEvent,
     },
     /// A refused input, with its original key and headers.
     Dlq {
@@ -146,7 +154,35 @@ impl GateCore {
             traceparent = traceparent.as_deref().unwrap_or("")
         )
         .entered();
-        let tool = &self.tools[&intent.tool];
+        let tool = self.tools[&intent.tool].clone();
+        let existing = if tool.recorded() {
+            batch.step(store, p, &step)?
+        } else {
+            None
+        };
+        // A workflow ended by a `last_step` tool takes no new steps (repeats of
+        // its recorded steps are still answered).
+        if existing.is_none()
+            && let Some(end) = batch.workflow_end(store, p, &step.workflow_id)?
+            && end.step != step
+        {
+            let message = Texts::workflow_ended(
+                &step.tool,
+                &step.workflow_id,
+                end.step.step_index,
+                &end.step.tool,
+            );
+            let rejection = Rejection {
+                reason: RejectionReason::WorkflowEnded,
+                message,
+                address: Some(Address {
+                    step,
+                    call_id: intent.call_id,
+                }),
+            };
+            self.reject(input, rejection, now_ms);
+            return Ok(());
+        }
         if !tool.recorded() {
             let deadline_ms = now_ms + ms(self.settings.fast_path_timeout);
             let entry = FastEntry {
@@ -173,41 +209,11 @@ impl GateCore {
             });
             return Ok(());
         }
-        match batch.step(store, p, &step)? {
-            None => {
-                let record = StepRecord {
-                    step: step.clone(),
-                    category: tool.category,
-                    phase: Phase::Intended,
-                    arguments: intent.arguments.clone(),
-                    call_id: intent.call_id,
-                    metadata: intent.metadata,
-                    traceparent: traceparent.clone(),
-                    dispatch: 1,
-                    intended_at_ms: now_ms,
-                    started_at_ms: None,
-                    deadline_ms: None,
-                    result: None,
-                    waiters: Vec::new(),
-                    repeats: 0,
-                    rephrased_count: 0,
-                    rephrased: Vec::new(),
-                    late_outcome: None,
-                    expires_at_ms: now_ms + ms(self.settings.retention),
-                    intent_ts_ms: input.timestamp_ms,
-                };
-                batch.put_step(store, p, &record)?;
-                self.metrics.step_forwarded(&step, tool.category.as_str());
-                self.outs.push(Out::Call {
-                    partition: p,
-                    call: Call {
-                        step,
-                        arguments: intent.arguments,
-                        dispatch: 1,
-                        fast_ref: None,
-                        traceparent,
-                    },
-                });
+        match existing {
+            None => self.begin_step(store, batch, input, &tool, intent, None, now_ms)?,
+            // An operator confirmed the last run did not happen: run it now.
+            Some(record) if record.phase == Phase::NotExecuted => {
+                self.begin_step(store, batch, input, &tool, intent, Some(record), now_ms)?
             }
             Some(mut record) => {
                 let rephrased =
@@ -236,6 +242,237 @@ impl GateCore {
             }
         }
         Ok(())
+    }
+
+    /// Record a step's intent durably, then forward it — or, for an `approval`
+    /// tool, hold it for a person. `previous` is the record of a run an operator
+    /// declared not executed (its history is kept).
+    #[allow(clippy::too_many_arguments)]
+    fn begin_step(
+        &mut self,
+        store: &StateStore,
+        batch: &mut Batch,
+        input: &Input,
+        tool: &ToolConfig,
+        intent: Intent,
+        previous: Option<StepRecord>,
+        now_ms: i64,
+    ) -> Result<(), StateError> {
+        let p = input.partition;
+        let step = intent.step_key();
+        let traceparent = input.traceparent();
+        let awaits_approval =
+            tool.category == crate::config::Category::Unkeyed && tool.policy == Policy::Approval;
+        let phase = if awaits_approval {
+            Phase::AwaitingApproval
+        } else {
+            Phase::Intended
+        };
+        let mut record = StepRecord {
+            step: step.clone(),
+            category: tool.category,
+            phase,
+            arguments: intent.arguments.clone(),
+            call_id: intent.call_id.clone(),
+            metadata: intent.metadata.clone(),
+            traceparent: traceparent.clone(),
+            dispatch: 1,
+            intended_at_ms: now_ms,
+            started_at_ms: None,
+            deadline_ms: None,
+            result: None,
+            waiters: Vec::new(),
+            repeats: 0,
+            rephrased_count: 0,
+            rephrased: Vec::new(),
+            late_outcome: None,
+            expires_at_ms: now_ms + ms(self.settings.retention),
+            intent_ts_ms: input.timestamp_ms,
+            operator_log: Vec::new(),
+            partition: p,
+        };
+        if let Some(prev) = previous {
+            record.dispatch = prev.dispatch + 1;
+            record.repeats = prev.repeats + 1;
+            record.rephrased_count = prev.rephrased_count;
+            record.rephrased = prev.rephrased;
+            record.operator_log = prev.operator_log;
+        }
+        if tool.category == crate::config::Category::Unkeyed && tool.policy == Policy::LastStep {
+            batch.put_workflow_end(
+                p,
+                &WorkflowEnd {
+                    step: step.clone(),
+                    at_ms: now_ms,
+                },
+            );
+        }
+        if awaits_approval {
+            self.metrics.approval_requested(&step);
+            self.outs.push(Out::Approval {
+                partition: p,
+                event: ApprovalEvent {
+                    step,
+                    event: ApprovalKind::Requested {
+                        arguments: intent.arguments,
+                        call_id: intent.call_id,
+                        metadata: intent.metadata,
+                    },
+                    at: crate::contract::timestamp(at(now_ms)),
+                },
+            });
+        } else {
+            self.metrics.step_forwarded(&step, tool.category.as_str());
+            self.outs.push(Out::Call {
+                partition: p,
+                call: Call {
+                    step,
+                    arguments: intent.arguments,
+                    dispatch: record.dispatch,
+                    fast_ref: None,
+                    traceparent,
+                },
+            });
+        }
+        batch.put_step(store, p, &record)
+    }
+
+    /// An operator's command: settle an in-doubt step, approve or deny a held one.
+    /// A command that does not fit the step's state goes to the DLQ, with why.
+    pub fn on_command(
+        &mut self,
+        store: &StateStore,
+        batch: &mut Batch,
+        input: &Input,
+        now_ms: i64,
+    ) -> Result<(), StateError> {
+        let p = input.partition;
+        let payload = input.payload.as_deref().unwrap_or_default();
+        let command: Command = match serde_json::from_slice(payload) {
+            Ok(c) => c,
+            Err(e) => {
+                let message = format!("unreadable operator command: {e}");
+                self.reject(
+                    input,
+                    Rejection::new(RejectionReason::BadCommand, message),
+                    now_ms,
+                );
+                return Ok(());
+            }
+        };
+        let action = command.action.as_str();
+        let Some(mut record) = batch.step(store, p, &command.step)? else {
+            let problem = format!(
+                "no step {} in partition {p} (never recorded, purged, or the command went to the wrong partition)",
+                command.step
+            );
+            self.bad_command(input, &command, &problem, now_ms);
+            return Ok(());
+        };
+        // Applied already (the command was re-sent): nothing more to do.
+        if record.operator_log.iter().any(|e| e.id == command.id) {
+            return Ok(());
+        }
+        let entry = OperatorEntry {
+            id: command.id.clone(),
+            action: action.to_owned(),
+            by: command.by.clone(),
+            at: command.at.clone(),
+            reason: command.reason.clone(),
+            from: record.phase,
+        };
+        let decided = |kind| ApprovalEvent {
+            step: command.step.clone(),
+            event: kind,
+            at: command.at.clone(),
+        };
+        match (&command.action, record.phase) {
+            (Action::ResolveExecuted { output }, Phase::InDoubt) => {
+                record.operator_log.push(entry);
+                let outcome = Outcome::Ok {
+                    output: output.clone(),
+                };
+                self.settle(store, batch, p, record, outcome, Phase::Completed, now_ms)?;
+            }
+            (Action::ResolveNotExecuted, Phase::InDoubt) => {
+                record.operator_log.push(entry);
+                let outcome = Outcome::Error {
+                    error: ErrorBody {
+                        kind: "not_executed".into(),
+                        message: Texts::resolved_not_executed(&command.step.tool),
+                    },
+                };
+                self.settle(store, batch, p, record, outcome, Phase::NotExecuted, now_ms)?;
+            }
+            (Action::Approve, Phase::AwaitingApproval) => {
+                record.operator_log.push(entry);
+                record.phase = Phase::Intended;
+                self.outs.push(Out::Approval {
+                    partition: p,
+                    event: decided(ApprovalKind::Approved {
+                        by: command.by.clone(),
+                        reason: command.reason.clone(),
+                    }),
+                });
+                self.metrics
+                    .step_forwarded(&record.step, record.category.as_str());
+                self.outs.push(Out::Call {
+                    partition: p,
+                    call: Call {
+                        step: record.step.clone(),
+                        arguments: record.arguments.clone(),
+                        dispatch: record.dispatch,
+                        fast_ref: None,
+                        traceparent: record.traceparent.clone(),
+                    },
+                });
+                batch.put_step(store, p, &record)?;
+            }
+            (Action::Deny, Phase::AwaitingApproval) => {
+                record.operator_log.push(entry);
+                self.outs.push(Out::Approval {
+                    partition: p,
+                    event: decided(ApprovalKind::Denied {
+                        by: command.by.clone(),
+                        reason: command.reason.clone(),
+                    }),
+                });
+                let outcome = Outcome::Error {
+                    error: ErrorBody {
+                        kind: "denied".into(),
+                        message: Texts::denied(&command.step.tool, command.reason.as_deref()),
+                    },
+                };
+                self.settle(store, batch, p, record, outcome, Phase::Completed, now_ms)?;
+            }
+            (_, phase) => {
+                let wanted = match command.action {
+                    Action::ResolveExecuted { .. } | Action::ResolveNotExecuted => "in_doubt",
+                    Action::Approve | Action::Deny => "awaiting_approval",
+                };
+                let problem = format!(
+                    "`{action}` applies to a step that is {wanted}; step {} is {}",
+                    command.step,
+                    phase.as_str()
+                );
+                self.bad_command(input, &command, &problem, now_ms);
+                return Ok(());
+            }
+        }
+        self.metrics
+            .operator_command(&command.step, action, &command.by, None);
+        Ok(())
+    }
+
+    fn bad_command(&mut self, input: &Input, command: &Command, problem: &str, now_ms: i64) {
+        self.metrics.operator_command(
+            &command.step,
+            command.action.as_str(),
+            &command.by,
+            Some(problem),
+        );
+        let rejection = Rejection::new(RejectionReason::BadCommand, problem.to_owned());
+        self.reject(input, rejection, now_ms);
     }
 
     fn reject(&mut self, input: &Input, rejection: Rejection, now_ms: i64) {
@@ -339,7 +576,8 @@ impl GateCore {
             }
             ProgressEvent::Finished { outcome } => {
                 if record.phase.in_flight() {
-                    self.settle(store, batch, p, record, outcome, now_ms)?;
+                    let phase = Phase::settled_by(&outcome);
+                    self.settle(store, batch, p, record, outcome, phase, now_ms)?;
                 } else if record.phase == Phase::InDoubt && record.late_outcome.is_none() {
                     self.metrics.late_outcome(&record.step);
                     record.late_outcome = Some(outcome);
@@ -357,7 +595,9 @@ impl GateCore {
             .unwrap_or(Duration::from_secs(30))
     }
 
-    /// Store an outcome and answer the first caller and every waiting repeat.
+    /// Store an outcome, leaving the step in `phase`, and answer the first
+    /// caller and every waiting repeat.
+    #[allow(clippy::too_many_arguments)]
     fn settle(
         &mut self,
         store: &StateStore,
@@ -365,15 +605,13 @@ impl GateCore {
         p: i32,
         mut record: StepRecord,
         outcome: Outcome,
+        phase: Phase,
         now_ms: i64,
     ) -> Result<(), StateError> {
         if let Outcome::InDoubt { error } = &outcome {
             self.metrics.in_doubt(&record.step, &error.kind);
         }
-        record.phase = match outcome {
-            Outcome::InDoubt { .. } => Phase::InDoubt,
-            _ => Phase::Completed,
-        };
+        record.phase = phase;
         let result =
             ToolResult::from_outcome(&record.step, record.call_id.clone(), outcome, at(now_ms));
         self.outs.push(Out::Result {
@@ -441,7 +679,8 @@ impl GateCore {
                                 message: Texts::in_doubt_lost(&step.tool),
                             },
                         };
-                        self.settle(store, batch, p, record, outcome, now_ms)?;
+                        let phase = Phase::settled_by(&outcome);
+                        self.settle(store, batch, p, record, outcome, phase, now_ms)?;
                     }
                 }
                 Due::Fast(offset) => {
@@ -487,6 +726,12 @@ impl GateCore {
                 match batch.step(store, p, &step)? {
                     Some(r) if r.expires_at_ms == expires_at => {
                         batch.delete_step(store, p, &step)?;
+                        if batch
+                            .workflow_end(store, p, &step.workflow_id)?
+                            .is_some_and(|e| e.step == step)
+                        {
+                            batch.delete_workflow_end(p, &step.workflow_id);
+                        }
                         n += 1;
                     }
                     _ => batch.delete_expiry(p, &step, expires_at),

@@ -1,4 +1,5 @@
-//! The gate: a consumer group over `intents` and the executors' `progress`.
+//! The gate: a consumer group over `intents`, the executors' `progress` and the
+//! operators' `commands`.
 //!
 //! Per batch (every `gate.commit_interval` or `gate.max_batch` inputs): decide
 //! ([`GateCore`]), write the state durably (one synced RocksDB batch), then commit
@@ -49,8 +50,6 @@ struct Owned {
     seq: Option<u64>,
     /// Next intents offset to commit.
     intents_next: i64,
-    /// Next progress offset to commit, once something was consumed.
-    progress_next: Option<i64>,
 }
 
 /// Run the gate until `shutdown`; recoverable failures restart the session from
@@ -106,7 +105,8 @@ struct Pending {
     batch: Batch,
     inputs: usize,
     intents_next: BTreeMap<i32, i64>,
-    progress_next: BTreeMap<i32, i64>,
+    /// Next offsets of the other inputs (progress, commands).
+    others_next: BTreeMap<(String, i32), i64>,
     started: Option<Instant>,
 }
 
@@ -125,8 +125,8 @@ impl Session<'_> {
         let producer =
             kafka::init_txn_producer(k, &format!("{}-gate-{}", k.gate_group, k.instance_id))
                 .await?;
-        consumer.subscribe(&[&k.topics.intents, &k.topics.progress])?;
-        info!(intents = %k.topics.intents, progress = %k.topics.progress, "gate consuming");
+        consumer.subscribe(&[&k.topics.intents, &k.topics.progress, &k.topics.commands])?;
+        info!(intents = %k.topics.intents, progress = %k.topics.progress, commands = %k.topics.commands, "gate consuming");
 
         let commit_interval = self.config.gate.commit_interval.0;
         let purge_interval = self.config.state.purge_interval.0;
@@ -193,8 +193,12 @@ impl Session<'_> {
                         core.on_intent(self.store, &mut pending.batch, &input, now)?;
                         pending.intents_next.insert(input.partition, input.offset + 1);
                     } else {
-                        core.on_progress(self.store, &mut pending.batch, &input, now)?;
-                        pending.progress_next.insert(input.partition, input.offset + 1);
+                        if input.topic == k.topics.commands {
+                            core.on_command(self.store, &mut pending.batch, &input, now)?;
+                        } else {
+                            core.on_progress(self.store, &mut pending.batch, &input, now)?;
+                        }
+                        pending.others_next.insert((input.topic.clone(), input.partition), input.offset + 1);
                     }
                     pending.inputs += 1;
                     pending.started.get_or_insert_with(Instant::now);
@@ -268,10 +272,9 @@ impl Session<'_> {
         }
         let topics = self.config.kafka.topics.clone();
         let c = consumer.clone();
-        let (intents_off, seq_meta, progress_off) = kafka::blocking(move || {
+        let (intents_off, seq_meta) = kafka::blocking(move || {
             let mut tpl = TopicPartitionList::new();
             tpl.add_partition(&topics.intents, p);
-            tpl.add_partition(&topics.progress, p);
             let committed = c.committed_offsets(tpl, Duration::from_secs(30))?;
             let i = committed.find_partition(&topics.intents, p);
             let intents = i
@@ -279,17 +282,13 @@ impl Session<'_> {
                 .and_then(|e| e.offset().to_raw())
                 .filter(|o| *o >= 0);
             let meta = i.map(|e| e.metadata().to_owned()).unwrap_or_default();
-            let progress = committed
-                .find_partition(&topics.progress, p)
-                .and_then(|e| e.offset().to_raw())
-                .filter(|o| *o >= 0);
             // Nothing committed yet: commit from 0 when needed — with
             // auto.offset.reset=earliest that also covers a log whose start moved.
             // (Not a watermark query: those were seen to time out for minutes
             // after a broker restart.)
             let intents = intents.unwrap_or(0);
             drop(committed);
-            Ok((intents, meta, progress))
+            Ok((intents, meta))
         })
         .await?;
         let committed_seq = seq_meta
@@ -345,7 +344,6 @@ impl Session<'_> {
             Owned {
                 seq,
                 intents_next: intents_off,
-                progress_next: progress_off,
             },
         );
         self.assigned.insert(p);
@@ -420,8 +418,8 @@ impl Session<'_> {
                 e.set_offset(Offset::Offset(next))?;
                 e.set_metadata(seq.map(|s| format!("{SEQ_TAG}{s}")).unwrap_or_default());
             }
-            for (p, next) in &pending.progress_next {
-                tpl.add_partition_offset(&topics.progress, *p, Offset::Offset(*next))?;
+            for ((topic, p), next) in &pending.others_next {
+                tpl.add_partition_offset(topic, *p, Offset::Offset(*next))?;
             }
             if tpl.count() > 0 {
                 kafka::send_offsets(producer, consumer, tpl).await?;
@@ -444,11 +442,6 @@ impl Session<'_> {
         for (p, next) in pending.intents_next {
             if let Some(o) = self.owned.get_mut(&p) {
                 o.intents_next = next;
-            }
-        }
-        for (p, next) in pending.progress_next {
-            if let Some(o) = self.owned.get_mut(&p) {
-                o.progress_next = Some(next);
             }
         }
         let now = now_ms();
@@ -482,6 +475,13 @@ impl Session<'_> {
                 traceparent,
                 ..
             } => result_record(&t.results, *partition, result, traceparent.as_deref()),
+            Out::Approval { partition, event } => OutRecord {
+                topic: t.approvals.clone(),
+                partition: Some(*partition),
+                key: Some(event.step.workflow_id.as_bytes().to_vec()),
+                payload: Some(serde_json::to_vec(event).expect("approval events serialise")),
+                headers: Vec::new(),
+            },
             Out::Dlq {
                 key,
                 headers,

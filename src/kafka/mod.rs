@@ -267,18 +267,19 @@ pub fn check_layout(cfg: &KafkaConfig) -> Result<usize, KafkaSetupError> {
     let t = &cfg.topics;
     let names: Vec<&str> = t.all().iter().map(|s| s.as_str()).collect();
     let counts = partition_counts(cfg, &names)?;
-    let (intents, results, calls, progress, changelog) =
-        (counts[0], counts[1], counts[3], counts[4], counts[5]);
+    let (intents, results, calls, progress, changelog, commands) = (
+        counts[0], counts[1], counts[3], counts[4], counts[5], counts[6],
+    );
     if results < intents {
         return Err(KafkaSetupError::Layout(format!(
             "`{}` has {results} partitions but `{}` has {intents}: results are written to the intent's partition number, so results needs at least as many. Add partitions to `{}` (kafka-topics --alter --partitions {intents}) or recreate both with `stepgate topics create`.",
             t.results, t.intents, t.results
         )));
     }
-    if calls != intents || progress != intents || changelog != intents {
+    if calls != intents || progress != intents || changelog != intents || commands != intents {
         return Err(KafkaSetupError::Layout(format!(
-            "the internal topics `{}` ({calls}), `{}` ({progress}) and `{}` ({changelog}) must have as many partitions as `{}` ({intents}); `stepgate topics create` makes them equal.",
-            t.calls, t.progress, t.changelog, t.intents
+            "the internal topics `{}` ({calls}), `{}` ({progress}), `{}` ({changelog}) and `{}` ({commands}) must have as many partitions as `{}` ({intents}); `stepgate topics create` makes them equal.",
+            t.calls, t.progress, t.changelog, t.commands, t.intents
         )));
     }
     Ok(intents)

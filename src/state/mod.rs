@@ -5,6 +5,7 @@
 //! - `deadlines`: started steps awaiting an outcome → their deadline;
 //! - `fast`: fast-path calls awaiting an answer (no step record);
 //! - `expiry`: `(partition, expires_at, step)` index for retention purges;
+//! - `workflows`: workflows ended by a `last_step` tool;
 //! - `meta`: per partition, the sequence number of the last applied batch and the
 //!   undo image of that batch.
 //!
@@ -21,7 +22,7 @@
 
 mod record;
 
-pub use record::{FastEntry, Phase, RephrasedCall, StepRecord, Waiter};
+pub use record::{FastEntry, OperatorEntry, Phase, RephrasedCall, StepRecord, Waiter, WorkflowEnd};
 
 use crate::contract::StepKey;
 use rocksdb::{
@@ -51,10 +52,17 @@ pub enum Cf {
     Deadlines,
     Fast,
     Expiry,
+    Workflows,
 }
 
 impl Cf {
-    const ALL: [Cf; 4] = [Cf::Steps, Cf::Deadlines, Cf::Fast, Cf::Expiry];
+    const ALL: [Cf; 5] = [
+        Cf::Steps,
+        Cf::Deadlines,
+        Cf::Fast,
+        Cf::Expiry,
+        Cf::Workflows,
+    ];
 
     /// The first byte of a changelog key.
     fn tag(self) -> u8 {
@@ -63,6 +71,7 @@ impl Cf {
             Cf::Deadlines => 2,
             Cf::Fast => 3,
             Cf::Expiry => 4,
+            Cf::Workflows => 5,
         }
     }
 
@@ -76,6 +85,7 @@ impl Cf {
             Cf::Deadlines => "deadlines",
             Cf::Fast => "fast",
             Cf::Expiry => "expiry",
+            Cf::Workflows => "workflows",
         }
     }
 }
@@ -508,6 +518,33 @@ impl Batch {
             .transpose()
     }
 
+    /// Whether (and by which step) a workflow was ended by a `last_step` tool.
+    pub fn workflow_end(
+        &self,
+        store: &StateStore,
+        partition: i32,
+        workflow_id: &str,
+    ) -> Result<Option<WorkflowEnd>, StateError> {
+        self.get(store, Cf::Workflows, workflow_key(partition, workflow_id))?
+            .map(|b| decode(Cf::Workflows, &b))
+            .transpose()
+    }
+
+    pub fn put_workflow_end(&mut self, partition: i32, end: &WorkflowEnd) {
+        self.writes.insert(
+            (
+                Cf::Workflows,
+                workflow_key(partition, &end.step.workflow_id),
+            ),
+            Some(serde_json::to_vec(end).expect("workflow ends serialise")),
+        );
+    }
+
+    pub fn delete_workflow_end(&mut self, partition: i32, workflow_id: &str) {
+        self.writes
+            .insert((Cf::Workflows, workflow_key(partition, workflow_id)), None);
+    }
+
     pub fn put_fast(&mut self, partition: i32, offset: i64, entry: &FastEntry) {
         self.writes.insert(
             (Cf::Fast, fast_key(partition, offset)),
@@ -546,6 +583,24 @@ impl Batch {
     }
 }
 
+/// A changelog record of a step: its partition and record (None for a
+/// tombstone); None for every other kind of changelog record.
+pub fn changelog_step(
+    key: &[u8],
+    value: Option<&[u8]>,
+) -> Option<(i32, StepKey, Option<StepRecord>)> {
+    let (tag, state_key) = key.split_first()?;
+    if Cf::from_tag(*tag)? != Cf::Steps || state_key.len() < 4 {
+        return None;
+    }
+    let step = decode_step_key(state_key)?;
+    let record = match value {
+        Some(v) => Some(decode(Cf::Steps, v).ok()?),
+        None => None,
+    };
+    Some((partition_of(state_key), step, record))
+}
+
 fn decode<T: serde::de::DeserializeOwned>(cf: Cf, bytes: &[u8]) -> Result<T, StateError> {
     serde_json::from_slice(bytes).map_err(|source| StateError::Corrupt {
         cf: cf.name(),
@@ -573,6 +628,12 @@ fn push_workflow(buf: &mut Vec<u8>, workflow_id: &str) {
     // Length-prefixed so that one workflow id is never a prefix of another's keys.
     buf.extend_from_slice(&(workflow_id.len() as u16).to_be_bytes());
     buf.extend_from_slice(workflow_id.as_bytes());
+}
+
+fn workflow_key(partition: i32, workflow_id: &str) -> Vec<u8> {
+    let mut k = partition.to_be_bytes().to_vec();
+    push_workflow(&mut k, workflow_id);
+    k
 }
 
 /// `partition | len(workflow) | workflow | step_index | attempt | tool`, ordered so a

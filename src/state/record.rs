@@ -17,6 +17,11 @@ pub enum Phase {
     Completed,
     /// Started, no outcome known: may have taken effect. Stored like an outcome.
     InDoubt,
+    /// Waiting for a person's approval (`policy = "approval"`): not forwarded yet.
+    AwaitingApproval,
+    /// An operator confirmed an in-doubt call did not take effect: the step's
+    /// next call runs it.
+    NotExecuted,
 }
 
 impl Phase {
@@ -26,11 +31,25 @@ impl Phase {
             Phase::Started => "started",
             Phase::Completed => "completed",
             Phase::InDoubt => "in_doubt",
+            Phase::AwaitingApproval => "awaiting_approval",
+            Phase::NotExecuted => "not_executed",
         }
     }
 
+    /// Where an executor's outcome leaves a step.
+    pub fn settled_by(outcome: &Outcome) -> Phase {
+        match outcome {
+            Outcome::InDoubt { .. } => Phase::InDoubt,
+            _ => Phase::Completed,
+        }
+    }
+
+    /// No outcome yet: repeats wait for it.
     pub fn in_flight(self) -> bool {
-        matches!(self, Phase::Intended | Phase::Started)
+        matches!(
+            self,
+            Phase::Intended | Phase::Started | Phase::AwaitingApproval
+        )
     }
 }
 
@@ -52,6 +71,22 @@ pub struct RephrasedCall {
     pub call_id: Option<String>,
     pub arguments: Map<String, Value>,
     pub at_ms: i64,
+}
+
+/// An operator's decision applied to a step: who, when, what (for audit).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct OperatorEntry {
+    /// The command's id.
+    pub id: String,
+    /// `resolve_executed`, `resolve_not_executed`, `approve` or `deny`.
+    pub action: String,
+    pub by: String,
+    /// When the operator decided (RFC 3339).
+    pub at: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// The phase the step was in before.
+    pub from: Phase,
 }
 
 /// At most this many rephrased repeats are kept per step (the count is exact).
@@ -99,6 +134,20 @@ pub struct StepRecord {
     /// When the first call was published (its Kafka timestamp), for latency metrics.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub intent_ts_ms: Option<i64>,
+    /// Operators' decisions about this step, oldest first.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub operator_log: Vec<OperatorEntry>,
+    /// The input partition the step lives in (where operator commands go).
+    #[serde(default)]
+    pub partition: i32,
+}
+
+/// A workflow ended by a `last_step` tool: its new steps are rejected.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WorkflowEnd {
+    /// The step that ended it.
+    pub step: StepKey,
+    pub at_ms: i64,
 }
 
 impl StepRecord {

@@ -32,6 +32,8 @@ fn record(i: u64, phase: Phase, expires: i64) -> StepRecord {
         late_outcome: None,
         expires_at_ms: expires,
         intent_ts_ms: None,
+        operator_log: Vec::new(),
+        partition: 0,
     }
 }
 

@@ -27,6 +27,8 @@ pub struct Metrics {
     in_doubt_steps: IntCounterVec,
     reforwarded: IntCounterVec,
     late_outcomes: IntCounterVec,
+    operator_commands: IntCounterVec,
+    approvals_requested: IntCounterVec,
     steps_purged: IntCounter,
     state_divergences: IntCounter,
     batches_rolled_back: IntCounter,
@@ -180,6 +182,18 @@ impl Metrics {
                 "Outcomes that arrived after their step was settled.",
                 &["tool"],
             ),
+            operator_commands: counter_vec(
+                &r,
+                "stepgate_operator_commands_total",
+                "Operator commands (resolve, approve, deny) read by the gate, by action and whether they applied.",
+                &["action", "applied"],
+            ),
+            approvals_requested: counter_vec(
+                &r,
+                "stepgate_approvals_requested_total",
+                "Calls held for a person's approval.",
+                &["tool"],
+            ),
             steps_purged: counter(
                 &r,
                 "stepgate_steps_purged_total",
@@ -306,6 +320,32 @@ impl Metrics {
     pub fn late_outcome(&self, step: &crate::contract::StepKey) {
         warn!(step = %step, "outcome arrived after the step was settled; kept for the operator");
         self.late_outcomes.with_label_values(&[&step.tool]).inc();
+    }
+
+    pub fn operator_command(
+        &self,
+        step: &crate::contract::StepKey,
+        action: &str,
+        by: &str,
+        problem: Option<&str>,
+    ) {
+        match problem {
+            None => info!(step = %step, action, by, "operator command applied"),
+            Some(p) => {
+                warn!(step = %step, action, by, problem = p, "operator command not applicable: sent to the DLQ")
+            }
+        }
+        let applied = if problem.is_none() { "true" } else { "false" };
+        self.operator_commands
+            .with_label_values(&[action, applied])
+            .inc();
+    }
+
+    pub fn approval_requested(&self, step: &crate::contract::StepKey) {
+        info!(step = %step, "call held for approval");
+        self.approvals_requested
+            .with_label_values(&[&step.tool])
+            .inc();
     }
 
     pub fn purged(&self, n: usize) {

@@ -10,7 +10,7 @@
 //! retried for every category.
 
 use crate::config::{Category, Config, ToolConfig};
-use crate::contract::{Call, ErrorBody, Outcome, Texts};
+use crate::contract::{Call, ErrorBody, Outcome, Texts, headers};
 use std::collections::BTreeMap;
 use std::time::Duration;
 
@@ -122,15 +122,15 @@ impl ToolRegistry {
             .post(&tool.url)
             .timeout(tool.timeout.0)
             .header(tool.idempotency_header.as_str(), key)
-            .header("Stepgate-Step-Index", step.step_index.to_string())
-            .header("Stepgate-Attempt", step.attempt.to_string())
+            .header(headers::STEP_INDEX, step.step_index.to_string())
+            .header(headers::ATTEMPT, step.attempt.to_string())
             .json(&body);
         match reqwest::header::HeaderValue::from_bytes(step.workflow_id.as_bytes()) {
-            Ok(v) => req = req.header("Stepgate-Workflow-Id", v),
-            Err(_) => req = req.header("Stepgate-Workflow-Id", percent_escape(&step.workflow_id)),
+            Ok(v) => req = req.header(headers::WORKFLOW_ID, v),
+            Err(_) => req = req.header(headers::WORKFLOW_ID, percent_escape(&step.workflow_id)),
         }
         if let Some(tp) = &call.traceparent {
-            req = req.header("traceparent", tp);
+            req = req.header(headers::TRACEPARENT, tp);
         }
         let resp = match req.send().await {
             Ok(r) => r,

@@ -191,6 +191,9 @@ pub struct StackOptions {
     pub gate: &'static str,
     /// Extra lines for the `[state]` table.
     pub state: &'static str,
+    /// Extra TOML appended at the end (e.g. `[tools.x]` tables with a policy;
+    /// `{tools}` is replaced by the tool server's base URL).
+    pub extra: &'static str,
 }
 
 impl Default for StackOptions {
@@ -208,6 +211,7 @@ impl Default for StackOptions {
             grace: "1s",
             gate: "",
             state: "",
+            extra: "",
         }
     }
 }
@@ -244,6 +248,8 @@ dlq = "{prefix}.dlq"
 calls = "{prefix}.calls"
 progress = "{prefix}.progress"
 changelog = "{prefix}.changelog"
+commands = "{prefix}.commands"
+approvals = "{prefix}.approvals"
 [state]
 path = "{state}"
 {state_extra}
@@ -272,6 +278,8 @@ level = "info,rdkafka=warn"
                 tools.base
             ));
         }
+        toml.push('\n');
+        toml.push_str(&opts.extra.replace("{tools}", &tools.base));
         let config_path = dir.path().join("stepgate.toml");
         std::fs::write(&config_path, &toml).unwrap();
         let config = stepgate::config::Config::from_toml_str(&toml, Vec::new()).unwrap();
@@ -288,6 +296,18 @@ level = "info,rdkafka=warn"
             config,
             starts: 0,
         }
+    }
+
+    /// Run another `stepgate` command against this stack's config.
+    pub async fn cli(&self, args: &[&str]) -> std::process::Output {
+        tokio::process::Command::new(env!("CARGO_BIN_EXE_stepgate"))
+            .args(args)
+            .arg("--config")
+            .arg(&self.config_path)
+            .env_remove("STEPGATE_OPERATOR")
+            .output()
+            .await
+            .expect("stepgate binary runs")
     }
 
     /// Start `stepgate run` and wait until /readyz says ready.

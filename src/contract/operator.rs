@@ -1,0 +1,83 @@
+//! What operators send the gate (topic `commands`) and what the gate tells them
+//! about calls awaiting approval (topic `approvals`). Both are keyed by
+//! `workflow_id` and written to the partition number of the step they concern,
+//! so the gate that owns the step reads the command in order with its intents.
+
+use super::StepKey;
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+/// Command v1: an operator's decision about one step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Command {
+    /// Unique per command: how its author recognises it in the step's log.
+    pub id: String,
+    #[serde(flatten)]
+    pub step: StepKey,
+    #[serde(flatten)]
+    pub action: Action,
+    /// Who decided (a person or a system), for audit.
+    pub by: String,
+    /// When it was decided (RFC 3339).
+    pub at: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+/// The decision.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "action", rename_all = "snake_case")]
+pub enum Action {
+    /// An in-doubt step did take effect; `output` becomes its `ok` answer.
+    ResolveExecuted { output: Value },
+    /// An in-doubt step did not take effect; its next call runs it.
+    ResolveNotExecuted,
+    /// A call awaiting approval may run.
+    Approve,
+    /// A call awaiting approval must not run.
+    Deny,
+}
+
+impl Action {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Action::ResolveExecuted { .. } => "resolve_executed",
+            Action::ResolveNotExecuted => "resolve_not_executed",
+            Action::Approve => "approve",
+            Action::Deny => "deny",
+        }
+    }
+}
+
+/// Approval v1: a call waiting for a person, or the decision about it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ApprovalEvent {
+    #[serde(flatten)]
+    pub step: StepKey,
+    #[serde(flatten)]
+    pub event: ApprovalKind,
+    /// When this happened (RFC 3339).
+    pub at: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum ApprovalKind {
+    /// A call that runs only once a person approves it.
+    Requested {
+        arguments: Map<String, Value>,
+        call_id: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        metadata: Option<Map<String, Value>>,
+    },
+    Approved {
+        by: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        reason: Option<String>,
+    },
+    Denied {
+        by: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        reason: Option<String>,
+    },
+}

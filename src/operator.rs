@@ -1,0 +1,388 @@
+//! What operators do from the command line: look at a workflow's steps, settle
+//! in-doubt steps, approve or deny held calls.
+//!
+//! Reads come from Kafka, never from a gate's disk: a workflow's steps from the
+//! compacted changelog (the gate's committed state, wherever the gate runs), the
+//! held calls from the approvals topic. Decisions are [`Command`]s written to the
+//! `commands` topic in the step's partition; the gate that owns the partition
+//! applies them in the same transaction as its other state changes, and the
+//! command's author waits until the changelog shows it applied.
+
+use crate::config::KafkaConfig;
+use crate::contract::{Action, ApprovalEvent, ApprovalKind, Command, StepKey};
+use crate::kafka::{self, KafkaSetupError, OutRecord};
+use crate::state::{StepRecord, changelog_step};
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::error::KafkaError;
+use rdkafka::message::Message;
+use rdkafka::producer::FutureProducer;
+use rdkafka::{Offset, TopicPartitionList};
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum OperatorError {
+    #[error("Kafka")]
+    Kafka(#[from] KafkaError),
+    #[error("Kafka")]
+    Setup(#[from] KafkaSetupError),
+    #[error("reading `{topic}` did not reach its end within {limit:?}")]
+    ReadTimeout { topic: String, limit: Duration },
+    #[error(
+        "no recorded steps for workflow `{0}` (read-only tools on the fast path are not recorded; records are purged after the retention period)"
+    )]
+    UnknownWorkflow(String),
+    #[error("workflow `{workflow_id}` has no recorded step {step}")]
+    UnknownStep { workflow_id: String, step: StepKey },
+    #[error("step {step} is {phase}; `{action}` applies to a step that is {wanted}")]
+    WrongPhase {
+        step: StepKey,
+        phase: &'static str,
+        action: &'static str,
+        wanted: &'static str,
+    },
+    #[error(
+        "the command was written to `{topic}` but no gate applied it within {waited:?}: is a gate running? It takes effect when one reads it (if the step changed meanwhile, it goes to the DLQ with the reason)"
+    )]
+    NotConfirmed { topic: String, waited: Duration },
+}
+
+/// How long reading a topic to its end may take.
+const READ_LIMIT: Duration = Duration::from_secs(300);
+
+/// Read partitions of a topic from the beginning to their end (read_committed),
+/// handing each record's key and value to `f`. Blocking.
+fn read_to_end(
+    cfg: &KafkaConfig,
+    topic: &str,
+    partitions: &[i32],
+    mut f: impl FnMut(i32, Option<&[u8]>, Option<&[u8]>),
+) -> Result<(), OperatorError> {
+    let consumer: BaseConsumer = kafka::base_config(cfg)
+        .set(
+            "group.id",
+            format!("stepgate-operator-{}", std::process::id()),
+        )
+        .set("enable.auto.commit", "false")
+        .set("enable.partition.eof", "true")
+        .set("isolation.level", "read_committed")
+        .set("auto.offset.reset", "earliest")
+        .create()?;
+    let mut tpl = TopicPartitionList::new();
+    for p in partitions {
+        tpl.add_partition_offset(topic, *p, Offset::Beginning)?;
+    }
+    consumer.assign(&tpl)?;
+    drop(tpl);
+    let mut open: std::collections::BTreeSet<i32> = partitions.iter().copied().collect();
+    let deadline = Instant::now() + READ_LIMIT;
+    while !open.is_empty() {
+        match consumer.poll(Duration::from_millis(500)) {
+            Some(Ok(m)) => f(m.partition(), m.key(), m.payload()),
+            Some(Err(KafkaError::PartitionEOF(p))) => {
+                open.remove(&p);
+            }
+            Some(Err(e)) => tracing::warn!(topic, error = %e, "read error (retrying)"),
+            None => {}
+        }
+        if Instant::now() > deadline {
+            return Err(OperatorError::ReadTimeout {
+                topic: topic.to_owned(),
+                limit: READ_LIMIT,
+            });
+        }
+    }
+    drop(consumer);
+    Ok(())
+}
+
+/// A workflow's recorded steps as the gate last committed them.
+#[derive(Debug, Clone, Serialize)]
+pub struct WorkflowSteps {
+    pub workflow_id: String,
+    pub partition: i32,
+    pub steps: Vec<StepRecord>,
+}
+
+/// The committed records of one workflow in one changelog partition.
+fn steps_in(
+    cfg: &KafkaConfig,
+    workflow_id: &str,
+    partition: i32,
+) -> Result<Vec<StepRecord>, OperatorError> {
+    let mut latest: BTreeMap<Vec<u8>, Option<StepRecord>> = BTreeMap::new();
+    read_to_end(cfg, &cfg.topics.changelog, &[partition], |_, key, value| {
+        let Some(key) = key else { return };
+        if let Some((_, step, record)) = changelog_step(key, value)
+            && step.workflow_id == workflow_id
+        {
+            latest.insert(key.to_vec(), record);
+        }
+    })?;
+    // Keys sort by step index, then attempt, then tool.
+    Ok(latest.into_values().flatten().collect())
+}
+
+/// Find a workflow's steps in the changelog: partition by partition (all of a
+/// workflow's records live in one), stopping at the one that holds them.
+/// Blocking; the cost is reading that many partitions of the changelog.
+pub fn workflow_steps(
+    cfg: &KafkaConfig,
+    workflow_id: &str,
+) -> Result<WorkflowSteps, OperatorError> {
+    let partitions = kafka::check_layout(cfg)? as i32;
+    for p in 0..partitions {
+        let steps = steps_in(cfg, workflow_id, p)?;
+        if !steps.is_empty() {
+            return Ok(WorkflowSteps {
+                workflow_id: workflow_id.to_owned(),
+                partition: p,
+                steps,
+            });
+        }
+    }
+    Err(OperatorError::UnknownWorkflow(workflow_id.to_owned()))
+}
+
+/// Write `action` about `step` to the commands topic, then wait (up to `wait`)
+/// until the changelog shows a gate applied it; returns the step's record then.
+/// The step must be in the phase the action applies to.
+pub async fn decide(
+    cfg: &KafkaConfig,
+    step: StepKey,
+    action: Action,
+    by: &str,
+    reason: Option<String>,
+    wait: Duration,
+) -> Result<StepRecord, OperatorError> {
+    let (c, wf) = (cfg.clone(), step.workflow_id.clone());
+    let found = blocking(move || workflow_steps(&c, &wf)).await?;
+    let record =
+        found
+            .steps
+            .iter()
+            .find(|r| r.step == step)
+            .ok_or_else(|| OperatorError::UnknownStep {
+                workflow_id: step.workflow_id.clone(),
+                step: step.clone(),
+            })?;
+    let (wanted, wanted_name) = match action {
+        Action::ResolveExecuted { .. } | Action::ResolveNotExecuted => {
+            (crate::state::Phase::InDoubt, "in_doubt")
+        }
+        Action::Approve | Action::Deny => {
+            (crate::state::Phase::AwaitingApproval, "awaiting_approval")
+        }
+    };
+    if record.phase != wanted {
+        return Err(OperatorError::WrongPhase {
+            step,
+            phase: record.phase.as_str(),
+            action: action.as_str(),
+            wanted: wanted_name,
+        });
+    }
+    let partition = found.partition;
+    let now = chrono::Utc::now();
+    let command = Command {
+        id: format!(
+            "{}-{}-{}",
+            by,
+            now.timestamp_nanos_opt().unwrap_or_default(),
+            std::process::id()
+        ),
+        step: step.clone(),
+        action,
+        by: by.to_owned(),
+        at: crate::contract::timestamp(now),
+        reason,
+    };
+    let producer: FutureProducer = kafka::base_config(cfg)
+        .set("enable.idempotence", "true")
+        .set("linger.ms", "0")
+        .create()?;
+    let record = OutRecord {
+        topic: cfg.topics.commands.clone(),
+        partition: Some(partition),
+        key: Some(step.workflow_id.as_bytes().to_vec()),
+        payload: Some(serde_json::to_vec(&command).expect("commands serialise")),
+        headers: Vec::new(),
+    };
+    kafka::send_all(&producer, std::slice::from_ref(&record)).await?;
+    drop(producer);
+    let started = Instant::now();
+    loop {
+        let (c, wf) = (cfg.clone(), step.workflow_id.clone());
+        let steps = blocking(move || steps_in(&c, &wf, partition)).await?;
+        if let Some(r) = steps
+            .into_iter()
+            .find(|r| r.step == step && r.operator_log.iter().any(|e| e.id == command.id))
+        {
+            return Ok(r);
+        }
+        if started.elapsed() >= wait {
+            return Err(OperatorError::NotConfirmed {
+                topic: cfg.topics.commands.clone(),
+                waited: wait,
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, OperatorError> + Send + 'static,
+) -> Result<T, OperatorError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|_| OperatorError::Kafka(KafkaError::Canceled))?
+}
+
+/// A call waiting for approval.
+#[derive(Debug, Clone, Serialize)]
+pub struct PendingApproval {
+    pub partition: i32,
+    #[serde(flatten)]
+    pub event: ApprovalEvent,
+}
+
+/// Calls held for approval and not yet decided, oldest first. Blocking.
+pub fn pending_approvals(cfg: &KafkaConfig) -> Result<Vec<PendingApproval>, OperatorError> {
+    let partitions = kafka::check_layout(cfg)? as i32;
+    let mut pending: BTreeMap<StepKey, (usize, PendingApproval)> = BTreeMap::new();
+    let mut n = 0;
+    let all: Vec<i32> = (0..partitions).collect();
+    read_to_end(cfg, &cfg.topics.approvals, &all, |p, _, value| {
+        let Some(event) = value.and_then(|v| serde_json::from_slice::<ApprovalEvent>(v).ok())
+        else {
+            return;
+        };
+        match event.event {
+            ApprovalKind::Requested { .. } => {
+                n += 1;
+                pending.insert(
+                    event.step.clone(),
+                    (
+                        n,
+                        PendingApproval {
+                            partition: p,
+                            event,
+                        },
+                    ),
+                );
+            }
+            ApprovalKind::Approved { .. } | ApprovalKind::Denied { .. } => {
+                pending.remove(&event.step);
+            }
+        }
+    })?;
+    let mut out: Vec<(usize, PendingApproval)> = pending.into_values().collect();
+    out.sort_by_key(|(n, _)| *n);
+    Ok(out.into_iter().map(|(_, a)| a).collect())
+}
+
+/// A workflow's steps as a table for people.
+pub fn render_steps(w: &WorkflowSteps) -> String {
+    use std::fmt::Write as _;
+    let mut s = format!(
+        "workflow {} (partition {}): {} recorded step(s)\n",
+        w.workflow_id,
+        w.partition,
+        w.steps.len()
+    );
+    let _ = writeln!(
+        s,
+        "{:<6} {:<24} {:<8} {:<18} {:<8} {:<8} {:<25} answer",
+        "STEP", "TOOL", "ATTEMPT", "STATE", "DISPATCH", "REPEATS", "INTENDED"
+    );
+    for r in &w.steps {
+        let answer = match &r.result {
+            Some(res) => match (&res.output, &res.error) {
+                (Some(o), _) => format!("{}: {}", res.status.as_str(), excerpt(&o.to_string())),
+                (_, Some(e)) => format!("{} ({})", res.status.as_str(), e.kind),
+                _ => res.status.as_str().to_owned(),
+            },
+            None => "-".to_owned(),
+        };
+        let intended = chrono::DateTime::from_timestamp_millis(r.intended_at_ms)
+            .map(crate::contract::timestamp)
+            .unwrap_or_default();
+        let _ = writeln!(
+            s,
+            "{:<6} {:<24} {:<8} {:<18} {:<8} {:<8} {:<25} {}",
+            r.step.step_index,
+            r.step.tool,
+            r.step.attempt,
+            r.phase.as_str(),
+            r.dispatch,
+            r.repeats,
+            intended,
+            answer
+        );
+        if let Some(late) = &r.late_outcome {
+            let _ = writeln!(
+                s,
+                "       late outcome (after in_doubt): {}",
+                excerpt(&serde_json::to_string(late).unwrap_or_default())
+            );
+        }
+        for e in &r.operator_log {
+            let reason = e
+                .reason
+                .as_deref()
+                .map(|r| format!(": {r}"))
+                .unwrap_or_default();
+            let _ = writeln!(
+                s,
+                "       {} by {} at {} (was {}){}",
+                e.action,
+                e.by,
+                e.at,
+                e.from.as_str(),
+                reason
+            );
+        }
+    }
+    s
+}
+
+/// Held calls as a table for people.
+pub fn render_approvals(pending: &[PendingApproval]) -> String {
+    use std::fmt::Write as _;
+    if pending.is_empty() {
+        return "no calls are waiting for approval\n".to_owned();
+    }
+    let mut s = format!(
+        "{:<24} {:<6} {:<24} {:<8} {:<25} arguments\n",
+        "WORKFLOW", "STEP", "TOOL", "ATTEMPT", "REQUESTED"
+    );
+    for a in pending {
+        let args = match &a.event.event {
+            ApprovalKind::Requested { arguments, .. } => {
+                excerpt(&serde_json::Value::Object(arguments.clone()).to_string())
+            }
+            _ => String::new(),
+        };
+        let _ = writeln!(
+            s,
+            "{:<24} {:<6} {:<24} {:<8} {:<25} {}",
+            a.event.step.workflow_id,
+            a.event.step.step_index,
+            a.event.step.tool,
+            a.event.step.attempt,
+            a.event.at,
+            args
+        );
+    }
+    s
+}
+
+fn excerpt(s: &str) -> String {
+    if s.chars().count() > 80 {
+        format!("{}…", s.chars().take(80).collect::<String>())
+    } else {
+        s.to_owned()
+    }
+}

@@ -1,0 +1,477 @@
+//! Unkeyed-tool policies (`last_step`, `approval`) and the operators' commands
+//! (`steps show`, `resolve`, `approvals list|approve|deny`), against the real
+//! broker and the `stepgate` binary.
+
+mod common;
+
+use common::*;
+use serde_json::{Value, json};
+use std::time::Duration;
+use stepgate::contract::{Status, Texts};
+
+const POLICY_TOOLS: &str = r#"
+[tools.send_fax]
+category = "unkeyed"
+policy = "last_step"
+url = "{tools}/send_fax"
+timeout = "2s"
+
+[tools.wire_approved]
+category = "unkeyed"
+policy = "approval"
+url = "{tools}/wire_approved"
+timeout = "2s"
+"#;
+
+async fn stack() -> Stack {
+    let mut s = Stack::new(StackOptions {
+        extra: POLICY_TOOLS,
+        ..StackOptions::default()
+    })
+    .await;
+    s.start().await;
+    s
+}
+
+fn stdout(o: &std::process::Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &std::process::Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// `steps show --json` of a workflow.
+async fn steps(s: &Stack, wf: &str) -> Value {
+    let out = s.cli(&["steps", "show", wf, "--json"]).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn step_of(steps: &Value, index: u64) -> &Value {
+    steps["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["step"]["step_index"] == index)
+        .unwrap_or_else(|| panic!("no step {index} in {steps}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_last_step_tool_ends_its_workflow() {
+    let s = stack().await;
+    let agent = s.agent();
+    let r = agent
+        .call(intent("fax-1", 0, "search", json!({"q": "x"}), "c0"))
+        .await;
+    assert_eq!(r.status, Status::Ok);
+    let fax = agent
+        .call(intent("fax-1", 1, "send_fax", json!({"to": "1"}), "c1"))
+        .await;
+    assert_eq!(fax.status, Status::Ok);
+
+    // Any new step after it is refused, read-only ones too, with why.
+    for (i, (step, tool)) in [(2, "search"), (3, "send_email")].into_iter().enumerate() {
+        let call_id = format!("late-{i}");
+        let late = agent
+            .call(intent("fax-1", step, tool, json!({}), &call_id))
+            .await;
+        assert_eq!(late.status, Status::Rejected);
+        let e = late.error.unwrap();
+        assert_eq!(e.kind, "workflow_ended");
+        assert_eq!(
+            e.message,
+            Texts::workflow_ended(tool, "fax-1", 1, "send_fax")
+        );
+    }
+    assert_eq!(s.tools.count("send_email"), 0);
+    // A repeat of the last step itself is answered as always.
+    let again = agent
+        .call(intent("fax-1", 1, "send_fax", json!({"to": "1"}), "c1b"))
+        .await;
+    assert!(again.deduplicated);
+    same_but_call_id(&fax, &again);
+    assert_eq!(s.tools.count("send_fax"), 1);
+    // Other workflows are not affected.
+    let other = agent
+        .call(intent("fax-2", 0, "search", json!({}), "o0"))
+        .await;
+    assert_eq!(other.status, Status::Ok);
+    // Every rejection is also in the DLQ.
+    let dlq = s.reader("dlq").wait_for(2, Duration::from_secs(20)).await;
+    assert!(
+        dlq.iter().all(|d| d.value["reason"] == "workflow_ended"),
+        "{dlq:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_approval_tool_waits_for_a_person_without_blocking_others() {
+    let s = stack().await;
+    let agent = s.agent();
+    agent
+        .send(&intent(
+            "pay-1",
+            0,
+            "wire_approved",
+            json!({"amount": 900}),
+            "w0",
+        ))
+        .await;
+    // Other steps of the same workflow and other workflows go on meanwhile.
+    let r = agent
+        .call(intent("pay-1", 1, "search", json!({}), "s1"))
+        .await;
+    assert_eq!(r.status, Status::Ok);
+    let r = agent
+        .call(intent("pay-2", 0, "send_email", json!({}), "e0"))
+        .await;
+    assert_eq!(r.status, Status::Ok);
+    // A repeat while it waits joins the wait.
+    agent
+        .send(&intent(
+            "pay-1",
+            0,
+            "wire_approved",
+            json!({"amount": "900 EUR"}),
+            "w0-again",
+        ))
+        .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(agent.answers("w0").is_empty() && agent.answers("w0-again").is_empty());
+    assert_eq!(
+        s.tools.count("wire_approved"),
+        0,
+        "nothing runs before approval"
+    );
+
+    let list = s.cli(&["approvals", "list", "--json"]).await;
+    assert!(list.status.success(), "{}", stderr(&list));
+    let pending: Value = serde_json::from_slice(&list.stdout).unwrap();
+    assert_eq!(pending.as_array().unwrap().len(), 1, "{pending}");
+    assert_eq!(pending[0]["workflow_id"], "pay-1");
+    assert_eq!(pending[0]["event"], "requested");
+    assert_eq!(pending[0]["arguments"], json!({"amount": 900}));
+    let text = s.cli(&["approvals", "list"]).await;
+    assert!(stdout(&text).contains("pay-1"), "{}", stdout(&text));
+    assert_eq!(
+        step_of(&steps(&s, "pay-1").await, 0)["phase"],
+        "awaiting_approval"
+    );
+
+    let ok = s
+        .cli(&[
+            "approvals",
+            "approve",
+            "pay-1",
+            "0",
+            "wire_approved",
+            "--by",
+            "alice",
+        ])
+        .await;
+    assert!(ok.status.success(), "{}{}", stdout(&ok), stderr(&ok));
+    let first = agent.answer("w0", Duration::from_secs(20)).await;
+    assert_eq!(first.status, Status::Ok);
+    assert!(!first.deduplicated);
+    let waiter = agent.answer("w0-again", Duration::from_secs(20)).await;
+    assert!(waiter.deduplicated);
+    same_but_call_id(&first, &waiter);
+    assert_eq!(s.tools.count("wire_approved"), 1);
+    // The first call's arguments are what ran.
+    assert_eq!(
+        s.tools.calls("wire_approved")[0].body,
+        json!({"amount": 900})
+    );
+
+    let list = s.cli(&["approvals", "list", "--json"]).await;
+    let pending: Value = serde_json::from_slice(&list.stdout).unwrap();
+    assert_eq!(pending, json!([]));
+    let shown = steps(&s, "pay-1").await;
+    let log = &step_of(&shown, 0)["operator_log"][0];
+    assert_eq!(
+        (&log["action"], &log["by"], &log["from"]),
+        (
+            &json!("approve"),
+            &json!("alice"),
+            &json!("awaiting_approval")
+        )
+    );
+    assert!(log["at"].as_str().unwrap().ends_with('Z'));
+    // Approving twice is refused with the reason, by the command line.
+    let again = s
+        .cli(&[
+            "approvals",
+            "approve",
+            "pay-1",
+            "0",
+            "wire_approved",
+            "--by",
+            "alice",
+        ])
+        .await;
+    assert!(!again.status.success());
+    assert!(
+        stderr(&again).contains("is completed"),
+        "{}",
+        stderr(&again)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_denial_reaches_the_agent_as_a_refusal_by_a_person() {
+    let s = stack().await;
+    let agent = s.agent();
+    agent
+        .send(&intent(
+            "deny-1",
+            0,
+            "wire_approved",
+            json!({"amount": 5}),
+            "d0",
+        ))
+        .await;
+    let approvals = s.reader("approvals");
+    approvals.wait_for(1, Duration::from_secs(20)).await;
+    // A denial without a reason is refused: the model is told the reason.
+    let no_reason = s
+        .cli(&[
+            "approvals",
+            "deny",
+            "deny-1",
+            "0",
+            "wire_approved",
+            "--by",
+            "bob",
+        ])
+        .await;
+    assert!(!no_reason.status.success());
+    assert!(
+        stderr(&no_reason).contains("--reason"),
+        "{}",
+        stderr(&no_reason)
+    );
+
+    let out = s
+        .cli(&[
+            "approvals",
+            "deny",
+            "deny-1",
+            "0",
+            "wire_approved",
+            "--by",
+            "bob",
+            "--reason",
+            "the account is frozen",
+        ])
+        .await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    let r = agent.answer("d0", Duration::from_secs(20)).await;
+    assert_eq!(r.status, Status::Error);
+    let e = r.error.clone().unwrap();
+    assert_eq!(e.kind, "denied");
+    assert_eq!(
+        e.message,
+        Texts::denied("wire_approved", Some("the account is frozen"))
+    );
+    assert_eq!(s.tools.count("wire_approved"), 0);
+    let again = agent
+        .call(intent(
+            "deny-1",
+            0,
+            "wire_approved",
+            json!({"amount": 5}),
+            "d1",
+        ))
+        .await;
+    assert!(again.deduplicated);
+    same_but_call_id(&r, &again);
+    let events = approvals.wait_for(2, Duration::from_secs(20)).await;
+    assert_eq!(events[1].value["event"], "denied");
+    assert_eq!(events[1].value["by"], "bob");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_resolves_in_doubt_steps() {
+    let s = stack().await;
+    let agent = s.agent();
+    s.tools.script(
+        "wire",
+        vec![Reply::Status(503), Reply::Status(503), Reply::Ok],
+    );
+    let doubt = agent
+        .call(intent("res-1", 0, "wire", json!({"amount": 1}), "r0"))
+        .await;
+    assert_eq!(doubt.status, Status::InDoubt);
+    let doubt2 = agent
+        .call(intent("res-1", 1, "wire", json!({"amount": 2}), "r1"))
+        .await;
+    assert_eq!(doubt2.status, Status::InDoubt);
+    assert_eq!(s.tools.count("wire"), 2);
+
+    let text = s.cli(&["steps", "show", "res-1"]).await;
+    assert!(text.status.success(), "{}", stderr(&text));
+    assert!(stdout(&text).contains("in_doubt"), "{}", stdout(&text));
+
+    // --executed: the operator's output becomes the step's ok answer.
+    let out = s
+        .cli(&[
+            "resolve",
+            "res-1",
+            "0",
+            "wire",
+            "--executed",
+            "--output",
+            r#"{"confirmation": "BANK-77"}"#,
+            "--by",
+            "carol",
+            "--reason",
+            "seen in the bank statement",
+        ])
+        .await;
+    assert!(out.status.success(), "{}{}", stdout(&out), stderr(&out));
+    common::eventually(Duration::from_secs(20), "the resolved answer", || {
+        agent.answers("r0").len() == 2
+    })
+    .await;
+    let resolved = agent.answers("r0").remove(1).1;
+    assert_eq!(resolved.status, Status::Ok);
+    assert_eq!(resolved.output, Some(json!({"confirmation": "BANK-77"})));
+    let repeat = agent
+        .call(intent("res-1", 0, "wire", json!({"amount": 1}), "r0b"))
+        .await;
+    assert!(repeat.deduplicated);
+    same_but_call_id(&resolved, &repeat);
+
+    // --not-executed: the step's next call runs it, with the same key.
+    let out = s
+        .cli(&[
+            "resolve",
+            "res-1",
+            "1",
+            "wire",
+            "--not-executed",
+            "--by",
+            "carol",
+        ])
+        .await;
+    assert!(out.status.success(), "{}{}", stdout(&out), stderr(&out));
+    common::eventually(Duration::from_secs(20), "the not-executed answer", || {
+        agent.answers("r1").len() == 2
+    })
+    .await;
+    let told = agent.answers("r1").remove(1).1;
+    assert_eq!(told.status, Status::Error);
+    let e = told.error.unwrap();
+    assert_eq!(
+        (e.kind.as_str(), e.message),
+        ("not_executed", Texts::resolved_not_executed("wire"))
+    );
+    let rerun = agent
+        .call(intent("res-1", 1, "wire", json!({"amount": 2}), "r1b"))
+        .await;
+    assert_eq!(rerun.status, Status::Ok);
+    assert!(!rerun.deduplicated);
+    let calls = s.tools.calls("wire");
+    assert_eq!(calls.len(), 3);
+    assert_eq!(calls[1].idempotency_key, calls[2].idempotency_key);
+    let again = agent
+        .call(intent("res-1", 1, "wire", json!({"amount": 2}), "r1c"))
+        .await;
+    assert!(again.deduplicated);
+    same_but_call_id(&rerun, &again);
+    assert_eq!(s.tools.count("wire"), 3);
+
+    // Who and when, for audit.
+    let shown = steps(&s, "res-1").await;
+    let s0 = step_of(&shown, 0);
+    assert_eq!(s0["phase"], "completed");
+    assert_eq!(s0["operator_log"][0]["action"], "resolve_executed");
+    assert_eq!(s0["operator_log"][0]["by"], "carol");
+    assert_eq!(
+        s0["operator_log"][0]["reason"],
+        "seen in the bank statement"
+    );
+    let s1 = step_of(&shown, 1);
+    assert_eq!(s1["operator_log"][0]["action"], "resolve_not_executed");
+    assert_eq!(s1["dispatch"], 2);
+
+    // A resolution of a settled step is refused, saying why.
+    let out = s
+        .cli(&[
+            "resolve",
+            "res-1",
+            "0",
+            "wire",
+            "--not-executed",
+            "--by",
+            "carol",
+        ])
+        .await;
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out)
+            .contains("is completed; `resolve_not_executed` applies to a step that is in_doubt"),
+        "{}",
+        stderr(&out)
+    );
+    // So is an unknown workflow, and --executed without --output.
+    let out = s.cli(&["steps", "show", "nobody"]).await;
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("no recorded steps for workflow `nobody`"));
+    let out = s
+        .cli(&["resolve", "res-1", "0", "wire", "--executed", "--by", "x"])
+        .await;
+    assert!(!out.status.success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_command_that_does_not_fit_goes_to_the_dlq() {
+    let s = stack().await;
+    let agent = s.agent();
+    let r = agent
+        .call(intent("cmd-1", 0, "send_email", json!({}), "m0"))
+        .await;
+    assert_eq!(r.status, Status::Ok);
+    // Written straight to the topic, past the command line's checks: an
+    // unreadable command, and one for a settled step.
+    let commands = Agent::new(
+        &s.config.kafka.brokers,
+        &s.topic("commands"),
+        &s.topic("results"),
+    );
+    let partition = steps(&s, "cmd-1").await["partition"].as_i64().unwrap() as i32;
+    commands
+        .send_raw("cmd-1", b"{not json", Some(partition), &[])
+        .await;
+    let approve = json!({
+        "id": "t-1", "workflow_id": "cmd-1", "step_index": 0, "tool": "send_email",
+        "attempt": 0, "action": "approve", "by": "mallory", "at": "2026-11-29T00:00:00.000Z"
+    });
+    commands
+        .send_raw(
+            "cmd-1",
+            approve.to_string().as_bytes(),
+            Some(partition),
+            &[],
+        )
+        .await;
+    let dlq = s.reader("dlq").wait_for(2, Duration::from_secs(20)).await;
+    assert!(
+        dlq.iter().all(|d| d.value["reason"] == "bad_command"),
+        "{dlq:?}"
+    );
+    assert!(
+        dlq[1].value["message"]
+            .as_str()
+            .unwrap()
+            .contains("`approve` applies to a step that is awaiting_approval"),
+        "{dlq:?}"
+    );
+    // The gate goes on, and the step is untouched.
+    let again = agent
+        .call(intent("cmd-1", 0, "send_email", json!({}), "m1"))
+        .await;
+    assert!(again.deduplicated);
+    same_but_call_id(&r, &again);
+}
