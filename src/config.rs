@@ -329,10 +329,6 @@ pub enum Policy {
 }
 
 impl Policy {
-    fn is_default(&self) -> bool {
-        *self == Policy::InDoubt
-    }
-
     pub fn as_str(self) -> &'static str {
         match self {
             Policy::InDoubt => "in_doubt",
@@ -393,7 +389,6 @@ pub struct ToolConfig {
     /// How the tool may be retried; from `annotations` when not given.
     pub category: Category,
     /// For `unkeyed` tools: in doubt (default), approval, or last step.
-    #[serde(skip_serializing_if = "Policy::is_default")]
     pub policy: Policy,
     /// `http://…` or `https://…` endpoint receiving `POST` with the arguments.
     pub url: String,
@@ -821,6 +816,27 @@ timeout = "5s"
             env(&[]),
         )
         .unwrap_err();
+        assert!(e.to_string().contains("sometimes"), "{e}");
+    }
+
+    #[test]
+    fn unkeyed_tools_take_a_policy_and_only_they_do() {
+        let load = |t: &str| {
+            Config::from_toml_str(&format!("[tools.t]\nurl = \"http://h/t\"\n{t}"), env(&[]))
+        };
+        let c = load("category = \"unkeyed\"\n").unwrap();
+        assert_eq!(c.tools["t"].policy, Policy::InDoubt);
+        for (text, policy) in [
+            ("approval", Policy::Approval),
+            ("last_step", Policy::LastStep),
+            ("in_doubt", Policy::InDoubt),
+        ] {
+            let c = load(&format!("category = \"unkeyed\"\npolicy = \"{text}\"\n")).unwrap();
+            assert_eq!(c.tools["t"].policy, policy);
+        }
+        let e = load("category = \"keyed\"\npolicy = \"approval\"\n").unwrap_err();
+        assert!(e.to_string().contains("unkeyed tools only"), "{e}");
+        let e = load("category = \"unkeyed\"\npolicy = \"sometimes\"\n").unwrap_err();
         assert!(e.to_string().contains("sometimes"), "{e}");
     }
 

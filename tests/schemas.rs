@@ -200,3 +200,66 @@ fn internal_records_validate() {
         assert_valid(&p, &serde_json::to_value(&fin).unwrap());
     }
 }
+
+#[test]
+fn operator_commands_and_approval_events_match_their_schemas() {
+    use stepgate::contract::{Action, ApprovalEvent, ApprovalKind, Command};
+    let v = schema("command.v1.json");
+    for ex in examples("command.v1.json") {
+        assert_valid(&v, &ex);
+        let c: Command = serde_json::from_value(ex.clone()).expect("schema example parses");
+        assert_eq!(serde_json::to_value(&c).unwrap(), ex, "round trip");
+    }
+    for action in [
+        Action::ResolveExecuted {
+            output: json!({"ok": true}),
+        },
+        Action::ResolveNotExecuted,
+        Action::Approve,
+        Action::Deny,
+    ] {
+        let c = Command {
+            id: "x-1".into(),
+            step: step(),
+            action,
+            by: "alice".into(),
+            at: "2026-11-29T08:00:00.000Z".into(),
+            reason: Some("why".into()),
+        };
+        assert_valid(&v, &serde_json::to_value(&c).unwrap());
+    }
+    // resolve_executed needs its output.
+    let mut bad = examples("command.v1.json")[0].clone();
+    bad.as_object_mut().unwrap().remove("output");
+    assert!(!v.is_valid(&bad));
+    assert!(serde_json::from_value::<Command>(bad).is_err());
+
+    let v = schema("approval.v1.json");
+    for ex in examples("approval.v1.json") {
+        assert_valid(&v, &ex);
+        let e: ApprovalEvent = serde_json::from_value(ex.clone()).expect("schema example parses");
+        assert_eq!(serde_json::to_value(&e).unwrap(), ex, "round trip");
+    }
+    for kind in [
+        ApprovalKind::Requested {
+            arguments: serde_json::Map::new(),
+            call_id: None,
+            metadata: None,
+        },
+        ApprovalKind::Approved {
+            by: "alice".into(),
+            reason: None,
+        },
+        ApprovalKind::Denied {
+            by: "bob".into(),
+            reason: Some("no".into()),
+        },
+    ] {
+        let e = ApprovalEvent {
+            step: step(),
+            event: kind,
+            at: "2026-11-29T08:00:00.000Z".into(),
+        };
+        assert_valid(&v, &serde_json::to_value(&e).unwrap());
+    }
+}
