@@ -469,7 +469,7 @@ async fn refuses_to_start_when_results_has_fewer_partitions_than_intents() {
     std::fs::write(
         &path,
         format!(
-            "[kafka]\nbrokers = \"{}\"\n[kafka.topics]\nintents = \"{prefix}.intents\"\nresults = \"{prefix}.results-small\"\ndlq = \"{prefix}.dlq\"\ncalls = \"{prefix}.calls\"\nprogress = \"{prefix}.progress\"\nchangelog = \"{prefix}.changelog\"\n[state]\npath = \"{}\"\n[http]\nlisten = \"\"\n",
+            "[kafka]\nbrokers = \"{}\"\n[kafka.topics]\nintents = \"{prefix}.intents\"\nresults = \"{prefix}.results-small\"\ndlq = \"{prefix}.dlq\"\ncalls = \"{prefix}.calls\"\nprogress = \"{prefix}.progress\"\nchangelog = \"{prefix}.changelog\"\ncommands = \"{prefix}.commands\"\napprovals = \"{prefix}.approvals\"\n[state]\npath = \"{}\"\n[http]\nlisten = \"\"\n",
             brokers(),
             dir.path().join("s").display()
         ),
@@ -538,7 +538,7 @@ async fn topics_create_makes_an_equal_layout_and_is_idempotent() {
     let path = dir.path().join("c.toml");
     std::fs::write(
         &path,
-        format!("[kafka]\nbrokers = \"{}\"\npartitions = 3\n[kafka.topics]\nintents = \"{prefix}.intents\"\nresults = \"{prefix}.results\"\ndlq = \"{prefix}.dlq\"\ncalls = \"{prefix}.calls\"\nprogress = \"{prefix}.progress\"\nchangelog = \"{prefix}.changelog\"\n", brokers()),
+        format!("[kafka]\nbrokers = \"{}\"\npartitions = 3\n[kafka.topics]\nintents = \"{prefix}.intents\"\nresults = \"{prefix}.results\"\ndlq = \"{prefix}.dlq\"\ncalls = \"{prefix}.calls\"\nprogress = \"{prefix}.progress\"\nchangelog = \"{prefix}.changelog\"\ncommands = \"{prefix}.commands\"\napprovals = \"{prefix}.approvals\"\n", brokers()),
     )
     .unwrap();
     for expected in ["created", "exists"] {
@@ -555,7 +555,7 @@ async fn topics_create_makes_an_equal_layout_and_is_idempotent() {
         );
         assert_eq!(
             stdout.lines().filter(|l| l.starts_with(expected)).count(),
-            6,
+            8,
             "{stdout}"
         );
         assert!(stdout.contains("(3 intent partitions)"), "{stdout}");
