@@ -106,11 +106,8 @@ pub enum Command {
     /// call runs it). Recorded with who and when.
     #[command(group(clap::ArgGroup::new("outcome").required(true).args(["executed", "not_executed"])))]
     Resolve {
-        workflow_id: String,
-        step_index: u64,
-        tool: String,
-        #[arg(long, default_value_t = 0)]
-        attempt: u64,
+        #[command(flatten)]
+        step: StepArgs,
         /// The call did take effect.
         #[arg(long, requires = "output")]
         executed: bool,
@@ -156,6 +153,27 @@ pub enum TopicsCommand {
         #[arg(long)]
         brokers: Option<String>,
     },
+}
+
+/// The step a decision is about.
+#[derive(Debug, clap::Args)]
+pub struct StepArgs {
+    pub workflow_id: String,
+    pub step_index: u64,
+    pub tool: String,
+    #[arg(long, default_value_t = 0)]
+    pub attempt: u64,
+}
+
+impl StepArgs {
+    pub fn key(self) -> crate::contract::StepKey {
+        crate::contract::StepKey {
+            workflow_id: self.workflow_id,
+            step_index: self.step_index,
+            tool: self.tool,
+            attempt: self.attempt,
+        }
+    }
 }
 
 /// Who decides, and why (recorded for audit).
@@ -213,11 +231,8 @@ pub enum ApprovalsCommand {
     },
     /// Let a held call run.
     Approve {
-        workflow_id: String,
-        step_index: u64,
-        tool: String,
-        #[arg(long, default_value_t = 0)]
-        attempt: u64,
+        #[command(flatten)]
+        step: StepArgs,
         #[command(flatten)]
         who: Who,
         #[command(flatten)]
@@ -225,11 +240,8 @@ pub enum ApprovalsCommand {
     },
     /// Refuse a held call: the agent is told a person refused it (with `--reason`).
     Deny {
-        workflow_id: String,
-        step_index: u64,
-        tool: String,
-        #[arg(long, default_value_t = 0)]
-        attempt: u64,
+        #[command(flatten)]
+        step: StepArgs,
         #[command(flatten)]
         who: Who,
         #[command(flatten)]

@@ -218,10 +218,7 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Resolve {
-            workflow_id,
-            step_index,
-            tool,
-            attempt,
+            step,
             executed,
             output,
             not_executed: _,
@@ -236,13 +233,7 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
             } else {
                 Action::ResolveNotExecuted
             };
-            let step = StepKey {
-                workflow_id,
-                step_index,
-                tool,
-                attempt,
-            };
-            decide(step, action, who, target).await
+            decide(step.key(), action, who, target).await
         }
         Command::Approvals { action } => match action {
             ApprovalsCommand::List {
@@ -262,42 +253,16 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
                 }
                 Ok(())
             }
-            ApprovalsCommand::Approve {
-                workflow_id,
-                step_index,
-                tool,
-                attempt,
-                who,
-                target,
-            } => {
-                let step = StepKey {
-                    workflow_id,
-                    step_index,
-                    tool,
-                    attempt,
-                };
-                decide(step, Action::Approve, who, target).await
+            ApprovalsCommand::Approve { step, who, target } => {
+                decide(step.key(), Action::Approve, who, target).await
             }
-            ApprovalsCommand::Deny {
-                workflow_id,
-                step_index,
-                tool,
-                attempt,
-                who,
-                target,
-            } => {
+            ApprovalsCommand::Deny { step, who, target } => {
                 if who.reason.as_deref().is_none_or(|r| r.trim().is_empty()) {
                     anyhow::bail!(
                         "a denial needs --reason: the agent's model is told it, so it can explain the refusal"
                     );
                 }
-                let step = StepKey {
-                    workflow_id,
-                    step_index,
-                    tool,
-                    attempt,
-                };
-                decide(step, Action::Deny, who, target).await
+                decide(step.key(), Action::Deny, who, target).await
             }
         },
         Command::State {

@@ -323,18 +323,23 @@ impl GateCore {
             });
         } else {
             self.metrics.step_forwarded(&step, tool.category.as_str());
-            self.outs.push(Out::Call {
-                partition: p,
-                call: Call {
-                    step,
-                    arguments: intent.arguments,
-                    dispatch: record.dispatch,
-                    fast_ref: None,
-                    traceparent,
-                },
-            });
+            self.forward(p, &record);
         }
         batch.put_step(store, p, &record)
+    }
+
+    /// Send a recorded step's call to the executors.
+    fn forward(&mut self, partition: i32, record: &StepRecord) {
+        self.outs.push(Out::Call {
+            partition,
+            call: Call {
+                step: record.step.clone(),
+                arguments: record.arguments.clone(),
+                dispatch: record.dispatch,
+                fast_ref: None,
+                traceparent: record.traceparent.clone(),
+            },
+        });
     }
 
     /// An operator's command: settle an in-doubt step, approve or deny a held one.
@@ -416,16 +421,7 @@ impl GateCore {
                 });
                 self.metrics
                     .step_forwarded(&record.step, record.category.as_str());
-                self.outs.push(Out::Call {
-                    partition: p,
-                    call: Call {
-                        step: record.step.clone(),
-                        arguments: record.arguments.clone(),
-                        dispatch: record.dispatch,
-                        fast_ref: None,
-                        traceparent: record.traceparent.clone(),
-                    },
-                });
+                self.forward(p, &record);
                 batch.put_step(store, p, &record)?;
             }
             (Action::Deny, Phase::AwaitingApproval) => {
@@ -662,16 +658,7 @@ impl GateCore {
                         record.deadline_ms = None;
                         batch.put_step(store, p, &record)?;
                         self.metrics.reforwarded(&step, record.dispatch);
-                        self.outs.push(Out::Call {
-                            partition: p,
-                            call: Call {
-                                step,
-                                arguments: record.arguments,
-                                dispatch: record.dispatch,
-                                fast_ref: None,
-                                traceparent: record.traceparent,
-                            },
-                        });
+                        self.forward(p, &record);
                     } else {
                         let outcome = Outcome::InDoubt {
                             error: ErrorBody {
