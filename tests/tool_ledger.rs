@@ -2,6 +2,8 @@
 //! between committing a ticket and answering, its retry gets the stored ticket,
 //! never a second one — called directly, and through stepgate on the real broker.
 
+#![cfg(feature = "sqlite")]
+
 mod common;
 
 use common::*;
