@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The benchmarks of issue #7 in one command: starts the local broker if needed,
+# builds the release binaries and the Kafka Streams peer, then runs
+# `stepgate-bench all` (stepgate vs. an rdkafka passthrough and Kafka Streams on
+# one workload, then stepgate with 1 M and 10 M step records in its state).
+#
+#   benches/bench.sh                 # full size (~20 min on 2 cores)
+#   benches/bench.sh quick           # small sizes (~5 min), to check the setup
+#   benches/bench.sh [quick] --intents 50000 ...   # any stepgate-bench option
+#
+# Env: KAFKA_BROKERS (default: the local broker deploy/local/kafka.sh starts),
+# CARGO_TARGET_DIR, BENCH_JSON (where the figures go as JSON; default
+# /tmp/stepgate-bench.json), PERF=1 (profile stepgate's flood with perf record).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+target="${CARGO_TARGET_DIR:-target}"
+
+args=()
+if [[ "${1:-}" == quick ]]; then
+    shift
+    args+=(--intents 20000 --paced 5s --scale-sizes 100000,1000000 --scale-intents 20000)
+fi
+
+if [[ -z "${KAFKA_BROKERS:-}" ]]; then
+    bash deploy/local/kafka.sh start >/dev/null
+    export KAFKA_BROKERS=127.0.0.1:9092
+fi
+
+echo "bench.sh: building release binaries (the first build takes ~18 min on 2 cores)" >&2
+cargo build --release --quiet --bin stepgate --bin stepgate-bench
+
+if jar="$(bash benches/peers/build.sh)"; then
+    args+=(--kstreams-jar "$jar")
+else
+    echo "bench.sh: the Kafka Streams peer did not build; running without it" >&2
+fi
+if [[ "${PERF:-0}" == 1 ]] && command -v perf >/dev/null; then
+    args+=(--perf /tmp/stepgate-bench.perf.data)
+    echo "bench.sh: profile of stepgate's flood → /tmp/stepgate-bench.perf.data (perf report -i …)" >&2
+fi
+
+exec "$target/release/stepgate-bench" all --fast-path --json "${BENCH_JSON:-/tmp/stepgate-bench.json}" "${args[@]}" "$@"

@@ -1,0 +1,717 @@
+//! `stepgate-bench`: stepgate against the limit (an rdkafka passthrough) and a peer
+//! (Kafka Streams dedup) on one broker and one workload, and stepgate with
+//! millions of step records in its state. `benches/bench.sh` runs it end to end.
+//!
+//! Each system runs as a child process, so its CPU time and peak RSS come from
+//! /proc. Per system: a flood (every intent published at once; throughput) then a
+//! paced phase (a fixed rate below capacity; latency), then the answers are
+//! checked intent by intent.
+
+mod passthrough;
+mod report;
+mod scale;
+mod systems;
+mod workload;
+
+use anyhow::{Context as _, bail};
+use clap::{Args, Parser, Subcommand};
+use report::{GateFigures, Row};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use systems::{GroupWatch, Proc, StepgateSetup};
+use workload::{Agent, Expect, Shape, Spec, ToolServer};
+
+#[derive(Parser)]
+#[command(
+    name = "stepgate-bench",
+    about = "Throughput, latency and memory of stepgate, side by side with a passthrough and Kafka Streams"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// `compare`, then `scale`.
+    All {
+        #[command(flatten)]
+        common: Common,
+        #[command(flatten)]
+        compare: CompareOpts,
+        #[command(flatten)]
+        scale: ScaleOpts,
+    },
+    /// stepgate, the passthrough (1 and 2 hops) and Kafka Streams on one workload.
+    Compare {
+        #[command(flatten)]
+        common: Common,
+        #[command(flatten)]
+        compare: CompareOpts,
+    },
+    /// stepgate restoring and serving millions of step records.
+    Scale {
+        #[command(flatten)]
+        common: Common,
+        #[command(flatten)]
+        scale: ScaleOpts,
+    },
+    /// The passthrough itself (started by the bench as a child process).
+    #[command(hide = true)]
+    Passthrough(passthrough::Args),
+}
+
+#[derive(Args, Clone)]
+pub struct Common {
+    #[arg(long, env = "KAFKA_BROKERS", default_value = "127.0.0.1:9092")]
+    brokers: String,
+    /// Partitions of every topic (intents, results, internal, peers').
+    #[arg(long, default_value_t = 4)]
+    partitions: i32,
+    /// stepgate's `gate.commit_interval`, and the passthrough's and Kafka
+    /// Streams' commit interval.
+    #[arg(long, default_value = "100ms")]
+    commit_interval: humantime::Duration,
+    #[arg(long, default_value_t = 10_000)]
+    workflows: usize,
+    /// Share of intents that repeat an earlier step; half of them rephrased.
+    #[arg(long, default_value_t = 0.2)]
+    repeat_share: f64,
+    /// A repeat follows its first call after about this many other new steps.
+    #[arg(long, default_value_t = 1000)]
+    repeat_lag: usize,
+    /// The stepgate binary (default: next to this one).
+    #[arg(long)]
+    stepgate_bin: Option<PathBuf>,
+    /// Scratch directory for configs, state and logs (default: a new one in /tmp).
+    #[arg(long)]
+    work_dir: Option<PathBuf>,
+    /// Also write every figure as JSON to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Keep the topics and the scratch directory.
+    #[arg(long)]
+    keep: bool,
+    /// stepgate's `gate.max_batch`, and the passthrough's.
+    #[arg(long, default_value_t = 2000)]
+    max_batch: usize,
+    /// stepgate's `executor.concurrency` (tool calls in flight); one stepgate run
+    /// per value. The last one is also used by the fast-path and scale runs and is
+    /// the one the other systems are compared with.
+    #[arg(long, value_delimiter = ',', default_value = "64,1024")]
+    executor_concurrency: Vec<usize>,
+    /// A run with no new answer for this long has failed.
+    #[arg(long, default_value = "120s")]
+    stall: humantime::Duration,
+}
+
+#[derive(Args, Clone)]
+pub struct CompareOpts {
+    /// Intents of the flood (throughput).
+    #[arg(long, default_value_t = 200_000)]
+    intents: usize,
+    /// Intents per second of the paced phase (latency).
+    #[arg(long, default_value_t = 1000.0)]
+    rate: f64,
+    /// Length of the paced phase.
+    #[arg(long, default_value = "10s")]
+    paced: humantime::Duration,
+    /// Also run stepgate with a `read_only` tool (fast path, no step log).
+    #[arg(long)]
+    fast_path: bool,
+    /// The Kafka Streams peer's jar (default: benches/peers/kstreams-dedup/target/kstreams-dedup.jar).
+    #[arg(long)]
+    kstreams_jar: Option<PathBuf>,
+    #[arg(long, default_value_t = 1)]
+    ks_threads: u32,
+    /// JVM options for the peer, space-separated (default: the JVM's own).
+    #[arg(long, default_value = "")]
+    java_opts: String,
+    /// Record a CPU profile of stepgate's flood with `perf record` into this file.
+    #[arg(long)]
+    perf: Option<PathBuf>,
+    /// Only these systems (stepgate, passthrough, kstreams).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "stepgate,passthrough,kstreams"
+    )]
+    only: Vec<String>,
+}
+
+#[derive(Args, Clone)]
+pub struct ScaleOpts {
+    /// Step records loaded into the changelog before stepgate starts, one run each.
+    #[arg(long, value_delimiter = ',', default_value = "1000000,10000000")]
+    scale_sizes: Vec<usize>,
+    /// Intents of the workload run on each loaded state (half repeat loaded steps).
+    #[arg(long, default_value_t = 50_000)]
+    scale_intents: usize,
+}
+
+/// What every run shares.
+pub struct Bench {
+    pub common: Common,
+    pub run_id: String,
+    pub work: PathBuf,
+    pub stepgate: PathBuf,
+    pub tool: ToolServer,
+    /// The local broker's process, when found.
+    pub broker: Option<String>,
+}
+
+impl Bench {
+    fn shape(&self, intents: usize) -> Shape {
+        Shape {
+            intents,
+            workflows: self.common.workflows,
+            repeat_share: self.common.repeat_share,
+            repeat_lag: self.common.repeat_lag,
+        }
+    }
+
+    fn commit_ms(&self) -> u128 {
+        Duration::from(self.common.commit_interval).as_millis()
+    }
+
+    fn concurrency(&self) -> usize {
+        self.common
+            .executor_concurrency
+            .last()
+            .copied()
+            .unwrap_or(64)
+    }
+
+    fn stall(&self) -> Duration {
+        self.common.stall.into()
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        match cli.cmd {
+            Cmd::Passthrough(a) => passthrough::run(a).await,
+            Cmd::All {
+                common,
+                compare,
+                scale,
+            } => bench(common, Some(compare), Some(scale)).await,
+            Cmd::Compare { common, compare } => bench(common, Some(compare), None).await,
+            Cmd::Scale { common, scale } => bench(common, None, Some(scale)).await,
+        }
+    })
+}
+
+async fn bench(
+    common: Common,
+    compare: Option<CompareOpts>,
+    scale: Option<ScaleOpts>,
+) -> anyhow::Result<()> {
+    let exe = std::env::current_exe()?;
+    let stepgate = common
+        .stepgate_bin
+        .clone()
+        .unwrap_or_else(|| exe.with_file_name("stepgate"));
+    anyhow::ensure!(
+        stepgate.exists(),
+        "no stepgate binary at {} (cargo build --release, or --stepgate-bin)",
+        stepgate.display()
+    );
+    let run_id = format!(
+        "sgb{:x}",
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)?
+            .as_secs()
+            & 0xff_ffff
+    );
+    let work = common
+        .work_dir
+        .clone()
+        .unwrap_or_else(|| std::env::temp_dir().join(&run_id));
+    std::fs::create_dir_all(&work)?;
+    let bench = Bench {
+        tool: ToolServer::start().await?,
+        broker: systems::broker_pid(&common.brokers),
+        common,
+        run_id,
+        work,
+        stepgate,
+    };
+    eprintln!(
+        "stepgate-bench {}: broker {}, {} partitions, commit interval {}, scratch {}",
+        bench.run_id,
+        bench.common.brokers,
+        bench.common.partitions,
+        bench.common.commit_interval,
+        bench.work.display()
+    );
+    let mut out = report::Report::new(&bench);
+    if let Some(c) = &compare {
+        out.workload = Some(report::WorkloadInfo::new(&bench, c));
+        out.rows = compare_all(&bench, c).await?;
+    }
+    if let Some(s) = &scale {
+        out.scale = scale::run(&bench, s).await?;
+    }
+    let text = out.render();
+    println!("{text}");
+    if let Some(path) = &bench.common.json {
+        std::fs::write(path, serde_json::to_string_pretty(&out)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("figures written to {}", path.display());
+    }
+    if !bench.common.keep {
+        let _ = std::fs::remove_dir_all(&bench.work);
+    }
+    let failed = out.failures();
+    if !failed.is_empty() {
+        bail!("correctness checks failed: {}", failed.join("; "));
+    }
+    Ok(())
+}
+
+/// The systems of `compare`.
+#[derive(Debug, Clone)]
+enum System {
+    Stepgate {
+        category: &'static str,
+        concurrency: usize,
+    },
+    Passthrough {
+        hops: usize,
+        eos: bool,
+    },
+    KStreams {
+        eos: bool,
+        jar: PathBuf,
+    },
+}
+
+impl System {
+    fn slug(&self) -> String {
+        match self {
+            System::Stepgate {
+                category,
+                concurrency,
+            } => format!("sg-{}-c{concurrency}", category.replace('_', "")),
+            System::Passthrough { hops, eos } => format!("pt{hops}-{}", mode(*eos)),
+            System::KStreams { eos, .. } => format!("ks-{}", mode(*eos)),
+        }
+    }
+}
+
+fn mode(eos: bool) -> &'static str {
+    if eos { "eos" } else { "alos" }
+}
+
+async fn compare_all(bench: &Bench, opts: &CompareOpts) -> anyhow::Result<Vec<Row>> {
+    let flood = Arc::new(workload::build("f", &bench.shape(opts.intents), 7));
+    let paced_n = (opts.rate * Duration::from(opts.paced).as_secs_f64()).round() as usize;
+    let paced = Arc::new(workload::build("p", &bench.shape(paced_n), 11));
+    let want = |s: &str| opts.only.iter().any(|o| o == s);
+    let mut systems = Vec::new();
+    if want("stepgate") {
+        for &concurrency in &bench.common.executor_concurrency {
+            systems.push(System::Stepgate {
+                category: "keyed",
+                concurrency,
+            });
+        }
+        if opts.fast_path {
+            systems.push(System::Stepgate {
+                category: "read_only",
+                concurrency: bench.concurrency(),
+            });
+        }
+    }
+    if want("passthrough") {
+        for hops in [1, 2] {
+            for eos in [true, false] {
+                systems.push(System::Passthrough { hops, eos });
+            }
+        }
+    }
+    let mut notes = Vec::new();
+    if want("kstreams") {
+        let jar = opts.kstreams_jar.clone().unwrap_or_else(|| {
+            PathBuf::from("benches/peers/kstreams-dedup/target/kstreams-dedup.jar")
+        });
+        if jar.exists() {
+            for eos in [true, false] {
+                systems.push(System::KStreams {
+                    eos,
+                    jar: jar.clone(),
+                });
+            }
+        } else {
+            notes.push(format!(
+                "Kafka Streams peer skipped: no jar at {} (bash benches/peers/build.sh)",
+                jar.display()
+            ));
+        }
+    }
+    let mut rows = Vec::new();
+    for system in systems {
+        eprintln!("== {system:?}");
+        let row = measure(bench, opts, &system, &flood, &paced).await?;
+        eprintln!("   {}", row.summary());
+        rows.push(row);
+    }
+    for n in notes {
+        eprintln!("note: {n}");
+    }
+    Ok(rows)
+}
+
+/// A system started and ready, with where to talk to it.
+struct Deployed {
+    proc: Proc,
+    input: String,
+    output: String,
+    /// The consumer group reading `input` (its commits show what went through).
+    group: String,
+    topics: Vec<String>,
+    stepgate: Option<StepgateSetup>,
+    ready_s: f64,
+}
+
+async fn deploy(bench: &Bench, opts: &CompareOpts, system: &System) -> anyhow::Result<Deployed> {
+    let c = &bench.common;
+    let prefix = format!("{}-{}", bench.run_id, system.slug());
+    let dir = bench.work.join(system.slug());
+    std::fs::create_dir_all(&dir)?;
+    let log = dir.join("process.log");
+    let limit = Duration::from_secs(120);
+    match system {
+        System::Stepgate {
+            category,
+            concurrency,
+        } => {
+            let setup = StepgateSetup::write(
+                &dir,
+                &c.brokers,
+                &prefix,
+                c.partitions,
+                &c.commit_interval.to_string(),
+                &bench.tool.url,
+                category,
+                *concurrency,
+                c.max_batch,
+            )?;
+            setup.create_topics(&bench.stepgate).await?;
+            let mut proc = setup.spawn(&bench.stepgate, &log)?;
+            let ready = proc.wait_http_ready(&setup.ready_url(), limit).await?;
+            Ok(Deployed {
+                proc,
+                input: format!("{prefix}.intents"),
+                output: format!("{prefix}.results"),
+                group: format!("{prefix}-gate"),
+                topics: setup.topics(),
+                stepgate: Some(setup),
+                ready_s: ready.as_secs_f64(),
+            })
+        }
+        System::Passthrough { hops, eos } => {
+            let topics: Vec<String> = (0..=*hops).map(|h| format!("{prefix}.t{h}")).collect();
+            systems::create_topics(&c.brokers, &topics, c.partitions).await?;
+            let mut cmd = Command::new(std::env::current_exe()?);
+            cmd.args(["passthrough", "--brokers", &c.brokers, "--group"])
+                .arg(format!("{prefix}-pt"))
+                .args(["--mode", mode(*eos), "--commit-interval"])
+                .arg(c.commit_interval.to_string())
+                .args(["--partitions", &c.partitions.to_string()])
+                .args(["--max-batch", &c.max_batch.to_string()]);
+            for w in topics.windows(2) {
+                cmd.arg("--hop").arg(format!("{}:{}", w[0], w[1]));
+            }
+            let mut proc = Proc::spawn("passthrough", cmd, &log, true)?;
+            let ready = proc.wait_ready_line(limit).await?;
+            Ok(Deployed {
+                proc,
+                input: topics[0].clone(),
+                output: topics[*hops].clone(),
+                group: format!("{prefix}-pt-0"),
+                topics,
+                stepgate: None,
+                ready_s: ready.as_secs_f64(),
+            })
+        }
+        System::KStreams { eos, jar } => {
+            let (input, output) = (format!("{prefix}.in"), format!("{prefix}.out"));
+            systems::create_topics(&c.brokers, &[input.clone(), output.clone()], c.partitions)
+                .await?;
+            let app = format!("{prefix}-app");
+            let mut cmd = Command::new("java");
+            cmd.args(opts.java_opts.split_whitespace())
+                .arg("-jar")
+                .arg(jar)
+                .args([
+                    "--bootstrap",
+                    &c.brokers,
+                    "--input",
+                    &input,
+                    "--output",
+                    &output,
+                ])
+                .args(["--app-id", &app, "--state-dir"])
+                .arg(dir.join("ks-state"))
+                .args([
+                    "--mode",
+                    mode(*eos),
+                    "--threads",
+                    &opts.ks_threads.to_string(),
+                ])
+                .args(["--commit-ms", &bench.commit_ms().to_string()]);
+            let mut proc = Proc::spawn("kstreams-dedup", cmd, &log, true)?;
+            let ready = proc.wait_ready_line(limit).await?;
+            Ok(Deployed {
+                proc,
+                topics: vec![
+                    input.clone(),
+                    output.clone(),
+                    format!("{app}-steps-changelog"),
+                ],
+                input,
+                output,
+                group: app,
+                stepgate: None,
+                ready_s: ready.as_secs_f64(),
+            })
+        }
+    }
+}
+
+async fn measure(
+    bench: &Bench,
+    opts: &CompareOpts,
+    system: &System,
+    flood: &Arc<Vec<Spec>>,
+    paced: &Arc<Vec<Spec>>,
+) -> anyhow::Result<Row> {
+    let c = &bench.common;
+    bench.tool.take();
+    let mut d = deploy(bench, opts, system).await?;
+    let expect = match system {
+        System::Stepgate {
+            category: "keyed", ..
+        }
+        | System::KStreams { .. } => Expect::StepLog,
+        System::Stepgate { .. } => Expect::FastPath,
+        System::Passthrough { .. } => Expect::Echo,
+    };
+    let kinds = flood.iter().chain(paced.iter()).map(|s| s.kind).collect();
+    let agent = Arc::new(Agent::start(
+        &c.brokers,
+        &d.input,
+        &d.output,
+        c.partitions,
+        expect,
+        kinds,
+    )?);
+    let watch = GroupWatch::new(&c.brokers, &d.group, &d.input, c.partitions)?;
+    let (nf, np) = (flood.len(), paced.len());
+
+    // Flood: throughput.
+    let profile = match (&opts.perf, system) {
+        (
+            Some(path),
+            System::Stepgate {
+                category: "keyed",
+                concurrency,
+            },
+        ) if *concurrency == bench.concurrency() => Some(start_perf(path, d.proc.pid)?),
+        _ => None,
+    };
+    let others = |pid: &Option<String>| {
+        (
+            systems::cpu_secs("self"),
+            pid.as_deref().map_or(f64::NAN, systems::cpu_secs),
+        )
+    };
+    let (bench0, broker0) = others(&bench.broker);
+    let cpu0 = d.proc.cpu_secs();
+    let (a, f) = (agent.clone(), flood.clone());
+    let publish = tokio::task::spawn_blocking(move || a.publish(&f, 0, None));
+    let flood_end = wait_answers(&agent, &watch, 0..nf, &mut d.proc, bench.stall()).await;
+    publish.await??;
+    let cpu_flood = d.proc.cpu_secs() - cpu0;
+    let (bench1, broker1) = others(&bench.broker);
+    if let Some(p) = profile {
+        p.stop().await?;
+    }
+    let gate = match &d.stepgate {
+        Some(s) => s.metrics().await.map(|m| GateFigures::from_metrics(&m)),
+        None => None,
+    };
+    let (through, last) = flood_end?;
+    let (brokers, topics) = (c.brokers.clone(), d.topics.clone());
+    let records = tokio::task::spawn_blocking(move || systems::topic_records(&brokers, &topics))
+        .await?
+        .into_iter()
+        .map(|(t, n)| {
+            let short = t
+                .strip_prefix(&format!("{}-{}", bench.run_id, system.slug()))
+                .unwrap_or(&t);
+            (
+                short.trim_start_matches(['.', '-']).to_owned(),
+                n as f64 / nf as f64,
+            )
+        })
+        .collect();
+    let t0 = agent.first_sent(0..nf).context("nothing was sent")?;
+    let flood_s = last.duration_since(t0).as_secs_f64();
+
+    // Paced: latency.
+    let (a, p) = (agent.clone(), paced.clone());
+    let rate = opts.rate;
+    let publish = tokio::task::spawn_blocking(move || a.publish(&p, nf, Some(rate)));
+    let paced_end = wait_answers(&agent, &watch, nf..nf + np, &mut d.proc, bench.stall()).await;
+    publish.await??;
+    paced_end?;
+    // Late duplicates (at-least-once redeliveries) still arrive briefly.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (rss, rss_peak) = d.proc.rss_mib();
+    let cpu_total = d.proc.cpu_secs();
+    d.proc.stop(Duration::from_secs(60)).await?;
+
+    let verdict = agent.verdict(0..nf + np);
+    let tool = bench.tool.take();
+    let distinct = flood
+        .iter()
+        .chain(paced.iter())
+        .filter(|s| s.kind == workload::Kind::First)
+        .count();
+    let mut row = Row {
+        system: match system {
+            System::Stepgate { .. } => "stepgate".into(),
+            System::Passthrough { hops, .. } => format!(
+                "passthrough, {hops} hop{}",
+                if *hops > 1 { "s" } else { "" }
+            ),
+            System::KStreams { .. } => "Kafka Streams dedup".into(),
+        },
+        mode: match system {
+            System::Stepgate {
+                category,
+                concurrency,
+            } => format!("EOS, {category} tool, executor.concurrency {concurrency}"),
+            System::Passthrough { eos, .. } | System::KStreams { eos, .. } => {
+                if *eos {
+                    "EOS".into()
+                } else {
+                    "ALOS".into()
+                }
+            }
+        },
+        slug: system.slug(),
+        eos: !matches!(
+            system,
+            System::Passthrough { eos: false, .. } | System::KStreams { eos: false, .. }
+        ),
+        flood_intents: nf,
+        intents_per_s: through.map(|t| nf as f64 / t.duration_since(t0).as_secs_f64()),
+        results_per_s: nf as f64 / flood_s,
+        flood_latency: agent.latency(0..nf),
+        paced_intents: np,
+        paced_rate: opts.rate,
+        latency: agent.latency(nf..nf + np),
+        cpu_flood_s: cpu_flood,
+        bench_cpu_flood_s: bench1 - bench0,
+        broker_cpu_flood_s: broker1 - broker0,
+        flood_s,
+        cpu_total_s: cpu_total,
+        rss_mib: rss,
+        rss_peak_mib: rss_peak,
+        ready_s: d.ready_s,
+        tool_invocations: tool.clone(),
+        records_per_intent: records,
+        gate: gate.map(|g| g.with_wall(flood_s)),
+        problems: Vec::new(),
+        verdict,
+    };
+    row.check(expect, distinct, &tool);
+    if !c.keep {
+        systems::delete_topics(&c.brokers, &d.topics).await;
+    }
+    Ok(row)
+}
+
+/// Wait until every intent of `range` is answered. Returns when the group had
+/// committed past all of them (None if never seen) and the last answer's arrival.
+async fn wait_answers(
+    agent: &Agent,
+    watch: &GroupWatch,
+    range: std::ops::Range<usize>,
+    proc: &mut Proc,
+    stall: Duration,
+) -> anyhow::Result<(Option<Instant>, Instant)> {
+    let mut through = None;
+    let mut seen = 0;
+    let mut moved = Instant::now();
+    let mut all_answered: Option<Instant> = None;
+    loop {
+        let (answered, last) = agent.progress(range.clone());
+        if through.is_none()
+            && tokio::task::block_in_place(|| watch.committed())
+                .is_some_and(|n| n >= range.end as i64)
+        {
+            through = Some(Instant::now());
+        }
+        if answered == range.len() {
+            let done = *all_answered.get_or_insert_with(Instant::now);
+            // The group's commit can trail its last answer by a poll or two.
+            if through.is_some() || done.elapsed() > Duration::from_secs(10) {
+                return Ok((through, last.context("answers without arrival times")?));
+            }
+        }
+        if answered != seen {
+            seen = answered;
+            moved = Instant::now();
+        }
+        if moved.elapsed() > stall {
+            bail!(
+                "{}: {answered} of {} intents answered, nothing new for {stall:?}; log {}:\n{}",
+                proc.name,
+                range.len(),
+                proc.log.display(),
+                systems::tail(&proc.log, 20)
+            );
+        }
+        proc.check_alive()?;
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+struct Perf(std::process::Child);
+
+fn start_perf(path: &Path, pid: u32) -> anyhow::Result<Perf> {
+    let child = Command::new("perf")
+        .args(["record", "-F", "499", "-o"])
+        .arg(path)
+        .args(["-p", &pid.to_string()])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .context("starting perf record (is perf installed?)")?;
+    Ok(Perf(child))
+}
+
+impl Perf {
+    async fn stop(mut self) -> anyhow::Result<()> {
+        systems::signal(self.0.id(), "INT");
+        for _ in 0..200 {
+            if self.0.try_wait()?.is_some() {
+                return Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let _ = self.0.kill();
+        Ok(())
+    }
+}

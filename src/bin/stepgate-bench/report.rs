@@ -1,0 +1,501 @@
+//! Figures, their checks, and the side-by-side tables.
+
+use crate::scale::ScaleRow;
+use crate::systems::Metrics;
+use crate::workload::{Expect, Latency, Verdict};
+use crate::{Bench, CompareOpts};
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+/// One system's figures in `compare`.
+#[derive(Debug, Clone, Serialize)]
+pub struct Row {
+    pub system: String,
+    pub mode: String,
+    pub slug: String,
+    pub eos: bool,
+    pub flood_intents: usize,
+    /// Intents committed by the system's first consumer group, per second of the flood.
+    pub intents_per_s: Option<f64>,
+    /// Answers received by the agent, per second of the flood.
+    pub results_per_s: f64,
+    /// Publish → answer during the flood (mostly queueing: every intent is published at once).
+    pub flood_latency: Latency,
+    pub paced_intents: usize,
+    pub paced_rate: f64,
+    /// Publish → answer at `paced_rate`.
+    pub latency: Latency,
+    pub cpu_flood_s: f64,
+    /// CPU seconds of the bench itself (agent, no-op tool) and of the broker during the flood.
+    pub bench_cpu_flood_s: f64,
+    pub broker_cpu_flood_s: f64,
+    /// Wall time of the flood: first intent published → last answer received.
+    pub flood_s: f64,
+    /// Since the process started: startup, flood and paced phase.
+    pub cpu_total_s: f64,
+    pub rss_mib: f64,
+    pub rss_peak_mib: f64,
+    /// Process start → ready (stepgate /readyz, the others' READY line).
+    pub ready_s: f64,
+    /// Tool invocations per Idempotency-Key: times invoked → keys.
+    pub tool_invocations: BTreeMap<u32, usize>,
+    /// Kafka records written per flood intent, by topic (transaction markers included).
+    pub records_per_intent: BTreeMap<String, f64>,
+    pub gate: Option<GateFigures>,
+    pub verdict: Verdict,
+    pub problems: Vec<String>,
+}
+
+impl Row {
+    pub fn cpu_us_per_intent(&self) -> f64 {
+        self.cpu_flood_s * 1e6 / self.flood_intents as f64
+    }
+
+    /// The system's and the broker's CPU per intent.
+    pub fn cpu_with_broker_us_per_intent(&self) -> f64 {
+        (self.cpu_flood_s + self.broker_cpu_flood_s) * 1e6 / self.flood_intents as f64
+    }
+
+    /// What the checks found, in a sentence.
+    pub fn checks_line(&self) -> String {
+        let v = &self.verdict;
+        let mut s = format!(
+            "{} of {} intents answered{}",
+            v.answered,
+            v.intents,
+            if v.answered_twice == 0 {
+                ", each exactly once".to_owned()
+            } else {
+                format!(
+                    ", {} of them more than once ({} extra answers)",
+                    v.answered_twice, v.extra_answers
+                )
+            }
+        );
+        if !self.slug.starts_with("pt") {
+            s.push_str(&format!(
+                "; `deduplicated` wrong in {} answers, status not ok in {}",
+                v.wrong_dedup, v.not_ok
+            ));
+        }
+        if self.slug.starts_with("sg-") {
+            let invoked: usize = self
+                .tool_invocations
+                .iter()
+                .map(|(n, k)| *n as usize * k)
+                .sum();
+            let keys: usize = self.tool_invocations.values().sum();
+            let once = self.tool_invocations.get(&1).copied().unwrap_or(0);
+            s.push_str(&format!(
+                "; tool invoked {invoked} times for {keys} Idempotency-Keys ({once} keys exactly once)"
+            ));
+        }
+        s
+    }
+
+    pub fn summary(&self) -> String {
+        format!(
+            "{} {}: {} in/s, {:.0} answers/s, paced p50 {:.1} ms p99 {:.1} ms, CPU {:.1} s, peak RSS {:.0} MiB, {}",
+            self.system,
+            self.mode,
+            fmt_rate(self.intents_per_s),
+            self.results_per_s,
+            self.latency.p50,
+            self.latency.p99,
+            self.cpu_flood_s,
+            self.rss_peak_mib,
+            self.check_text()
+        )
+    }
+
+    /// Record every way the answers (and, for stepgate, the tool calls) differ
+    /// from what the system promises.
+    pub fn check(&mut self, expect: Expect, distinct: usize, tool: &BTreeMap<u32, usize>) {
+        let v = &self.verdict;
+        let mut p = Vec::new();
+        if v.missing > 0 {
+            p.push(format!("{} intents never answered", v.missing));
+        }
+        if self.eos && v.answered_twice > 0 {
+            p.push(format!(
+                "{} intents answered more than once ({} extra answers)",
+                v.answered_twice, v.extra_answers
+            ));
+        }
+        if v.wrong_dedup > 0 {
+            p.push(format!(
+                "{} answers with the wrong `deduplicated`",
+                v.wrong_dedup
+            ));
+        }
+        if v.not_ok > 0 {
+            p.push(format!("{} answers not `ok`", v.not_ok));
+        }
+        if v.unknown > 0 {
+            p.push(format!("{} answers match no intent", v.unknown));
+        }
+        if let Some(s) = &v.sample_wrong
+            && (v.wrong_dedup > 0 || v.not_ok > 0)
+        {
+            p.push(format!("e.g. {s}"));
+        }
+        if self.slug.starts_with("sg-") {
+            let invoked: usize = tool.iter().map(|(n, k)| *n as usize * k).sum();
+            let keys: usize = tool.values().sum();
+            match expect {
+                Expect::StepLog if keys != distinct || invoked != distinct => p.push(format!(
+                    "tool invoked {invoked} times for {keys} keys; want exactly once for each of {distinct} steps (times → keys: {tool:?})"
+                )),
+                Expect::FastPath if invoked != v.intents => p.push(format!(
+                    "read_only tool invoked {invoked} times; want once per intent ({})",
+                    v.intents
+                )),
+                _ => {}
+            }
+        }
+        self.problems = p;
+    }
+
+    pub fn check_text(&self) -> String {
+        if !self.problems.is_empty() {
+            "FAIL".into()
+        } else if self.verdict.answered_twice > 0 {
+            format!("ok ({} dup)", self.verdict.extra_answers)
+        } else if self.slug.starts_with("sg-keyed") {
+            "ok, tool once/key".into()
+        } else if self.slug.starts_with("sg-") {
+            "ok, tool once/intent".into()
+        } else {
+            "ok".into()
+        }
+    }
+}
+
+/// stepgate's own account of the flood, from /metrics.
+#[derive(Debug, Clone, Serialize)]
+pub struct GateFigures {
+    pub batches: f64,
+    pub commit_s: f64,
+    pub invocations: f64,
+    pub tool_s: f64,
+    pub intents_received: f64,
+    pub repeats: f64,
+    pub rephrased: f64,
+    pub answer_latency_mean_ms: f64,
+    /// Share of the flood's wall time the gate spent committing batches.
+    pub commit_share: f64,
+}
+
+impl GateFigures {
+    pub fn from_metrics(m: &Metrics) -> GateFigures {
+        let answers = m.sum("stepgate_answer_latency_seconds_count");
+        GateFigures {
+            batches: m.sum("stepgate_commit_latency_seconds_count"),
+            commit_s: m.sum("stepgate_commit_latency_seconds_sum"),
+            invocations: m.sum("stepgate_invocations_total"),
+            tool_s: m.sum("stepgate_tool_latency_seconds_sum"),
+            intents_received: m.sum("stepgate_intents_received_total"),
+            repeats: m.sum("stepgate_repeats_total"),
+            rephrased: m.sum("stepgate_rephrased_retries_total"),
+            answer_latency_mean_ms: m.sum("stepgate_answer_latency_seconds_sum") * 1000.0
+                / answers.max(1.0),
+            commit_share: 0.0,
+        }
+    }
+
+    pub fn with_wall(mut self, wall_s: f64) -> GateFigures {
+        self.commit_share = self.commit_s / wall_s;
+        self
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct WorkloadInfo {
+    pub intents: usize,
+    pub workflows: usize,
+    pub repeat_share: f64,
+    pub repeat_lag: usize,
+    pub paced_rate: f64,
+    pub paced: String,
+}
+
+impl WorkloadInfo {
+    pub fn new(b: &Bench, c: &CompareOpts) -> WorkloadInfo {
+        WorkloadInfo {
+            intents: c.intents,
+            workflows: b.common.workflows,
+            repeat_share: b.common.repeat_share,
+            repeat_lag: b.common.repeat_lag,
+            paced_rate: c.rate,
+            paced: c.paced.to_string(),
+        }
+    }
+}
+
+#[derive(Debug, Serialize)]
+pub struct Report {
+    pub run_id: String,
+    pub at: String,
+    pub cores: usize,
+    pub brokers: String,
+    pub partitions: i32,
+    pub commit_interval: String,
+    pub max_batch: usize,
+    pub workload: Option<WorkloadInfo>,
+    pub rows: Vec<Row>,
+    pub scale: Vec<ScaleRow>,
+}
+
+fn fmt_rate(r: Option<f64>) -> String {
+    r.map_or("n/a".into(), |r| format!("{r:.0}"))
+}
+
+fn ratio(a: f64, b: f64) -> String {
+    if a.is_finite() && b.is_finite() && b > 0.0 {
+        format!("{:.2}×", a / b)
+    } else {
+        "n/a".into()
+    }
+}
+
+impl Report {
+    pub fn new(b: &Bench) -> Report {
+        Report {
+            run_id: b.run_id.clone(),
+            at: chrono::Utc::now().format("%Y-%m-%d %H:%M UTC").to_string(),
+            cores: std::thread::available_parallelism().map_or(0, |n| n.get()),
+            brokers: b.common.brokers.clone(),
+            partitions: b.common.partitions,
+            commit_interval: b.common.commit_interval.to_string(),
+            max_batch: b.common.max_batch,
+            workload: None,
+            rows: Vec::new(),
+            scale: Vec::new(),
+        }
+    }
+
+    pub fn failures(&self) -> Vec<String> {
+        let rows = self.rows.iter().flat_map(|r| {
+            r.problems
+                .iter()
+                .map(move |p| format!("{} {}: {p}", r.system, r.mode))
+        });
+        let scale = self.scale.iter().flat_map(|s| {
+            s.problems
+                .iter()
+                .map(move |p| format!("scale {}: {p}", s.steps))
+        });
+        rows.chain(scale).collect()
+    }
+
+    pub fn render(&self) -> String {
+        let mut o = String::new();
+        let _ = writeln!(
+            o,
+            "\n# stepgate-bench {} ({}, {} cores shared with the broker at {}; {} partitions; commit interval {}, max batch {})\n",
+            self.run_id,
+            self.at,
+            self.cores,
+            self.brokers,
+            self.partitions,
+            self.commit_interval,
+            self.max_batch
+        );
+        if let Some(w) = &self.workload {
+            self.render_compare(&mut o, w);
+        }
+        if !self.scale.is_empty() {
+            self.render_scale(&mut o);
+        }
+        o
+    }
+
+    fn render_compare(&self, o: &mut String, w: &WorkloadInfo) {
+        let _ = writeln!(
+            o,
+            "Workload: {} intents over {} workflows, {:.0}% repeats of earlier steps (half rephrased: same step key, other arguments), one no-op HTTP tool. \
+             Throughput: all intents published at once; **in/s** = intents committed by the system's consuming group per second, **answers/s** = answers received by the agent per second. \
+             Latency: a paced phase at {:.0} intents/s for {}, publish → answer received. CPU: seconds used during the flood by the system's process, the broker and the bench (agent + no-op tool), out of {} × the flood's wall time.\n",
+            w.intents,
+            w.workflows,
+            w.repeat_share * 100.0,
+            w.paced_rate,
+            w.paced,
+            self.cores
+        );
+        let _ = writeln!(
+            o,
+            "| system | mode | in/s | answers/s | p50 ms | p90 ms | p99 ms | max ms | CPU µs/intent | CPU s: system / broker / bench, flood s | peak RSS MiB | ready s | checks |"
+        );
+        let _ = writeln!(
+            o,
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"
+        );
+        for r in &self.rows {
+            let _ = writeln!(
+                o,
+                "| {} | {} | {} | {:.0} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} | {:.1} / {:.1} / {:.1}, {:.1} | {:.0} | {:.1} | {} |",
+                r.system,
+                r.mode,
+                fmt_rate(r.intents_per_s),
+                r.results_per_s,
+                r.latency.p50,
+                r.latency.p90,
+                r.latency.p99,
+                r.latency.max,
+                r.cpu_us_per_intent(),
+                r.cpu_flood_s,
+                r.broker_cpu_flood_s,
+                r.bench_cpu_flood_s,
+                r.flood_s,
+                r.rss_peak_mib,
+                r.ready_s,
+                r.check_text()
+            );
+        }
+        // The base: the last stepgate run with a keyed tool (the last --executor-concurrency).
+        if let Some(sg) = self
+            .rows
+            .iter()
+            .rev()
+            .find(|r| r.slug.starts_with("sg-keyed"))
+        {
+            let _ = writeln!(
+                o,
+                "\nstepgate ({}) ÷ each other system (throughput: >1 means stepgate is faster; latency, CPU and RSS: <1 means stepgate uses less):\n",
+                sg.mode
+            );
+            let _ = writeln!(
+                o,
+                "| stepgate ÷ | in/s | answers/s | p50 | p99 | CPU/intent | CPU/intent incl. broker | peak RSS |"
+            );
+            let _ = writeln!(o, "|---|---:|---:|---:|---:|---:|---:|---:|");
+            for r in self.rows.iter().filter(|r| r.slug != sg.slug) {
+                let _ = writeln!(
+                    o,
+                    "| {} {} | {} | {} | {} | {} | {} | {} | {} |",
+                    r.system,
+                    r.mode,
+                    ratio(
+                        sg.intents_per_s.unwrap_or(f64::NAN),
+                        r.intents_per_s.unwrap_or(f64::NAN)
+                    ),
+                    ratio(sg.results_per_s, r.results_per_s),
+                    ratio(sg.latency.p50, r.latency.p50),
+                    ratio(sg.latency.p99, r.latency.p99),
+                    ratio(sg.cpu_us_per_intent(), r.cpu_us_per_intent()),
+                    ratio(
+                        sg.cpu_with_broker_us_per_intent(),
+                        r.cpu_with_broker_us_per_intent()
+                    ),
+                    ratio(sg.rss_peak_mib, r.rss_peak_mib),
+                );
+            }
+            let _ = writeln!(
+                o,
+                "\nstepgate has no at-least-once mode: every gate batch commits in a Kafka transaction (src/config.rs has no processing-guarantee setting), so the ALOS rows are compared with stepgate's EOS figures."
+            );
+            if let Some(g) = &sg.gate {
+                let _ = writeln!(
+                    o,
+                    "\nstepgate's /metrics for the flood: {} intents received, {} repeats ({} rephrased), {} tool invocations (mean {:.2} ms), {} gate batches, mean commit (synced RocksDB write + Kafka transaction) {:.1} ms = {:.0}% of the flood's wall time; mean answer latency {:.0} ms.",
+                    g.intents_received,
+                    g.repeats,
+                    g.rephrased,
+                    g.invocations,
+                    g.tool_s * 1000.0 / g.invocations.max(1.0),
+                    g.batches,
+                    g.commit_s * 1000.0 / g.batches.max(1.0),
+                    g.commit_share * 100.0,
+                    g.answer_latency_mean_ms
+                );
+            }
+        }
+        let _ = writeln!(o, "\nChecks (flood and paced phase):\n");
+        for r in &self.rows {
+            let _ = writeln!(
+                o,
+                "- {} {}: {}: **{}**",
+                r.system,
+                r.mode,
+                r.checks_line(),
+                r.check_text()
+            );
+        }
+        let _ = writeln!(
+            o,
+            "\nKafka records written per flood intent (transaction markers included), which is much of what the broker's CPU goes to:\n"
+        );
+        for r in &self.rows {
+            let total: f64 = r.records_per_intent.values().sum();
+            let parts: Vec<String> = r
+                .records_per_intent
+                .iter()
+                .map(|(t, n)| format!("{t} {n:.2}"))
+                .collect();
+            let _ = writeln!(
+                o,
+                "- {} {}: **{total:.2}** ({})",
+                r.system,
+                r.mode,
+                parts.join(", ")
+            );
+        }
+        let failed: Vec<&Row> = self
+            .rows
+            .iter()
+            .filter(|r| !r.problems.is_empty())
+            .collect();
+        for r in failed {
+            let _ = writeln!(
+                o,
+                "\n**{} {} FAILED:** {}",
+                r.system,
+                r.mode,
+                r.problems.join("; ")
+            );
+        }
+        let _ = writeln!(o);
+    }
+
+    fn render_scale(&self, o: &mut String) {
+        let _ = writeln!(
+            o,
+            "Scale of state: completed step records written into the changelog, stepgate started on an empty state directory (restores them before it is ready), then a flood of intents, half of them repeats of random loaded steps (answered from RocksDB), half new steps.\n"
+        );
+        let _ = writeln!(
+            o,
+            "| steps in state | changelog records | load s | start → ready s | restore records/s | RSS after restore MiB | intents | in/s | answers/s | CPU µs/intent | RSS MiB | peak RSS MiB | state on disk MiB | checks |"
+        );
+        let _ = writeln!(
+            o,
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"
+        );
+        for s in &self.scale {
+            let _ = writeln!(
+                o,
+                "| {} | {} | {:.0} | {:.1} | {:.0} | {:.0} | {} | {} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {} |",
+                s.steps,
+                s.changelog_records,
+                s.load_s,
+                s.ready_s,
+                s.restore_records_per_s,
+                s.rss_after_restore_mib,
+                s.intents,
+                fmt_rate(s.intents_per_s),
+                s.results_per_s,
+                s.cpu_us_per_intent,
+                s.rss_mib,
+                s.rss_peak_mib,
+                s.state_disk_mib,
+                if s.problems.is_empty() {
+                    "ok".to_owned()
+                } else {
+                    format!("FAIL: {}", s.problems.join("; "))
+                }
+            );
+        }
+        let _ = writeln!(o);
+    }
+}

@@ -1,0 +1,486 @@
+//! The systems under test as child processes (so their CPU time and peak RSS come
+//! from /proc), their topics, and what can be read from outside them.
+
+use anyhow::{Context as _, bail};
+use rdkafka::ClientConfig;
+use rdkafka::TopicPartitionList;
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use std::collections::BTreeMap;
+use std::io::BufRead;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+/// A system under test, running.
+pub struct Proc {
+    pub name: String,
+    child: Child,
+    pub pid: u32,
+    ready: Option<mpsc::Receiver<()>>,
+    pub log: PathBuf,
+    pub spawned: Instant,
+}
+
+impl Proc {
+    /// Start `cmd`, its stderr to `log`. With `ready_line`, its stdout is watched
+    /// for a line `READY`.
+    pub fn spawn(
+        name: &str,
+        mut cmd: Command,
+        log: &Path,
+        ready_line: bool,
+    ) -> anyhow::Result<Proc> {
+        let err = std::fs::File::create(log)?;
+        cmd.stderr(err).stdin(Stdio::null()).stdout(if ready_line {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        });
+        let mut child = cmd
+            .spawn()
+            .with_context(|| format!("starting {name}: {cmd:?}"))?;
+        let ready = match child.stdout.take() {
+            Some(out) => {
+                let (tx, rx) = mpsc::channel();
+                std::thread::spawn(move || {
+                    for line in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+                        if line.trim() == "READY" {
+                            let _ = tx.send(());
+                        }
+                    }
+                });
+                Some(rx)
+            }
+            None => None,
+        };
+        Ok(Proc {
+            name: name.to_owned(),
+            pid: child.id(),
+            child,
+            ready,
+            log: log.to_owned(),
+            spawned: Instant::now(),
+        })
+    }
+
+    /// An error with the log's tail if the process has exited.
+    pub fn check_alive(&mut self) -> anyhow::Result<()> {
+        if let Some(status) = self.child.try_wait()? {
+            bail!(
+                "{} exited early ({status}); its log {}:\n{}",
+                self.name,
+                self.log.display(),
+                tail(&self.log, 30)
+            );
+        }
+        Ok(())
+    }
+
+    /// Wait for the `READY` line.
+    pub async fn wait_ready_line(&mut self, limit: Duration) -> anyhow::Result<Duration> {
+        let start = Instant::now();
+        loop {
+            if let Some(rx) = &self.ready
+                && rx.try_recv().is_ok()
+            {
+                return Ok(self.spawned.elapsed());
+            }
+            self.check_alive()?;
+            if start.elapsed() > limit {
+                bail!(
+                    "{} not ready after {limit:?}; log {}",
+                    self.name,
+                    self.log.display()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Wait until `GET url` answers 2xx.
+    pub async fn wait_http_ready(
+        &mut self,
+        url: &str,
+        limit: Duration,
+    ) -> anyhow::Result<Duration> {
+        let start = Instant::now();
+        let http = reqwest::Client::new();
+        loop {
+            if let Ok(r) = http.get(url).timeout(Duration::from_secs(2)).send().await
+                && r.status().is_success()
+            {
+                return Ok(self.spawned.elapsed());
+            }
+            self.check_alive()?;
+            if start.elapsed() > limit {
+                bail!(
+                    "{} not ready after {limit:?}; log {}",
+                    self.name,
+                    self.log.display()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// User + system CPU seconds of the process (all its threads) so far.
+    pub fn cpu_secs(&self) -> f64 {
+        cpu_secs(&self.pid.to_string())
+    }
+
+    /// (current RSS, peak RSS) in MiB, from /proc/<pid>/status.
+    pub fn rss_mib(&self) -> (f64, f64) {
+        let status =
+            std::fs::read_to_string(format!("/proc/{}/status", self.pid)).unwrap_or_default();
+        let kb = |field: &str| {
+            status
+                .lines()
+                .find(|l| l.starts_with(field))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse::<f64>().ok())
+                .map_or(f64::NAN, |kb| kb / 1024.0)
+        };
+        (kb("VmRSS:"), kb("VmHWM:"))
+    }
+
+    /// SIGTERM, then wait; SIGKILL after `limit`.
+    pub async fn stop(mut self, limit: Duration) -> anyhow::Result<()> {
+        signal(self.pid, "TERM");
+        let start = Instant::now();
+        loop {
+            if let Some(status) = self.child.try_wait()? {
+                // 143: a JVM ends on SIGTERM with 128 + 15.
+                if !status.success() && status.code() != Some(143) {
+                    eprintln!("note: {} exited with {status} after SIGTERM", self.name);
+                }
+                return Ok(());
+            }
+            if start.elapsed() > limit {
+                eprintln!(
+                    "note: {} still running {limit:?} after SIGTERM: killed",
+                    self.name
+                );
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                return Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// User + system CPU seconds of `/proc/<pid>` (all its threads); NaN if gone.
+pub fn cpu_secs(pid: &str) -> f64 {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return f64::NAN;
+    };
+    // Fields after the command name, which is in parentheses and may hold spaces.
+    let after = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<&str> = after.split_whitespace().collect();
+    let ticks = |i: usize| {
+        f.get(i)
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(f64::NAN)
+    };
+    // utime and stime are fields 14 and 15 of stat(5); `after` starts at field 3.
+    (ticks(11) + ticks(12)) / clock_ticks()
+}
+
+/// The local broker deploy/local/kafka.sh runs for the port of `brokers`, if any
+/// (its CPU time is reported next to the systems').
+pub fn broker_pid(brokers: &str) -> Option<String> {
+    let port = brokers.split(',').next()?.rsplit(':').next()?;
+    let needle = format!("kafka-run-{port}/");
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        let pid = e.file_name().into_string().ok()?;
+        pid.parse::<u32>().ok()?;
+        let cmd = std::fs::read(e.path().join("cmdline")).ok()?;
+        let cmd = String::from_utf8_lossy(&cmd);
+        (cmd.contains("kafka.Kafka") && cmd.contains(&needle)).then_some(pid)
+    })
+}
+
+pub fn signal(pid: u32, sig: &str) {
+    let _ = Command::new("kill")
+        .args([&format!("-{sig}"), &pid.to_string()])
+        .status();
+}
+
+fn clock_ticks() -> f64 {
+    static TICKS: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
+    *TICKS.get_or_init(|| {
+        Command::new("getconf")
+            .arg("CLK_TCK")
+            .output()
+            .ok()
+            .and_then(|o| String::from_utf8_lossy(&o.stdout).trim().parse().ok())
+            .unwrap_or(100.0)
+    })
+}
+
+pub fn tail(path: &Path, lines: usize) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+pub async fn create_topics(brokers: &str, names: &[String], partitions: i32) -> anyhow::Result<()> {
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .create()?;
+    let topics: Vec<NewTopic> = names
+        .iter()
+        .map(|n| NewTopic::new(n, partitions, TopicReplication::Fixed(1)))
+        .collect();
+    let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
+    for r in admin.create_topics(topics.iter(), &opts).await? {
+        if let Err((name, code)) = r {
+            bail!("creating topic {name}: {code}");
+        }
+    }
+    Ok(())
+}
+
+/// Delete what a run created (errors only noted: a leftover topic is harmless).
+pub async fn delete_topics(brokers: &str, names: &[String]) {
+    let Ok(admin) = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .create::<AdminClient<DefaultClientContext>>()
+    else {
+        return;
+    };
+    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+    let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
+    if let Err(e) = admin.delete_topics(&refs, &opts).await {
+        eprintln!("note: deleting topics {refs:?}: {e}");
+    }
+}
+
+/// Records in each of `topics` (the sum of its partitions' end offsets; topics
+/// are fresh), transaction markers included.
+pub fn topic_records(brokers: &str, topics: &[String]) -> BTreeMap<String, i64> {
+    let Ok(c) = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .create::<BaseConsumer>()
+    else {
+        return BTreeMap::new();
+    };
+    let Ok(md) = c.fetch_metadata(None, Duration::from_secs(10)) else {
+        return BTreeMap::new();
+    };
+    let mut out = BTreeMap::new();
+    for t in md
+        .topics()
+        .iter()
+        .filter(|t| topics.iter().any(|n| n == t.name()))
+    {
+        let n = t
+            .partitions()
+            .iter()
+            .filter_map(|p| {
+                c.fetch_watermarks(t.name(), p.id(), Duration::from_secs(10))
+                    .ok()
+            })
+            .map(|(_, high)| high)
+            .sum();
+        out.insert(t.name().to_owned(), n);
+    }
+    drop(md);
+    out
+}
+
+/// How far a consumer group has committed on a topic: the sum over partitions of
+/// its committed offsets, i.e. records consumed and committed (topics are fresh).
+pub struct GroupWatch {
+    consumer: BaseConsumer,
+    topic: String,
+    partitions: i32,
+}
+
+impl GroupWatch {
+    pub fn new(brokers: &str, group: &str, topic: &str, partitions: i32) -> anyhow::Result<Self> {
+        // Not a member: offset fetches only. read_uncommitted, so fetches are not
+        // held back by the group's open transactions.
+        let consumer = ClientConfig::new()
+            .set("bootstrap.servers", brokers)
+            .set("group.id", group)
+            .set("enable.auto.commit", "false")
+            .create()?;
+        Ok(GroupWatch {
+            consumer,
+            topic: topic.to_owned(),
+            partitions,
+        })
+    }
+
+    pub fn committed(&self) -> Option<i64> {
+        let mut tpl = TopicPartitionList::new();
+        for p in 0..self.partitions {
+            tpl.add_partition(&self.topic, p);
+        }
+        let got = self
+            .consumer
+            .committed_offsets(tpl, Duration::from_secs(5))
+            .ok()?;
+        let sum = got
+            .elements()
+            .iter()
+            .map(|e| e.offset().to_raw().filter(|o| *o > 0).unwrap_or(0))
+            .sum();
+        drop(got);
+        Some(sum)
+    }
+}
+
+/// The config of a stepgate deployment of the bench.
+pub struct StepgateSetup {
+    pub prefix: String,
+    pub config: PathBuf,
+    pub http: String,
+    pub state: PathBuf,
+}
+
+impl StepgateSetup {
+    #[allow(clippy::too_many_arguments)]
+    pub fn write(
+        dir: &Path,
+        brokers: &str,
+        prefix: &str,
+        partitions: i32,
+        commit_interval: &str,
+        tool_url: &str,
+        category: &str,
+        concurrency: usize,
+        max_batch: usize,
+    ) -> anyhow::Result<StepgateSetup> {
+        std::fs::create_dir_all(dir)?;
+        let http = format!("127.0.0.1:{}", free_port()?);
+        let state = dir.join("state");
+        let text = format!(
+            r#"[kafka]
+brokers = "{brokers}"
+instance_id = "{prefix}-0"
+gate_group = "{prefix}-gate"
+executor_group = "{prefix}-exec"
+partitions = {partitions}
+[kafka.topics]
+intents = "{prefix}.intents"
+results = "{prefix}.results"
+dlq = "{prefix}.dlq"
+calls = "{prefix}.calls"
+progress = "{prefix}.progress"
+changelog = "{prefix}.changelog"
+commands = "{prefix}.commands"
+approvals = "{prefix}.approvals"
+[state]
+path = "{state}"
+[gate]
+commit_interval = "{commit_interval}"
+max_batch = {max_batch}
+[executor]
+concurrency = {concurrency}
+[http]
+listen = "{http}"
+[log]
+level = "warn"
+[tools.noop]
+category = "{category}"
+url = "{tool_url}"
+"#,
+            state = state.display(),
+        );
+        let config = dir.join("stepgate.toml");
+        std::fs::write(&config, text)?;
+        Ok(StepgateSetup {
+            prefix: prefix.to_owned(),
+            config,
+            http,
+            state,
+        })
+    }
+
+    pub fn topics(&self) -> Vec<String> {
+        [
+            "intents",
+            "results",
+            "dlq",
+            "calls",
+            "progress",
+            "changelog",
+        ]
+        .iter()
+        .map(|t| format!("{}.{t}", self.prefix))
+        .collect()
+    }
+
+    pub async fn create_topics(&self, bin: &Path) -> anyhow::Result<()> {
+        let out = tokio::process::Command::new(bin)
+            .args(["topics", "create", "--config"])
+            .arg(&self.config)
+            .output()
+            .await
+            .with_context(|| format!("running {} topics create", bin.display()))?;
+        if !out.status.success() {
+            bail!(
+                "stepgate topics create failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        Ok(())
+    }
+
+    pub fn spawn(&self, bin: &Path, log: &Path) -> anyhow::Result<Proc> {
+        let mut cmd = Command::new(bin);
+        cmd.args(["run", "--config"]).arg(&self.config);
+        Proc::spawn("stepgate", cmd, log, false)
+    }
+
+    pub fn ready_url(&self) -> String {
+        format!("http://{}/readyz", self.http)
+    }
+
+    pub async fn metrics(&self) -> Option<Metrics> {
+        let text = reqwest::get(format!("http://{}/metrics", self.http))
+            .await
+            .ok()?
+            .text()
+            .await
+            .ok()?;
+        Some(Metrics(text))
+    }
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+/// A scrape of stepgate's /metrics.
+pub struct Metrics(pub String);
+
+impl Metrics {
+    /// The sum of every sample of `name` (all label sets).
+    pub fn sum(&self, name: &str) -> f64 {
+        self.0
+            .lines()
+            .filter(|l| {
+                l.strip_prefix(name)
+                    .is_some_and(|r| r.starts_with(' ') || r.starts_with('{'))
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+}
