@@ -102,7 +102,8 @@ pub async fn start(
     let mut tasks = Vec::new();
     if run_gate {
         let path = config.state.path.clone();
-        let store = tokio::task::spawn_blocking(move || StateStore::open(&path))
+        let cache = config.state.block_cache_mib.max(1) << 20;
+        let store = tokio::task::spawn_blocking(move || StateStore::open_with_cache(&path, cache))
             .await?
             .map_err(|source| AppError::State {
                 path: config.state.path.display().to_string(),

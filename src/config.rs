@@ -186,6 +186,9 @@ pub struct StateConfig {
     pub retention: Dur,
     /// How often expired records are purged.
     pub purge_interval: Dur,
+    /// RocksDB block cache (with index and filter blocks), in MiB: the state's
+    /// memory bound, whatever the number of records.
+    pub block_cache_mib: usize,
 }
 
 impl Default for StateConfig {
@@ -194,6 +197,7 @@ impl Default for StateConfig {
             path: PathBuf::from("./stepgate-state"),
             retention: dur("7d"),
             purge_interval: dur("1m"),
+            block_cache_mib: crate::state::DEFAULT_BLOCK_CACHE_BYTES >> 20,
         }
     }
 }

@@ -120,6 +120,9 @@ struct Undo {
     entries: Vec<Prior>,
 }
 
+/// The block cache when none is configured (`state.block_cache_mib`).
+pub const DEFAULT_BLOCK_CACHE_BYTES: usize = 64 << 20;
+
 /// The RocksDB-backed state of one gate process.
 pub struct StateStore {
     db: DB,
@@ -127,13 +130,28 @@ pub struct StateStore {
 
 impl StateStore {
     pub fn open(path: &Path) -> Result<StateStore, StateError> {
+        StateStore::open_with_cache(path, DEFAULT_BLOCK_CACHE_BYTES)
+    }
+
+    /// Open with a block cache of `cache_bytes`, shared by every column family.
+    pub fn open_with_cache(path: &Path, cache_bytes: usize) -> Result<StateStore, StateError> {
         let mut opts = Options::default();
         opts.create_if_missing(true);
         opts.create_missing_column_families(true);
         opts.set_compression_type(rocksdb::DBCompressionType::Lz4);
-        // Bounded memory whatever the number of records: RocksDB's defaults use a
-        // small shared block cache; keep write buffers modest.
+        // Bounded memory whatever the number of records: one block cache that
+        // also holds the index and filter blocks (otherwise they grow with the
+        // data, outside any bound), and modest write buffers.
         opts.set_write_buffer_size(32 * 1024 * 1024);
+        let cache = rocksdb::Cache::new_lru_cache(cache_bytes);
+        let mut table = rocksdb::BlockBasedOptions::default();
+        table.set_block_cache(&cache);
+        table.set_cache_index_and_filter_blocks(true);
+        table.set_pin_l0_filter_and_index_blocks_in_cache(true);
+        // Most lookups are of keys that do not exist yet (every new step): a
+        // bloom filter answers those without reading data blocks.
+        table.set_bloom_filter(10.0, false);
+        opts.set_block_based_table_factory(&table);
         let cfs = Cf::ALL
             .iter()
             .map(|c| c.name())
