@@ -636,6 +636,8 @@ async fn measure(
         verdict,
     };
     row.check(expect, distinct, &tool);
+    // Stop reading answers before their topic goes.
+    drop(agent);
     if !c.keep {
         systems::delete_topics(&c.brokers, &d.topics).await;
     }

@@ -178,6 +178,8 @@ async fn one(bench: &Bench, opts: &ScaleOpts, n: usize) -> anyhow::Result<ScaleR
     };
     let new_steps = specs.iter().filter(|s| s.kind == Kind::First).count();
     check.check(Expect::StepLog, new_steps, &bench.tool.take());
+    let flood_latency = agent.latency(0..specs.len());
+    drop(agent);
     if !c.keep {
         systems::delete_topics(&c.brokers, &setup.topics()).await;
         let _ = std::fs::remove_dir_all(&dir);
@@ -195,7 +197,7 @@ async fn one(bench: &Bench, opts: &ScaleOpts, n: usize) -> anyhow::Result<ScaleR
         intents_per_s: through.map(|t| specs.len() as f64 / t.duration_since(t0).as_secs_f64()),
         results_per_s: specs.len() as f64 / flood_s,
         cpu_us_per_intent: cpu * 1e6 / specs.len() as f64,
-        flood_latency: agent.latency(0..specs.len()),
+        flood_latency,
         rss_mib,
         rss_peak_mib,
         state_disk_mib,

@@ -346,7 +346,6 @@ impl GroupWatch {
 
 /// The config of a stepgate deployment of the bench.
 pub struct StepgateSetup {
-    pub prefix: String,
     pub config: PathBuf,
     pub http: String,
     pub state: PathBuf,
@@ -404,25 +403,21 @@ url = "{tool_url}"
         let config = dir.join("stepgate.toml");
         std::fs::write(&config, text)?;
         Ok(StepgateSetup {
-            prefix: prefix.to_owned(),
             config,
             http,
             state,
         })
     }
 
+    /// Every topic of the deployment, as stepgate itself names them.
     pub fn topics(&self) -> Vec<String> {
-        [
-            "intents",
-            "results",
-            "dlq",
-            "calls",
-            "progress",
-            "changelog",
-        ]
-        .iter()
-        .map(|t| format!("{}.{t}", self.prefix))
-        .collect()
+        match stepgate::config::Config::load(Some(&self.config), Vec::new()) {
+            Ok(c) => c.kafka.topics.all().iter().map(|t| t.to_string()).collect(),
+            Err(e) => {
+                eprintln!("note: reading {}: {e}", self.config.display());
+                Vec::new()
+            }
+        }
     }
 
     pub async fn create_topics(&self, bin: &Path) -> anyhow::Result<()> {
