@@ -4,8 +4,8 @@
 # `stepgate-bench all` (stepgate vs. an rdkafka passthrough and Kafka Streams on
 # one workload, then stepgate with 1 M and 10 M step records in its state).
 #
-#   benches/bench.sh                 # full size (~20 min on 2 cores)
-#   benches/bench.sh quick           # small sizes (~5 min), to check the setup
+#   benches/bench.sh                 # full size (~12-17 min on 2 cores, release build warm)
+#   benches/bench.sh quick           # small sizes (~3 min), to check the setup
 #   benches/bench.sh [quick] --intents 50000 ...   # any stepgate-bench option
 #
 # Env: KAFKA_BROKERS (default: the local broker deploy/local/kafka.sh starts),
