@@ -186,8 +186,7 @@ pub struct StateConfig {
     pub retention: Dur,
     /// How often expired records are purged.
     pub purge_interval: Dur,
-    /// RocksDB block cache (with index and filter blocks), in MiB: the state's
-    /// memory bound, whatever the number of records.
+    /// RocksDB data-block cache, in MiB, shared by every column family.
     pub block_cache_mib: usize,
 }
 

@@ -139,15 +139,15 @@ impl StateStore {
         opts.create_if_missing(true);
         opts.create_missing_column_families(true);
         opts.set_compression_type(rocksdb::DBCompressionType::Lz4);
-        // Bounded memory whatever the number of records: one block cache that
-        // also holds the index and filter blocks (otherwise they grow with the
-        // data, outside any bound), and modest write buffers.
+        // Memory: one data-block cache shared by every column family, and one
+        // budget for all memtables. Index and filter blocks stay outside the
+        // cache (a few bytes per record): inside a small cache they were evicted
+        // by data blocks and re-read on every lookup — 3× slower at 10 M steps.
         opts.set_write_buffer_size(32 * 1024 * 1024);
+        opts.set_db_write_buffer_size(128 * 1024 * 1024);
         let cache = rocksdb::Cache::new_lru_cache(cache_bytes);
         let mut table = rocksdb::BlockBasedOptions::default();
         table.set_block_cache(&cache);
-        table.set_cache_index_and_filter_blocks(true);
-        table.set_pin_l0_filter_and_index_blocks_in_cache(true);
         // Most lookups are of keys that do not exist yet (every new step): a
         // bloom filter answers those without reading data blocks.
         table.set_bloom_filter(10.0, false);
