@@ -168,20 +168,13 @@ pub async fn decide(
                 workflow_id: step.workflow_id.clone(),
                 step: step.clone(),
             })?;
-    let (wanted, wanted_name) = match action {
-        Action::ResolveExecuted { .. } | Action::ResolveNotExecuted => {
-            (crate::state::Phase::InDoubt, "in_doubt")
-        }
-        Action::Approve | Action::Deny => {
-            (crate::state::Phase::AwaitingApproval, "awaiting_approval")
-        }
-    };
+    let wanted = crate::state::Phase::acted_on_by(&action);
     if record.phase != wanted {
         return Err(OperatorError::WrongPhase {
             step,
             phase: record.phase.as_str(),
             action: action.as_str(),
-            wanted: wanted_name,
+            wanted: wanted.as_str(),
         });
     }
     let partition = found.partition;

@@ -386,20 +386,31 @@ impl GateCore {
             reason: command.reason.clone(),
             from: record.phase,
         };
+        let wanted = Phase::acted_on_by(&command.action);
+        if record.phase != wanted {
+            let problem = format!(
+                "`{action}` applies to a step that is {}; step {} is {}",
+                wanted.as_str(),
+                command.step,
+                record.phase.as_str()
+            );
+            self.bad_command(input, &command, &problem, now_ms);
+            return Ok(());
+        }
         let decided = |kind| ApprovalEvent {
             step: command.step.clone(),
             event: kind,
             at: command.at.clone(),
         };
-        match (&command.action, record.phase) {
-            (Action::ResolveExecuted { output }, Phase::InDoubt) => {
+        match &command.action {
+            Action::ResolveExecuted { output } => {
                 record.operator_log.push(entry);
                 let outcome = Outcome::Ok {
                     output: output.clone(),
                 };
                 self.settle(store, batch, p, record, outcome, Phase::Completed, now_ms)?;
             }
-            (Action::ResolveNotExecuted, Phase::InDoubt) => {
+            Action::ResolveNotExecuted => {
                 record.operator_log.push(entry);
                 let outcome = Outcome::Error {
                     error: ErrorBody {
@@ -409,7 +420,7 @@ impl GateCore {
                 };
                 self.settle(store, batch, p, record, outcome, Phase::NotExecuted, now_ms)?;
             }
-            (Action::Approve, Phase::AwaitingApproval) => {
+            Action::Approve => {
                 record.operator_log.push(entry);
                 record.phase = Phase::Intended;
                 self.outs.push(Out::Approval {
@@ -424,7 +435,7 @@ impl GateCore {
                 self.forward(p, &record);
                 batch.put_step(store, p, &record)?;
             }
-            (Action::Deny, Phase::AwaitingApproval) => {
+            Action::Deny => {
                 record.operator_log.push(entry);
                 self.outs.push(Out::Approval {
                     partition: p,
@@ -440,19 +451,6 @@ impl GateCore {
                     },
                 };
                 self.settle(store, batch, p, record, outcome, Phase::Completed, now_ms)?;
-            }
-            (_, phase) => {
-                let wanted = match command.action {
-                    Action::ResolveExecuted { .. } | Action::ResolveNotExecuted => "in_doubt",
-                    Action::Approve | Action::Deny => "awaiting_approval",
-                };
-                let problem = format!(
-                    "`{action}` applies to a step that is {wanted}; step {} is {}",
-                    command.step,
-                    phase.as_str()
-                );
-                self.bad_command(input, &command, &problem, now_ms);
-                return Ok(());
             }
         }
         self.metrics

@@ -1,7 +1,7 @@
 //! What the gate remembers about a step.
 
 use crate::config::Category;
-use crate::contract::{Outcome, StepKey, ToolResult};
+use crate::contract::{Action, Outcome, StepKey, ToolResult};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
@@ -41,6 +41,14 @@ impl Phase {
         match outcome {
             Outcome::InDoubt { .. } => Phase::InDoubt,
             _ => Phase::Completed,
+        }
+    }
+
+    /// The only phase an operator's action applies to.
+    pub fn acted_on_by(action: &Action) -> Phase {
+        match action {
+            Action::ResolveExecuted { .. } | Action::ResolveNotExecuted => Phase::InDoubt,
+            Action::Approve | Action::Deny => Phase::AwaitingApproval,
         }
     }
 
