@@ -131,6 +131,7 @@ impl Session<'_> {
         let commit_interval = self.config.gate.commit_interval.0;
         let purge_interval = self.config.state.purge_interval.0;
         let mut last_purge = Instant::now();
+        let mut last_size = Instant::now();
         let grace = self.config.gate.in_doubt_grace.0;
         let mut healthy_since = Instant::now();
         let stuck_after = k.session_timeout.0 * 3;
@@ -166,7 +167,10 @@ impl Session<'_> {
                         last_purge = Instant::now();
                         let parts: Vec<i32> = self.owned.keys().copied().collect();
                         core.purge(self.store, &mut pending.batch, parts, now, 10_000)?;
-                        self.metrics.state_size(self.store.estimated_steps(), self.store.disk_bytes());
+                    }
+                    if last_size.elapsed() >= STATE_SIZE_EVERY {
+                        last_size = Instant::now();
+                        self.metrics.state_size(&self.store.size());
                     }
                     // Work from deadlines and purges alone is committed at once;
                     // with inputs it joins their batch.
@@ -336,6 +340,7 @@ impl Session<'_> {
             if n > 0 {
                 self.metrics.restored(p, n, started.elapsed());
             }
+            self.metrics.state_size(&self.store.size());
         }
         let seq = committed_seq;
         core.load_partition(self.store, p)?;
@@ -504,6 +509,9 @@ async fn batch_closes(started: Option<Instant>, interval: Duration) {
         None => std::future::pending().await,
     }
 }
+
+/// How often the state-size gauges are refreshed (a few RocksDB property reads).
+const STATE_SIZE_EVERY: Duration = Duration::from_secs(5);
 
 /// How long a restore may take before the session gives up and retries.
 const RESTORE_LIMIT: Duration = Duration::from_secs(600);

@@ -353,27 +353,48 @@ impl StateStore {
         Ok(out)
     }
 
-    /// Estimated number of step records (for metrics).
-    pub fn estimated_steps(&self) -> u64 {
-        self.db
-            .property_int_value_cf(self.cf(Cf::Steps), "rocksdb.estimate-num-keys")
-            .ok()
-            .flatten()
-            .unwrap_or(0)
+    /// What the state holds, on disk and in memory (for metrics).
+    pub fn size(&self) -> StateSize {
+        let sum = |prop: &str| -> u64 {
+            Cf::ALL
+                .iter()
+                .filter_map(|c| self.db.property_int_value_cf(self.cf(*c), prop).ok().flatten())
+                .sum()
+        };
+        // The block cache is shared: any column family reports all of it.
+        let cache = |prop: &str| {
+            self.db
+                .property_int_value_cf(self.cf(Cf::Steps), prop)
+                .ok()
+                .flatten()
+                .unwrap_or(0)
+        };
+        StateSize {
+            steps: cache("rocksdb.estimate-num-keys"),
+            disk_bytes: sum("rocksdb.live-sst-files-size"),
+            memtable_bytes: sum("rocksdb.cur-size-all-mem-tables"),
+            table_reader_bytes: sum("rocksdb.estimate-table-readers-mem"),
+            block_cache_bytes: cache("rocksdb.block-cache-usage"),
+            block_cache_pinned_bytes: cache("rocksdb.block-cache-pinned-usage"),
+        }
     }
+}
 
-    /// Live on-disk size of all SST files, in bytes (for metrics).
-    pub fn disk_bytes(&self) -> u64 {
-        Cf::ALL
-            .iter()
-            .filter_map(|c| {
-                self.db
-                    .property_int_value_cf(self.cf(*c), "rocksdb.live-sst-files-size")
-                    .ok()
-                    .flatten()
-            })
-            .sum()
-    }
+/// The size of the state, from RocksDB's own estimates.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct StateSize {
+    /// Step records (estimate).
+    pub steps: u64,
+    /// Live SST files.
+    pub disk_bytes: u64,
+    /// Memtables not yet flushed, every column family.
+    pub memtable_bytes: u64,
+    /// Index and filter blocks held outside the block cache by open SST files.
+    pub table_reader_bytes: u64,
+    /// The shared block cache's contents, pinned entries included.
+    pub block_cache_bytes: u64,
+    /// Block cache entries in use and so not evictable.
+    pub block_cache_pinned_bytes: u64,
 }
 
 /// One state change as written to the changelog topic: the key is the column

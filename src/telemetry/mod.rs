@@ -39,6 +39,7 @@ pub struct Metrics {
     commit_latency: Histogram,
     state_records: IntGauge,
     state_disk_bytes: IntGauge,
+    state_memory: prometheus::IntGaugeVec,
 }
 
 fn counter(r: &Registry, name: &str, help: &str) -> IntCounter {
@@ -105,6 +106,16 @@ impl Metrics {
         )
         .expect("metric names are valid");
         r.register(Box::new(consumer_lag.clone()))
+            .expect("registered once");
+        let state_memory = prometheus::IntGaugeVec::new(
+            Opts::new(
+                "stepgate_state_memory_bytes",
+                "Memory held by the local state, by RocksDB's estimates: memtables, table_readers (index and filter blocks outside the cache), block_cache, block_cache_pinned.",
+            ),
+            &["part"],
+        )
+        .expect("metric names are valid");
+        r.register(Box::new(state_memory.clone()))
             .expect("registered once");
         let commit_latency = Histogram::with_opts(
             HistogramOpts::new(
@@ -224,6 +235,7 @@ impl Metrics {
                 "stepgate_state_disk_bytes",
                 "Live on-disk size of the local state.",
             ),
+            state_memory,
             tool_latency,
             answer_latency,
             consumer_lag,
@@ -387,9 +399,18 @@ impl Metrics {
         self.commit_latency.observe(took.as_secs_f64());
     }
 
-    pub fn state_size(&self, records: u64, disk_bytes: u64) {
-        self.state_records.set(records as i64);
-        self.state_disk_bytes.set(disk_bytes as i64);
+    pub fn state_size(&self, size: &crate::state::StateSize) {
+        let g = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        self.state_records.set(g(size.steps));
+        self.state_disk_bytes.set(g(size.disk_bytes));
+        for (part, v) in [
+            ("memtables", size.memtable_bytes),
+            ("table_readers", size.table_reader_bytes),
+            ("block_cache", size.block_cache_bytes),
+            ("block_cache_pinned", size.block_cache_pinned_bytes),
+        ] {
+            self.state_memory.with_label_values(&[part]).set(g(v));
+        }
     }
 }
 

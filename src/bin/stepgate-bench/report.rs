@@ -466,16 +466,16 @@ impl Report {
         );
         let _ = writeln!(
             o,
-            "| steps in state | changelog records | load s | start → ready s | restore records/s | RSS after restore MiB | intents | in/s | answers/s | CPU µs/intent | RSS MiB | peak RSS MiB | state on disk MiB | checks |"
+            "| steps in state | changelog records | load s | start → ready s | restore records/s | RSS after restore MiB | intents | in/s | answers/s | CPU µs/intent | RSS MiB | peak RSS MiB | RocksDB MiB (memtables + index/filter + cache) | state on disk MiB | checks |"
         );
         let _ = writeln!(
             o,
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"
         );
         for s in &self.scale {
             let _ = writeln!(
                 o,
-                "| {} | {} | {:.0} | {:.1} | {:.0} | {:.0} | {} | {} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {} |",
+                "| {} | {} | {:.0} | {:.1} | {:.0} | {:.0} | {} | {} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} + {:.0} + {:.0} | {:.0} | {} |",
                 s.steps,
                 s.changelog_records,
                 s.load_s,
@@ -488,6 +488,9 @@ impl Report {
                 s.cpu_us_per_intent,
                 s.rss_mib,
                 s.rss_peak_mib,
+                s.state_memory.memtables_mib,
+                s.state_memory.table_readers_mib,
+                s.state_memory.block_cache_mib,
                 s.state_disk_mib,
                 if s.problems.is_empty() {
                     "ok".to_owned()

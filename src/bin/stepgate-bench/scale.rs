@@ -17,6 +17,32 @@ use stepgate::config::Category;
 use stepgate::contract::{Outcome, StepKey, ToolResult};
 use stepgate::state::{Batch, Phase, StateStore, StepRecord};
 
+/// `stepgate_state_memory_bytes`, in MiB.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct StateMemory {
+    pub memtables_mib: f64,
+    pub table_readers_mib: f64,
+    pub block_cache_mib: f64,
+}
+
+impl StateMemory {
+    fn read(m: Option<&systems::Metrics>) -> StateMemory {
+        let part = |p: &str| {
+            m.and_then(|m| m.value(&format!("stepgate_state_memory_bytes{{part=\"{p}\"}}")))
+                .map_or(f64::NAN, |b| b / (1024.0 * 1024.0))
+        };
+        StateMemory {
+            memtables_mib: part("memtables"),
+            table_readers_mib: part("table_readers"),
+            block_cache_mib: part("block_cache"),
+        }
+    }
+
+    pub fn total_mib(&self) -> f64 {
+        self.memtables_mib + self.table_readers_mib + self.block_cache_mib
+    }
+}
+
 #[derive(Debug, Clone, Serialize)]
 pub struct ScaleRow {
     pub steps: usize,
@@ -30,6 +56,8 @@ pub struct ScaleRow {
     pub restore_records_per_s: f64,
     pub rss_after_restore_mib: f64,
     pub peak_rss_after_restore_mib: f64,
+    /// RocksDB's share of the RSS after the restore, by its own estimates.
+    pub state_memory_after_restore: StateMemory,
     pub intents: usize,
     pub intents_per_s: Option<f64>,
     pub results_per_s: f64,
@@ -37,6 +65,7 @@ pub struct ScaleRow {
     pub flood_latency: workload::Latency,
     pub rss_mib: f64,
     pub rss_peak_mib: f64,
+    pub state_memory: StateMemory,
     pub state_disk_mib: f64,
     pub problems: Vec<String>,
 }
@@ -47,12 +76,14 @@ pub async fn run(bench: &Bench, opts: &ScaleOpts) -> anyhow::Result<Vec<ScaleRow
         eprintln!("== scale: {n} step records");
         let row = one(bench, opts, n).await?;
         eprintln!(
-            "   load {:.0} s, ready after {:.1} s ({:.0} records/s), RSS {:.0} MiB after restore, {:.0} MiB after the flood (peak {:.0}), {} in/s",
+            "   load {:.0} s, ready after {:.1} s ({:.0} records/s), RSS {:.0} MiB after restore (RocksDB {:.0}), {:.0} MiB after the flood (RocksDB {:.0}; peak {:.0}), {} in/s",
             row.load_s,
             row.ready_s,
             row.restore_records_per_s,
             row.rss_after_restore_mib,
+            row.state_memory_after_restore.total_mib(),
             row.rss_mib,
+            row.state_memory.total_mib(),
             row.rss_peak_mib,
             row.intents_per_s
                 .map_or("n/a".into(), |r| format!("{r:.0}"))
@@ -98,10 +129,11 @@ async fn one(bench: &Bench, opts: &ScaleOpts, n: usize) -> anyhow::Result<ScaleR
         .wait_http_ready(&setup.ready_url(), Duration::from_secs(3600))
         .await?
         .as_secs_f64();
-    let restored_records = setup
-        .metrics()
-        .await
+    let metrics = setup.metrics().await;
+    let restored_records = metrics
+        .as_ref()
         .map_or(f64::NAN, |m| m.sum("stepgate_state_restored_records_total"));
+    let state_memory_after_restore = StateMemory::read(metrics.as_ref());
     let (rss_after_restore_mib, peak_rss_after_restore_mib) = proc.rss_mib();
 
     // Half repeats of loaded steps, half new steps.
@@ -145,6 +177,9 @@ async fn one(bench: &Bench, opts: &ScaleOpts, n: usize) -> anyhow::Result<ScaleR
     let cpu = proc.cpu_secs() - cpu0;
     let (through, last) = end?;
     let (rss_mib, rss_peak_mib) = proc.rss_mib();
+    // The state-size gauges refresh every 5 s.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let state_memory = StateMemory::read(setup.metrics().await.as_ref());
     let state_disk_mib = dir_bytes(&setup.state) as f64 / (1024.0 * 1024.0);
     proc.stop(Duration::from_secs(60)).await?;
 
@@ -193,6 +228,7 @@ async fn one(bench: &Bench, opts: &ScaleOpts, n: usize) -> anyhow::Result<ScaleR
         restore_records_per_s: restored_records / ready_s,
         rss_after_restore_mib,
         peak_rss_after_restore_mib,
+        state_memory_after_restore,
         intents: specs.len(),
         intents_per_s: through.map(|t| specs.len() as f64 / t.duration_since(t0).as_secs_f64()),
         results_per_s: specs.len() as f64 / flood_s,
@@ -200,6 +236,7 @@ async fn one(bench: &Bench, opts: &ScaleOpts, n: usize) -> anyhow::Result<ScaleR
         flood_latency,
         rss_mib,
         rss_peak_mib,
+        state_memory,
         state_disk_mib,
         problems: check.problems,
     })

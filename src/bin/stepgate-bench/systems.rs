@@ -478,4 +478,11 @@ impl Metrics {
             .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
             .sum()
     }
+
+    /// One series' value, named as exposed: `name{label="value"}`.
+    pub fn value(&self, series: &str) -> Option<f64> {
+        self.0
+            .lines()
+            .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+    }
 }
