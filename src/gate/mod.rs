@@ -530,6 +530,7 @@ pub fn restore_partition(
         .set("enable.partition.eof", "true")
         .set("isolation.level", "read_committed")
         .set("auto.offset.reset", "earliest");
+    kafka::bound_prefetch(&mut c);
     let consumer: BaseConsumer = c.create()?;
     let mut tpl = TopicPartitionList::new();
     tpl.add_partition_offset(&cfg.topics.changelog, p, Offset::Beginning)?;
