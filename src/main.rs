@@ -13,6 +13,10 @@ use stepgate::config::Config;
 use stepgate::contract::{Action, StepKey};
 use tokio_util::sync::CancellationToken;
 
+#[cfg(feature = "jemalloc")]
+#[global_allocator]
+static ALLOC: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
