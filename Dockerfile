@@ -12,8 +12,8 @@ RUN cargo build --release --locked --bin stepgate
 FROM debian:bookworm-slim
 RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates libssl3 && rm -rf /var/lib/apt/lists/*
 COPY --from=build /src/target/release/stepgate /usr/local/bin/stepgate
-# MALLOC_ARENA_MAX=2 halves RSS, at some cost in throughput with large states
-# (README "Performance"): set it in the deployment where memory matters more.
+# The binary allocates with jemalloc (feature `jemalloc`), which returns freed
+# memory to the system; MALLOC_CONF tunes it (README "Performance").
 USER 65532:65532
 WORKDIR /var/lib/stepgate
 ENTRYPOINT ["/usr/local/bin/stepgate"]
