@@ -374,7 +374,12 @@ impl StateStore {
         let sum = |prop: &str| -> u64 {
             Cf::ALL
                 .iter()
-                .filter_map(|c| self.db.property_int_value_cf(self.cf(*c), prop).ok().flatten())
+                .filter_map(|c| {
+                    self.db
+                        .property_int_value_cf(self.cf(*c), prop)
+                        .ok()
+                        .flatten()
+                })
                 .sum()
         };
         // The block cache is shared: any column family reports all of it.
