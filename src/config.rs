@@ -186,7 +186,8 @@ pub struct StateConfig {
     pub retention: Dur,
     /// How often expired records are purged.
     pub purge_interval: Dur,
-    /// RocksDB data-block cache, in MiB, shared by every column family.
+    /// RocksDB block cache, in MiB, shared by every column family: data, index
+    /// and filter blocks (so memory does not grow with the records).
     pub block_cache_mib: usize,
 }
 

@@ -206,3 +206,36 @@ fn a_partition_restored_from_its_changelog_equals_the_original() {
     assert_eq!(b.deadlines(3).unwrap(), a.deadlines(3).unwrap());
     assert_eq!(b.reconcile(3, Some(3)).unwrap(), Reconciled::InSync);
 }
+
+#[test]
+fn size_counts_index_and_filter_blocks_in_the_bounded_cache() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = StateStore::open_with_cache(dir.path(), 4 << 20).unwrap();
+    let n = 20_000;
+    let mut b = Batch::default();
+    for i in 0..n {
+        b.put_step(&s, 0, &record(i, Phase::Completed, 1000))
+            .unwrap();
+    }
+    s.commit(b, &seqs(0, 1)).unwrap();
+    let written = s.size();
+    assert!(written.steps >= n / 2, "{written:?}");
+    assert!(written.memtable_bytes > 0, "{written:?}");
+
+    for cf in Cf::ALL {
+        s.db.flush_cf(s.cf(cf)).unwrap();
+    }
+    for i in (0..n).step_by(7) {
+        assert!(s.step(0, &step(i)).unwrap().is_some());
+        assert!(s.step(1, &step(i)).unwrap().is_none());
+    }
+    let flushed = s.size();
+    assert!(flushed.disk_bytes > 0, "{flushed:?}");
+    // Index and filter blocks (~100 KiB for 20 k records) are charged to
+    // the cache, not held beside it by the open files.
+    assert!(flushed.block_cache_bytes > 0, "{flushed:?}");
+    assert!(
+        flushed.table_reader_bytes < 32 << 10,
+        "index/filter memory outside the cache: {flushed:?}"
+    );
+}
