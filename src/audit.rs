@@ -9,7 +9,7 @@
 use crate::config::KafkaConfig;
 use crate::contract::{StepKey, ToolResult};
 use crate::kafka;
-use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::consumer::Consumer;
 use rdkafka::error::KafkaError;
 use rdkafka::{Message, Offset, TopicPartitionList};
 use serde::Serialize;
@@ -127,12 +127,12 @@ pub fn replay_topic(
     mut progress: impl FnMut(usize),
 ) -> Result<Vec<Replayed>, AuditError> {
     let n = kafka::partition_counts(cfg, &[topic])?[0] as i32;
-    let consumer: BaseConsumer = kafka::base_config(cfg)
+    let consumer: kafka::ReadToEndConsumer = kafka::base_config(cfg)
         .set("group.id", format!("stepgate-audit-{}", std::process::id()))
         .set("enable.auto.commit", "false")
         .set("enable.partition.eof", "true")
         .set("isolation.level", "read_committed")
-        .create()?;
+        .create_with_context(kafka::ReadToEnd)?;
     let mut tpl = TopicPartitionList::new();
     let mut ends = BTreeMap::new();
     for p in 0..n {

@@ -12,7 +12,7 @@ use crate::config::KafkaConfig;
 use crate::contract::{Action, ApprovalEvent, ApprovalKind, Command, StepKey};
 use crate::kafka::{self, KafkaSetupError, OutRecord};
 use crate::state::{StepRecord, changelog_step};
-use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::consumer::Consumer;
 use rdkafka::error::KafkaError;
 use rdkafka::message::Message;
 use rdkafka::producer::FutureProducer;
@@ -60,7 +60,7 @@ fn read_to_end(
     partitions: &[i32],
     mut f: impl FnMut(i32, Option<&[u8]>, Option<&[u8]>),
 ) -> Result<(), OperatorError> {
-    let consumer: BaseConsumer = kafka::base_config(cfg)
+    let consumer: kafka::ReadToEndConsumer = kafka::base_config(cfg)
         .set(
             "group.id",
             format!("stepgate-operator-{}", std::process::id()),
@@ -69,7 +69,7 @@ fn read_to_end(
         .set("enable.partition.eof", "true")
         .set("isolation.level", "read_committed")
         .set("auto.offset.reset", "earliest")
-        .create()?;
+        .create_with_context(kafka::ReadToEnd)?;
     let mut tpl = TopicPartitionList::new();
     for p in partitions {
         tpl.add_partition_offset(topic, *p, Offset::Beginning)?;

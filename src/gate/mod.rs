@@ -523,7 +523,6 @@ pub fn restore_partition(
     store: &StateStore,
     p: i32,
 ) -> Result<usize, GateError> {
-    use rdkafka::consumer::BaseConsumer;
     let mut c = kafka::base_config(cfg);
     c.set("group.id", format!("{}-restore", cfg.gate_group))
         .set("enable.auto.commit", "false")
@@ -531,7 +530,7 @@ pub fn restore_partition(
         .set("isolation.level", "read_committed")
         .set("auto.offset.reset", "earliest");
     kafka::bound_prefetch(&mut c);
-    let consumer: BaseConsumer = c.create()?;
+    let consumer: kafka::ReadToEndConsumer = c.create_with_context(kafka::ReadToEnd)?;
     let mut tpl = TopicPartitionList::new();
     tpl.add_partition_offset(&cfg.topics.changelog, p, Offset::Beginning)?;
     consumer.assign(&tpl)?;

@@ -102,6 +102,29 @@ pub fn txn_producer_config(cfg: &KafkaConfig, transactional_id: &str) -> ClientC
     with_overrides(c, cfg)
 }
 
+/// The context of consumers that read partitions to their end (restore, audit,
+/// operator reads): reaching the end is how they know they are done, so
+/// librdkafka's partition-EOF events are not logged as errors.
+pub struct ReadToEnd;
+
+/// A consumer that reads partitions to their end.
+pub type ReadToEndConsumer = BaseConsumer<ReadToEnd>;
+
+impl ClientContext for ReadToEnd {
+    fn error(&self, error: KafkaError, reason: &str) {
+        let eof = rdkafka::types::RDKafkaErrorCode::PartitionEOF;
+        match &error {
+            KafkaError::PartitionEOF(_) => tracing::debug!(%reason, "end of partition"),
+            KafkaError::Global(code) if *code == eof => {
+                tracing::debug!(%reason, "end of partition")
+            }
+            _ => tracing::error!(error = %error, %reason, "librdkafka"),
+        }
+    }
+}
+
+impl ConsumerContext for ReadToEnd {}
+
 /// Rebalance events, signalled to the loop that owns the consumer (callbacks
 /// never do work themselves and never panic).
 #[derive(Debug)]
