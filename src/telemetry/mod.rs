@@ -258,7 +258,7 @@ impl Metrics {
     }
 
     pub fn step_forwarded(&self, step: &crate::contract::StepKey, category: &str) {
-        info!(step = %step, category, "new step recorded and forwarded");
+        tracing::debug!(step = %step, category, "new step recorded and forwarded");
         self.steps_forwarded
             .with_label_values(&[&step.tool, category])
             .inc();
@@ -271,7 +271,7 @@ impl Metrics {
 
     pub fn repeat(&self, step: &crate::contract::StepKey, in_flight: bool, rephrased: bool) {
         let state = if in_flight { "in_flight" } else { "completed" };
-        info!(step = %step, state, rephrased, "repeat of a known step: not forwarded");
+        tracing::debug!(step = %step, state, rephrased, "repeat of a known step: not forwarded");
         self.repeats_answered
             .with_label_values(&[&step.tool, state])
             .inc();
@@ -310,7 +310,7 @@ impl Metrics {
     }
 
     pub fn invoked(&self, step: &crate::contract::StepKey, outcome: &str, took: Duration) {
-        info!(step = %step, outcome, took_ms = took.as_millis() as u64, "tool invoked");
+        tracing::debug!(step = %step, outcome, took_ms = took.as_millis() as u64, "tool invoked");
         self.invocations
             .with_label_values(&[&step.tool, outcome])
             .inc();
