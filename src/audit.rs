@@ -14,7 +14,7 @@ use rdkafka::error::KafkaError;
 use rdkafka::{Message, Offset, TopicPartitionList};
 use serde::Serialize;
 use serde_json::{Map, Value};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 use thiserror::Error;
 
@@ -127,17 +127,15 @@ pub fn replay_topic(
     mut progress: impl FnMut(usize),
 ) -> Result<Vec<Replayed>, AuditError> {
     let n = kafka::partition_counts(cfg, &[topic])?[0] as i32;
-    let consumer: kafka::ReadToEndConsumer = kafka::base_config(cfg)
-        .set("group.id", format!("stepgate-audit-{}", std::process::id()))
-        .set("enable.auto.commit", "false")
-        .set("enable.partition.eof", "true")
-        .set("isolation.level", "read_committed")
-        .create_with_context(kafka::ReadToEnd)?;
+    let consumer =
+        kafka::read_to_end_consumer(cfg, &format!("stepgate-audit-{}", std::process::id()))?;
     let mut tpl = TopicPartitionList::new();
-    let mut ends = BTreeMap::new();
+    let mut open = BTreeSet::new();
     for p in 0..n {
         let (_, high) = consumer.fetch_watermarks(topic, p, Duration::from_secs(30))?;
-        ends.insert(p, high);
+        if high > 0 {
+            open.insert(p);
+        }
         let start = since_ms.map_or(Offset::Beginning, Offset::Offset);
         tpl.add_partition_offset(topic, p, start)?;
     }
@@ -147,30 +145,19 @@ pub fn replay_topic(
     consumer.assign(&tpl)?;
     drop(tpl);
     let mut out = Vec::new();
-    // End of a partition: the broker's partition-EOF (transaction markers take
-    // offsets a read_committed reader never sees, so counting to the high
-    // watermark would never finish).
-    let mut done: BTreeMap<i32, bool> = ends.iter().map(|(p, h)| (*p, *h == 0)).collect();
-    while done.values().any(|d| !d) {
-        match consumer.poll(Duration::from_millis(500)) {
-            Some(Ok(m)) => {
-                out.push(Replayed {
-                    partition: m.partition(),
-                    offset: m.offset(),
-                    timestamp_ms: m.timestamp().to_millis().unwrap_or(0),
-                    value: m.payload().unwrap_or_default().to_vec(),
-                });
-                if out.len() % 10_000 == 0 {
-                    progress(out.len());
-                }
-            }
-            Some(Err(KafkaError::PartitionEOF(p))) => {
-                done.insert(p, true);
-            }
-            Some(Err(e)) => tracing::warn!(error = %e, "audit read error (retrying)"),
-            None => {}
+    let read = kafka::read_to_end(&consumer, open, None, |m| {
+        out.push(Replayed {
+            partition: m.partition(),
+            offset: m.offset(),
+            timestamp_ms: m.timestamp().to_millis().unwrap_or(0),
+            value: m.payload().unwrap_or_default().to_vec(),
+        });
+        if out.len() % 10_000 == 0 {
+            progress(out.len());
         }
-    }
+        Ok::<_, std::convert::Infallible>(())
+    });
+    let Ok(_) = read;
     drop(consumer);
     progress(out.len());
     Ok(out)

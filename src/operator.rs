@@ -60,41 +60,27 @@ fn read_to_end(
     partitions: &[i32],
     mut f: impl FnMut(i32, Option<&[u8]>, Option<&[u8]>),
 ) -> Result<(), OperatorError> {
-    let consumer: kafka::ReadToEndConsumer = kafka::base_config(cfg)
-        .set(
-            "group.id",
-            format!("stepgate-operator-{}", std::process::id()),
-        )
-        .set("enable.auto.commit", "false")
-        .set("enable.partition.eof", "true")
-        .set("isolation.level", "read_committed")
-        .set("auto.offset.reset", "earliest")
-        .create_with_context(kafka::ReadToEnd)?;
+    let consumer =
+        kafka::read_to_end_consumer(cfg, &format!("stepgate-operator-{}", std::process::id()))?;
     let mut tpl = TopicPartitionList::new();
     for p in partitions {
         tpl.add_partition_offset(topic, *p, Offset::Beginning)?;
     }
     consumer.assign(&tpl)?;
     drop(tpl);
-    let mut open: std::collections::BTreeSet<i32> = partitions.iter().copied().collect();
+    let open = partitions.iter().copied().collect();
     let deadline = Instant::now() + READ_LIMIT;
-    while !open.is_empty() {
-        match consumer.poll(Duration::from_millis(500)) {
-            Some(Ok(m)) => f(m.partition(), m.key(), m.payload()),
-            Some(Err(KafkaError::PartitionEOF(p))) => {
-                open.remove(&p);
-            }
-            Some(Err(e)) => tracing::warn!(topic, error = %e, "read error (retrying)"),
-            None => {}
-        }
-        if Instant::now() > deadline {
-            return Err(OperatorError::ReadTimeout {
-                topic: topic.to_owned(),
-                limit: READ_LIMIT,
-            });
-        }
+    let done = kafka::read_to_end(&consumer, open, Some(deadline), |m| {
+        f(m.partition(), m.key(), m.payload());
+        Ok::<_, std::convert::Infallible>(())
+    })
+    .unwrap_or_else(|never| match never {});
+    if !done {
+        return Err(OperatorError::ReadTimeout {
+            topic: topic.to_owned(),
+            limit: READ_LIMIT,
+        });
     }
-    drop(consumer);
     Ok(())
 }
 

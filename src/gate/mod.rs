@@ -523,14 +523,7 @@ pub fn restore_partition(
     store: &StateStore,
     p: i32,
 ) -> Result<usize, GateError> {
-    let mut c = kafka::base_config(cfg);
-    c.set("group.id", format!("{}-restore", cfg.gate_group))
-        .set("enable.auto.commit", "false")
-        .set("enable.partition.eof", "true")
-        .set("isolation.level", "read_committed")
-        .set("auto.offset.reset", "earliest");
-    kafka::bound_prefetch(&mut c);
-    let consumer: kafka::ReadToEndConsumer = c.create_with_context(kafka::ReadToEnd)?;
+    let consumer = kafka::read_to_end_consumer(cfg, &format!("{}-restore", cfg.gate_group))?;
     let mut tpl = TopicPartitionList::new();
     tpl.add_partition_offset(&cfg.topics.changelog, p, Offset::Beginning)?;
     consumer.assign(&tpl)?;
@@ -539,29 +532,21 @@ pub fn restore_partition(
     let deadline = Instant::now() + RESTORE_LIMIT;
     let mut buf = Vec::with_capacity(10_000);
     let mut n = 0;
-    loop {
-        match consumer.poll(Duration::from_millis(500)) {
-            Some(Ok(m)) => {
-                if let Some(k) = m.key() {
-                    buf.push((k.to_vec(), m.payload().map(<[u8]>::to_vec)));
-                }
-                if buf.len() >= 10_000 {
-                    n += store.apply_changelog(&buf)?;
-                    buf.clear();
-                }
-            }
-            Some(Err(KafkaError::PartitionEOF(_))) => break,
-            Some(Err(e)) => {
-                warn!(partition = p, error = %e, "changelog read error during restore (retrying)")
-            }
-            None => {}
+    let done = kafka::read_to_end(&consumer, BTreeSet::from([p]), Some(deadline), |m| {
+        if let Some(k) = m.key() {
+            buf.push((k.to_vec(), m.payload().map(<[u8]>::to_vec)));
         }
-        if Instant::now() > deadline {
-            return Err(GateError::RestoreTimeout {
-                partition: p,
-                limit: RESTORE_LIMIT,
-            });
+        if buf.len() >= 10_000 {
+            n += store.apply_changelog(&buf)?;
+            buf.clear();
         }
+        Ok::<_, StateError>(())
+    })?;
+    if !done {
+        return Err(GateError::RestoreTimeout {
+            partition: p,
+            limit: RESTORE_LIMIT,
+        });
     }
     n += store.apply_changelog(&buf)?;
     drop(consumer);

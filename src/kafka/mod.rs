@@ -7,10 +7,12 @@ use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::{ClientContext, DefaultClientContext};
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, Rebalance, StreamConsumer};
 use rdkafka::error::KafkaError;
+use rdkafka::message::BorrowedMessage;
 use rdkafka::producer::{FutureProducer, Producer};
 use rdkafka::util::Timeout;
+use std::collections::BTreeSet;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use thiserror::Error;
 use tokio::sync::mpsc;
 
@@ -124,6 +126,50 @@ impl ClientContext for ReadToEnd {
 }
 
 impl ConsumerContext for ReadToEnd {}
+
+/// A consumer for reading partitions to their end, only what was committed:
+/// the caller assigns it and hands it to [`read_to_end`]. Blocking.
+pub fn read_to_end_consumer(
+    cfg: &KafkaConfig,
+    group: &str,
+) -> Result<ReadToEndConsumer, KafkaError> {
+    let mut c = base_config(cfg);
+    c.set("group.id", group)
+        .set("enable.auto.commit", "false")
+        .set("enable.partition.eof", "true")
+        .set("isolation.level", "read_committed")
+        .set("auto.offset.reset", "earliest");
+    bound_prefetch(&mut c);
+    c.create_with_context(ReadToEnd)
+}
+
+/// Poll an assigned [`read_to_end_consumer`] until each of `open` has reached
+/// its end, handing every record to `f`. The end is the broker's partition-EOF:
+/// transaction markers take offsets a read_committed reader never sees, so
+/// counting to the high watermark would never finish. Read errors are retried
+/// (librdkafka reconnects by itself). Returns `Ok(false)` when `deadline`
+/// passed first, and the first error `f` returns. Blocking.
+pub fn read_to_end<E>(
+    consumer: &ReadToEndConsumer,
+    mut open: BTreeSet<i32>,
+    deadline: Option<Instant>,
+    mut f: impl FnMut(&BorrowedMessage<'_>) -> Result<(), E>,
+) -> Result<bool, E> {
+    while !open.is_empty() {
+        match consumer.poll(Duration::from_millis(500)) {
+            Some(Ok(m)) => f(&m)?,
+            Some(Err(KafkaError::PartitionEOF(p))) => {
+                open.remove(&p);
+            }
+            Some(Err(e)) => tracing::warn!(error = %e, "read error (retrying)"),
+            None => {}
+        }
+        if deadline.is_some_and(|d| Instant::now() > d) {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
 
 /// Rebalance events, signalled to the loop that owns the consumer (callbacks
 /// never do work themselves and never panic).
