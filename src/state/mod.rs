@@ -75,6 +75,13 @@ impl Cf {
         }
     }
 
+    /// Indexes derived from the step records: not on the changelog, rebuilt
+    /// from the restored records instead (a step's every change would
+    /// otherwise write two or three index records beside it).
+    fn derived(self) -> bool {
+        matches!(self, Cf::Deadlines | Cf::Expiry)
+    }
+
     fn from_tag(tag: u8) -> Option<Cf> {
         Cf::ALL.into_iter().find(|c| c.tag() == tag)
     }
@@ -453,7 +460,9 @@ impl StateStore {
             let Some((tag, state_key)) = key.split_first() else {
                 continue;
             };
-            let Some(cf) = Cf::from_tag(*tag) else {
+            // Index records written by earlier versions are skipped: the
+            // indexes are rebuilt from the steps by `finish_restore`.
+            let Some(cf) = Cf::from_tag(*tag).filter(|c| !c.derived()) else {
                 continue;
             };
             if state_key.len() < 4 {
@@ -469,9 +478,30 @@ impl StateStore {
         Ok(n)
     }
 
-    /// Mark a restored partition as reflecting Kafka's batch `seq` (synced).
+    /// Rebuild a restored partition's deadline and expiry indexes from its step
+    /// records, and mark it as reflecting Kafka's batch `seq` (synced: the
+    /// restore's unsynced writes become durable with it).
     pub fn finish_restore(&self, partition: i32, seq: Option<u64>) -> Result<(), StateError> {
+        let prefix = partition.to_be_bytes();
         let mut wb = WriteBatch::default();
+        let steps = self.db.iterator_cf(
+            self.cf(Cf::Steps),
+            IteratorMode::From(&prefix, Direction::Forward),
+        );
+        for item in steps {
+            let (key, value) = item?;
+            if !key.starts_with(&prefix) {
+                break;
+            }
+            let r: Indexed = decode(Cf::Steps, &value)?;
+            wb.put_cf(self.cf(Cf::Expiry), expiry_key(&key, r.expires_at_ms), []);
+            if let Some(d) = deadline_of(r.phase, r.deadline_ms) {
+                wb.put_cf(self.cf(Cf::Deadlines), &key, encode_deadline(d));
+            }
+            if wb.len() >= 10_000 {
+                self.db.write(std::mem::take(&mut wb))?;
+            }
+        }
         match seq {
             Some(s) => wb.put_cf(self.meta(), seq_key(partition), s.to_be_bytes()),
             None => wb.delete_cf(self.meta(), seq_key(partition)),
@@ -528,13 +558,9 @@ impl Batch {
             (Cf::Expiry, expiry_key(&key, record.expires_at_ms)),
             Some(Vec::new()),
         );
-        let deadline = match record.phase {
-            Phase::Started => record.deadline_ms,
-            _ => None,
-        };
         self.writes.insert(
             (Cf::Deadlines, key.clone()),
-            deadline.map(|d| serde_json::to_vec(&d).expect("i64 serialises")),
+            deadline_of(record.phase, record.deadline_ms).map(encode_deadline),
         );
         self.writes.insert(
             (Cf::Steps, key),
@@ -617,11 +643,13 @@ impl Batch {
             .insert((Cf::Fast, fast_key(partition, offset)), None);
     }
 
-    /// The batch's writes as changelog records, in a stable order.
+    /// The batch's writes as changelog records, in a stable order; the derived
+    /// indexes stay local.
     pub fn changelog(&self) -> Vec<ChangelogEntry> {
         let mut out: Vec<ChangelogEntry> = self
             .writes
             .iter()
+            .filter(|((cf, _), _)| !cf.derived())
             .map(|((cf, key), value)| {
                 let mut k = Vec::with_capacity(key.len() + 1);
                 k.push(cf.tag());
@@ -659,6 +687,28 @@ pub fn changelog_step(
         None => None,
     };
     Some((partition_of(state_key), step, record))
+}
+
+/// The fields of a step record its indexes derive from (decoding only these
+/// skips the rest of the record).
+#[derive(Deserialize)]
+struct Indexed {
+    phase: Phase,
+    #[serde(default)]
+    deadline_ms: Option<i64>,
+    expires_at_ms: i64,
+}
+
+/// A step's entry in the deadlines index: only a started call awaits an outcome.
+fn deadline_of(phase: Phase, deadline_ms: Option<i64>) -> Option<i64> {
+    match phase {
+        Phase::Started => deadline_ms,
+        _ => None,
+    }
+}
+
+fn encode_deadline(d: i64) -> Vec<u8> {
+    serde_json::to_vec(&d).expect("i64 serialises")
 }
 
 fn decode<T: serde::de::DeserializeOwned>(cf: Cf, bytes: &[u8]) -> Result<T, StateError> {

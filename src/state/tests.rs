@@ -164,7 +164,10 @@ fn a_partition_restored_from_its_changelog_equals_the_original() {
             record(1, Phase::Intended, 1000),
             record(2, Phase::Started, 1000),
         ],
-        vec![record(1, Phase::Completed, 5000)],
+        vec![
+            record(1, Phase::Completed, 5000),
+            record(4, Phase::Started, 2000),
+        ],
     ] {
         let mut b = Batch::default();
         for r in &batch {
@@ -183,6 +186,10 @@ fn a_partition_restored_from_its_changelog_equals_the_original() {
         log.iter().any(|e| e.value.is_none()),
         "deletes are tombstones"
     );
+    assert!(
+        log.iter().all(|e| e.key[0] == Cf::Steps.tag()),
+        "the deadline and expiry indexes are derived, not logged"
+    );
 
     // Another disk holds stale data of the same partition: wiped, then restored.
     let b_dir = tempfile::tempdir().unwrap();
@@ -193,7 +200,15 @@ fn a_partition_restored_from_its_changelog_equals_the_original() {
         .unwrap();
     b.commit(stale, &seqs(3, 1)).unwrap();
     b.wipe_partition(3).unwrap();
-    let records: Vec<_> = log.into_iter().map(|e| (e.key, e.value)).collect();
+    let mut records: Vec<_> = log.into_iter().map(|e| (e.key, e.value)).collect();
+    // A changelog written by an earlier version also holds index records; a
+    // stale one must not come back.
+    let legacy = [
+        vec![Cf::Expiry.tag()],
+        expiry_key(&step_key_bytes(3, &step(1)), 1000),
+    ]
+    .concat();
+    records.insert(0, (legacy, Some(Vec::new())));
     b.apply_changelog(&records).unwrap();
     b.finish_restore(3, Some(3)).unwrap();
     assert_eq!(b.step(3, &step(9)).unwrap(), None);
@@ -203,6 +218,8 @@ fn a_partition_restored_from_its_changelog_equals_the_original() {
         b.expired(3, 9999, 10).unwrap(),
         a.expired(3, 9999, 10).unwrap()
     );
+    assert_eq!(a.deadlines(3).unwrap(), vec![(step(4), 500)]);
+    assert_eq!(a.expired(3, 9999, 10).unwrap().len(), 2);
     assert_eq!(b.deadlines(3).unwrap(), a.deadlines(3).unwrap());
     assert_eq!(b.reconcile(3, Some(3)).unwrap(), Reconciled::InSync);
 }

@@ -248,8 +248,7 @@ fn loaded_step(i: usize) -> (String, u64) {
 }
 
 /// Write `n` completed step records into the changelog, partitioned as their
-/// intents are. Returns the number of changelog records (each step also writes
-/// its expiry index entry and a deadline tombstone).
+/// intents are. Returns the number of changelog records.
 fn load(
     brokers: &str,
     topic: &str,
