@@ -461,7 +461,7 @@ impl StateStore {
                 continue;
             };
             // Index records written by earlier versions are skipped: the
-            // indexes are rebuilt from the steps by `finish_restore`.
+            // indexes are derived from the step records as they are applied.
             let Some(cf) = Cf::from_tag(*tag).filter(|c| !c.derived()) else {
                 continue;
             };
@@ -472,36 +472,39 @@ impl StateStore {
                 Some(v) => wb.put_cf(self.cf(cf), state_key, v),
                 None => wb.delete_cf(self.cf(cf), state_key),
             }
+            if cf == Cf::Steps {
+                self.index_restored(&mut wb, state_key, value.as_deref())?;
+            }
             n += 1;
         }
         self.db.write(wb)?;
         Ok(n)
     }
 
-    /// Rebuild a restored partition's deadline and expiry indexes from its step
-    /// records, and mark it as reflecting Kafka's batch `seq` (synced: the
+    /// The index entries of a restored step record (or of its tombstone). An
+    /// earlier version's expiry entry, if the changelog held one not yet
+    /// compacted away, is left dangling: purging drops dangling entries.
+    fn index_restored(
+        &self,
+        wb: &mut WriteBatch,
+        key: &[u8],
+        value: Option<&[u8]>,
+    ) -> Result<(), StateError> {
+        let r: Option<Indexed> = value.map(|v| decode(Cf::Steps, v)).transpose()?;
+        if let Some(r) = &r {
+            wb.put_cf(self.cf(Cf::Expiry), expiry_key(key, r.expires_at_ms), []);
+        }
+        match r.and_then(|r| deadline_of(r.phase, r.deadline_ms)) {
+            Some(d) => wb.put_cf(self.cf(Cf::Deadlines), key, encode_deadline(d)),
+            None => wb.delete_cf(self.cf(Cf::Deadlines), key),
+        }
+        Ok(())
+    }
+
+    /// Mark a restored partition as reflecting Kafka's batch `seq` (synced: the
     /// restore's unsynced writes become durable with it).
     pub fn finish_restore(&self, partition: i32, seq: Option<u64>) -> Result<(), StateError> {
-        let prefix = partition.to_be_bytes();
         let mut wb = WriteBatch::default();
-        let steps = self.db.iterator_cf(
-            self.cf(Cf::Steps),
-            IteratorMode::From(&prefix, Direction::Forward),
-        );
-        for item in steps {
-            let (key, value) = item?;
-            if !key.starts_with(&prefix) {
-                break;
-            }
-            let r: Indexed = decode(Cf::Steps, &value)?;
-            wb.put_cf(self.cf(Cf::Expiry), expiry_key(&key, r.expires_at_ms), []);
-            if let Some(d) = deadline_of(r.phase, r.deadline_ms) {
-                wb.put_cf(self.cf(Cf::Deadlines), &key, encode_deadline(d));
-            }
-            if wb.len() >= 10_000 {
-                self.db.write(std::mem::take(&mut wb))?;
-            }
-        }
         match seq {
             Some(s) => wb.put_cf(self.meta(), seq_key(partition), s.to_be_bytes()),
             None => wb.delete_cf(self.meta(), seq_key(partition)),
