@@ -1003,6 +1003,8 @@ async fn metrics_count_a_known_workload_exactly() {
         "{m:#?}"
     );
     assert!(m["stepgate_commit_latency_seconds_count"] >= 1.0);
+    assert!(m["stepgate_state_write_seconds_count"] >= 1.0);
+    assert!(m["stepgate_state_write_seconds_sum"] <= m["stepgate_commit_latency_seconds_sum"]);
     let health = reqwest::get(format!("http://{}/healthz", s.http))
         .await
         .unwrap();

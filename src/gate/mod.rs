@@ -392,9 +392,10 @@ impl Session<'_> {
             // deliveries are in flight, then commit.
             let send = kafka::send_all(producer, &records);
             let state = async {
-                self.store
-                    .commit(pending.batch, &seqs)
-                    .map_err(GateError::from)
+                let t = Instant::now();
+                let written = self.store.commit(pending.batch, &seqs);
+                self.metrics.state_written(t.elapsed());
+                written.map_err(GateError::from)
             };
             let (s, st) = tokio::join!(send, state);
             st?;
