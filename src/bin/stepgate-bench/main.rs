@@ -187,6 +187,28 @@ impl Bench {
     fn stall(&self) -> Duration {
         self.common.stall.into()
     }
+
+    /// A stepgate deployment in `dir` with the run's common settings.
+    fn stepgate_setup(
+        &self,
+        dir: &std::path::Path,
+        prefix: &str,
+        category: &str,
+        concurrency: usize,
+    ) -> anyhow::Result<StepgateSetup> {
+        let c = &self.common;
+        StepgateSetup::write(
+            dir,
+            &c.brokers,
+            prefix,
+            c.partitions,
+            &c.commit_interval.to_string(),
+            &self.tool.url,
+            category,
+            concurrency,
+            c.max_batch,
+        )
+    }
 }
 
 fn main() -> anyhow::Result<()> {
@@ -393,17 +415,7 @@ async fn deploy(bench: &Bench, opts: &CompareOpts, system: &System) -> anyhow::R
             category,
             concurrency,
         } => {
-            let setup = StepgateSetup::write(
-                &dir,
-                &c.brokers,
-                &prefix,
-                c.partitions,
-                &c.commit_interval.to_string(),
-                &bench.tool.url,
-                category,
-                *concurrency,
-                c.max_batch,
-            )?;
+            let setup = bench.stepgate_setup(&dir, &prefix, category, *concurrency)?;
             setup.create_topics(&bench.stepgate).await?;
             let mut proc = setup.spawn(&bench.stepgate, &log)?;
             let ready = proc.wait_http_ready(&setup.ready_url(), limit).await?;

@@ -3,7 +3,7 @@
 //! by a stepgate started on an empty state directory, then served.
 
 use crate::report::Row;
-use crate::systems::{self, GroupWatch, StepgateSetup};
+use crate::systems::{self, GroupWatch};
 use crate::workload::{self, Agent, Deliveries, Expect, Kind, Rng, Spec, TOOL};
 use crate::{Bench, ScaleOpts};
 use anyhow::Context as _;
@@ -98,17 +98,7 @@ async fn one(bench: &Bench, opts: &ScaleOpts, n: usize) -> anyhow::Result<ScaleR
     let slug = format!("scale-{n}");
     let dir = bench.work.join(&slug);
     let prefix = format!("{}-{slug}", bench.run_id);
-    let setup = StepgateSetup::write(
-        &dir,
-        &c.brokers,
-        &prefix,
-        c.partitions,
-        &c.commit_interval.to_string(),
-        &bench.tool.url,
-        "keyed",
-        bench.concurrency(),
-        c.max_batch,
-    )?;
+    let setup = bench.stepgate_setup(&dir, &prefix, "keyed", bench.concurrency())?;
     setup.create_topics(&bench.stepgate).await?;
     bench.tool.take();
 
@@ -288,21 +278,7 @@ fn load(
             if let Some(v) = &e.value {
                 rec = rec.payload(v.as_slice());
             }
-            loop {
-                match producer.send(rec) {
-                    Ok(()) => break,
-                    Err((
-                        rdkafka::error::KafkaError::MessageProduction(
-                            rdkafka::types::RDKafkaErrorCode::QueueFull,
-                        ),
-                        r,
-                    )) => {
-                        rec = r;
-                        std::thread::sleep(Duration::from_millis(1));
-                    }
-                    Err((e, _)) => return Err(e).context("loading the changelog"),
-                }
-            }
+            workload::send_waiting(&producer, rec).context("loading the changelog")?;
             records += 1;
         }
         let done = (chunk + 10_000).min(n);

@@ -81,23 +81,10 @@ impl Proc {
 
     /// Wait for the `READY` line.
     pub async fn wait_ready_line(&mut self, limit: Duration) -> anyhow::Result<Duration> {
-        let start = Instant::now();
-        loop {
-            if let Some(rx) = &self.ready
-                && rx.try_recv().is_ok()
-            {
-                return Ok(self.spawned.elapsed());
-            }
-            self.check_alive()?;
-            if start.elapsed() > limit {
-                bail!(
-                    "{} not ready after {limit:?}; log {}",
-                    self.name,
-                    self.log.display()
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        self.wait_until(limit, async |p: &mut Self| {
+            p.ready.as_ref().is_some_and(|rx| rx.try_recv().is_ok())
+        })
+        .await
     }
 
     /// Wait until `GET url` answers 2xx.
@@ -106,12 +93,24 @@ impl Proc {
         url: &str,
         limit: Duration,
     ) -> anyhow::Result<Duration> {
-        let start = Instant::now();
         let http = reqwest::Client::new();
+        self.wait_until(limit, async |_: &mut Self| {
+            let r = http.get(url).timeout(Duration::from_secs(2)).send().await;
+            r.is_ok_and(|r| r.status().is_success())
+        })
+        .await
+    }
+
+    /// Poll `ready` every 20 ms until it holds (→ time since spawn), the process
+    /// dies, or `limit` passes.
+    async fn wait_until(
+        &mut self,
+        limit: Duration,
+        mut ready: impl AsyncFnMut(&mut Self) -> bool,
+    ) -> anyhow::Result<Duration> {
+        let start = Instant::now();
         loop {
-            if let Ok(r) = http.get(url).timeout(Duration::from_secs(2)).send().await
-                && r.status().is_success()
-            {
+            if ready(self).await {
                 return Ok(self.spawned.elapsed());
             }
             self.check_alive()?;

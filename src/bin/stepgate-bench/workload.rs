@@ -64,6 +64,34 @@ impl Rng {
     }
 }
 
+/// Produce one record, waiting while librdkafka's queue is full (the loaders
+/// and the flood publish faster than the broker takes them).
+pub fn send_waiting<C, K, P>(
+    producer: &ThreadedProducer<C>,
+    mut rec: BaseRecord<'_, K, P, C::DeliveryOpaque>,
+) -> rdkafka::error::KafkaResult<()>
+where
+    C: ProducerContext,
+    K: rdkafka::message::ToBytes + ?Sized,
+    P: rdkafka::message::ToBytes + ?Sized,
+{
+    loop {
+        match producer.send(rec) {
+            Ok(()) => return Ok(()),
+            Err((
+                rdkafka::error::KafkaError::MessageProduction(
+                    rdkafka::types::RDKafkaErrorCode::QueueFull,
+                ),
+                r,
+            )) => {
+                rec = r;
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Err((e, _)) => return Err(e),
+        }
+    }
+}
+
 /// `shape.intents` intents in publication order: distinct steps spread over the
 /// workflows, each repeat published a while after its step's first call.
 pub fn build(ns: &str, shape: &Shape, seed: u64) -> Vec<Spec> {
@@ -75,25 +103,29 @@ pub fn build(ns: &str, shape: &Shape, seed: u64) -> Vec<Spec> {
     let mut rng = Rng::new(seed);
     let mut due = BinaryHeap::new();
     let mut out = Vec::with_capacity(total);
+    // Repeats alternate: verbatim, then rephrased (same step key, other arguments).
     let mut nth_repeat = 0usize;
+    let mut repeat = |j: usize| {
+        nth_repeat += 1;
+        let (workflow, step) = step_of(j);
+        let kind = if nth_repeat % 2 == 0 {
+            Kind::Rephrased
+        } else {
+            Kind::Repeat
+        };
+        Spec {
+            workflow,
+            step,
+            kind,
+        }
+    };
     for j in 0..distinct {
         while let Some(std::cmp::Reverse((at, _, step))) = due.peek().copied() {
             if at > j {
                 break;
             }
             due.pop();
-            let (workflow, step) = step_of(step);
-            nth_repeat += 1;
-            let kind = if nth_repeat % 2 == 0 {
-                Kind::Rephrased
-            } else {
-                Kind::Repeat
-            };
-            out.push(Spec {
-                workflow,
-                step,
-                kind,
-            });
+            out.push(repeat(step));
         }
         let (workflow, step) = step_of(j);
         out.push(Spec {
@@ -111,18 +143,7 @@ pub fn build(ns: &str, shape: &Shape, seed: u64) -> Vec<Spec> {
     let mut rest: Vec<_> = due.into_sorted_vec();
     rest.reverse();
     for std::cmp::Reverse((_, _, j)) in rest {
-        let (workflow, step) = step_of(j);
-        nth_repeat += 1;
-        let kind = if nth_repeat % 2 == 0 {
-            Kind::Rephrased
-        } else {
-            Kind::Repeat
-        };
-        out.push(Spec {
-            workflow,
-            step,
-            kind,
-        });
+        out.push(repeat(j));
     }
     out
 }
@@ -368,25 +389,11 @@ impl Agent {
             let body = payload(spec, i);
             let partition = partition_of(&spec.workflow, self.partitions);
             self.tracker.lock().expect("tracker lock").sent[i] = Some(Instant::now());
-            let mut rec = BaseRecord::to(&self.topic)
+            let rec = BaseRecord::to(&self.topic)
                 .key(spec.workflow.as_str())
                 .payload(body.as_str())
                 .partition(partition);
-            loop {
-                match self.producer.send(rec) {
-                    Ok(()) => break,
-                    Err((
-                        rdkafka::error::KafkaError::MessageProduction(
-                            rdkafka::types::RDKafkaErrorCode::QueueFull,
-                        ),
-                        r,
-                    )) => {
-                        rec = r;
-                        std::thread::sleep(Duration::from_millis(1));
-                    }
-                    Err((e, _)) => return Err(e).context("publishing an intent"),
-                }
-            }
+            send_waiting(&self.producer, rec).context("publishing an intent")?;
         }
         self.producer
             .flush(Duration::from_secs(60))
