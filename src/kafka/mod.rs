@@ -114,10 +114,9 @@ pub type ReadToEndConsumer = BaseConsumer<ReadToEnd>;
 
 impl ClientContext for ReadToEnd {
     fn error(&self, error: KafkaError, reason: &str) {
-        let eof = rdkafka::types::RDKafkaErrorCode::PartitionEOF;
         match &error {
-            KafkaError::PartitionEOF(_) => tracing::debug!(%reason, "end of partition"),
-            KafkaError::Global(code) if *code == eof => {
+            KafkaError::PartitionEOF(_)
+            | KafkaError::Global(rdkafka::types::RDKafkaErrorCode::PartitionEOF) => {
                 tracing::debug!(%reason, "end of partition")
             }
             _ => tracing::error!(error = %error, %reason, "librdkafka"),
