@@ -1,23 +1,25 @@
 //! Running stepgate: the roles of one process, its HTTP endpoints, and shutdown.
 
 use crate::config::Config;
+use crate::gate;
 use crate::kafka::{self, KafkaSetupError};
 use crate::state::{StateError, StateStore};
 use crate::telemetry::{self, Health, Metrics};
-use crate::{executor, gate};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use thiserror::Error;
 use tokio_util::sync::CancellationToken;
 
-/// Which parts run in this process.
+/// Which parts run in this process. The gate invokes its tools itself, so there
+/// is one role; `gate` is accepted as a synonym, and `executor` (a process that
+/// only ran tools, in earlier versions) is refused with a pointer to why.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Role {
-    /// Gate and executors.
+    /// The gate, invoking the tools of the steps it owns.
     All,
-    /// Only the gate (state, dedup, answers).
+    /// The same as `all`.
     Gate,
-    /// Only executors (tool invocations).
+    /// Removed: refused at start.
     Executor,
 }
 
@@ -34,8 +36,10 @@ pub enum AppError {
     },
     #[error("gate")]
     Gate(#[from] gate::GateError),
-    #[error("executor")]
-    Executor(#[from] executor::ExecutorError),
+    #[error(
+        "`--role executor` was removed: the gate invokes the tools of the steps it owns, so run `stepgate run` (every process is a gate) and give it the tools' config"
+    )]
+    ExecutorRole,
     #[error("a task failed")]
     Join(#[from] tokio::task::JoinError),
 }
@@ -77,15 +81,19 @@ pub async fn start(
 ) -> Result<Running, AppError> {
     let config = Arc::new(config);
     let k = config.kafka.clone();
+    if role == Role::Executor {
+        return Err(AppError::ExecutorRole);
+    }
     let partitions = tokio::task::spawn_blocking(move || kafka::check_layout(&k)).await??;
-    tracing::info!(partitions, role = ?role, instance = %config.kafka.instance_id, "starting stepgate");
+    tracing::info!(partitions, instance = %config.kafka.instance_id, "starting stepgate");
+    for key in config.deprecated_keys() {
+        tracing::warn!(
+            key,
+            "config key is deprecated and ignored (see README, Upgrading)"
+        );
+    }
     let metrics = Arc::new(Metrics::new());
-    let (run_gate, run_exec) = match role {
-        Role::All => (true, true),
-        Role::Gate => (true, false),
-        Role::Executor => (false, true),
-    };
-    let health = Arc::new(Health::new(run_gate, run_exec));
+    let health = Arc::new(Health::new());
     let http_addr = if config.http.listen.is_empty() {
         None
     } else {
@@ -100,7 +108,7 @@ pub async fn start(
         Some(bound)
     };
     let mut tasks = Vec::new();
-    if run_gate {
+    {
         let path = config.state.path.clone();
         let cache = config.state.block_cache_mib.max(1) << 20;
         let store = tokio::task::spawn_blocking(move || StateStore::open_with_cache(&path, cache))
@@ -119,17 +127,6 @@ pub async fn start(
             gate::run(c, Arc::new(store), m, h, s)
                 .await
                 .map_err(AppError::from)
-        }));
-    }
-    if run_exec {
-        let (c, m, h, s) = (
-            config.clone(),
-            metrics.clone(),
-            health.clone(),
-            shutdown.clone(),
-        );
-        tasks.push(tokio::spawn(async move {
-            executor::run(c, m, h, s).await.map_err(AppError::from)
         }));
     }
     Ok(Running {

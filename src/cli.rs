@@ -17,13 +17,13 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Run the gate and executors (or one of them) until SIGTERM/SIGINT.
+    /// Run the gate (which invokes the tools of the steps it owns) until SIGTERM/SIGINT.
     Run {
         /// The TOML config file.
         #[arg(long, short, env = "STEPGATE_CONFIG")]
         config: Option<PathBuf>,
-        /// Which parts to run in this process.
-        #[arg(long, value_enum, default_value = "all")]
+        /// Kept for old scripts: `all` and `gate` are the same; `executor` is refused.
+        #[arg(long, value_enum, default_value = "all", hide = true)]
         role: Role,
         /// Overrides `kafka.brokers`.
         #[arg(long)]

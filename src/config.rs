@@ -80,8 +80,9 @@ pub struct KafkaConfig {
     pub topics: TopicsConfig,
     /// Consumer group of the gates.
     pub gate_group: String,
-    /// Consumer group of the executors.
-    pub executor_group: String,
+    /// Deprecated and ignored: executors run inside the gate's process now.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub executor_group: Option<String>,
     /// Stable identity of this process: static group membership
     /// (`group.instance.id`) and transactional ids derive from it, so a restarted
     /// process takes its partitions back at once instead of after a session timeout.
@@ -106,7 +107,7 @@ impl Default for KafkaConfig {
             brokers: "127.0.0.1:9092".into(),
             topics: TopicsConfig::default(),
             gate_group: "stepgate-gate".into(),
-            executor_group: "stepgate-executor".into(),
+            executor_group: None,
             instance_id: "stepgate-0".into(),
             partitions: 4,
             replication_factor: 1,
@@ -126,9 +127,11 @@ pub struct TopicsConfig {
     pub results: String,
     /// Refused inputs with their reasons (public).
     pub dlq: String,
-    /// Gate → executors (internal).
-    pub calls: String,
-    /// Executors → gate: `started` and outcomes (internal).
+    /// Deprecated and ignored: calls are no longer forwarded through Kafka.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub calls: Option<String>,
+    /// Outcomes of calls whose partition moved to another gate while they ran,
+    /// handed to the partition's owner (internal).
     pub progress: String,
     /// The gate's state changes, compacted: restores a partition's state on a new
     /// owner or disk (internal).
@@ -148,7 +151,7 @@ impl TopicsConfig {
             intents: format!("{prefix}.intents"),
             results: format!("{prefix}.results"),
             dlq: format!("{prefix}.dlq"),
-            calls: format!("{prefix}.calls"),
+            calls: None,
             progress: format!("{prefix}.progress"),
             changelog: format!("{prefix}.changelog"),
             commands: format!("{prefix}.commands"),
@@ -157,12 +160,11 @@ impl TopicsConfig {
     }
 
     /// Every topic name, public ones first.
-    pub fn all(&self) -> [&String; 8] {
+    pub fn all(&self) -> [&String; 7] {
         [
             &self.intents,
             &self.results,
             &self.dlq,
-            &self.calls,
             &self.progress,
             &self.changelog,
             &self.commands,
@@ -205,16 +207,19 @@ impl Default for StateConfig {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct GateConfig {
-    /// How long inputs are gathered into one batch (one synced state write, one
-    /// Kafka transaction). The latency a new step pays at most, on top of Kafka's.
-    pub commit_interval: Dur,
-    /// Most inputs in one batch.
+    /// Deprecated and ignored: a batch closes when the previous commit returns.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub commit_interval: Option<Dur>,
+    /// Most inputs in one batch (one Kafka transaction). A batch closes when the
+    /// previous one's commit returns, or when it holds this many.
     pub max_batch: usize,
     /// Added to a tool's own deadline before a started call with no outcome is
     /// declared in doubt (or re-run, when re-running is safe).
     pub in_doubt_grace: Dur,
-    /// A fast-path (unrecorded) call with no answer after this long is forwarded again.
-    pub fast_path_timeout: Dur,
+    /// Deprecated and ignored: a fast-path call runs in this process and is
+    /// bounded by its tool's timeout.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fast_path_timeout: Option<Dur>,
     /// Largest accepted intent, in bytes.
     pub max_intent_bytes: usize,
 }
@@ -222,10 +227,10 @@ pub struct GateConfig {
 impl Default for GateConfig {
     fn default() -> Self {
         GateConfig {
-            commit_interval: dur("100ms"),
+            commit_interval: None,
             max_batch: 2000,
             in_doubt_grace: dur("30s"),
-            fast_path_timeout: dur("2m"),
+            fast_path_timeout: None,
             max_intent_bytes: 1024 * 1024,
         }
     }
@@ -234,10 +239,12 @@ impl Default for GateConfig {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ExecutorConfig {
-    /// Most tool calls in flight in this process.
+    /// Most tool calls running at once in this process (the invoker pool); a
+    /// tool's `max_concurrency` bounds it further for that tool.
     pub concurrency: usize,
-    /// How long `started` records and outcomes are gathered into one transaction.
-    pub commit_interval: Dur,
+    /// Deprecated and ignored: outcomes join the gate's next batch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub commit_interval: Option<Dur>,
     /// On shutdown, how long in-flight calls may finish before the process exits
     /// (unfinished ones stay `started` and the gate's deadline settles them).
     pub drain_timeout: Dur,
@@ -247,7 +254,7 @@ impl Default for ExecutorConfig {
     fn default() -> Self {
         ExecutorConfig {
             concurrency: 64,
-            commit_interval: dur("20ms"),
+            commit_interval: None,
             drain_timeout: dur("20s"),
         }
     }
@@ -547,6 +554,26 @@ impl Config {
     }
 
     /// Checks that serde cannot express, with the offending field named.
+    /// Keys that are still accepted but no longer do anything (for a warning).
+    pub fn deprecated_keys(&self) -> Vec<&'static str> {
+        [
+            ("kafka.executor_group", self.kafka.executor_group.is_some()),
+            ("kafka.topics.calls", self.kafka.topics.calls.is_some()),
+            ("gate.commit_interval", self.gate.commit_interval.is_some()),
+            (
+                "gate.fast_path_timeout",
+                self.gate.fast_path_timeout.is_some(),
+            ),
+            (
+                "executor.commit_interval",
+                self.executor.commit_interval.is_some(),
+            ),
+        ]
+        .into_iter()
+        .filter_map(|(k, set)| set.then_some(k))
+        .collect()
+    }
+
     pub fn validate(&self) -> Result<(), ConfigError> {
         let invalid = |field: &str, message: &str| ConfigError::Invalid {
             field: field.to_owned(),

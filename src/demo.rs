@@ -187,10 +187,7 @@ partitions = 4
 [state]
 path = "{state}"
 [gate]
-commit_interval = "20ms"
 in_doubt_grace = "1s"
-[executor]
-commit_interval = "10ms"
 [http]
 listen = "{metrics_addr}"
 [log]

@@ -8,10 +8,11 @@
 //!   internal call/progress records), validation, and every text a model reads.
 //!   Mirrors `schemas/`; depends on nothing else of ours.
 //! - [`config`]: the TOML config with `STEPGATE_*` overrides and validation.
-//! - [`state`]: the only owner of RocksDB: step records, deadlines, retention,
-//!   and crash reconciliation with Kafka's committed transactions.
-//! - [`gate`]: intents → dedup → calls to executors, or answers from the record.
-//! - [`executor`]: calls → `started` → invoke → outcome.
+//! - [`state`]: the only owner of RocksDB, a cache of the changelog topic: step
+//!   records, deadlines, retention, restore.
+//! - [`gate`]: intents → dedup → `started` committed → invoke, or answers from
+//!   the record; outcomes → answers. One transaction per batch, pipelined.
+//! - [`executor`]: the in-process invoker pool that runs the gate's calls.
 //! - [`tools`]: the tool registry and the HTTP tool protocol.
 //! - [`kafka`]: client configs, rebalance signalling, topics, transactions.
 //! - [`telemetry`]: typed events → logs + Prometheus; `/metrics`, health.
@@ -26,15 +27,19 @@
 //!
 //! ## The path of a message
 //! An agent publishes an intent to `stepgate.intents` (keyed by workflow id).
-//! The gate validates it ([`contract::parse_intent`]); a bad one goes to
-//! `stepgate.dlq` and, when addressable, a `rejected` result. For a new step the
-//! gate records `intended` in RocksDB and forwards a [`contract::Call`] to
-//! `stepgate.calls`; for a known step it answers from the record, or remembers the
-//! caller until the outcome arrives. An executor commits `started` to
-//! `stepgate.progress`, invokes the tool, and publishes the outcome there. The gate
-//! stores the outcome and answers every waiting caller on `stepgate.results`, in
-//! the intent's partition. A started step with no outcome past its tool's deadline
-//! is re-run where that is safe, and `in_doubt` otherwise.
+//! The gate that owns the partition validates it ([`contract::parse_intent`]); a
+//! bad one goes to `stepgate.dlq` and, when addressable, a `rejected` result. For
+//! a new step it commits the step as `started` (a changelog record, in the
+//! transaction that also commits the intent's offset), then — the commit
+//! returned — applies it to RocksDB and invokes the tool in this process
+//! ([`executor::Invoker`]). The outcome joins the next batch: the step record is
+//! settled and every waiting caller answered on `stepgate.results`, in the
+//! intent's partition, in one more transaction. A known step is answered from its
+//! record, or its caller waits for the outcome. A read (`read_only`/`idempotent`
+//! tool) records nothing: intent in, answer out. An outcome whose partition moved
+//! while the call ran goes to the new owner through `stepgate.progress`. A
+//! started step with no outcome past its tool's deadline is re-run where that is
+//! safe, and `in_doubt` otherwise.
 
 pub mod app;
 pub mod audit;

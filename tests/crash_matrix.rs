@@ -1,6 +1,6 @@
 //! The crash matrix: a workload of new steps, in-flight repeats, rephrased
-//! retries and deliberate attempts, run through two gates and two executors
-//! (separate processes, one group each) while a killer `kill -9`s one of them at
+//! retries and deliberate attempts, run through three gates (separate
+//! processes, one group; each invokes the tools of the steps it owns) while a killer `kill -9`s one of them at
 //! random moments and restarts it. Checked from the tools' own invocation
 //! records and the results topic:
 //! - no duplicate invocation of an `unkeyed` tool (a doubtful one is `in_doubt`);
@@ -74,25 +74,19 @@ async fn crash_matrix() {
     let mut procs = vec![
         Proc {
             name: "gate-a",
-            args: vec!["--role", "gate"],
+            args: vec![],
             http: String::new(),
             child: None,
         },
         Proc {
             name: "gate-b",
-            args: vec!["--role", "gate"],
+            args: vec![],
             http: String::new(),
             child: None,
         },
         Proc {
-            name: "exec-a",
-            args: vec!["--role", "executor"],
-            http: String::new(),
-            child: None,
-        },
-        Proc {
-            name: "exec-b",
-            args: vec!["--role", "executor"],
+            name: "gate-c",
+            args: vec![],
             http: String::new(),
             child: None,
         },

@@ -469,7 +469,7 @@ async fn refuses_to_start_when_results_has_fewer_partitions_than_intents() {
     std::fs::write(
         &path,
         format!(
-            "[kafka]\nbrokers = \"{}\"\n[kafka.topics]\nintents = \"{prefix}.intents\"\nresults = \"{prefix}.results-small\"\ndlq = \"{prefix}.dlq\"\ncalls = \"{prefix}.calls\"\nprogress = \"{prefix}.progress\"\nchangelog = \"{prefix}.changelog\"\ncommands = \"{prefix}.commands\"\napprovals = \"{prefix}.approvals\"\n[state]\npath = \"{}\"\n[http]\nlisten = \"\"\n",
+            "[kafka]\nbrokers = \"{}\"\n[kafka.topics]\nintents = \"{prefix}.intents\"\nresults = \"{prefix}.results-small\"\ndlq = \"{prefix}.dlq\"\nprogress = \"{prefix}.progress\"\nchangelog = \"{prefix}.changelog\"\ncommands = \"{prefix}.commands\"\napprovals = \"{prefix}.approvals\"\n[state]\npath = \"{}\"\n[http]\nlisten = \"\"\n",
             brokers(),
             dir.path().join("s").display()
         ),
@@ -489,46 +489,15 @@ async fn refuses_to_start_when_results_has_fewer_partitions_than_intents() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn gate_and_executor_run_as_separate_processes() {
-    let mut s = Stack::new(StackOptions::default()).await;
-    // The executor in a process of its own, with its own instance id and no HTTP.
-    let exec_cfg = s.dir.path().join("executor.toml");
-    let text = std::fs::read_to_string(&s.config_path)
-        .unwrap()
-        .replace(&format!("listen = \"{}\"", s.http), "listen = \"\"");
-    std::fs::write(&exec_cfg, text).unwrap();
-    let mut executor = std::process::Command::new(env!("CARGO_BIN_EXE_stepgate"))
-        .args([
-            "run",
-            "--role",
-            "executor",
-            "--instance-id",
-            "exec-only",
-            "--config",
-        ])
-        .arg(&exec_cfg)
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    s.start_with(&["--role", "gate"]).await;
-    let agent = s.agent();
-    let a = agent
-        .call(intent("wf-split", 1, "create_ticket", json!({}), "x1"))
-        .await;
-    let b = agent
-        .call(intent(
-            "wf-split",
-            1,
-            "create_ticket",
-            json!({"rephrased": true}),
-            "x2",
-        ))
-        .await;
-    assert_eq!(a.status, Status::Ok);
-    same_but_call_id(&a, &b);
-    assert_eq!(s.tools.count("create_ticket"), 1);
-    executor.kill().unwrap();
-    executor.wait().unwrap();
+async fn the_removed_executor_role_is_refused_with_a_pointer() {
+    let s = Stack::new(StackOptions::default()).await;
+    let out = s.cli(&["run", "--role", "executor"]).await;
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("`--role executor` was removed") && err.contains("invokes the tools"),
+        "{err}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -538,7 +507,7 @@ async fn topics_create_makes_an_equal_layout_and_is_idempotent() {
     let path = dir.path().join("c.toml");
     std::fs::write(
         &path,
-        format!("[kafka]\nbrokers = \"{}\"\npartitions = 3\n[kafka.topics]\nintents = \"{prefix}.intents\"\nresults = \"{prefix}.results\"\ndlq = \"{prefix}.dlq\"\ncalls = \"{prefix}.calls\"\nprogress = \"{prefix}.progress\"\nchangelog = \"{prefix}.changelog\"\ncommands = \"{prefix}.commands\"\napprovals = \"{prefix}.approvals\"\n", brokers()),
+        format!("[kafka]\nbrokers = \"{}\"\npartitions = 3\n[kafka.topics]\nintents = \"{prefix}.intents\"\nresults = \"{prefix}.results\"\ndlq = \"{prefix}.dlq\"\nprogress = \"{prefix}.progress\"\nchangelog = \"{prefix}.changelog\"\ncommands = \"{prefix}.commands\"\napprovals = \"{prefix}.approvals\"\n", brokers()),
     )
     .unwrap();
     for expected in ["created", "exists"] {
@@ -555,7 +524,7 @@ async fn topics_create_makes_an_equal_layout_and_is_idempotent() {
         );
         assert_eq!(
             stdout.lines().filter(|l| l.starts_with(expected)).count(),
-            8,
+            7,
             "{stdout}"
         );
         assert!(stdout.contains("(3 intent partitions)"), "{stdout}");
@@ -671,49 +640,6 @@ async fn kill_9_mid_stream_loses_nothing_and_runs_nothing_twice() {
     assert!(invoked <= steps.len());
 }
 
-/// The crash window where state is ahead of Kafka: the gate dies after writing
-/// `intended` durably but before the transaction carrying the call commits. On
-/// restart the batch is undone and the intent processed again: the tool runs
-/// once, the agent gets one answer.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_crash_between_state_write_and_commit_is_undone_on_restart() {
-    let mut s = Stack::new(StackOptions::default()).await;
-    s.spawn(&[], &[("STEPGATE_TEST_CRASH_AFTER_STATE_WRITE", "1")]);
-    s.wait_ready().await;
-    let agent = s.agent();
-    agent
-        .send(&intent("wf-x", 1, "create_ticket", json!({"t": 1}), "u1"))
-        .await;
-    let status = s.exited(WAIT).await;
-    assert!(!status.success(), "the fault was injected");
-    assert!(
-        s.log().contains("aborting before the transaction commits"),
-        "{}",
-        s.log()
-    );
-    assert_eq!(
-        s.tools.count("create_ticket"),
-        0,
-        "the call never left the gate"
-    );
-    s.start().await;
-    let r = agent.answer("u1", WAIT).await;
-    assert_eq!(r.status, Status::Ok);
-    assert!(
-        !r.deduplicated,
-        "the undone step is new again, not a repeat"
-    );
-    assert!(
-        s.log().contains("its state writes were undone"),
-        "{}",
-        s.log()
-    );
-    assert_eq!(s.tools.count("create_ticket"), 1);
-    assert_eq!(agent.answers("u1").len(), 1);
-    let m = s.metrics().await;
-    assert!(m.contains("stepgate_batches_rolled_back_total 1"), "{m}");
-}
-
 /// A lost disk: the gate's RocksDB is deleted while it is down; on restart each
 /// partition is restored from the changelog and repeats are still answered from
 /// the record.
@@ -756,7 +682,7 @@ async fn a_lost_disk_is_restored_from_the_changelog() {
     }
     assert_eq!(s.tools.count("create_ticket"), 8, "nothing ran twice");
     let m = s.metrics().await;
-    assert!(m.contains("stepgate_state_divergences_total"), "{m}");
+    assert!(!m.contains("stepgate_state_full_restores_total 0"), "{m}");
     assert!(
         !m.contains("stepgate_state_restored_records_total 0"),
         "records were restored: {m}"
@@ -773,10 +699,9 @@ async fn deduplication_holds_when_partitions_move_between_gates() {
         ..StackOptions::default()
     })
     .await;
-    let mut executor = s.spawn_other("exec", "", &["--role", "executor"]);
     let b_http = format!("127.0.0.1:{}", free_port());
-    let mut gate_b = s.spawn_other("gate-b", &b_http, &["--role", "gate"]);
-    s.start_with(&["--role", "gate"]).await;
+    let mut gate_b = s.spawn_other("gate-b", &b_http, &[]);
+    s.start().await;
     let agent = s.agent();
     let wfs: Vec<String> = (0..16).map(|n| format!("wf-move-{n}")).collect();
     let mut firsts = Vec::new();
@@ -815,7 +740,7 @@ async fn deduplication_holds_when_partitions_move_between_gates() {
         s.other_log("gate-b")
     );
     // Gate A comes back: partitions are split again, A's stale state is replaced.
-    s.start_with(&["--role", "gate"]).await;
+    s.start().await;
     for (n, wf) in wfs.iter().enumerate() {
         let again = agent
             .call(intent(
@@ -834,10 +759,8 @@ async fn deduplication_holds_when_partitions_move_between_gates() {
         wfs.len(),
         "each step ran once across both moves"
     );
-    for c in [&mut executor, &mut gate_b] {
-        c.kill().unwrap();
-        c.wait().unwrap();
-    }
+    gate_b.kill().unwrap();
+    gate_b.wait().unwrap();
 }
 
 /// Lost disk *and* lost group offsets (a new group id, or offsets expired while
@@ -1091,8 +1014,8 @@ async fn state_rebuild_reconstructs_a_state_that_answers_the_same() {
     assert_eq!(s.tools.count("create_ticket"), 6);
     let m = s.metrics().await;
     assert!(
-        m.contains("stepgate_state_divergences_total 0"),
-        "the rebuilt state is in sync: {m}"
+        m.contains("stepgate_state_full_restores_total 0"),
+        "the rebuilt state only reads what came after it: {m}"
     );
 }
 

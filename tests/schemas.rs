@@ -4,8 +4,8 @@
 
 use serde_json::{Value, json};
 use stepgate::contract::{
-    Call, DlqRecord, ErrorBody, Outcome, Progress, ProgressEvent, Rejection, RejectionReason,
-    Status, StepKey, ToolResult, parse_intent,
+    DlqRecord, ErrorBody, Outcome, Progress, ProgressEvent, Rejection, RejectionReason, Status,
+    StepKey, ToolResult, parse_intent,
 };
 
 fn schema(name: &str) -> jsonschema::Validator {
@@ -164,17 +164,6 @@ fn dlq_records_validate() {
 
 #[test]
 fn internal_records_validate() {
-    let call = Call {
-        step: step(),
-        arguments: Default::default(),
-        dispatch: 1,
-        fast_ref: Some(7),
-        traceparent: Some("00-x".into()),
-    };
-    assert_valid(
-        &schema("call.v1.json"),
-        &serde_json::to_value(&call).unwrap(),
-    );
     let p = schema("progress.v1.json");
     let started = Progress {
         step: step(),

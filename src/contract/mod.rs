@@ -2,7 +2,8 @@
 //!
 //! Nothing outside this module builds or parses these JSON shapes by hand.
 //! Public messages: [`Intent`] (v1, from agents), [`ToolResult`] (v1, to agents),
-//! [`DlqRecord`]. Internal messages between gate and executors: [`Call`], [`Progress`].
+//! [`DlqRecord`]. Internal: [`Progress`] (outcomes handed between gates); [`Call`]
+//! (in-process, gate → invoker).
 
 mod operator;
 mod texts;
@@ -216,13 +217,12 @@ impl Outcome {
     }
 }
 
-/// Internal: a call forwarded by the gate to the executors (topic `calls`).
-/// Written to the same partition number as the intent it serves.
+/// Internal, in-process: a call the gate hands to its invoker (never on a topic).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Call {
     pub step: StepKey,
     pub arguments: Map<String, Value>,
-    /// 1 for the first forward of a step; bumped when the gate re-forwards it.
+    /// 1 for the first run of a step; bumped when the gate runs it again.
     pub dispatch: u32,
     /// Set for fast-path calls (read-only / idempotent tools without a step log):
     /// the offset of the intent, which names the in-flight entry to answer.
@@ -232,14 +232,15 @@ pub struct Call {
     pub traceparent: Option<String>,
 }
 
-/// Internal: executor progress on a call (topic `progress`), in the call's partition.
+/// Internal: the outcome of a call whose partition moved while it ran, handed
+/// to the partition's owner (topic `progress`, in the step's partition).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Progress {
     pub step: StepKey,
     pub dispatch: u32,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fast_ref: Option<i64>,
-    /// Milliseconds since the epoch, executor clock.
+    /// Milliseconds since the epoch, clock of the process that ran the call.
     pub at_ms: i64,
     #[serde(flatten)]
     pub event: ProgressEvent,
@@ -248,7 +249,7 @@ pub struct Progress {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "event", rename_all = "snake_case")]
 pub enum ProgressEvent {
-    /// Recorded durably immediately before the tool is invoked.
+    /// Written by earlier versions' remote executors; ignored.
     Started,
     /// The invocation's outcome.
     Finished { outcome: Outcome },

@@ -1,5 +1,6 @@
-//! The gate's decisions, free of Kafka: inputs and time in, state writes and
-//! messages out. One [`GateCore`] serves every partition a gate owns.
+//! The gate's decisions, free of Kafka: inputs, outcomes and time in; state
+//! writes, messages and invocations out. One [`GateCore`] serves every partition
+//! a gate owns.
 
 use crate::config::{Config, Policy, ToolConfig};
 use crate::contract::{
@@ -13,15 +14,16 @@ use crate::state::{
 };
 use crate::telemetry::Metrics;
 use chrono::{DateTime, TimeZone, Utc};
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
-/// A message the gate wants produced (in the same transaction as its state).
+/// A message the gate wants produced (in the same transaction as its state), or
+/// a call to start once that transaction has committed.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Out {
-    /// To the executors, in the intent's partition.
-    Call { partition: i32, call: Call },
+    /// Invoke a started step's tool, after the batch's commit.
+    Invoke { partition: i32, call: Call },
     /// A final answer to an agent, in the intent's partition.
     Result {
         partition: i32,
@@ -43,18 +45,11 @@ pub enum Out {
     },
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
-enum Due {
-    Step(StepKey),
-    Fast(i64),
-}
-
 /// Settings the gate's decisions depend on.
 #[derive(Debug, Clone)]
 pub struct GateSettings {
     pub retention: Duration,
     pub in_doubt_grace: Duration,
-    pub fast_path_timeout: Duration,
     pub max_intent_bytes: usize,
 }
 
@@ -63,9 +58,21 @@ pub struct GateCore {
     tool_names: Vec<String>,
     settings: GateSettings,
     metrics: Arc<Metrics>,
-    /// (deadline ms, partition, what): started steps and fast calls to check.
-    due: BTreeSet<(i64, i32, Due)>,
+    /// (deadline ms, partition, step): started steps to check.
+    due: BTreeSet<(i64, i32, StepKey)>,
     outs: Vec<Out>,
+    /// Fast-path calls to start at once (they record nothing first).
+    immediate: Vec<(i32, Call)>,
+    /// Fast-path calls awaiting their answer, by (partition, intent offset).
+    /// Memory only: the intent's offset is not committed past them, so a
+    /// restart re-reads and re-runs them.
+    fast: BTreeMap<(i32, i64), FastEntry>,
+    /// Invocations running in this process (kept across sessions: their
+    /// outcomes still arrive), by step → dispatch.
+    running: HashMap<(i32, StepKey), u32>,
+    /// Per partition, the first intent offset not yet applied to the committed
+    /// state; intents below it are re-read only to re-run fast-path calls.
+    applied: HashMap<i32, i64>,
 }
 
 fn ms(d: Duration) -> i64 {
@@ -86,12 +93,15 @@ impl GateCore {
             settings: GateSettings {
                 retention: config.state.retention.0,
                 in_doubt_grace: config.gate.in_doubt_grace.0,
-                fast_path_timeout: config.gate.fast_path_timeout.0,
                 max_intent_bytes: config.gate.max_intent_bytes,
             },
             metrics,
             due: BTreeSet::new(),
             outs: Vec::new(),
+            immediate: Vec::new(),
+            fast: BTreeMap::new(),
+            running: HashMap::new(),
+            applied: HashMap::new(),
         }
     }
 
@@ -104,27 +114,66 @@ impl GateCore {
         !self.outs.is_empty()
     }
 
-    /// Forget everything in memory (a session restarts from committed state).
+    /// Fast-path calls decided since the last call, to start now.
+    pub fn take_immediate(&mut self) -> Vec<(i32, Call)> {
+        std::mem::take(&mut self.immediate)
+    }
+
+    /// The lowest intent offset of `partition` whose fast-path answer is still
+    /// awaited: the partition's committed offset must not pass it.
+    pub fn first_unanswered(&self, partition: i32) -> Option<i64> {
+        self.fast
+            .range((partition, i64::MIN)..=(partition, i64::MAX))
+            .next()
+            .map(|((_, o), _)| *o)
+    }
+
+    /// Forget everything in memory (a session restarts from committed state),
+    /// except which invocations run.
     pub fn reset(&mut self) {
         self.due.clear();
         self.outs.clear();
+        self.immediate.clear();
+        self.fast.clear();
+        self.applied.clear();
     }
 
-    /// Load a partition's pending deadlines after it was assigned and reconciled.
-    pub fn load_partition(&mut self, store: &StateStore, partition: i32) -> Result<(), StateError> {
+    /// Load a partition's pending deadlines after it was assigned and restored;
+    /// `applied` is the first intent offset its committed state does not reflect.
+    pub fn load_partition(
+        &mut self,
+        store: &StateStore,
+        partition: i32,
+        applied: i64,
+    ) -> Result<(), StateError> {
         for (step, d) in store.deadlines(partition)? {
-            self.due.insert((d, partition, Due::Step(step)));
+            self.due.insert((d, partition, step));
         }
-        for (offset, e) in store.fast_entries(partition)? {
-            self.due
-                .insert((e.deadline_ms, partition, Due::Fast(offset)));
-        }
+        self.applied.insert(partition, applied);
         Ok(())
     }
 
-    /// Forget a partition that moved away.
+    /// Forget a partition that moved away (its running calls still report).
     pub fn drop_partition(&mut self, partition: i32) {
         self.due.retain(|(_, p, _)| *p != partition);
+        self.fast.retain(|(p, _), _| *p != partition);
+        self.applied.remove(&partition);
+    }
+
+    /// A call of this process finished (whoever owns its partition now).
+    pub fn finished(&mut self, partition: i32, step: &StepKey, dispatch: u32) {
+        let key = (partition, step.clone());
+        if self.running.get(&key) == Some(&dispatch) {
+            self.running.remove(&key);
+        }
+    }
+
+    /// A started step's call was handed to the invoker (after its commit).
+    pub fn invoked(&mut self, partition: i32, call: &Call) {
+        if call.fast_ref.is_none() {
+            self.running
+                .insert((partition, call.step.clone()), call.dispatch);
+        }
     }
 
     /// An intent from an agent.
@@ -135,16 +184,27 @@ impl GateCore {
         input: &Input,
         now_ms: i64,
     ) -> Result<(), StateError> {
-        self.metrics.intent_received();
+        let p = input.partition;
+        // Below the watermark, the committed state already reflects this intent
+        // (re-read because a fast-path call before it was unanswered): only
+        // fast-path calls, which record nothing, are run again.
+        let replayed = self.applied.get(&p).is_some_and(|a| input.offset < *a);
+        if !replayed {
+            self.metrics.intent_received();
+        }
         let payload = input.payload.as_deref().unwrap_or_default();
         let intent = match parse_intent(payload, self.settings.max_intent_bytes, &self.tool_names) {
             Ok(i) => i,
+            Err(_) if replayed => return Ok(()),
             Err(rejection) => {
                 self.reject(input, rejection, now_ms);
                 return Ok(());
             }
         };
-        let p = input.partition;
+        let tool = &self.tools[&intent.tool];
+        if replayed && tool.recorded() {
+            return Ok(());
+        }
         let step = intent.step_key();
         let traceparent = input.traceparent();
         let _span = tracing::info_span!(
@@ -154,7 +214,7 @@ impl GateCore {
             traceparent = traceparent.as_deref().unwrap_or("")
         )
         .entered();
-        let tool = self.tools[&intent.tool].clone();
+        let tool = tool.clone();
         let existing = if tool.recorded() {
             batch.step(store, p, &step)?
         } else {
@@ -184,29 +244,28 @@ impl GateCore {
             return Ok(());
         }
         if !tool.recorded() {
-            let deadline_ms = now_ms + ms(self.settings.fast_path_timeout);
+            // Intent in, answer out: nothing durable in between.
             let entry = FastEntry {
                 step: step.clone(),
                 call_id: intent.call_id,
                 arguments: intent.arguments.clone(),
                 traceparent: traceparent.clone(),
                 dispatch: 1,
-                deadline_ms,
+                deadline_ms: 0,
                 intent_ts_ms: input.timestamp_ms,
             };
-            batch.put_fast(p, input.offset, &entry);
-            self.due.insert((deadline_ms, p, Due::Fast(input.offset)));
+            self.fast.insert((p, input.offset), entry);
             self.metrics.fast_path_call(&step);
-            self.outs.push(Out::Call {
-                partition: p,
-                call: Call {
+            self.immediate.push((
+                p,
+                Call {
                     step,
                     arguments: intent.arguments,
                     dispatch: 1,
                     fast_ref: Some(input.offset),
                     traceparent,
                 },
-            });
+            ));
             return Ok(());
         }
         match existing {
@@ -228,6 +287,12 @@ impl GateCore {
                             traceparent,
                             since_ms: input.timestamp_ms,
                         });
+                        // A verbatim repeat of a settled step changes nothing
+                        // worth a changelog record (metrics and the audit count
+                        // it); a rephrased one is kept for the audit.
+                        if !rephrased {
+                            return Ok(());
+                        }
                     }
                     _ => {
                         self.metrics.repeat(&step, true, rephrased);
@@ -244,8 +309,8 @@ impl GateCore {
         Ok(())
     }
 
-    /// Record a step's intent durably, then forward it — or, for an `approval`
-    /// tool, hold it for a person. `previous` is the record of a run an operator
+    /// Record a step as `started` (its call starts once that is committed) — or,
+    /// for an `approval` tool, hold it for a person. `previous` is the record of a run an operator
     /// declared not executed (its history is kept).
     #[allow(clippy::too_many_arguments)]
     fn begin_step(
@@ -266,7 +331,7 @@ impl GateCore {
         let phase = if awaits_approval {
             Phase::AwaitingApproval
         } else {
-            Phase::Intended
+            Phase::Started
         };
         let mut record = StepRecord {
             step: step.clone(),
@@ -323,14 +388,21 @@ impl GateCore {
             });
         } else {
             self.metrics.step_forwarded(&step, tool.category.as_str());
-            self.forward(p, &record);
+            self.start(p, &mut record, now_ms);
         }
         batch.put_step(store, p, &record)
     }
 
-    /// Send a recorded step's call to the executors.
-    fn forward(&mut self, partition: i32, record: &StepRecord) {
-        self.outs.push(Out::Call {
+    /// Mark a recorded step `started` with its deadline, and invoke its tool
+    /// once the batch carrying that record has committed.
+    fn start(&mut self, partition: i32, record: &mut StepRecord, now_ms: i64) {
+        let deadline =
+            now_ms + ms(self.tool_deadline(&record.step.tool) + self.settings.in_doubt_grace);
+        record.phase = Phase::Started;
+        record.started_at_ms = Some(now_ms);
+        record.deadline_ms = Some(deadline);
+        self.due.insert((deadline, partition, record.step.clone()));
+        self.outs.push(Out::Invoke {
             partition,
             call: Call {
                 step: record.step.clone(),
@@ -422,7 +494,6 @@ impl GateCore {
             }
             Action::Approve => {
                 record.operator_log.push(entry);
-                record.phase = Phase::Intended;
                 self.outs.push(Out::Approval {
                     partition: p,
                     event: decided(ApprovalKind::Approved {
@@ -432,7 +503,7 @@ impl GateCore {
                 });
                 self.metrics
                     .step_forwarded(&record.step, record.category.as_str());
-                self.forward(p, &record);
+                self.start(p, &mut record, now_ms);
                 batch.put_step(store, p, &record)?;
             }
             Action::Deny => {
@@ -513,7 +584,8 @@ impl GateCore {
         });
     }
 
-    /// Progress from an executor: `started`, or an outcome.
+    /// An outcome handed over through `progress` (a call whose partition moved
+    /// while it ran, or written by an earlier version's executors).
     pub fn on_progress(
         &mut self,
         store: &StateStore,
@@ -521,7 +593,6 @@ impl GateCore {
         input: &Input,
         now_ms: i64,
     ) -> Result<(), StateError> {
-        let p = input.partition;
         let payload = input.payload.as_deref().unwrap_or_default();
         let progress: Progress = match serde_json::from_slice(payload) {
             Ok(pr) => pr,
@@ -535,11 +606,32 @@ impl GateCore {
                 return Ok(());
             }
         };
+        // Fast-path outcomes are never handed over: their intent is re-read.
+        if progress.fast_ref.is_some() {
+            return Ok(());
+        }
+        self.on_outcome(store, batch, input.partition, progress, now_ms)
+    }
+
+    /// An invocation's outcome, for a partition this gate owns: answer a
+    /// fast-path call, or settle a step — once: a step no longer in flight
+    /// keeps its first outcome (a late one after `in_doubt` is kept for the
+    /// operator).
+    pub fn on_outcome(
+        &mut self,
+        store: &StateStore,
+        batch: &mut Batch,
+        p: i32,
+        progress: Progress,
+        now_ms: i64,
+    ) -> Result<(), StateError> {
+        let ProgressEvent::Finished { outcome } = progress.event else {
+            // `started` records of earlier versions' executors: the step
+            // record says all that is needed.
+            return Ok(());
+        };
         if let Some(fast_ref) = progress.fast_ref {
-            if let ProgressEvent::Finished { outcome } = progress.event
-                && let Some(entry) = batch.fast(store, p, fast_ref)?
-            {
-                batch.delete_fast(p, fast_ref);
+            if let Some(entry) = self.fast.remove(&(p, fast_ref)) {
                 let result =
                     ToolResult::from_outcome(&entry.step, entry.call_id, outcome, at(now_ms));
                 self.outs.push(Out::Result {
@@ -552,32 +644,16 @@ impl GateCore {
             return Ok(());
         }
         let Some(mut record) = batch.step(store, p, &progress.step)? else {
-            tracing::debug!(step = %progress.step, "progress for a step with no record (purged?): ignored");
+            tracing::debug!(step = %progress.step, "outcome for a step with no record (purged?): ignored");
             return Ok(());
         };
-        match progress.event {
-            ProgressEvent::Started => {
-                if record.phase == Phase::Intended && progress.dispatch == record.dispatch {
-                    let deadline = now_ms
-                        + ms(self.tool_deadline(&record.step.tool) + self.settings.in_doubt_grace);
-                    record.phase = Phase::Started;
-                    record.started_at_ms = Some(progress.at_ms);
-                    record.deadline_ms = Some(deadline);
-                    batch.put_step(store, p, &record)?;
-                    self.due
-                        .insert((deadline, p, Due::Step(record.step.clone())));
-                }
-            }
-            ProgressEvent::Finished { outcome } => {
-                if record.phase.in_flight() {
-                    let phase = Phase::settled_by(&outcome);
-                    self.settle(store, batch, p, record, outcome, phase, now_ms)?;
-                } else if record.phase == Phase::InDoubt && record.late_outcome.is_none() {
-                    self.metrics.late_outcome(&record.step);
-                    record.late_outcome = Some(outcome);
-                    batch.put_step(store, p, &record)?;
-                }
-            }
+        if record.phase.in_flight() && record.phase != Phase::AwaitingApproval {
+            let phase = Phase::settled_by(&outcome);
+            self.settle(store, batch, p, record, outcome, phase, now_ms)?;
+        } else if record.phase == Phase::InDoubt && record.late_outcome.is_none() {
+            self.metrics.late_outcome(&record.step);
+            record.late_outcome = Some(outcome);
+            batch.put_step(store, p, &record)?;
         }
         Ok(())
     }
@@ -628,69 +704,51 @@ impl GateCore {
         batch.put_step(store, p, &record)
     }
 
-    /// Act on every deadline that has passed: re-forward where re-running is safe,
-    /// declare the rest in doubt.
+    /// Act on every deadline that has passed: a call still running here gets
+    /// more time (its outcome will come); otherwise re-run where that is safe,
+    /// and declare the rest in doubt.
     pub fn on_deadlines(
         &mut self,
         store: &StateStore,
         batch: &mut Batch,
         now_ms: i64,
     ) -> Result<(), StateError> {
-        while let Some((deadline, p, due)) = self.due.first().cloned() {
+        while let Some((deadline, p, step)) = self.due.first().cloned() {
             if deadline > now_ms {
                 break;
             }
             self.due.pop_first();
-            match due {
-                Due::Step(step) => {
-                    let Some(mut record) = batch.step(store, p, &step)? else {
-                        continue;
-                    };
-                    if record.phase != Phase::Started || record.deadline_ms != Some(deadline) {
-                        continue; // settled or re-dispatched since
-                    }
-                    if record.category.rerun_is_safe() {
-                        record.dispatch += 1;
-                        record.phase = Phase::Intended;
-                        record.started_at_ms = None;
-                        record.deadline_ms = None;
-                        batch.put_step(store, p, &record)?;
-                        self.metrics.reforwarded(&step, record.dispatch);
-                        self.forward(p, &record);
-                    } else {
-                        let outcome = Outcome::InDoubt {
-                            error: ErrorBody {
-                                kind: "executor_lost".into(),
-                                message: Texts::in_doubt_lost(&step.tool),
-                            },
-                        };
-                        let phase = Phase::settled_by(&outcome);
-                        self.settle(store, batch, p, record, outcome, phase, now_ms)?;
-                    }
-                }
-                Due::Fast(offset) => {
-                    let Some(mut entry) = batch.fast(store, p, offset)? else {
-                        continue;
-                    };
-                    if entry.deadline_ms != deadline {
-                        continue;
-                    }
-                    entry.dispatch += 1;
-                    entry.deadline_ms = now_ms + ms(self.settings.fast_path_timeout);
-                    batch.put_fast(p, offset, &entry);
-                    self.due.insert((entry.deadline_ms, p, Due::Fast(offset)));
-                    self.metrics.reforwarded(&entry.step, entry.dispatch);
-                    self.outs.push(Out::Call {
-                        partition: p,
-                        call: Call {
-                            step: entry.step,
-                            arguments: entry.arguments,
-                            dispatch: entry.dispatch,
-                            fast_ref: Some(offset),
-                            traceparent: entry.traceparent,
-                        },
-                    });
-                }
+            let Some(mut record) = batch.step(store, p, &step)? else {
+                continue;
+            };
+            // `intended` is a record of an earlier version (forwarded to an
+            // executor, maybe started there): treated as started.
+            let waiting = matches!(record.phase, Phase::Started | Phase::Intended);
+            if !waiting || record.deadline_ms.is_some_and(|d| d != deadline) {
+                continue; // settled or re-run since
+            }
+            if self.running.get(&(p, step.clone())) == Some(&record.dispatch) {
+                // Queued for a slot or retrying: the invocation reports itself.
+                let later = now_ms + ms(self.tool_deadline(&step.tool));
+                record.deadline_ms = Some(later);
+                self.due.insert((later, p, step));
+                batch.put_step(store, p, &record)?;
+                continue;
+            }
+            if record.category.rerun_is_safe() {
+                record.dispatch += 1;
+                self.metrics.reforwarded(&step, record.dispatch);
+                self.start(p, &mut record, now_ms);
+                batch.put_step(store, p, &record)?;
+            } else {
+                let outcome = Outcome::InDoubt {
+                    error: ErrorBody {
+                        kind: "executor_lost".into(),
+                        message: Texts::in_doubt_lost(&step.tool),
+                    },
+                };
+                let phase = Phase::settled_by(&outcome);
+                self.settle(store, batch, p, record, outcome, phase, now_ms)?;
             }
         }
         Ok(())

@@ -1,20 +1,28 @@
-//! The gate: a consumer group over `intents`, the executors' `progress` and the
-//! operators' `commands`.
+//! The gate: a consumer group over `intents`, operators' `commands` and the
+//! `progress` of calls whose partition moved; the owner of a partition invokes
+//! its tools ([`crate::executor::Invoker`]).
 //!
-//! Per batch (every `gate.commit_interval` or `gate.max_batch` inputs): decide
-//! ([`GateCore`]), write the state durably (one synced RocksDB batch), then commit
-//! the forwarded calls, the answers and the input offsets in one Kafka transaction.
-//! The gate never calls a tool.
+//! One pass per step. A batch's decisions ([`GateCore`]) — step records, answers,
+//! input offsets — are committed in one Kafka transaction, the step records as
+//! changelog records; only after it commits are they applied to RocksDB (a cache
+//! of the changelog) and the batch's calls started. So a new recorded step costs
+//! two commits: `started` with the intent's offset, then the outcome with the
+//! answer. While one batch commits, the next is decided; it is closed when that
+//! commit returns (or at `gate.max_batch` inputs), so at low load an answer waits
+//! for about one commit. If a commit fails, the batch after it is dropped and the
+//! session restarts from what Kafka committed.
 
 mod core;
 
 pub use self::core::{GateCore, GateSettings, Input, Out};
 
 use crate::config::Config;
-use crate::contract::ToolResult;
+use crate::contract::{Call, Progress, ToolResult};
+use crate::executor::{Finished, Invoker};
 use crate::kafka::{self, OutRecord, RebalanceContext, RebalanceEvent, TxnConsumer};
-use crate::state::{Batch, Reconciled, StateError, StateStore};
+use crate::state::{Batch, StateError, StateStore};
 use crate::telemetry::{Health, Metrics};
+use futures::FutureExt;
 use rdkafka::consumer::Consumer;
 use rdkafka::error::KafkaError;
 use rdkafka::message::Message;
@@ -24,6 +32,8 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use thiserror::Error;
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
@@ -39,21 +49,27 @@ pub enum GateError {
     Unassigned(Duration),
     #[error("restoring partition {partition} from the changelog did not finish within {limit:?}")]
     RestoreTimeout { partition: i32, limit: Duration },
+    #[error("the commit task failed")]
+    Join(#[from] tokio::task::JoinError),
 }
 
-/// The offset-metadata tag carrying a partition's last committed batch number.
-const SEQ_TAG: &str = "stepgate-seq:";
+/// The offset-metadata tag carrying, per intents partition, the first offset
+/// not yet applied: the committed offset may lag it (held at an unanswered
+/// fast-path call), and intents re-read below it are not applied twice.
+const APPLIED_TAG: &str = "stepgate-applied:";
 
 /// Per-partition bookkeeping of an owned partition.
 struct Owned {
-    /// Last batch number committed for this partition (None before the first).
-    seq: Option<u64>,
-    /// Next intents offset to commit.
-    intents_next: i64,
+    /// First intents offset not yet applied (consumed and decided).
+    applied: i64,
+    /// The intents offset last committed for this partition.
+    committed: i64,
 }
 
 /// Run the gate until `shutdown`; recoverable failures restart the session from
-/// the last committed offsets.
+/// the last committed offsets. Calls running when a session ends keep running,
+/// and their outcomes are settled by the next session (or handed to the
+/// partition's new owner).
 pub async fn run(
     config: Arc<Config>,
     store: Arc<StateStore>,
@@ -62,6 +78,9 @@ pub async fn run(
     shutdown: CancellationToken,
 ) -> Result<(), GateError> {
     let mut core = GateCore::new(&config, metrics.clone());
+    let (invoker, mut outcomes) = Invoker::new(&config, metrics.clone());
+    // Outcomes received but not yet committed, carried into the next session.
+    let mut carry: Vec<Finished> = Vec::new();
     let mut backoff = Duration::from_millis(250);
     loop {
         let mut session = Session {
@@ -69,10 +88,14 @@ pub async fn run(
             store: &store,
             metrics: &metrics,
             health: &health,
+            invoker: &invoker,
             owned: HashMap::new(),
             assigned: BTreeSet::new(),
+            ever_assigned: false,
+            backlog: std::mem::take(&mut carry),
         };
-        let result = session.run(&mut core, &shutdown).await;
+        let result = session.run(&mut core, &mut outcomes, &shutdown).await;
+        carry.append(&mut session.backlog);
         health.set_gate_ready(false);
         core.reset();
         match result {
@@ -92,28 +115,67 @@ pub async fn run(
 
 struct Session<'a> {
     config: &'a Config,
-    store: &'a StateStore,
+    store: &'a Arc<StateStore>,
     metrics: &'a Arc<Metrics>,
     health: &'a Health,
+    invoker: &'a Invoker,
     owned: HashMap<i32, Owned>,
     assigned: BTreeSet<i32>,
+    /// Whether this session's consumer has been given its partitions yet: only
+    /// then can an outcome's partition be known to belong elsewhere.
+    ever_assigned: bool,
+    /// Outcomes waiting for the session to know its partitions.
+    backlog: Vec<Finished>,
 }
 
 /// What one batch has gathered.
-#[derive(Default)]
 struct Pending {
     batch: Batch,
     inputs: usize,
+    /// Per intents partition, the next offset after the last intent consumed.
     intents_next: BTreeMap<i32, i64>,
     /// Next offsets of the other inputs (progress, commands).
     others_next: BTreeMap<(String, i32), i64>,
-    started: Option<Instant>,
+    /// Outcomes decided in this batch (carried to the next session if it fails).
+    outcomes: Vec<Finished>,
+    /// Outcomes of partitions owned elsewhere, handed over through `progress`.
+    orphans: Vec<Finished>,
+}
+
+impl Pending {
+    fn on_top_of(below: Option<Arc<Batch>>) -> Pending {
+        Pending {
+            batch: Batch::on_top_of(below),
+            inputs: 0,
+            intents_next: BTreeMap::new(),
+            others_next: BTreeMap::new(),
+            outcomes: Vec::new(),
+            orphans: Vec::new(),
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.inputs == 0 && self.batch.is_empty() && self.outcomes.is_empty()
+    }
+}
+
+/// A batch whose transaction is being committed.
+struct InFlight {
+    task: JoinHandle<Result<BTreeMap<i32, i64>, GateError>>,
+    batch: Arc<Batch>,
+    invokes: Vec<(i32, Call)>,
+    results: Vec<(String, bool, Option<i64>)>,
+    outcomes: Vec<Finished>,
+    /// Per intents partition: (applied, committed) once this batch commits.
+    offsets: BTreeMap<i32, (i64, i64)>,
+    started: Instant,
 }
 
 impl Session<'_> {
     async fn run(
         &mut self,
         core: &mut GateCore,
+        outcomes: &mut mpsc::UnboundedReceiver<Finished>,
         shutdown: &CancellationToken,
     ) -> Result<(), GateError> {
         let k = &self.config.kafka;
@@ -128,7 +190,54 @@ impl Session<'_> {
         consumer.subscribe(&[&k.topics.intents, &k.topics.progress, &k.topics.commands])?;
         info!(intents = %k.topics.intents, progress = %k.topics.progress, commands = %k.topics.commands, "gate consuming");
 
-        let commit_interval = self.config.gate.commit_interval.0;
+        let mut in_flight: Option<InFlight> = None;
+        let mut pending = Pending::on_top_of(None);
+        let result = self
+            .serve(
+                core,
+                &consumer,
+                &producer,
+                &mut events,
+                outcomes,
+                &mut pending,
+                &mut in_flight,
+                shutdown,
+            )
+            .await;
+        // A commit in flight ends either way: what committed is honoured (applied,
+        // its calls started); what did not is re-read.
+        let landed = match in_flight.take() {
+            Some(f) => self.land(core, f).await,
+            None => Ok(()),
+        };
+        let result = match (result, landed) {
+            (Ok(()), Ok(())) => {
+                self.shut_down(core, &consumer, &producer, outcomes, pending)
+                    .await
+            }
+            (Err(e), _) | (Ok(()), Err(e)) => {
+                self.backlog.extend(pending.outcomes);
+                Err(e)
+            }
+        };
+        drop(producer);
+        drop(consumer);
+        result
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn serve(
+        &mut self,
+        core: &mut GateCore,
+        consumer: &Arc<TxnConsumer>,
+        producer: &FutureProducer,
+        events: &mut mpsc::UnboundedReceiver<RebalanceEvent>,
+        outcomes: &mut mpsc::UnboundedReceiver<Finished>,
+        pending: &mut Pending,
+        in_flight: &mut Option<InFlight>,
+        shutdown: &CancellationToken,
+    ) -> Result<(), GateError> {
+        let k = &self.config.kafka;
         let purge_interval = self.config.state.purge_interval.0;
         let mut last_purge = Instant::now();
         let mut last_size = Instant::now();
@@ -136,18 +245,44 @@ impl Session<'_> {
         let mut healthy_since = Instant::now();
         let stuck_after = k.session_timeout.0 * 3;
         let mut unassigned_since = Instant::now();
-        let mut tick = tokio::time::interval(commit_interval);
+        let mut tick = tokio::time::interval(TICK);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut pending = Pending::default();
-        let result = loop {
-            tokio::select! {
+        let max_batch = self.config.gate.max_batch;
+        loop {
+            let step = tokio::select! {
                 biased;
-                _ = shutdown.cancelled() => break Ok(()),
-                Some(ev) = events.recv() => {
-                    let open = pending.inputs > 0 || !pending.batch.is_empty() || core.has_outs();
-                    self.on_rebalance(core, &consumer, ev, open).await?
+                _ = shutdown.cancelled() => return Ok(()),
+                Some(ev) = events.recv() => Step::Rebalance(ev),
+                done = wait_commit(in_flight) => Step::Committed(done.map_err(GateError::from).and_then(|r| r)),
+                Some(f) = outcomes.recv() => Step::Outcome(f),
+                _ = tick.tick() => Step::Tick,
+                msg = consumer.recv(), if pending.inputs < max_batch => {
+                    Step::Input(msg.map(|m| kafka::to_input(&m)))
                 }
-                _ = tick.tick() => {
+            };
+            match step {
+                Step::Rebalance(ev) => {
+                    // A revoke waits for the commit in flight: it either landed
+                    // (and is honoured) or is re-read by the next owner.
+                    if matches!(ev, RebalanceEvent::Revoked(_))
+                        && let Some(f) = in_flight.take()
+                    {
+                        self.land(core, f).await?;
+                    }
+                    let open = !pending.is_empty() || core.has_outs();
+                    self.on_rebalance(core, consumer, ev, open).await?;
+                    if self.ever_assigned {
+                        for f in std::mem::take(&mut self.backlog) {
+                            self.on_finished(core, consumer, pending, f).await?;
+                        }
+                    }
+                }
+                Step::Committed(r) => {
+                    let f = in_flight.take().expect("a commit was in flight");
+                    self.landed(core, f, r)?;
+                }
+                Step::Outcome(f) => self.on_finished(core, consumer, pending, f).await?,
+                Step::Tick => {
                     // A member left without partitions for this long (e.g.
                     // fenced while the broker restarted) starts over.
                     if self.assigned.is_empty() && unassigned_since.elapsed() > stuck_after {
@@ -172,56 +307,106 @@ impl Session<'_> {
                         last_size = Instant::now();
                         self.metrics.state_size(&self.store.size());
                     }
-                    // Work from deadlines and purges alone is committed at once;
-                    // with inputs it joins their batch.
-                    if pending.inputs == 0 && (core.has_outs() || !pending.batch.is_empty()) {
-                        self.flush(core, &consumer, &producer, std::mem::take(&mut pending)).await?;
-                    }
                 }
-                // A batch closes `commit_interval` after its first input.
-                _ = batch_closes(pending.started, commit_interval) => {
-                    self.flush(core, &consumer, &producer, std::mem::take(&mut pending)).await?;
-                }
-                msg = consumer.recv() => {
-                    let input = match msg {
-                        Ok(m) => kafka::to_input(&m),
-                        Err(e) => {
-                            warn!(error = %e, "consumer error (librdkafka retries by itself)");
-                            healthy_since = Instant::now();
-                            continue;
+                Step::Input(first) => {
+                    let mut next = Some(first);
+                    // Take in what is already here before the batch closes.
+                    while let Some(msg) = next.take() {
+                        match msg {
+                            Ok(input) => self.on_input(core, consumer, pending, input).await?,
+                            Err(e) => {
+                                warn!(error = %e, "consumer error (librdkafka retries by itself)");
+                                healthy_since = Instant::now();
+                                break;
+                            }
                         }
-                    };
-                    self.ensure_owned(core, &consumer, input.partition).await?;
-                    let now = now_ms();
-                    if input.topic == k.topics.intents {
-                        core.on_intent(self.store, &mut pending.batch, &input, now)?;
-                        pending.intents_next.insert(input.partition, input.offset + 1);
-                    } else {
-                        if input.topic == k.topics.commands {
-                            core.on_command(self.store, &mut pending.batch, &input, now)?;
-                        } else {
-                            core.on_progress(self.store, &mut pending.batch, &input, now)?;
+                        if pending.inputs < max_batch {
+                            next = consumer
+                                .recv()
+                                .now_or_never()
+                                .map(|m| m.map(|m| kafka::to_input(&m)));
                         }
-                        pending.others_next.insert((input.topic.clone(), input.partition), input.offset + 1);
-                    }
-                    pending.inputs += 1;
-                    pending.started.get_or_insert_with(Instant::now);
-                    if pending.inputs >= self.config.gate.max_batch {
-                        self.flush(core, &consumer, &producer, std::mem::take(&mut pending)).await?;
                     }
                 }
             }
-        };
-        // Commit what is done before leaving; what was not committed is re-read
-        // by the next owner (and undone here at the next start).
-        if result.is_ok()
-            && (pending.started.is_some() || !pending.batch.is_empty() || core.has_outs())
-        {
-            self.flush(core, &consumer, &producer, pending).await?;
+            // Fast-path calls start at once: they record nothing first.
+            for (p, call) in core.take_immediate() {
+                self.invoker.start(p, call);
+            }
+            // Group commit: a batch closes when the previous commit returns.
+            if in_flight.is_none() && (!pending.is_empty() || core.has_outs()) {
+                let closing = std::mem::replace(pending, Pending::on_top_of(None));
+                let f = self.send(core, consumer, producer, closing)?;
+                *pending = Pending::on_top_of(Some(f.batch.clone()));
+                *in_flight = Some(f);
+            }
         }
-        drop(producer);
-        drop(consumer);
-        result
+    }
+
+    async fn on_input(
+        &mut self,
+        core: &mut GateCore,
+        consumer: &Arc<TxnConsumer>,
+        pending: &mut Pending,
+        input: Input,
+    ) -> Result<(), GateError> {
+        let topics = &self.config.kafka.topics;
+        self.ensure_owned(core, consumer, input.partition).await?;
+        let now = now_ms();
+        if input.topic == topics.intents {
+            core.on_intent(self.store, &mut pending.batch, &input, now)?;
+            pending
+                .intents_next
+                .insert(input.partition, input.offset + 1);
+        } else {
+            if input.topic == topics.commands {
+                core.on_command(self.store, &mut pending.batch, &input, now)?;
+            } else {
+                core.on_progress(self.store, &mut pending.batch, &input, now)?;
+            }
+            pending
+                .others_next
+                .insert((input.topic.clone(), input.partition), input.offset + 1);
+        }
+        pending.inputs += 1;
+        Ok(())
+    }
+
+    /// An invocation of this process finished: settle it here if this session
+    /// owns its partition, hand it to the owner through `progress` if another
+    /// member does, or hold it until the session knows.
+    async fn on_finished(
+        &mut self,
+        core: &mut GateCore,
+        consumer: &Arc<TxnConsumer>,
+        pending: &mut Pending,
+        f: Finished,
+    ) -> Result<(), GateError> {
+        let p = f.partition;
+        core.finished(p, &f.progress.step, f.progress.dispatch);
+        let fast = f.progress.fast_ref.is_some();
+        if self.assigned.contains(&p) {
+            self.ensure_owned(core, consumer, p).await?;
+            core.on_outcome(
+                self.store,
+                &mut pending.batch,
+                p,
+                f.progress.clone(),
+                now_ms(),
+            )?;
+            if !fast {
+                pending.outcomes.push(f);
+            }
+        } else if fast {
+            // Its intent is re-read by the partition's owner: nothing to hand over.
+        } else if self.ever_assigned {
+            self.metrics.outcome_handed_over(p, &f.progress.step);
+            pending.orphans.push(f.clone());
+            pending.outcomes.push(f);
+        } else {
+            self.backlog.push(f);
+        }
+        Ok(())
     }
 
     async fn on_rebalance(
@@ -235,6 +420,7 @@ impl Session<'_> {
             RebalanceEvent::Assigned(parts) => {
                 let ps: BTreeSet<i32> = parts.iter().map(|(_, p)| *p).collect();
                 info!(partitions = ?ps, "partitions assigned");
+                self.ever_assigned = true;
                 self.assigned.extend(ps.iter().copied());
                 for p in ps {
                     self.ensure_owned(core, consumer, p).await?;
@@ -263,8 +449,8 @@ impl Session<'_> {
         Ok(())
     }
 
-    /// Before a partition's first input: reconcile its state with what Kafka
-    /// committed, and load its pending deadlines.
+    /// Before a partition's first input: bring its local state up to the
+    /// changelog's end, and load its pending deadlines.
     async fn ensure_owned(
         &mut self,
         core: &mut GateCore,
@@ -276,211 +462,253 @@ impl Session<'_> {
         }
         let topics = self.config.kafka.topics.clone();
         let c = consumer.clone();
-        let (intents_off, seq_meta) = kafka::blocking(move || {
+        let (committed, meta) = kafka::blocking(move || {
             let mut tpl = TopicPartitionList::new();
             tpl.add_partition(&topics.intents, p);
             let committed = c.committed_offsets(tpl, Duration::from_secs(30))?;
             let i = committed.find_partition(&topics.intents, p);
-            let intents = i
+            // Nothing committed yet: from 0 — with auto.offset.reset=earliest
+            // that also covers a log whose start moved. (Not a watermark query:
+            // those were seen to time out for minutes after a broker restart.)
+            let off = i
                 .as_ref()
                 .and_then(|e| e.offset().to_raw())
-                .filter(|o| *o >= 0);
+                .filter(|o| *o >= 0)
+                .unwrap_or(0);
             let meta = i.map(|e| e.metadata().to_owned()).unwrap_or_default();
-            // Nothing committed yet: commit from 0 when needed — with
-            // auto.offset.reset=earliest that also covers a log whose start moved.
-            // (Not a watermark query: those were seen to time out for minutes
-            // after a broker restart.)
-            let intents = intents.unwrap_or(0);
             drop(committed);
-            Ok((intents, meta))
+            Ok::<_, KafkaError>((off, meta))
         })
         .await?;
-        let committed_seq = seq_meta
-            .strip_prefix(SEQ_TAG)
-            .and_then(|s| s.parse::<u64>().ok());
-        let nothing_local = self.store.applied_seq(p)?.is_none();
-        let restore = match self.store.reconcile(p, committed_seq)? {
-            // Nothing here and nothing committed: a new deployment, or the
-            // group's offsets are gone (expired, a new group id) while the
-            // changelog still holds the truth. Reading the changelog tells
-            // (an empty partition ends at once).
-            Reconciled::InSync if committed_seq.is_none() && nothing_local => {
-                let (c, topic) = (consumer.clone(), self.config.kafka.topics.changelog.clone());
-                match kafka::blocking(move || {
-                    c.fetch_watermarks(&topic, p, Duration::from_secs(10))
-                })
-                .await
-                {
-                    Ok((low, high)) => high > low,
-                    // Unknown: reading the changelog will tell.
-                    Err(_) => true,
-                }
-            }
-            Reconciled::InSync => false,
-            Reconciled::RolledBack { seq } => {
-                self.metrics.rolled_back(p, seq);
-                false
-            }
-            Reconciled::Diverged {
-                state_seq,
-                committed_seq,
-            } => {
-                // New owner, lost disk, or state from another history: the
-                // changelog is the truth up to the last committed batch.
-                self.metrics.divergence(p, state_seq, committed_seq);
-                true
-            }
-        };
-        if restore {
-            let started = Instant::now();
-            let n = tokio::task::block_in_place(|| {
-                restore_partition(&self.config.kafka, self.store, p)
-            })?;
-            self.store.finish_restore(p, committed_seq)?;
-            if n > 0 {
-                self.metrics.restored(p, n, started.elapsed());
-            }
+        let applied = meta
+            .strip_prefix(APPLIED_TAG)
+            .and_then(|s| s.parse::<i64>().ok())
+            .map_or(committed, |a| a.max(committed));
+        let started = Instant::now();
+        let store = self.store.clone();
+        let cfg = self.config.kafka.clone();
+        let restored =
+            tokio::task::spawn_blocking(move || restore_partition(&cfg, &store, p)).await??;
+        if restored.full {
+            self.metrics.full_restore(p);
+        }
+        let n = restored.records;
+        if n > 0 {
+            self.metrics.restored(p, n, started.elapsed());
             self.metrics.state_size(&self.store.size());
         }
-        let seq = committed_seq;
-        core.load_partition(self.store, p)?;
-        self.owned.insert(
-            p,
-            Owned {
-                seq,
-                intents_next: intents_off,
-            },
-        );
+        core.load_partition(self.store, p, applied)?;
+        self.owned.insert(p, Owned { applied, committed });
         self.assigned.insert(p);
         self.health
             .set_gate_ready(self.assigned.iter().all(|q| self.owned.contains_key(q)));
         Ok(())
     }
 
-    /// Commit one batch: state first (synced), then the transaction with its
-    /// messages and input offsets.
-    async fn flush(
+    /// Close a batch: produce its messages and changelog records, its input
+    /// offsets, and commit — in a task, while the next batch is decided.
+    fn send(
         &mut self,
         core: &mut GateCore,
         consumer: &Arc<TxnConsumer>,
         producer: &FutureProducer,
-        pending: Pending,
-    ) -> Result<(), GateError> {
-        let outs = core.take_outs();
-        if pending.batch.is_empty() && outs.is_empty() && pending.inputs == 0 {
-            return Ok(());
-        }
+        mut pending: Pending,
+    ) -> Result<InFlight, GateError> {
         let started = Instant::now();
-        let touched = pending.batch.partitions();
-        let mut seqs = BTreeMap::new();
-        for p in &touched {
-            let o = self.owned.get(p).map(|o| o.seq).unwrap_or_default();
-            seqs.insert(*p, o.map_or(1, |s| s + 1));
+        pending.batch.detach();
+        let t = &self.config.kafka.topics;
+        let mut invokes = Vec::new();
+        let mut records = Vec::new();
+        let mut results = Vec::new();
+        let mut touched: BTreeSet<i32> = pending.batch.partitions();
+        for o in core.take_outs() {
+            match o {
+                Out::Invoke { partition, call } => invokes.push((partition, call)),
+                Out::Result {
+                    partition,
+                    result,
+                    traceparent,
+                    since_ms,
+                } => {
+                    touched.insert(partition);
+                    results.push((
+                        result.status.as_str().to_owned(),
+                        result.deduplicated,
+                        since_ms,
+                    ));
+                    records.push(result_record(
+                        &t.results,
+                        partition,
+                        &result,
+                        traceparent.as_deref(),
+                    ));
+                }
+                other => records.push(self.record(&other)),
+            }
         }
-        producer.begin_transaction()?;
-        let mut records: Vec<OutRecord> = outs.iter().map(|o| self.record(o)).collect();
-        let changelog_topic = &self.config.kafka.topics.changelog;
+        for f in &pending.orphans {
+            records.push(progress_record(&t.progress, f.partition, &f.progress));
+        }
         records.extend(pending.batch.changelog().into_iter().map(|e| OutRecord {
-            topic: changelog_topic.clone(),
+            topic: t.changelog.clone(),
             partition: Some(e.partition),
             key: Some(e.key),
             payload: e.value,
             headers: Vec::new(),
         }));
-        let sent = async {
-            // Produce first (it needs no state), then make the state durable while
-            // deliveries are in flight, then commit.
-            let send = kafka::send_all(producer, &records);
-            let state = async {
-                let t = Instant::now();
-                let written = self.store.commit(pending.batch, &seqs);
-                self.metrics.state_written(t.elapsed());
-                written.map_err(GateError::from)
-            };
-            let (s, st) = tokio::join!(send, state);
-            st?;
-            s?;
-            if !touched.is_empty() {
-                crash_point::state_written();
-            }
-            let mut tpl = TopicPartitionList::new();
-            let topics = &self.config.kafka.topics;
-            let intent_parts: BTreeSet<i32> = pending
+        // Offsets: every intents partition this batch consumed from or writes
+        // for (so a fenced member's transaction cannot commit), and any whose
+        // committed offset may move now that a fast-path call was answered.
+        let mut offsets = BTreeMap::new();
+        let mut tpl = TopicPartitionList::new();
+        for (p, o) in &self.owned {
+            let applied = pending
                 .intents_next
-                .keys()
-                .chain(touched.iter())
-                .copied()
-                .collect();
-            for p in intent_parts {
-                let owned = self.owned.get(&p);
-                let next = pending
-                    .intents_next
-                    .get(&p)
-                    .copied()
-                    .or(owned.map(|o| o.intents_next))
-                    .unwrap_or(0);
-                let seq = seqs.get(&p).copied().or(owned.and_then(|o| o.seq));
-                let mut e = tpl.add_partition(&topics.intents, p);
-                e.set_offset(Offset::Offset(next))?;
-                e.set_metadata(seq.map(|s| format!("{SEQ_TAG}{s}")).unwrap_or_default());
+                .get(p)
+                .map_or(o.applied, |n| (*n).max(o.applied));
+            let next = pending.intents_next.get(p).copied().unwrap_or(o.applied);
+            let commit = core.first_unanswered(*p).map_or(next, |f| f.min(next));
+            if commit == o.committed && applied == o.applied && !touched.contains(p) {
+                continue;
             }
-            for ((topic, p), next) in &pending.others_next {
-                tpl.add_partition_offset(topic, *p, Offset::Offset(*next))?;
-            }
-            if tpl.count() > 0 {
-                kafka::send_offsets(producer, consumer, tpl).await?;
-            }
-            kafka::commit_txn(producer).await?;
-            Ok::<(), GateError>(())
+            let mut e = tpl.add_partition(&t.intents, *p);
+            e.set_offset(Offset::Offset(commit))?;
+            e.set_metadata(format!("{APPLIED_TAG}{applied}"));
+            offsets.insert(*p, (applied, commit));
         }
-        .await;
-        if let Err(e) = sent {
-            kafka::abort_txn(producer).await;
-            // The next session reconciles these partitions against Kafka and undoes
-            // the state of this batch.
-            return Err(e);
+        for ((topic, p), next) in &pending.others_next {
+            tpl.add_partition_offset(topic, *p, Offset::Offset(*next))?;
         }
-        for (p, s) in seqs {
+        let batch = Arc::new(pending.batch);
+        let changelog = t.changelog.clone();
+        let (producer, consumer) = (producer.clone(), consumer.clone());
+        let task = tokio::spawn(async move {
+            producer.begin_transaction()?;
+            let sent = async {
+                let landed = kafka::send_all(&producer, &records).await?;
+                if tpl.count() > 0 {
+                    kafka::send_offsets(&producer, &consumer, tpl).await?;
+                }
+                crash_point::before_commit();
+                kafka::commit_txn(&producer).await?;
+                // Where the changelog records landed: the local state will
+                // reflect each partition's changelog up to there.
+                let mut next = BTreeMap::new();
+                for (r, (p, o)) in records.iter().zip(landed) {
+                    if r.topic == changelog {
+                        let n = next.entry(p).or_insert(o + 1);
+                        *n = (*n).max(o + 1);
+                    }
+                }
+                Ok::<_, GateError>(next)
+            }
+            .await;
+            if sent.is_err() {
+                kafka::abort_txn(&producer).await;
+            }
+            sent
+        });
+        Ok(InFlight {
+            task,
+            batch,
+            invokes,
+            results,
+            outcomes: pending.outcomes,
+            offsets,
+            started,
+        })
+    }
+
+    /// Wait for a batch's commit and act on it.
+    async fn land(&mut self, core: &mut GateCore, mut f: InFlight) -> Result<(), GateError> {
+        let r = (&mut f.task).await;
+        self.landed(core, f, r.map_err(GateError::from).and_then(|r| r))
+    }
+
+    /// A batch's commit returned: on success apply it to the local state, move
+    /// the offsets and start its calls; on failure keep its outcomes for the next
+    /// session, which re-reads its inputs.
+    fn landed(
+        &mut self,
+        core: &mut GateCore,
+        f: InFlight,
+        r: Result<BTreeMap<i32, i64>, GateError>,
+    ) -> Result<(), GateError> {
+        let next = match r {
+            Ok(n) => n,
+            Err(e) => {
+                self.backlog.extend(f.outcomes);
+                return Err(e);
+            }
+        };
+        let t = Instant::now();
+        self.store.apply(&f.batch, &next)?;
+        self.metrics.state_written(t.elapsed());
+        for (p, (applied, committed)) in f.offsets {
             if let Some(o) = self.owned.get_mut(&p) {
-                o.seq = Some(s);
+                o.applied = applied;
+                o.committed = committed;
             }
         }
-        for (p, next) in pending.intents_next {
-            if let Some(o) = self.owned.get_mut(&p) {
-                o.intents_next = next;
-            }
+        for (p, call) in f.invokes {
+            core.invoked(p, &call);
+            self.invoker.start(p, call);
         }
         let now = now_ms();
-        for o in &outs {
-            if let Out::Result {
-                result, since_ms, ..
-            } = o
-            {
-                let latency = since_ms.map(|t| Duration::from_millis((now - t).max(0) as u64));
-                self.metrics
-                    .result_published(result.status.as_str(), result.deduplicated, latency);
+        for (status, deduplicated, since_ms) in &f.results {
+            let latency = since_ms.map(|t| Duration::from_millis((now - t).max(0) as u64));
+            self.metrics
+                .result_published(status, *deduplicated, latency);
+        }
+        self.metrics.committed(f.started.elapsed());
+        Ok(())
+    }
+
+    /// SIGTERM: commit what is decided (its calls start), let running calls
+    /// finish within `executor.drain_timeout`, and commit their outcomes. Calls
+    /// still running then stay `started`; their deadline settles them.
+    async fn shut_down(
+        &mut self,
+        core: &mut GateCore,
+        consumer: &Arc<TxnConsumer>,
+        producer: &FutureProducer,
+        outcomes: &mut mpsc::UnboundedReceiver<Finished>,
+        pending: Pending,
+    ) -> Result<(), GateError> {
+        if !pending.is_empty() || core.has_outs() {
+            let f = self.send(core, consumer, producer, pending)?;
+            self.land(core, f).await?;
+        }
+        let until = Instant::now() + self.config.executor.drain_timeout.0;
+        let mut pending = Pending::on_top_of(None);
+        while self.invoker.running() > 0 {
+            match tokio::time::timeout_at(until.into(), outcomes.recv()).await {
+                Ok(Some(f)) => self.on_finished(core, consumer, &mut pending, f).await?,
+                _ => break,
             }
         }
-        self.metrics.committed(started.elapsed());
+        while let Ok(f) = outcomes.try_recv() {
+            self.on_finished(core, consumer, &mut pending, f).await?;
+        }
+        if self.invoker.running() > 0 {
+            warn!(
+                calls = self.invoker.running(),
+                "drain timeout: calls still running stay `started`; their deadline settles them"
+            );
+        }
+        if !pending.is_empty() || core.has_outs() {
+            let f = self.send(core, consumer, producer, pending)?;
+            self.land(core, f).await?;
+        }
         Ok(())
     }
 
     fn record(&self, out: &Out) -> OutRecord {
         let t = &self.config.kafka.topics;
         match out {
-            Out::Call { partition, call } => OutRecord {
-                topic: t.calls.clone(),
-                partition: Some(*partition),
-                key: Some(call.step.workflow_id.as_bytes().to_vec()),
-                payload: Some(serde_json::to_vec(call).expect("calls serialise")),
-                headers: Vec::new(),
-            },
-            Out::Result {
-                partition,
-                result,
-                traceparent,
-                ..
-            } => result_record(&t.results, *partition, result, traceparent.as_deref()),
+            Out::Invoke { .. } | Out::Result { .. } => {
+                unreachable!("invocations and results are taken apart in send")
+            }
             Out::Approval { partition, event } => OutRecord {
                 topic: t.approvals.clone(),
                 partition: Some(*partition),
@@ -503,11 +731,36 @@ impl Session<'_> {
     }
 }
 
-/// Resolves when a batch opened at `started` is due; never without one.
-async fn batch_closes(started: Option<Instant>, interval: Duration) {
-    match started {
-        Some(t) => tokio::time::sleep_until((t + interval).into()).await,
+/// What woke the gate's loop.
+enum Step {
+    Rebalance(RebalanceEvent),
+    Committed(Result<BTreeMap<i32, i64>, GateError>),
+    Outcome(Finished),
+    Tick,
+    Input(Result<Input, KafkaError>),
+}
+
+/// Resolves when the commit in flight returns; never without one.
+async fn wait_commit(
+    f: &mut Option<InFlight>,
+) -> Result<Result<BTreeMap<i32, i64>, GateError>, tokio::task::JoinError> {
+    match f {
+        Some(f) => (&mut f.task).await,
         None => std::future::pending().await,
+    }
+}
+
+/// How often deadlines, purges and the state gauges are looked at.
+const TICK: Duration = Duration::from_millis(100);
+
+/// An outcome handed to the owner of its partition.
+fn progress_record(topic: &str, partition: i32, p: &Progress) -> OutRecord {
+    OutRecord {
+        topic: topic.to_owned(),
+        partition: Some(partition),
+        key: Some(p.step.workflow_id.as_bytes().to_vec()),
+        payload: Some(serde_json::to_vec(p).expect("progress records serialise")),
+        headers: Vec::new(),
     }
 }
 
@@ -517,23 +770,46 @@ const STATE_SIZE_EVERY: Duration = Duration::from_secs(5);
 /// How long a restore may take before the session gives up and retries.
 const RESTORE_LIMIT: Duration = Duration::from_secs(600);
 
-/// Rebuild a partition's local state from its changelog partition, read to its
-/// end (read_committed: only committed batches). Blocking.
+/// Bring a partition's local state up to its changelog's end (read_committed:
+/// only committed batches), from the offset the state last reflected — or
+/// from the start, over a wiped partition, when that is unknown or the topic
+/// is not the one it was read from. Blocking.
 pub fn restore_partition(
     cfg: &crate::config::KafkaConfig,
     store: &StateStore,
     p: i32,
-) -> Result<usize, GateError> {
+) -> Result<Restored, GateError> {
     let consumer = kafka::read_to_end_consumer(cfg, &format!("{}-restore", cfg.gate_group))?;
+    let topic = &cfg.topics.changelog;
+    let mut from = store.changelog_next(p)?;
+    if let Some(f) = from {
+        // A changelog that ends before the offset we reflect was recreated:
+        // what we hold is from another topic.
+        let (_, high) = consumer.fetch_watermarks(topic, p, Duration::from_secs(30))?;
+        if high < f {
+            warn!(
+                partition = p,
+                local = f,
+                changelog_end = high,
+                "the changelog is behind the local state (recreated?): restoring from its start"
+            );
+            from = None;
+        }
+    }
+    let full = from.is_none();
+    if full {
+        store.wipe_partition(p)?;
+    }
     let mut tpl = TopicPartitionList::new();
-    tpl.add_partition_offset(&cfg.topics.changelog, p, Offset::Beginning)?;
+    tpl.add_partition_offset(topic, p, from.map_or(Offset::Beginning, Offset::Offset))?;
     consumer.assign(&tpl)?;
     drop(tpl);
-    store.wipe_partition(p)?;
     let deadline = Instant::now() + RESTORE_LIMIT;
     let mut buf = Vec::with_capacity(10_000);
     let mut n = 0;
+    let mut next = from.unwrap_or(0);
     let done = kafka::read_to_end(&consumer, BTreeSet::from([p]), Some(deadline), |m| {
+        next = next.max(m.offset() + 1);
         if let Some(k) = m.key() {
             buf.push((k.to_vec(), m.payload().map(<[u8]>::to_vec)));
         }
@@ -550,8 +826,18 @@ pub fn restore_partition(
         });
     }
     n += store.apply_changelog(&buf)?;
+    store.finish_restore(p, Some(next))?;
     drop(consumer);
-    Ok(n)
+    Ok(Restored { records: n, full })
+}
+
+/// What [`restore_partition`] did.
+#[derive(Debug, Clone, Copy)]
+pub struct Restored {
+    /// Changelog records applied.
+    pub records: usize,
+    /// Whether it started from the changelog's start (over a wiped partition).
+    pub full: bool,
 }
 
 /// What [`rebuild_state`] did.
@@ -577,8 +863,8 @@ pub enum RebuildError {
 }
 
 /// Rebuild a whole gate state from the changelog into a new directory, each
-/// partition marked with the batch number its group last committed, so a gate
-/// started on it finds every partition in sync. Blocking; `progress` is told
+/// partition marked with the changelog offset it reflects, so a gate started on
+/// it only reads what was written since. Blocking; `progress` is told
 /// (partition, partitions, records) as each partition finishes.
 pub fn rebuild_state(
     cfg: &crate::config::KafkaConfig,
@@ -594,34 +880,9 @@ pub fn rebuild_state(
     }
     let partitions = kafka::check_layout(cfg)?;
     let store = StateStore::open(path)?;
-    // The committed batch numbers, read as the gate group (without joining it).
-    let consumer: rdkafka::consumer::BaseConsumer = kafka::base_config(cfg)
-        .set("group.id", &cfg.gate_group)
-        .set("enable.auto.commit", "false")
-        .set("isolation.level", "read_committed")
-        .create()?;
-    let mut tpl = TopicPartitionList::new();
-    for p in 0..partitions as i32 {
-        tpl.add_partition(&cfg.topics.intents, p);
-    }
-    let committed = consumer.committed_offsets(tpl, Duration::from_secs(30))?;
-    let seqs: Vec<Option<u64>> = (0..partitions as i32)
-        .map(|p| {
-            committed
-                .find_partition(&cfg.topics.intents, p)
-                .and_then(|e| {
-                    e.metadata()
-                        .strip_prefix(SEQ_TAG)
-                        .and_then(|s| s.parse().ok())
-                })
-        })
-        .collect();
-    drop(committed);
-    drop(consumer);
     let mut records = 0;
     for p in 0..partitions as i32 {
-        let n = restore_partition(cfg, &store, p)?;
-        store.finish_restore(p, seqs[p as usize])?;
+        let n = restore_partition(cfg, &store, p)?.records;
         records += n;
         progress(p, partitions, n);
     }
@@ -650,24 +911,23 @@ pub fn result_record(
     }
 }
 
-/// Fault injection for the crash-consistency tests: with
-/// `STEPGATE_TEST_CRASH_AFTER_STATE_WRITE=N`, the process aborts right after the
-/// N-th durable state write, before its Kafka transaction commits — the window
-/// where state is ahead of Kafka. Unset in production.
+/// Fault injection for the crash tests: with
+/// `STEPGATE_TEST_CRASH_BEFORE_COMMIT=N`, the process aborts when the N-th
+/// transaction has sent everything and is about to commit. Unset in production.
 mod crash_point {
     use std::sync::atomic::{AtomicU64, Ordering};
-    static WRITES: AtomicU64 = AtomicU64::new(0);
+    static COMMITS: AtomicU64 = AtomicU64::new(0);
 
-    pub fn state_written() {
-        let Some(n) = std::env::var("STEPGATE_TEST_CRASH_AFTER_STATE_WRITE")
+    pub fn before_commit() {
+        let Some(n) = std::env::var("STEPGATE_TEST_CRASH_BEFORE_COMMIT")
             .ok()
             .and_then(|v| v.parse::<u64>().ok())
         else {
             return;
         };
-        if WRITES.fetch_add(1, Ordering::SeqCst) + 1 == n {
+        if COMMITS.fetch_add(1, Ordering::SeqCst) + 1 == n {
             eprintln!(
-                "STEPGATE_TEST_CRASH_AFTER_STATE_WRITE={n}: aborting before the transaction commits"
+                "STEPGATE_TEST_CRASH_BEFORE_COMMIT={n}: aborting before the transaction commits"
             );
             std::process::abort();
         }

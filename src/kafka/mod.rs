@@ -355,19 +355,18 @@ pub fn check_layout(cfg: &KafkaConfig) -> Result<usize, KafkaSetupError> {
     let t = &cfg.topics;
     let names: Vec<&str> = t.all().iter().map(|s| s.as_str()).collect();
     let counts = partition_counts(cfg, &names)?;
-    let (intents, results, calls, progress, changelog, commands) = (
-        counts[0], counts[1], counts[3], counts[4], counts[5], counts[6],
-    );
+    let (intents, results, progress, changelog, commands) =
+        (counts[0], counts[1], counts[3], counts[4], counts[5]);
     if results < intents {
         return Err(KafkaSetupError::Layout(format!(
             "`{}` has {results} partitions but `{}` has {intents}: results are written to the intent's partition number, so results needs at least as many. Add partitions to `{}` (kafka-topics --alter --partitions {intents}) or recreate both with `stepgate topics create`.",
             t.results, t.intents, t.results
         )));
     }
-    if calls != intents || progress != intents || changelog != intents || commands != intents {
+    if progress != intents || changelog != intents || commands != intents {
         return Err(KafkaSetupError::Layout(format!(
-            "the internal topics `{}` ({calls}), `{}` ({progress}), `{}` ({changelog}) and `{}` ({commands}) must have as many partitions as `{}` ({intents}); `stepgate topics create` makes them equal.",
-            t.calls, t.progress, t.changelog, t.commands, t.intents
+            "the internal topics `{}` ({progress}), `{}` ({changelog}) and `{}` ({commands}) must have as many partitions as `{}` ({intents}); `stepgate topics create` makes them equal.",
+            t.progress, t.changelog, t.commands, t.intents
         )));
     }
     Ok(intents)
@@ -451,12 +450,18 @@ pub struct OutRecord {
 
 /// Produce every record and wait for all deliveries (inside the caller's
 /// transaction, when there is one).
-pub async fn send_all(producer: &FutureProducer, records: &[OutRecord]) -> Result<(), KafkaError> {
+/// Produce `records` and wait for every delivery; returns where each landed
+/// (partition, offset), in order.
+pub async fn send_all(
+    producer: &FutureProducer,
+    records: &[OutRecord],
+) -> Result<Vec<(i32, i64)>, KafkaError> {
     use rdkafka::message::{Header, OwnedHeaders};
     use rdkafka::producer::FutureRecord;
     use rdkafka::types::RDKafkaErrorCode;
     let mut pending = std::collections::VecDeque::new();
-    for r in records {
+    let mut landed = vec![(-1, -1); records.len()];
+    for (i, r) in records.iter().enumerate() {
         loop {
             let mut rec: FutureRecord<'_, [u8], [u8]> = FutureRecord::to(&r.topic);
             if let Some(p) = &r.payload {
@@ -480,13 +485,13 @@ pub async fn send_all(producer: &FutureProducer, records: &[OutRecord]) -> Resul
             }
             match producer.send_result(rec) {
                 Ok(f) => {
-                    pending.push_back(f);
+                    pending.push_back((i, f));
                     break;
                 }
                 Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), _)) => {
                     // The local queue is full: wait for the oldest delivery, then retry.
                     match pending.pop_front() {
-                        Some(f) => check_delivery(f.await)?,
+                        Some((j, f)) => landed[j] = check_delivery(f.await)?,
                         None => tokio::time::sleep(Duration::from_millis(5)).await,
                     }
                 }
@@ -494,10 +499,10 @@ pub async fn send_all(producer: &FutureProducer, records: &[OutRecord]) -> Resul
             }
         }
     }
-    for f in pending {
-        check_delivery(f.await)?;
+    for (j, f) in pending {
+        landed[j] = check_delivery(f.await)?;
     }
-    Ok(())
+    Ok(landed)
 }
 
 fn check_delivery(
@@ -505,9 +510,9 @@ fn check_delivery(
         rdkafka::producer::future_producer::OwnedDeliveryResult,
         futures::channel::oneshot::Canceled,
     >,
-) -> Result<(), KafkaError> {
+) -> Result<(i32, i64), KafkaError> {
     match r {
-        Ok(Ok(_)) => Ok(()),
+        Ok(Ok(d)) => Ok((d.partition, d.offset)),
         Ok(Err((e, _))) => Err(e),
         Err(_) => Err(KafkaError::Canceled),
     }

@@ -3,22 +3,21 @@
 //! Column families:
 //! - `steps`: one [`StepRecord`] per step key (recorded tools only);
 //! - `deadlines`: started steps awaiting an outcome → their deadline;
-//! - `fast`: fast-path calls awaiting an answer (no step record);
+//! - `fast`: unused (fast-path calls of earlier versions; kept so old state opens);
 //! - `expiry`: `(partition, expires_at, step)` index for retention purges;
 //! - `workflows`: workflows ended by a `last_step` tool;
-//! - `meta`: per partition, the sequence number of the last applied batch and the
-//!   undo image of that batch.
+//! - `meta`: per partition, the next changelog offset the local state reflects.
 //!
 //! Every key starts with the input partition (4 bytes, big endian), so a
-//! partition's state can be reconciled, listed and (later) restored on its own.
+//! partition's state can be listed and restored on its own.
 //!
-//! Crash consistency with Kafka: a batch's state is written (one synced
-//! WriteBatch) *before* the Kafka transaction carrying its effects and input
-//! offsets commits, and that transaction stores the batch's sequence number in the
-//! offset metadata of the partition. On restart [`StateStore::reconcile`] compares
-//! the two: equal means committed; one ahead means the transaction aborted, and the
-//! batch's undo image is applied, so state never claims a call was forwarded when
-//! Kafka never saw it.
+//! **The changelog topic is the source of truth; RocksDB is its cache.** A batch's
+//! writes are applied here only after the Kafka transaction carrying them (and
+//! their changelog records) has committed, unsynced, together with the changelog
+//! offset they bring the partition to ([`StateStore::apply`]). On assignment the
+//! partition's changelog is replayed from that offset (or from its start when the
+//! offset is missing), so the local state can lag Kafka but never be ahead of it,
+//! nor hold a history Kafka aborted.
 
 mod record;
 
@@ -99,33 +98,8 @@ impl Cf {
 
 const META: &str = "meta";
 
-/// What [`StateStore::reconcile`] found for a partition.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Reconciled {
-    /// State and Kafka agree.
-    InSync,
-    /// The last batch's transaction never committed; its writes were undone.
-    RolledBack { seq: u64 },
-    /// State and Kafka disagree beyond one batch (state lost or from another
-    /// history): records may be missing.
-    Diverged {
-        state_seq: Option<u64>,
-        committed_seq: Option<u64>,
-    },
-}
-
-/// One key's value before a batch: (cf, key, value or absent).
-type Prior = (Cf, Vec<u8>, Option<Vec<u8>>);
-
 /// A raw key-value pair.
 type Raw = (Vec<u8>, Vec<u8>);
-
-#[derive(Serialize, Deserialize)]
-struct Undo {
-    seq: u64,
-    prev_seq: Option<u64>,
-    entries: Vec<Prior>,
-}
 
 /// The block cache when none is configured (`state.block_cache_mib`).
 pub const DEFAULT_BLOCK_CACHE_BYTES: usize = 64 << 20;
@@ -207,93 +181,35 @@ impl StateStore {
             .transpose()
     }
 
-    /// The sequence number of the last batch applied to `partition`.
-    pub fn applied_seq(&self, partition: i32) -> Result<Option<u64>, StateError> {
+    /// The next changelog offset of `partition` that the local state does not
+    /// reflect yet (None: nothing known; restore from the start).
+    pub fn changelog_next(&self, partition: i32) -> Result<Option<i64>, StateError> {
         Ok(self
             .db
-            .get_cf(self.meta(), seq_key(partition))?
-            .and_then(|b| b.try_into().ok().map(u64::from_be_bytes)))
+            .get_cf(self.meta(), clog_key(partition))?
+            .and_then(|b| b.try_into().ok().map(i64::from_be_bytes)))
     }
 
-    /// Bring a partition's state in line with what Kafka committed (see the module doc).
-    pub fn reconcile(
+    /// Apply a committed batch (not synced: a crash loses at most what the
+    /// changelog holds and the next assignment replays). `changelog_next` gives,
+    /// per partition, the changelog offset the batch brings the state to.
+    pub fn apply(
         &self,
-        partition: i32,
-        committed_seq: Option<u64>,
-    ) -> Result<Reconciled, StateError> {
-        let state_seq = self.applied_seq(partition)?;
-        if state_seq == committed_seq {
-            return Ok(Reconciled::InSync);
-        }
-        let undo: Option<Undo> = self
-            .db
-            .get_cf(self.meta(), undo_key(partition))?
-            .map(|b| {
-                serde_json::from_slice(&b)
-                    .map_err(|source| StateError::Corrupt { cf: META, source })
-            })
-            .transpose()?;
-        if let Some(undo) = undo
-            && Some(undo.seq) == state_seq
-            && undo.prev_seq == committed_seq
-        {
-            let mut wb = WriteBatch::default();
-            for (cf, key, old) in &undo.entries {
-                match old {
-                    Some(v) => wb.put_cf(self.cf(*cf), key, v),
-                    None => wb.delete_cf(self.cf(*cf), key),
-                }
-            }
-            match undo.prev_seq {
-                Some(s) => wb.put_cf(self.meta(), seq_key(partition), s.to_be_bytes()),
-                None => wb.delete_cf(self.meta(), seq_key(partition)),
-            }
-            wb.delete_cf(self.meta(), undo_key(partition));
-            self.write_synced(wb)?;
-            return Ok(Reconciled::RolledBack { seq: undo.seq });
-        }
-        Ok(Reconciled::Diverged {
-            state_seq,
-            committed_seq,
-        })
-    }
-
-    /// Apply a batch durably (one synced write), keeping its undo image per
-    /// partition. `seqs` gives the batch's sequence number for every partition it
-    /// touches.
-    pub fn commit(&self, batch: Batch, seqs: &BTreeMap<i32, u64>) -> Result<(), StateError> {
-        if batch.writes.is_empty() {
-            return Ok(());
-        }
-        let mut undo: BTreeMap<i32, Vec<Prior>> = BTreeMap::new();
+        batch: &Batch,
+        changelog_next: &BTreeMap<i32, i64>,
+    ) -> Result<(), StateError> {
         let mut wb = WriteBatch::default();
-        for ((cf, key), value) in batch.writes {
-            let partition = partition_of(&key);
-            let old = self.get_raw(cf, &key)?;
-            match &value {
-                Some(v) => wb.put_cf(self.cf(cf), &key, v),
-                None => wb.delete_cf(self.cf(cf), &key),
+        for ((cf, key), value) in &batch.writes {
+            match value {
+                Some(v) => wb.put_cf(self.cf(*cf), key, v),
+                None => wb.delete_cf(self.cf(*cf), key),
             }
-            undo.entry(partition).or_default().push((cf, key, old));
         }
-        for (partition, entries) in undo {
-            let seq = *seqs
-                .get(&partition)
-                .expect("the gate assigns a sequence number to every partition a batch touches");
-            let prev_seq = self.applied_seq(partition)?;
-            let u = Undo {
-                seq,
-                prev_seq,
-                entries,
-            };
-            wb.put_cf(
-                self.meta(),
-                undo_key(partition),
-                serde_json::to_vec(&u).expect("undo serialises"),
-            );
-            wb.put_cf(self.meta(), seq_key(partition), seq.to_be_bytes());
+        for (p, next) in changelog_next {
+            wb.put_cf(self.meta(), clog_key(*p), next.to_be_bytes());
         }
-        self.write_synced(wb)
+        self.db.write(wb)?;
+        Ok(())
     }
 
     fn write_synced(&self, wb: WriteBatch) -> Result<(), StateError> {
@@ -312,16 +228,6 @@ impl StateStore {
                 source: serde::de::Error::custom("bad step key"),
             })?;
             out.push((step, decode::<i64>(Cf::Deadlines, &value)?));
-        }
-        Ok(out)
-    }
-
-    /// Fast-path calls of a partition awaiting an answer.
-    pub fn fast_entries(&self, partition: i32) -> Result<Vec<(i64, FastEntry)>, StateError> {
-        let mut out = Vec::new();
-        for (key, value) in self.scan_prefix(Cf::Fast, &partition.to_be_bytes())? {
-            let offset = i64::from_be_bytes(key[4..12].try_into().unwrap_or_default());
-            out.push((offset, decode(Cf::Fast, &value)?));
         }
         Ok(out)
     }
@@ -443,8 +349,12 @@ impl StateStore {
         for cf in Cf::ALL {
             wb.delete_range_cf(self.cf(cf), from, to);
         }
-        wb.delete_cf(self.meta(), seq_key(partition));
-        wb.delete_cf(self.meta(), undo_key(partition));
+        wb.delete_cf(self.meta(), clog_key(partition));
+        for old in [b"seq/".as_slice(), b"undo/"] {
+            // Crash-reconciliation records of versions before the changelog
+            // became the source of truth.
+            wb.delete_cf(self.meta(), [old, &partition.to_be_bytes()].concat());
+        }
         self.write_synced(wb)
     }
 
@@ -460,9 +370,10 @@ impl StateStore {
             let Some((tag, state_key)) = key.split_first() else {
                 continue;
             };
-            // Index records written by earlier versions are skipped: the
-            // indexes are derived from the step records as they are applied.
-            let Some(cf) = Cf::from_tag(*tag).filter(|c| !c.derived()) else {
+            // Index records written by earlier versions are skipped (the
+            // indexes are derived from the step records as they are applied),
+            // and so are their fast-path entries (now kept in memory only).
+            let Some(cf) = Cf::from_tag(*tag).filter(|c| !c.derived() && *c != Cf::Fast) else {
                 continue;
             };
             if state_key.len() < 4 {
@@ -501,35 +412,58 @@ impl StateStore {
         Ok(())
     }
 
-    /// Mark a restored partition as reflecting Kafka's batch `seq` (synced: the
-    /// restore's unsynced writes become durable with it).
-    pub fn finish_restore(&self, partition: i32, seq: Option<u64>) -> Result<(), StateError> {
+    /// Mark a restored partition as reflecting its changelog up to `next`
+    /// (synced: the restore's unsynced writes become durable with it).
+    pub fn finish_restore(&self, partition: i32, next: Option<i64>) -> Result<(), StateError> {
         let mut wb = WriteBatch::default();
-        match seq {
-            Some(s) => wb.put_cf(self.meta(), seq_key(partition), s.to_be_bytes()),
-            None => wb.delete_cf(self.meta(), seq_key(partition)),
+        match next {
+            Some(n) => wb.put_cf(self.meta(), clog_key(partition), n.to_be_bytes()),
+            None => wb.delete_cf(self.meta(), clog_key(partition)),
         }
         self.write_synced(wb)
     }
 }
 
-/// Pending writes of one batch, read-through to the committed state, so inputs of
-/// one batch see each other's effects.
+type Writes = HashMap<(Cf, Vec<u8>), Option<Vec<u8>>>;
+
+/// Pending writes of one batch, read-through to the batch being committed (if
+/// any) and then to the local state, so inputs see the effects of every input
+/// decided before them, committed or not.
 #[derive(Default)]
 pub struct Batch {
-    writes: HashMap<(Cf, Vec<u8>), Option<Vec<u8>>>,
+    writes: Writes,
+    /// The writes of the batch committing while this one gathers.
+    below: Option<std::sync::Arc<Batch>>,
 }
 
 impl Batch {
+    /// A batch decided while `below` commits.
+    pub fn on_top_of(below: Option<std::sync::Arc<Batch>>) -> Batch {
+        Batch {
+            writes: Writes::new(),
+            below,
+        }
+    }
+
+    /// Forget the batch below, once it is applied to the local state (so
+    /// batches never chain).
+    pub fn detach(&mut self) {
+        self.below = None;
+    }
+
     pub fn is_empty(&self) -> bool {
         self.writes.is_empty()
     }
 
     fn get(&self, store: &StateStore, cf: Cf, key: Vec<u8>) -> Result<Option<Vec<u8>>, StateError> {
-        match self.writes.get(&(cf, key.clone())) {
-            Some(v) => Ok(v.clone()),
-            None => store.get_raw(cf, &key),
+        let k = (cf, key);
+        if let Some(v) = self.writes.get(&k) {
+            return Ok(v.clone());
         }
+        if let Some(v) = self.below.as_ref().and_then(|b| b.writes.get(&k)) {
+            return Ok(v.clone());
+        }
+        store.get_raw(cf, &k.1)
     }
 
     pub fn step(
@@ -596,17 +530,6 @@ impl Batch {
             .insert((Cf::Expiry, expiry_key(&key, at_ms)), None);
     }
 
-    pub fn fast(
-        &self,
-        store: &StateStore,
-        partition: i32,
-        offset: i64,
-    ) -> Result<Option<FastEntry>, StateError> {
-        self.get(store, Cf::Fast, fast_key(partition, offset))?
-            .map(|b| decode(Cf::Fast, &b))
-            .transpose()
-    }
-
     /// Whether (and by which step) a workflow was ended by a `last_step` tool.
     pub fn workflow_end(
         &self,
@@ -632,18 +555,6 @@ impl Batch {
     pub fn delete_workflow_end(&mut self, partition: i32, workflow_id: &str) {
         self.writes
             .insert((Cf::Workflows, workflow_key(partition, workflow_id)), None);
-    }
-
-    pub fn put_fast(&mut self, partition: i32, offset: i64, entry: &FastEntry) {
-        self.writes.insert(
-            (Cf::Fast, fast_key(partition, offset)),
-            Some(serde_json::to_vec(entry).expect("entries serialise")),
-        );
-    }
-
-    pub fn delete_fast(&mut self, partition: i32, offset: i64) {
-        self.writes
-            .insert((Cf::Fast, fast_key(partition, offset)), None);
     }
 
     /// The batch's writes as changelog records, in a stable order; the derived
@@ -702,10 +613,13 @@ struct Indexed {
     expires_at_ms: i64,
 }
 
-/// A step's entry in the deadlines index: only a started call awaits an outcome.
+/// A step's entry in the deadlines index: only a started call awaits an
+/// outcome (`intended`, written by earlier versions before forwarding to an
+/// executor, is treated as started and due at once).
 fn deadline_of(phase: Phase, deadline_ms: Option<i64>) -> Option<i64> {
     match phase {
         Phase::Started => deadline_ms,
+        Phase::Intended => Some(deadline_ms.unwrap_or(0)),
         _ => None,
     }
 }
@@ -729,12 +643,8 @@ fn partition_of(key: &[u8]) -> i32 {
     )
 }
 
-fn seq_key(partition: i32) -> Vec<u8> {
-    [b"seq/".as_slice(), &partition.to_be_bytes()].concat()
-}
-
-fn undo_key(partition: i32) -> Vec<u8> {
-    [b"undo/".as_slice(), &partition.to_be_bytes()].concat()
+fn clog_key(partition: i32) -> Vec<u8> {
+    [b"clog/".as_slice(), &partition.to_be_bytes()].concat()
 }
 
 fn push_workflow(buf: &mut Vec<u8>, workflow_id: &str) {
@@ -780,12 +690,6 @@ fn expiry_key(step_key: &[u8], at_ms: i64) -> Vec<u8> {
     let mut k = step_key[..4].to_vec();
     k.extend_from_slice(&at_ms.max(0).to_be_bytes());
     k.extend_from_slice(step_key);
-    k
-}
-
-fn fast_key(partition: i32, offset: i64) -> Vec<u8> {
-    let mut k = partition.to_be_bytes().to_vec();
-    k.extend_from_slice(&offset.to_be_bytes());
     k
 }
 

@@ -9,9 +9,11 @@ use serde_json::{Map, Value};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Phase {
-    /// Recorded durably; forwarded to an executor; not yet invoked.
+    /// Written by earlier versions: recorded, forwarded to a remote executor,
+    /// maybe started there. Read as `started`; never written now.
     Intended,
-    /// An executor recorded that it is invoking the tool.
+    /// Recorded durably (committed) before the tool is invoked: the call may
+    /// have taken effect from here on. `intended` and `started` are one record.
     Started,
     /// The outcome (ok or error) is stored in `result`.
     Completed,

@@ -37,8 +37,8 @@ fn record(i: u64, phase: Phase, expires: i64) -> StepRecord {
     }
 }
 
-fn seqs(p: i32, s: u64) -> BTreeMap<i32, u64> {
-    BTreeMap::from([(p, s)])
+fn at(p: i32, next: i64) -> BTreeMap<i32, i64> {
+    BTreeMap::from([(p, next)])
 }
 
 #[test]
@@ -48,7 +48,7 @@ fn committed_batches_survive_reopen() {
         let s = StateStore::open(dir.path()).unwrap();
         let mut b = Batch::default();
         b.put_step(&s, 2, &record(1, Phase::Started, 1000)).unwrap();
-        s.commit(b, &seqs(2, 1)).unwrap();
+        s.apply(&b, &at(2, 1)).unwrap();
     }
     let s = StateStore::open(dir.path()).unwrap();
     assert_eq!(s.step(2, &step(1)).unwrap().unwrap().phase, Phase::Started);
@@ -58,63 +58,8 @@ fn committed_batches_survive_reopen() {
         "partitions are separate"
     );
     assert_eq!(s.deadlines(2).unwrap(), vec![(step(1), 500)]);
-    assert_eq!(s.applied_seq(2).unwrap(), Some(1));
-}
-
-#[test]
-fn reconcile_undoes_a_batch_kafka_never_committed() {
-    let dir = tempfile::tempdir().unwrap();
-    let s = StateStore::open(dir.path()).unwrap();
-    let mut b = Batch::default();
-    b.put_step(&s, 0, &record(1, Phase::Intended, 1000))
-        .unwrap();
-    s.commit(b, &seqs(0, 1)).unwrap();
-    let mut b = Batch::default();
-    b.put_step(&s, 0, &record(1, Phase::Started, 2000)).unwrap();
-    b.put_step(&s, 0, &record(2, Phase::Intended, 2000))
-        .unwrap();
-    s.commit(b, &seqs(0, 2)).unwrap();
-
-    // Kafka committed batch 1 only: batch 2 must disappear.
-    assert_eq!(
-        s.reconcile(0, Some(1)).unwrap(),
-        Reconciled::RolledBack { seq: 2 }
-    );
-    assert_eq!(s.step(0, &step(1)).unwrap().unwrap().phase, Phase::Intended);
-    assert_eq!(s.step(0, &step(2)).unwrap(), None);
-    assert!(s.deadlines(0).unwrap().is_empty());
-    assert_eq!(s.expired(0, 5000, 10).unwrap(), vec![(1000, step(1))]);
-    assert_eq!(s.reconcile(0, Some(1)).unwrap(), Reconciled::InSync);
-}
-
-#[test]
-fn reconcile_reports_divergence_it_cannot_repair() {
-    let dir = tempfile::tempdir().unwrap();
-    let s = StateStore::open(dir.path()).unwrap();
-    assert_eq!(s.reconcile(0, None).unwrap(), Reconciled::InSync);
-    assert_eq!(
-        s.reconcile(0, Some(9)).unwrap(),
-        Reconciled::Diverged {
-            state_seq: None,
-            committed_seq: Some(9)
-        }
-    );
-}
-
-#[test]
-fn first_batch_rolls_back_to_nothing() {
-    let dir = tempfile::tempdir().unwrap();
-    let s = StateStore::open(dir.path()).unwrap();
-    let mut b = Batch::default();
-    b.put_step(&s, 0, &record(1, Phase::Intended, 1000))
-        .unwrap();
-    s.commit(b, &seqs(0, 1)).unwrap();
-    assert_eq!(
-        s.reconcile(0, None).unwrap(),
-        Reconciled::RolledBack { seq: 1 }
-    );
-    assert_eq!(s.step(0, &step(1)).unwrap(), None);
-    assert_eq!(s.applied_seq(0).unwrap(), None);
+    assert_eq!(s.changelog_next(2).unwrap(), Some(1));
+    assert_eq!(s.changelog_next(1).unwrap(), None);
 }
 
 #[test]
@@ -126,19 +71,39 @@ fn expiry_index_follows_the_record() {
         .unwrap();
     b.put_step(&s, 0, &record(2, Phase::Completed, 3000))
         .unwrap();
-    s.commit(b, &seqs(0, 1)).unwrap();
+    s.apply(&b, &at(0, 1)).unwrap();
     let mut b = Batch::default();
     b.put_step(&s, 0, &record(1, Phase::Completed, 4000))
         .unwrap();
-    s.commit(b, &seqs(0, 2)).unwrap();
+    s.apply(&b, &at(0, 2)).unwrap();
     assert_eq!(s.expired(0, 3500, 10).unwrap(), vec![(3000, step(2))]);
     let mut b = Batch::default();
     b.delete_step(&s, 0, &step(2)).unwrap();
-    s.commit(b, &seqs(0, 3)).unwrap();
+    s.apply(&b, &at(0, 3)).unwrap();
     assert!(s.expired(0, 3500, 10).unwrap().is_empty());
     assert_eq!(s.expired(0, 9999, 10).unwrap(), vec![(4000, step(1))]);
     assert_eq!(s.workflow_steps(0, "wf").unwrap().len(), 1);
     assert!(s.workflow_steps(0, "w").unwrap().is_empty());
+}
+
+#[test]
+fn a_batch_reads_through_the_batch_still_committing() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = StateStore::open(dir.path()).unwrap();
+    let mut committing = Batch::default();
+    committing
+        .put_step(&s, 0, &record(1, Phase::Started, 1000))
+        .unwrap();
+    let committing = std::sync::Arc::new(committing);
+    let next = Batch::on_top_of(Some(committing.clone()));
+    assert_eq!(
+        next.step(&s, 0, &step(1)).unwrap().map(|r| r.phase),
+        Some(Phase::Started),
+        "decided before its commit returned, seen by the next batch"
+    );
+    assert!(s.step(0, &step(1)).unwrap().is_none(), "not applied yet");
+    s.apply(&committing, &at(0, 1)).unwrap();
+    assert!(s.step(0, &step(1)).unwrap().is_some());
 }
 
 #[test]
@@ -175,12 +140,12 @@ fn a_partition_restored_from_its_changelog_equals_the_original() {
         }
         log.extend(b.changelog());
         seq += 1;
-        a.commit(b, &seqs(3, seq)).unwrap();
+        a.apply(&b, &at(3, seq)).unwrap();
     }
     let mut b = Batch::default();
     b.delete_step(&a, 3, &step(2)).unwrap();
     log.extend(b.changelog());
-    a.commit(b, &seqs(3, 3)).unwrap();
+    a.apply(&b, &at(3, 3)).unwrap();
     assert!(log.iter().all(|e| e.partition == 3));
     assert!(
         log.iter().any(|e| e.value.is_none()),
@@ -198,7 +163,7 @@ fn a_partition_restored_from_its_changelog_equals_the_original() {
     stale
         .put_step(&b, 3, &record(9, Phase::Intended, 1))
         .unwrap();
-    b.commit(stale, &seqs(3, 1)).unwrap();
+    b.apply(&stale, &at(3, 1)).unwrap();
     b.wipe_partition(3).unwrap();
     let mut records: Vec<_> = log.into_iter().map(|e| (e.key, e.value)).collect();
     // A changelog written by an earlier version also holds index records; a
@@ -228,7 +193,7 @@ fn a_partition_restored_from_its_changelog_equals_the_original() {
     assert_eq!(a.deadlines(3).unwrap(), vec![(step(4), 500)]);
     assert_eq!(a.expired(3, 9999, 10).unwrap().len(), 2);
     assert_eq!(b.deadlines(3).unwrap(), a.deadlines(3).unwrap());
-    assert_eq!(b.reconcile(3, Some(3)).unwrap(), Reconciled::InSync);
+    assert_eq!(b.changelog_next(3).unwrap(), Some(3));
 }
 
 #[test]
@@ -241,7 +206,7 @@ fn size_counts_index_and_filter_blocks_in_the_bounded_cache() {
         b.put_step(&s, 0, &record(i, Phase::Completed, 1000))
             .unwrap();
     }
-    s.commit(b, &seqs(0, 1)).unwrap();
+    s.apply(&b, &at(0, 1)).unwrap();
     let written = s.size();
     assert!(written.steps >= n / 2, "{written:?}");
     assert!(written.memtable_bytes > 0, "{written:?}");

@@ -30,8 +30,8 @@ pub struct Metrics {
     operator_commands: IntCounterVec,
     approvals_requested: IntCounterVec,
     steps_purged: IntCounter,
-    state_divergences: IntCounter,
-    batches_rolled_back: IntCounter,
+    full_restores: IntCounter,
+    outcomes_handed_over: IntCounter,
     restored_records: IntCounter,
     tool_latency: HistogramVec,
     answer_latency: HistogramVec,
@@ -221,15 +221,15 @@ impl Metrics {
                 "stepgate_steps_purged_total",
                 "Step records removed at the end of their retention.",
             ),
-            state_divergences: counter(
+            full_restores: counter(
                 &r,
-                "stepgate_state_divergences_total",
-                "Partitions whose local state did not match Kafka's committed offsets at assignment.",
+                "stepgate_state_full_restores_total",
+                "Partitions restored from the start of their changelog (a new or lost disk, or a recreated changelog) rather than from the offset the local state reflected.",
             ),
-            batches_rolled_back: counter(
+            outcomes_handed_over: counter(
                 &r,
-                "stepgate_batches_rolled_back_total",
-                "Batches whose transaction did not commit and whose state writes were undone.",
+                "stepgate_outcomes_handed_over_total",
+                "Outcomes of calls whose partition moved to another gate while they ran, handed to it through `progress`.",
             ),
             restored_records: counter(
                 &r,
@@ -379,14 +379,17 @@ impl Metrics {
         }
     }
 
-    pub fn divergence(&self, partition: i32, state_seq: Option<u64>, committed_seq: Option<u64>) {
-        warn!(
+    pub fn full_restore(&self, partition: i32) {
+        info!(
             partition,
-            ?state_seq,
-            ?committed_seq,
-            "local state does not match Kafka for this partition: restoring it from the changelog"
+            "no local state for this partition's changelog: restoring it from the start"
         );
-        self.state_divergences.inc();
+        self.full_restores.inc();
+    }
+
+    pub fn outcome_handed_over(&self, partition: i32, step: &crate::contract::StepKey) {
+        info!(partition, step = %step, "a call finished after its partition moved: its outcome is handed to the partition's owner through progress");
+        self.outcomes_handed_over.inc();
     }
 
     pub fn restored(&self, partition: i32, records: usize, took: Duration) {
@@ -397,14 +400,6 @@ impl Metrics {
             "partition state restored from the changelog"
         );
         self.restored_records.inc_by(records as u64);
-    }
-
-    pub fn rolled_back(&self, partition: i32, seq: u64) {
-        warn!(
-            partition,
-            seq, "last batch never committed in Kafka: its state writes were undone"
-        );
-        self.batches_rolled_back.inc();
     }
 
     pub fn committed(&self, took: Duration) {

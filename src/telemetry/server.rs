@@ -1,5 +1,5 @@
-//! `/metrics`, `/healthz` (alive) and `/readyz` (every role of this process is
-//! consuming, with its partitions' state reconciled).
+//! `/metrics`, `/healthz` (alive) and `/readyz` (the gate is consuming, with its
+//! partitions' state restored).
 
 use super::Metrics;
 use axum::Router;
@@ -11,38 +11,24 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use tokio_util::sync::CancellationToken;
 
-/// Readiness of the roles running in this process.
+/// Readiness of this process's gate: consuming, with its partitions' state
+/// restored.
 #[derive(Debug, Default)]
 pub struct Health {
-    gate: Option<AtomicBool>,
-    executor: Option<AtomicBool>,
+    gate: AtomicBool,
 }
 
 impl Health {
-    pub fn new(gate: bool, executor: bool) -> Self {
-        Health {
-            gate: gate.then(|| AtomicBool::new(false)),
-            executor: executor.then(|| AtomicBool::new(false)),
-        }
+    pub fn new() -> Self {
+        Health::default()
     }
 
     pub fn set_gate_ready(&self, ready: bool) {
-        if let Some(g) = &self.gate {
-            g.store(ready, Ordering::SeqCst);
-        }
-    }
-
-    pub fn set_executor_ready(&self, ready: bool) {
-        if let Some(e) = &self.executor {
-            e.store(ready, Ordering::SeqCst);
-        }
+        self.gate.store(ready, Ordering::SeqCst);
     }
 
     pub fn ready(&self) -> bool {
-        [&self.gate, &self.executor]
-            .into_iter()
-            .flatten()
-            .all(|f| f.load(Ordering::SeqCst))
+        self.gate.load(Ordering::SeqCst)
     }
 }
 

@@ -120,6 +120,32 @@ impl ToolServer {
     pub fn count(&self, tool: &str) -> usize {
         self.calls(tool).len()
     }
+
+    /// The effects a provider that deduplicates by `Idempotency-Key` performs:
+    /// one per distinct key (raw invocations are [`ToolServer::count`]).
+    pub fn effects(&self, tool: &str) -> usize {
+        self.keys_per_step(tool).values().map(|k| k.len()).sum()
+    }
+
+    /// Per step (workflow id, step index, attempt, from the stepgate headers):
+    /// the distinct keys its invocations carried. One step, one key.
+    pub fn keys_per_step(
+        &self,
+        tool: &str,
+    ) -> HashMap<(String, String, String), std::collections::BTreeSet<String>> {
+        let mut out: HashMap<_, std::collections::BTreeSet<String>> = HashMap::new();
+        for c in self.calls(tool) {
+            let h = |k: &str| c.headers.get(k).cloned().unwrap_or_default();
+            out.entry((
+                h("stepgate-workflow-id"),
+                h("stepgate-step-index"),
+                h("stepgate-attempt"),
+            ))
+            .or_default()
+            .insert(c.idempotency_key.clone());
+        }
+        out
+    }
 }
 
 async fn handle(
@@ -236,7 +262,6 @@ impl Stack {
 [kafka]
 brokers = "{brokers}"
 gate_group = "{prefix}-gate"
-executor_group = "{prefix}-exec"
 instance_id = "{prefix}-0"
 partitions = 4
 session_timeout = "{session_timeout}"
@@ -245,7 +270,6 @@ transaction_timeout = "10s"
 intents = "{prefix}.intents"
 results = "{prefix}.results"
 dlq = "{prefix}.dlq"
-calls = "{prefix}.calls"
 progress = "{prefix}.progress"
 changelog = "{prefix}.changelog"
 commands = "{prefix}.commands"
@@ -254,11 +278,9 @@ approvals = "{prefix}.approvals"
 path = "{state}"
 {state_extra}
 [gate]
-commit_interval = "20ms"
 in_doubt_grace = "{grace}"
 {gate_extra}
 [executor]
-commit_interval = "10ms"
 drain_timeout = "10s"
 [http]
 listen = "{http}"

@@ -2,13 +2,13 @@
 use super::*;
 use crate::contract::{Outcome, Progress, ProgressEvent};
 use serde_json::json;
+use std::collections::BTreeMap;
 
 const CONFIG: &str = r#"
 [state]
 retention = "1h"
 [gate]
 in_doubt_grace = "1s"
-fast_path_timeout = "5s"
 max_intent_bytes = 4096
 [tools.send_email]
 category = "keyed"
@@ -29,7 +29,6 @@ struct Fixture {
     _dir: tempfile::TempDir,
     store: StateStore,
     core: GateCore,
-    seq: u64,
     offset: i64,
 }
 
@@ -42,19 +41,26 @@ impl Fixture {
             core: GateCore::new(&config, Arc::new(Metrics::new())),
             store,
             _dir: dir,
-            seq: 0,
             offset: 0,
         }
     }
 
+    /// What the gate does once a batch's transaction committed.
     fn commit(&mut self, batch: Batch) {
-        self.seq += 1;
-        let seqs = batch
-            .partitions()
-            .into_iter()
-            .map(|p| (p, self.seq))
-            .collect();
-        self.store.commit(batch, &seqs).unwrap();
+        self.store.apply(&batch, &BTreeMap::new()).unwrap();
+    }
+
+    /// The decisions since the last call, fast-path calls (started at once)
+    /// included as invocations.
+    fn outs(&mut self) -> Vec<Out> {
+        let mut outs = self.core.take_outs();
+        outs.extend(
+            self.core
+                .take_immediate()
+                .into_iter()
+                .map(|(partition, call)| Out::Invoke { partition, call }),
+        );
+        outs
     }
 
     fn input(&mut self, topic: &str, payload: Vec<u8>) -> Input {
@@ -77,7 +83,7 @@ impl Fixture {
             .on_intent(&self.store, &mut b, &input, now)
             .unwrap();
         self.commit(b);
-        self.core.take_outs()
+        self.outs()
     }
 
     fn progress(&mut self, p: Progress, now: i64) -> Vec<Out> {
@@ -87,14 +93,25 @@ impl Fixture {
             .on_progress(&self.store, &mut b, &input, now)
             .unwrap();
         self.commit(b);
-        self.core.take_outs()
+        self.outs()
+    }
+
+    /// An outcome of a call this process ran.
+    fn outcome(&mut self, call: &Call, outcome: Outcome, now: i64) -> Vec<Out> {
+        self.core.finished(0, &call.step, call.dispatch);
+        let mut b = Batch::default();
+        self.core
+            .on_outcome(&self.store, &mut b, 0, finished(call, outcome), now)
+            .unwrap();
+        self.commit(b);
+        self.outs()
     }
 
     fn tick(&mut self, now: i64) -> Vec<Out> {
         let mut b = Batch::default();
         self.core.on_deadlines(&self.store, &mut b, now).unwrap();
         self.commit(b);
-        self.core.take_outs()
+        self.outs()
     }
 }
 
@@ -106,10 +123,10 @@ fn email(call_id: &str, subject: &str) -> serde_json::Value {
 fn call_of(outs: &[Out]) -> Call {
     outs.iter()
         .find_map(|o| match o {
-            Out::Call { call, .. } => Some(call.clone()),
+            Out::Invoke { call, .. } => Some(call.clone()),
             _ => None,
         })
-        .expect("a call was forwarded")
+        .expect("a call was started")
 }
 
 fn results(outs: &[Out]) -> Vec<ToolResult> {
@@ -119,16 +136,6 @@ fn results(outs: &[Out]) -> Vec<ToolResult> {
             _ => None,
         })
         .collect()
-}
-
-fn started(call: &Call) -> Progress {
-    Progress {
-        step: call.step.clone(),
-        dispatch: call.dispatch,
-        fast_ref: call.fast_ref,
-        at_ms: 0,
-        event: ProgressEvent::Started,
-    }
 }
 
 fn finished(call: &Call, outcome: Outcome) -> Progress {
@@ -147,19 +154,16 @@ fn a_rephrased_repeat_in_flight_waits_and_gets_the_same_answer() {
     let call = call_of(&f.intent(email("c1", "Order confirmed"), 1000));
     assert_eq!(
         f.store.step(0, &call.step).unwrap().unwrap().phase,
-        Phase::Intended,
-        "intended is durable before the call leaves"
+        Phase::Started,
+        "`started` is in the batch whose commit precedes the call"
     );
     let outs = f.intent(email("c2", "Your order is confirmed"), 1100);
-    assert!(outs.is_empty(), "a repeat is never forwarded: {outs:?}");
-    f.progress(started(&call), 1200);
-    let outs = f.progress(
-        finished(
-            &call,
-            Outcome::Ok {
-                output: json!({"message_id": "m-1"}),
-            },
-        ),
+    assert!(outs.is_empty(), "a repeat is never run: {outs:?}");
+    let outs = f.outcome(
+        &call,
+        Outcome::Ok {
+            output: json!({"message_id": "m-1"}),
+        },
         1300,
     );
     let rs = results(&outs);
@@ -185,12 +189,20 @@ fn a_rephrased_repeat_in_flight_waits_and_gets_the_same_answer() {
 fn a_repeat_after_completion_is_answered_from_the_record() {
     let mut f = Fixture::new();
     let call = call_of(&f.intent(email("c1", "a"), 1000));
-    f.progress(started(&call), 1100);
-    let first =
-        results(&f.progress(finished(&call, Outcome::Ok { output: json!(1) }), 1200)).remove(0);
+    let first = results(&f.outcome(&call, Outcome::Ok { output: json!(1) }, 1200)).remove(0);
+    let before = f.store.step(0, &call.step).unwrap();
     let outs = f.intent(email("c3", "a"), 5000);
-    assert!(!outs.iter().any(|o| matches!(o, Out::Call { .. })));
+    assert!(!outs.iter().any(|o| matches!(o, Out::Invoke { .. })));
     assert_eq!(results(&outs), vec![first.for_repeat(Some("c3".into()))]);
+    assert_eq!(
+        f.store.step(0, &call.step).unwrap(),
+        before,
+        "a verbatim repeat of a settled step writes nothing"
+    );
+    // A rephrased one is kept for the audit.
+    f.intent(email("c4", "b"), 5100);
+    let rec = f.store.step(0, &call.step).unwrap().unwrap();
+    assert_eq!(rec.rephrased_count, 1);
 }
 
 #[test]
@@ -208,10 +220,10 @@ fn identical_arguments_at_two_steps_are_two_calls() {
 fn an_unkeyed_step_past_its_deadline_is_in_doubt_not_rerun() {
     let mut f = Fixture::new();
     let call = call_of(&f.intent(json!({"workflow_id": "wf", "step_index": 2, "tool": "wire", "arguments": {}, "call_id": "c1"}), 0));
-    f.progress(started(&call), 100);
-    assert!(f.tick(100 + 2000).is_empty(), "not before timeout + grace");
-    let outs = f.tick(100 + 3001);
-    assert!(!outs.iter().any(|o| matches!(o, Out::Call { .. })));
+    // The process that ran it is gone: no outcome will come from here.
+    assert!(f.tick(2000).is_empty(), "not before timeout + grace");
+    let outs = f.tick(3001);
+    assert!(!outs.iter().any(|o| matches!(o, Out::Invoke { .. })));
     let r = results(&outs).remove(0);
     assert_eq!(r.status, Status::InDoubt);
     assert_eq!(r.error.as_ref().unwrap().kind, "executor_lost");
@@ -231,7 +243,6 @@ fn an_unkeyed_step_past_its_deadline_is_in_doubt_not_rerun() {
 fn a_keyed_step_past_its_deadline_is_forwarded_again_with_the_same_key() {
     let mut f = Fixture::new();
     let call = call_of(&f.intent(email("c1", "x"), 0));
-    f.progress(started(&call), 0);
     let again = call_of(&f.tick(3001));
     assert_eq!(again.step, call.step);
     assert_eq!(again.dispatch, 2);
@@ -244,14 +255,13 @@ fn a_keyed_step_past_its_deadline_is_forwarded_again_with_the_same_key() {
 #[test]
 fn deadlines_survive_a_restart() {
     let mut f = Fixture::new();
-    let call = call_of(&f.intent(
+    call_of(&f.intent(
         json!({"workflow_id": "wf", "step_index": 2, "tool": "wire", "arguments": {}}),
         0,
     ));
-    f.progress(started(&call), 0);
     f.core.reset();
     assert!(f.tick(10_000).is_empty(), "nothing loaded yet");
-    f.core.load_partition(&f.store, 0).unwrap();
+    f.core.load_partition(&f.store, 0, 0).unwrap();
     assert_eq!(results(&f.tick(10_000))[0].status, Status::InDoubt);
 }
 
@@ -262,16 +272,60 @@ fn fast_path_calls_are_rerun_on_repeat_and_answered_once_each() {
     let a = call_of(&f.intent(q.clone(), 0));
     let b = call_of(&f.intent(q, 10));
     assert!(a.fast_ref.is_some() && a.fast_ref != b.fast_ref);
-    let r = results(&f.progress(finished(&a, Outcome::Ok { output: json!([]) }), 20));
+    assert!(
+        f.store.step(0, &a.step).unwrap().is_none(),
+        "a read records nothing"
+    );
+    assert_eq!(
+        f.core.first_unanswered(0),
+        a.fast_ref,
+        "the committed offset waits for the first unanswered read"
+    );
+    let r = results(&f.outcome(&a, Outcome::Ok { output: json!([]) }, 20));
     assert_eq!(r.len(), 1);
     assert!(!r[0].deduplicated);
     assert!(
-        results(&f.progress(finished(&a, Outcome::Ok { output: json!([]) }), 30)).is_empty(),
+        results(&f.outcome(&a, Outcome::Ok { output: json!([]) }, 30)).is_empty(),
         "a duplicate answer is dropped"
     );
-    // Unanswered past its timeout: forwarded again.
-    let again = call_of(&f.tick(10 + 5001));
-    assert_eq!((again.fast_ref, again.dispatch), (b.fast_ref, 2));
+    assert_eq!(f.core.first_unanswered(0), b.fast_ref);
+    results(&f.outcome(&b, Outcome::Ok { output: json!([]) }, 40));
+    assert_eq!(f.core.first_unanswered(0), None);
+}
+
+#[test]
+fn intents_re_read_below_the_applied_mark_only_rerun_reads() {
+    let mut f = Fixture::new();
+    let q = json!({"workflow_id": "wf", "step_index": 0, "tool": "search", "arguments": {}, "call_id": "s1"});
+    let read = call_of(&f.intent(q.clone(), 0));
+    let write = call_of(&f.intent(email("c1", "x"), 0));
+    f.outcome(&write, Outcome::Ok { output: json!(1) }, 10);
+    // A restart: the committed offset stayed at the unanswered read, the
+    // applied mark is past both intents.
+    f.core.reset();
+    f.core.load_partition(&f.store, 0, f.offset + 1).unwrap();
+    f.offset = read.fast_ref.unwrap() - 1;
+    let outs = f.intent(q, 20);
+    assert_eq!(
+        call_of(&outs).fast_ref,
+        read.fast_ref,
+        "the read runs again"
+    );
+    let outs = f.intent(email("c1", "x"), 20);
+    assert!(
+        outs.is_empty(),
+        "an applied intent is not answered twice: {outs:?}"
+    );
+}
+
+#[test]
+fn a_call_still_running_here_is_given_time_not_declared_in_doubt() {
+    let mut f = Fixture::new();
+    let call = call_of(&f.intent(json!({"workflow_id": "wf", "step_index": 2, "tool": "wire", "arguments": {}, "call_id": "c1"}), 0));
+    f.core.invoked(0, &call);
+    assert!(results(&f.tick(3001)).is_empty(), "its outcome will come");
+    let r = results(&f.outcome(&call, Outcome::Ok { output: json!(7) }, 4000));
+    assert_eq!(r[0].status, Status::Ok);
 }
 
 #[test]
@@ -294,8 +348,7 @@ fn bad_input_goes_to_the_dlq_and_addressable_input_gets_rejected() {
 fn expired_records_are_purged_then_a_repeat_runs_again() {
     let mut f = Fixture::new();
     let call = call_of(&f.intent(email("c1", "x"), 0));
-    f.progress(started(&call), 0);
-    f.progress(finished(&call, Outcome::Ok { output: json!(1) }), 10);
+    f.outcome(&call, Outcome::Ok { output: json!(1) }, 10);
     let mut b = Batch::default();
     assert_eq!(
         f.core
@@ -314,6 +367,6 @@ fn expired_records_are_purged_then_a_repeat_runs_again() {
     assert!(
         f.intent(email("c2", "x"), 4_000_000)
             .iter()
-            .any(|o| matches!(o, Out::Call { .. }))
+            .any(|o| matches!(o, Out::Invoke { .. }))
     );
 }

@@ -1,0 +1,262 @@
+//! The one-pass protocol's crash points, against the real broker: a new step is
+//! committed as `started` (with its intent's offset), then invoked by the
+//! owner of its partition, then its outcome and answer are committed. Each test
+//! kills the gate at one point (fault injection by env var, or `kill -9`) and
+//! counts at the tool: raw invocations, and effects as a provider that
+//! deduplicates by `Idempotency-Key` would perform them.
+
+mod common;
+
+use common::*;
+use serde_json::json;
+use std::time::Duration;
+use stepgate::contract::Status;
+
+const WAIT: Duration = Duration::from_secs(60);
+
+/// Dies with `var=1` set, then is restarted without it.
+async fn crash_once(s: &mut Stack, var: &str, send: impl std::future::Future<Output = ()>) {
+    s.spawn(&[], &[(var, "1")]);
+    s.wait_ready().await;
+    send.await;
+    let status = s.exited(WAIT).await;
+    assert!(!status.success(), "the fault was injected");
+    assert!(s.log().contains(&format!("{var}=1")), "{}", s.log());
+    s.start().await;
+}
+
+/// Before the `started` commit: nothing is durable and nothing ran; the intent
+/// is read again and runs once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_before_the_started_commit_runs_the_step_once_after_restart() {
+    let mut s = Stack::new(StackOptions::default()).await;
+    let agent = s.agent();
+    let send = agent.send(&intent("wf-x", 1, "create_ticket", json!({"t": 1}), "u1"));
+    crash_once(&mut s, "STEPGATE_TEST_CRASH_BEFORE_COMMIT", send).await;
+    let r = agent.answer("u1", WAIT).await;
+    assert_eq!(r.status, Status::Ok, "{r:?}");
+    assert!(
+        !r.deduplicated,
+        "the aborted step is new again, not a repeat"
+    );
+    assert_eq!(s.tools.count("create_ticket"), 1);
+    assert_eq!(agent.answers("u1").len(), 1, "one answer per call_id");
+}
+
+/// After the `started` commit, before the call: the step may not have run, but
+/// nothing can tell. An unkeyed tool is never re-run blindly: `in_doubt`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_after_the_started_commit_before_the_call_is_in_doubt_for_unkeyed() {
+    let mut s = Stack::new(StackOptions::default()).await;
+    let agent = s.agent();
+    let send = agent.send(&intent("wf-y", 1, "wire", json!({"amount": 5}), "w1"));
+    crash_once(&mut s, "STEPGATE_TEST_CRASH_BEFORE_INVOKE", send).await;
+    let r = agent.answer("w1", WAIT).await;
+    assert_eq!(r.status, Status::InDoubt, "{r:?}");
+    assert_eq!(s.tools.count("wire"), 0, "it never ran, and was not re-run");
+    assert_eq!(agent.answers("w1").len(), 1);
+}
+
+/// The same point for a keyed tool: re-run with the step's one key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_after_the_started_commit_before_the_call_reruns_keyed_with_its_key() {
+    let mut s = Stack::new(StackOptions::default()).await;
+    let agent = s.agent();
+    let send = agent.send(&intent("wf-z", 1, "charge", json!({"cents": 5}), "k1"));
+    crash_once(&mut s, "STEPGATE_TEST_CRASH_BEFORE_INVOKE", send).await;
+    let r = agent.answer("k1", WAIT).await;
+    assert_eq!(r.status, Status::Ok, "{r:?}");
+    assert_eq!(s.tools.count("charge"), 1);
+    assert_eq!(s.tools.effects("charge"), 1);
+    assert_eq!(agent.answers("k1").len(), 1);
+}
+
+/// After the call, before the outcome's commit: the effect happened and its
+/// answer is lost. Unkeyed: `in_doubt`, never re-run. Keyed: re-run with the
+/// same key, so the provider performs one effect.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_after_the_call_before_the_outcome_commit_never_doubles_an_effect() {
+    let mut s = Stack::new(StackOptions::default()).await;
+    let agent = s.agent();
+    let send = agent.send(&intent("wf-u", 1, "wire", json!({"amount": 7}), "a1"));
+    crash_once(&mut s, "STEPGATE_TEST_CRASH_AFTER_INVOKE", send).await;
+    let r = agent.answer("a1", WAIT).await;
+    assert_eq!(r.status, Status::InDoubt, "{r:?}");
+    assert_eq!(s.tools.count("wire"), 1, "ran once, never re-run blindly");
+    s.kill();
+
+    let send = agent.send(&intent("wf-k", 1, "charge", json!({"cents": 7}), "a2"));
+    crash_once(&mut s, "STEPGATE_TEST_CRASH_AFTER_INVOKE", send).await;
+    let r = agent.answer("a2", WAIT).await;
+    assert_eq!(r.status, Status::Ok, "{r:?}");
+    assert_eq!(s.tools.count("charge"), 2, "re-run after the lost outcome");
+    assert_eq!(
+        s.tools.effects("charge"),
+        1,
+        "with the same key: one effect"
+    );
+    assert_eq!(agent.answers("a2").len(), 1);
+}
+
+/// A partition revoked while its calls run: the calls finish on the old owner,
+/// whose outcomes go through `progress` to the new owner, which settles each
+/// step once (no call runs twice, every caller gets one answer).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outcomes_of_calls_whose_partition_moved_are_settled_once_by_the_new_owner() {
+    let mut s = Stack::new(StackOptions {
+        tools: vec![("create_ticket", "unkeyed", "30s")],
+        ..StackOptions::default()
+    })
+    .await;
+    s.tools
+        .script("create_ticket", vec![Reply::Delay(Duration::from_secs(6))]);
+    s.start().await;
+    let agent = s.agent();
+    let wfs: Vec<String> = (0..12).map(|n| format!("wf-rv-{n}")).collect();
+    for (n, wf) in wfs.iter().enumerate() {
+        agent
+            .send(&intent(
+                wf,
+                1,
+                "create_ticket",
+                json!({"n": n}),
+                &format!("rv{n}"),
+            ))
+            .await;
+    }
+    let tools = s.tools.clone();
+    eventually(WAIT, "every call is running", || {
+        tools.count("create_ticket") == wfs.len()
+    })
+    .await;
+    // A second gate joins: the group rebalances while the calls run.
+    let b_http = format!("127.0.0.1:{}", free_port());
+    let mut gate_b = s.spawn_other("gate-b", &b_http, &[]);
+    wait_ready(&b_http).await;
+    for n in 0..wfs.len() {
+        let r = agent.answer(&format!("rv{n}"), WAIT).await;
+        assert_eq!(r.status, Status::Ok, "{r:?}\n{}", s.other_log("gate-b"));
+    }
+    // Repeats, answered by whichever gate owns the step now.
+    for (n, wf) in wfs.iter().enumerate() {
+        let again = agent
+            .call(intent(
+                wf,
+                1,
+                "create_ticket",
+                json!({"n": n, "r": 1}),
+                &format!("rv{n}-again"),
+            ))
+            .await;
+        assert!(again.deduplicated, "{again:?}");
+        assert_eq!(again.status, Status::Ok);
+    }
+    assert_eq!(
+        s.tools.count("create_ticket"),
+        wfs.len(),
+        "no call ran twice"
+    );
+    for n in 0..wfs.len() {
+        assert_eq!(
+            agent.answers(&format!("rv{n}")).len(),
+            1,
+            "one answer for rv{n}"
+        );
+    }
+    assert!(
+        s.log().contains("handed to the partition's owner"),
+        "some calls finished after their partition moved to gate B: {}",
+        s.log()
+    );
+    gate_b.kill().unwrap();
+    gate_b.wait().unwrap();
+}
+
+/// The two-history case: gate A dies with a batch sent but not committed, stays
+/// down past the session timeout, gate B takes its partitions and commits its
+/// own batches, then A comes back and takes partitions back. A's disk must never
+/// hold a history Kafka aborted, and must learn what B committed: every step
+/// ran once, every repeat is answered from the record B or A wrote.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gate_back_after_another_owned_its_partitions_holds_only_committed_history() {
+    let mut s = Stack::new(StackOptions {
+        session_timeout: "6s",
+        ..StackOptions::default()
+    })
+    .await;
+    s.start().await;
+    let agent = s.agent();
+    let wfs: Vec<String> = (0..8).map(|n| format!("wf-h-{n}")).collect();
+    let mut firsts = Vec::new();
+    for (n, wf) in wfs.iter().enumerate() {
+        firsts.push(
+            agent
+                .call(intent(
+                    wf,
+                    1,
+                    "create_ticket",
+                    json!({"n": n}),
+                    &format!("h{n}"),
+                ))
+                .await,
+        );
+    }
+    s.kill();
+    // A again, dying before its next commit: a batch sent and aborted.
+    let send = async {
+        for (n, wf) in wfs.iter().enumerate() {
+            agent
+                .send(&intent(
+                    wf,
+                    2,
+                    "create_ticket",
+                    json!({"n": n}),
+                    &format!("h{n}-2"),
+                ))
+                .await;
+        }
+    };
+    s.spawn(&[], &[("STEPGATE_TEST_CRASH_BEFORE_COMMIT", "1")]);
+    s.wait_ready().await;
+    send.await;
+    assert!(!s.exited(WAIT).await.success());
+    // B owns everything now (A's static membership expires after the session
+    // timeout), answers the aborted steps and commits new ones.
+    let b_http = format!("127.0.0.1:{}", free_port());
+    let mut gate_b = s.spawn_other("gate-b", &b_http, &[]);
+    for n in 0..wfs.len() {
+        let r = agent.answer(&format!("h{n}-2"), WAIT).await;
+        assert_eq!(r.status, Status::Ok, "{r:?}\n{}", s.other_log("gate-b"));
+    }
+    let mut seconds = Vec::new();
+    for n in 0..wfs.len() {
+        seconds.push(agent.answer(&format!("h{n}-2"), WAIT).await);
+    }
+    // A comes back beside B and takes half the partitions back.
+    s.start().await;
+    for (n, wf) in wfs.iter().enumerate() {
+        for (step, first) in [(1, &firsts[n]), (2, &seconds[n])] {
+            let again = agent
+                .call(intent(
+                    wf,
+                    step,
+                    "create_ticket",
+                    json!({"again": true}),
+                    &format!("h{n}-{step}-r"),
+                ))
+                .await;
+            assert!(again.deduplicated, "{again:?}\n{}", s.log());
+            same_but_call_id(first, &again);
+        }
+    }
+    assert_eq!(
+        s.tools.count("create_ticket"),
+        2 * wfs.len(),
+        "every step ran once across the aborted batch and both owners"
+    );
+    for n in 0..wfs.len() {
+        assert_eq!(agent.answers(&format!("h{n}-2")).len(), 1);
+    }
+    gate_b.kill().unwrap();
+    gate_b.wait().unwrap();
+}
