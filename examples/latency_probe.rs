@@ -2,7 +2,7 @@
 //! of a no-op `keyed` HTTP tool, then repeats of them (answered from the record).
 //! Runs stepgate in-process against `KAFKA_BROKERS` (default 127.0.0.1:9092).
 //!
-//! `cargo run --example latency_probe -- 200 [gate_commit_interval]`
+//! `cargo run --example latency_probe -- 200` (add `--release` for release figures)
 
 use axum::routing::post;
 use rdkafka::consumer::{Consumer, StreamConsumer};
@@ -20,7 +20,6 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .map(|a| a.parse())
         .transpose()?
         .unwrap_or(200);
-    let interval = std::env::args().nth(2).unwrap_or_else(|| "100ms".into());
     let brokers = std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let tool = listener.local_addr()?;
@@ -37,21 +36,17 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 brokers = "{brokers}"
 instance_id = "{p}"
 gate_group = "{p}-gate"
-executor_group = "{p}-exec"
 partitions = 1
 [kafka.topics]
 intents = "{p}.intents"
 results = "{p}.results"
 dlq = "{p}.dlq"
-calls = "{p}.calls"
 progress = "{p}.progress"
 changelog = "{p}.changelog"
 commands = "{p}.commands"
 approvals = "{p}.approvals"
 [state]
 path = "{state}"
-[gate]
-commit_interval = "{interval}"
 [http]
 listen = ""
 [log]
@@ -114,7 +109,7 @@ url = "http://{tool}/noop"
             lat[((lat.len() as f64 * q) as usize).min(lat.len() - 1)].as_secs_f64() * 1000.0
         };
         println!(
-            "{label} (gate.commit_interval {interval}): p50 {:.1} ms, p90 {:.1} ms, p99 {:.1} ms, max {:.1} ms over {n}",
+            "{label}: p50 {:.1} ms, p90 {:.1} ms, p99 {:.1} ms, max {:.1} ms over {n}",
             pct(0.5),
             pct(0.9),
             pct(0.99),

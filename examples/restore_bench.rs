@@ -72,7 +72,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let t = Instant::now();
     let kafka = config.kafka.clone();
     let applied =
-        tokio::task::block_in_place(|| stepgate::gate::restore_partition(&kafka, &fresh, 0))?;
+        tokio::task::block_in_place(|| stepgate::gate::restore_partition(&kafka, &fresh, 0))?
+            .records;
     let took = t.elapsed().as_secs_f64();
     println!(
         "restored {applied} changelog records ({n} steps) in {took:.1} s: {:.0} records/s, {:.0} steps/s; peak RSS {} MiB",

@@ -282,20 +282,3 @@ async fn crash_matrix() {
         }
     }
 }
-
-async fn wait_ready(http: &str) {
-    let url = format!("http://{http}/readyz");
-    let start = Instant::now();
-    loop {
-        if let Ok(r) = reqwest::get(&url).await
-            && r.status().is_success()
-        {
-            return;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "{http} not ready in 60 s"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}

@@ -14,11 +14,12 @@ use stepgate::contract::Status;
 
 const WAIT: Duration = Duration::from_secs(60);
 
-/// Dies with `var=1` set, then is restarted without it.
-async fn crash_once(s: &mut Stack, var: &str, send: impl std::future::Future<Output = ()>) {
+/// Starts with `var=1` set, publishes `intent`, waits for the injected crash,
+/// then restarts without it.
+async fn crash_once(s: &mut Stack, var: &str, agent: &Agent, intent: serde_json::Value) {
     s.spawn(&[], &[(var, "1")]);
     s.wait_ready().await;
-    send.await;
+    agent.send(&intent).await;
     let status = s.exited(WAIT).await;
     assert!(!status.success(), "the fault was injected");
     assert!(s.log().contains(&format!("{var}=1")), "{}", s.log());
@@ -31,8 +32,13 @@ async fn crash_once(s: &mut Stack, var: &str, send: impl std::future::Future<Out
 async fn a_crash_before_the_started_commit_runs_the_step_once_after_restart() {
     let mut s = Stack::new(StackOptions::default()).await;
     let agent = s.agent();
-    let send = agent.send(&intent("wf-x", 1, "create_ticket", json!({"t": 1}), "u1"));
-    crash_once(&mut s, "STEPGATE_TEST_CRASH_BEFORE_COMMIT", send).await;
+    crash_once(
+        &mut s,
+        "STEPGATE_TEST_CRASH_BEFORE_COMMIT",
+        &agent,
+        intent("wf-x", 1, "create_ticket", json!({"t": 1}), "u1"),
+    )
+    .await;
     let r = agent.answer("u1", WAIT).await;
     assert_eq!(r.status, Status::Ok, "{r:?}");
     assert!(
@@ -49,8 +55,13 @@ async fn a_crash_before_the_started_commit_runs_the_step_once_after_restart() {
 async fn a_crash_after_the_started_commit_before_the_call_is_in_doubt_for_unkeyed() {
     let mut s = Stack::new(StackOptions::default()).await;
     let agent = s.agent();
-    let send = agent.send(&intent("wf-y", 1, "wire", json!({"amount": 5}), "w1"));
-    crash_once(&mut s, "STEPGATE_TEST_CRASH_BEFORE_INVOKE", send).await;
+    crash_once(
+        &mut s,
+        "STEPGATE_TEST_CRASH_BEFORE_INVOKE",
+        &agent,
+        intent("wf-y", 1, "wire", json!({"amount": 5}), "w1"),
+    )
+    .await;
     let r = agent.answer("w1", WAIT).await;
     assert_eq!(r.status, Status::InDoubt, "{r:?}");
     assert_eq!(s.tools.count("wire"), 0, "it never ran, and was not re-run");
@@ -62,8 +73,13 @@ async fn a_crash_after_the_started_commit_before_the_call_is_in_doubt_for_unkeye
 async fn a_crash_after_the_started_commit_before_the_call_reruns_keyed_with_its_key() {
     let mut s = Stack::new(StackOptions::default()).await;
     let agent = s.agent();
-    let send = agent.send(&intent("wf-z", 1, "charge", json!({"cents": 5}), "k1"));
-    crash_once(&mut s, "STEPGATE_TEST_CRASH_BEFORE_INVOKE", send).await;
+    crash_once(
+        &mut s,
+        "STEPGATE_TEST_CRASH_BEFORE_INVOKE",
+        &agent,
+        intent("wf-z", 1, "charge", json!({"cents": 5}), "k1"),
+    )
+    .await;
     let r = agent.answer("k1", WAIT).await;
     assert_eq!(r.status, Status::Ok, "{r:?}");
     assert_eq!(s.tools.count("charge"), 1);
@@ -78,15 +94,25 @@ async fn a_crash_after_the_started_commit_before_the_call_reruns_keyed_with_its_
 async fn a_crash_after_the_call_before_the_outcome_commit_never_doubles_an_effect() {
     let mut s = Stack::new(StackOptions::default()).await;
     let agent = s.agent();
-    let send = agent.send(&intent("wf-u", 1, "wire", json!({"amount": 7}), "a1"));
-    crash_once(&mut s, "STEPGATE_TEST_CRASH_AFTER_INVOKE", send).await;
+    crash_once(
+        &mut s,
+        "STEPGATE_TEST_CRASH_AFTER_INVOKE",
+        &agent,
+        intent("wf-u", 1, "wire", json!({"amount": 7}), "a1"),
+    )
+    .await;
     let r = agent.answer("a1", WAIT).await;
     assert_eq!(r.status, Status::InDoubt, "{r:?}");
     assert_eq!(s.tools.count("wire"), 1, "ran once, never re-run blindly");
     s.kill();
 
-    let send = agent.send(&intent("wf-k", 1, "charge", json!({"cents": 7}), "a2"));
-    crash_once(&mut s, "STEPGATE_TEST_CRASH_AFTER_INVOKE", send).await;
+    crash_once(
+        &mut s,
+        "STEPGATE_TEST_CRASH_AFTER_INVOKE",
+        &agent,
+        intent("wf-k", 1, "charge", json!({"cents": 7}), "a2"),
+    )
+    .await;
     let r = agent.answer("a2", WAIT).await;
     assert_eq!(r.status, Status::Ok, "{r:?}");
     assert_eq!(s.tools.count("charge"), 2, "re-run after the lost outcome");

@@ -242,6 +242,24 @@ impl Default for StackOptions {
     }
 }
 
+/// Wait until the `/readyz` of a stepgate serving on `http` says ready.
+pub async fn wait_ready(http: &str) {
+    let url = format!("http://{http}/readyz");
+    let start = Instant::now();
+    loop {
+        if let Ok(r) = reqwest::get(&url).await
+            && r.status().is_success()
+        {
+            return;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "{http} not ready in 60 s"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
