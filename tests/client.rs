@@ -148,7 +148,7 @@ async fn the_call_command_prints_the_answer_and_exits_by_status() {
     let mut s = Stack::new(StackOptions::default()).await;
     s.start().await;
     let run = |args: &[&str]| {
-        std::process::Command::new(env!("CARGO_BIN_EXE_stepgate"))
+        std::process::Command::new(stepgate_bin())
             .arg("call")
             .arg("--config")
             .arg(&s.config_path)

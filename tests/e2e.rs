@@ -475,7 +475,7 @@ async fn refuses_to_start_when_results_has_fewer_partitions_than_intents() {
         ),
     )
     .unwrap();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_stepgate"))
+    let out = std::process::Command::new(stepgate_bin())
         .args(["run", "--config"])
         .arg(&path)
         .output()
@@ -511,7 +511,7 @@ async fn topics_create_makes_an_equal_layout_and_is_idempotent() {
     )
     .unwrap();
     for expected in ["created", "exists"] {
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_stepgate"))
+        let out = std::process::Command::new(stepgate_bin())
             .args(["topics", "create", "--config"])
             .arg(&path)
             .output()
@@ -540,7 +540,7 @@ fn an_invalid_config_fails_at_start_naming_the_field() {
         "[tools.pay]\ncategory = \"keyed\"\nurl = \"not a url\"\n",
     )
     .unwrap();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_stepgate"))
+    let out = std::process::Command::new(stepgate_bin())
         .args(["run", "--config"])
         .arg(&path)
         .output()
@@ -548,7 +548,7 @@ fn an_invalid_config_fails_at_start_naming_the_field() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("tools.pay.url"), "{err}");
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_stepgate"))
+    let out = std::process::Command::new(stepgate_bin())
         .args(["check-config", "--config"])
         .arg(&path)
         .env("STEPGATE_TOOLS_PAY_URL", "http://127.0.0.1:1/pay")
@@ -969,7 +969,7 @@ async fn state_rebuild_reconstructs_a_state_that_answers_the_same() {
     s.terminate().await;
     let rebuilt = s.dir.path().join("rebuilt");
     let run = |path: &std::path::Path| {
-        std::process::Command::new(env!("CARGO_BIN_EXE_stepgate"))
+        std::process::Command::new(stepgate_bin())
             .args(["state", "rebuild", "--config"])
             .arg(&s.config_path)
             .arg("--path")
@@ -1072,7 +1072,7 @@ async fn audit_reports_a_recorded_workload() {
         .call(intent("wf-other", 0, "create_ticket", json!({}), "o1"))
         .await;
     let audit = |format: &str| {
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_stepgate"))
+        let out = std::process::Command::new(stepgate_bin())
             .args(["audit", "--workflow", wf, "--format", format, "--config"])
             .arg(&s.config_path)
             .output()

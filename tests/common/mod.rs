@@ -242,6 +242,12 @@ impl Default for StackOptions {
     }
 }
 
+/// The `stepgate` binary under test: Cargo's build of this package, or
+/// `STEPGATE_BIN` (to test another build, e.g. a release binary).
+pub fn stepgate_bin() -> String {
+    std::env::var("STEPGATE_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_stepgate").to_owned())
+}
+
 /// Wait until the `/readyz` of a stepgate serving on `http` says ready.
 pub async fn wait_ready(http: &str) {
     let url = format!("http://{http}/readyz");
@@ -340,7 +346,7 @@ level = "info,rdkafka=warn"
 
     /// Run another `stepgate` command against this stack's config.
     pub async fn cli(&self, args: &[&str]) -> std::process::Output {
-        tokio::process::Command::new(env!("CARGO_BIN_EXE_stepgate"))
+        tokio::process::Command::new(stepgate_bin())
             .args(args)
             .arg("--config")
             .arg(&self.config_path)
@@ -371,7 +377,7 @@ level = "info,rdkafka=warn"
                 .join(format!("stepgate-{}.log", self.starts)),
         )
         .unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_stepgate"))
+        let child = Command::new(stepgate_bin())
             .args(["run", "--config"])
             .arg(&self.config_path)
             .args(args)
@@ -475,7 +481,7 @@ level = "info,rdkafka=warn"
     /// Start another `stepgate run` of this deployment (see [`Stack::config_for`]).
     pub fn spawn_other(&self, name: &str, http: &str, args: &[&str]) -> Child {
         let log = std::fs::File::create(self.dir.path().join(format!("other-{name}.log"))).unwrap();
-        Command::new(env!("CARGO_BIN_EXE_stepgate"))
+        Command::new(stepgate_bin())
             .args(["run", "--config"])
             .arg(self.config_for(name, http))
             .args(args)
