@@ -297,7 +297,8 @@ async fn read_capped(resp: &mut reqwest::Response, cap: u64) -> Result<Capped, r
     if let Some(len) = declared.filter(|&len| len > cap) {
         return Ok(Capped::TooLarge(Some(len)));
     }
-    let mut body = Vec::with_capacity(declared.unwrap_or(0) as usize);
+    // Trust a declared length only so far: the cap may be set high.
+    let mut body = Vec::with_capacity(declared.unwrap_or(0).min(1 << 20) as usize);
     while let Some(chunk) = resp.chunk().await? {
         if (body.len() + chunk.len()) as u64 > cap {
             return Ok(Capped::TooLarge(None));
