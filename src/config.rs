@@ -421,6 +421,23 @@ pub struct ToolConfig {
     pub idempotency_field: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub annotations: Option<ToolAnnotations>,
+    /// The largest answer body read from the tool, in bytes (default 512 KiB). A
+    /// larger 2xx answer is not buffered: the step ends with the error
+    /// `output_too_large` (the tool did run). The output travels in Kafka records
+    /// (progress, result, changelog), which librdkafka caps at 1 000 000 bytes by
+    /// default (`message.max.bytes`): raise this only with those limits.
+    pub max_output_bytes: u64,
+    /// At most this many calls of the tool in flight at once from one executor
+    /// process (unset: no limit beyond `executor.concurrency`). A call waits for a
+    /// free slot before each try; `timeout` counts from when it gets one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_concurrency: Option<u32>,
+    /// With `max_concurrency`: the longest one try waits for a free slot (default:
+    /// the tool's `timeout`). A try that gets none was never sent: it is retried,
+    /// and the call ends `tool_unreachable` when its tries are spent. Bounded so
+    /// that the tool's deadline (`deadline()`, which the gate waits before it
+    /// settles a `started` step) covers the waiting too.
+    pub queue_timeout: Dur,
 }
 
 /// A tool as written in the config, before `category` is settled.
@@ -445,6 +462,12 @@ struct RawToolConfig {
     idempotency_field: Option<String>,
     #[serde(default)]
     annotations: Option<ToolAnnotations>,
+    #[serde(default = "default_max_output_bytes")]
+    max_output_bytes: u64,
+    #[serde(default)]
+    max_concurrency: Option<u32>,
+    #[serde(default)]
+    queue_timeout: Option<Dur>,
 }
 
 impl TryFrom<RawToolConfig> for ToolConfig {
@@ -472,6 +495,9 @@ impl TryFrom<RawToolConfig> for ToolConfig {
             idempotency_header: r.idempotency_header,
             idempotency_field: r.idempotency_field,
             annotations: r.annotations,
+            max_output_bytes: r.max_output_bytes,
+            max_concurrency: r.max_concurrency,
+            queue_timeout: r.queue_timeout.unwrap_or(r.timeout),
         })
     }
 }
@@ -488,6 +514,9 @@ fn default_retries() -> u32 {
 fn default_backoff() -> Dur {
     dur("200ms")
 }
+fn default_max_output_bytes() -> u64 {
+    512 * 1024
+}
 
 impl ToolConfig {
     /// Whether calls of this tool go through the durable step log.
@@ -503,10 +532,15 @@ impl ToolConfig {
     }
 
     /// The longest a single dispatch of this tool can legitimately take in an
-    /// executor: every try's timeout plus the backoffs between them.
+    /// executor: every try's timeout (and, with `max_concurrency`, its wait for
+    /// a free slot) plus the backoffs between them.
     pub fn deadline(&self) -> Duration {
         let tries = self.retries + 1;
-        let mut d = self.timeout.0 * tries;
+        let per_try = match self.max_concurrency {
+            Some(_) => self.timeout.0 + self.queue_timeout.0,
+            None => self.timeout.0,
+        };
+        let mut d = per_try * tries;
         for r in 1..=self.retries {
             d += self.backoff_before(r);
         }
@@ -666,6 +700,24 @@ impl Config {
             if tool.timeout.0.is_zero() {
                 return Err(invalid(
                     &format!("tools.{name}.timeout"),
+                    "must be longer than 0",
+                ));
+            }
+            if tool.max_output_bytes == 0 {
+                return Err(invalid(
+                    &format!("tools.{name}.max_output_bytes"),
+                    "must be at least 1",
+                ));
+            }
+            if tool.max_concurrency == Some(0) {
+                return Err(invalid(
+                    &format!("tools.{name}.max_concurrency"),
+                    "must be at least 1 (leave it out for no limit)",
+                ));
+            }
+            if tool.queue_timeout.0.is_zero() {
+                return Err(invalid(
+                    &format!("tools.{name}.queue_timeout"),
                     "must be longer than 0",
                 ));
             }
@@ -932,5 +984,48 @@ timeout = "5s"
         let t = &c.tools["send_email"];
         // 3 tries × 5 s + 200 ms + 400 ms of backoff
         assert_eq!(t.deadline(), Duration::from_millis(15_600));
+    }
+
+    #[test]
+    fn output_cap_and_concurrency_limit_are_checked() {
+        let load = |t: &str| {
+            Config::from_toml_str(
+                &format!(
+                    "[tools.t]\nurl = \"http://h/t\"\ncategory = \"keyed\"\ntimeout = \"5s\"\n{t}"
+                ),
+                env(&[]),
+            )
+        };
+        let c = load("").unwrap();
+        assert_eq!(c.tools["t"].max_output_bytes, 512 * 1024);
+        assert_eq!(c.tools["t"].max_concurrency, None);
+        let c = load("max_output_bytes = 4096\nmax_concurrency = 2\n").unwrap();
+        assert_eq!(c.tools["t"].max_output_bytes, 4096);
+        assert_eq!(c.tools["t"].max_concurrency, Some(2));
+        assert_eq!(
+            c.tools["t"].queue_timeout.0,
+            Duration::from_secs(5),
+            "defaults to timeout"
+        );
+        // Each of the 3 tries may wait for a slot as long as it may run.
+        assert_eq!(c.tools["t"].deadline(), Duration::from_millis(30_600));
+        let c = load("max_concurrency = 2\nqueue_timeout = \"1s\"\n").unwrap();
+        assert_eq!(c.tools["t"].deadline(), Duration::from_millis(18_600));
+        for (line, field) in [
+            ("max_output_bytes = 0", "tools.t.max_output_bytes"),
+            ("max_concurrency = 0", "tools.t.max_concurrency"),
+            ("queue_timeout = \"0s\"", "tools.t.queue_timeout"),
+        ] {
+            let e = load(&format!("{line}\n")).unwrap_err();
+            assert!(e.to_string().contains(field), "{e}");
+        }
+        let e = load("max_output_bytes = -1\n").unwrap_err();
+        assert!(e.to_string().contains("max_output_bytes"), "{e}");
+        let c = Config::from_toml_str(
+            "[tools.t]\nurl = \"http://h/t\"\ncategory = \"keyed\"\nmax_concurrency = 2\n",
+            env(&[("STEPGATE_TOOLS_T_MAX_CONCURRENCY", "3")]),
+        )
+        .unwrap();
+        assert_eq!(c.tools["t"].max_concurrency, Some(3));
     }
 }

@@ -86,6 +86,60 @@ impl Texts {
         )
     }
 
+    /// The tool's address answered with a redirect that means "not here" (301,
+    /// 307, 308, …): nothing was performed, and the redirect was not followed.
+    /// The address is not echoed: it may carry credentials.
+    pub fn tool_redirected(tool: &str, http_status: u16) -> String {
+        format!(
+            "The tool `{tool}` did not perform the action: the tool's configured address \
+             answered with a redirect (HTTP {http_status}), and stepgate does not follow \
+             redirects, so the call was not sent anywhere else. Calling `{tool}` again will be \
+             answered the same way until a person corrects the tool's address: tell the user \
+             the tool is misconfigured, and continue without it."
+        )
+    }
+
+    /// A 302 or 303 from a tool that is not safe to re-run: services send these
+    /// after performing a POST ("see the result there"), so it may have run.
+    pub fn tool_redirected_in_doubt(tool: &str, http_status: u16) -> String {
+        format!(
+            "The call to `{tool}` reached the tool, and the tool's configured address answered \
+             with a redirect (HTTP {http_status}) instead of a result. Some services answer so \
+             after performing the action, so it may have taken effect; stepgate does not follow \
+             redirects. Do not call `{tool}` again for this step: repeating it returns this same \
+             answer. Tell the user that the outcome is unconfirmed and a person must check it \
+             before anything else is done about it."
+        )
+    }
+
+    /// A 302 or 303 from a read-only or idempotent tool: no result, and running
+    /// it again is harmless but answered the same way.
+    pub fn tool_redirected_safe(tool: &str, http_status: u16) -> String {
+        format!(
+            "The tool `{tool}` gave no result: the tool's configured address answered with a \
+             redirect (HTTP {http_status}), and stepgate does not follow redirects. This tool is \
+             safe to run again, but it will be answered the same way until a person corrects \
+             the tool's address: tell the user the tool is misconfigured, and continue without \
+             its result."
+        )
+    }
+
+    /// A 2xx answer over the tool's `max_output_bytes`: the tool ran and
+    /// succeeded, the output is dropped. `size` is the declared length when the
+    /// tool sent one (otherwise only "over the limit" is known).
+    pub fn output_too_large(tool: &str, size: Option<u64>, limit: u64) -> String {
+        let size = match size {
+            Some(n) => format!("{n} bytes, over the limit of {limit} bytes"),
+            None => format!("more than the limit of {limit} bytes"),
+        };
+        format!(
+            "The tool `{tool}` ran and succeeded, so the action took effect, but its answer was \
+             too large to return ({size}). Do not call `{tool}` again for this step: the action \
+             is done and its answer would be as large again. Continue without its output, and \
+             tell the user the action succeeded but its result was too large to show."
+        )
+    }
+
     /// A new step of a workflow after a `last_step` tool ended it.
     pub fn workflow_ended(
         tool: &str,
@@ -261,6 +315,58 @@ mod golden {
             "A person checked the earlier call to `send_fax` for this step and confirmed that it \
              was not performed. If the action is still wanted, call `send_fax` again for this \
              same step: it will run once."
+        );
+    }
+
+    #[test]
+    fn tool_redirected() {
+        assert_eq!(
+            Texts::tool_redirected("send_email", 307),
+            "The tool `send_email` did not perform the action: the tool's configured address \
+             answered with a redirect (HTTP 307), and stepgate does not follow redirects, so the \
+             call was not sent anywhere else. Calling `send_email` again will be answered the \
+             same way until a person corrects the tool's address: tell the user the tool is \
+             misconfigured, and continue without it."
+        );
+    }
+
+    #[test]
+    fn tool_redirected_in_doubt() {
+        assert_eq!(
+            Texts::tool_redirected_in_doubt("create_order", 303),
+            "The call to `create_order` reached the tool, and the tool's configured address \
+             answered with a redirect (HTTP 303) instead of a result. Some services answer so \
+             after performing the action, so it may have taken effect; stepgate does not follow \
+             redirects. Do not call `create_order` again for this step: repeating it returns \
+             this same answer. Tell the user that the outcome is unconfirmed and a person must \
+             check it before anything else is done about it."
+        );
+    }
+
+    #[test]
+    fn tool_redirected_safe() {
+        assert_eq!(
+            Texts::tool_redirected_safe("search", 302),
+            "The tool `search` gave no result: the tool's configured address answered with a \
+             redirect (HTTP 302), and stepgate does not follow redirects. This tool is safe to \
+             run again, but it will be answered the same way until a person corrects the tool's \
+             address: tell the user the tool is misconfigured, and continue without its result."
+        );
+    }
+
+    #[test]
+    fn output_too_large() {
+        assert_eq!(
+            Texts::output_too_large("export_report", Some(5_000_000), 1_048_576),
+            "The tool `export_report` ran and succeeded, so the action took effect, but its \
+             answer was too large to return (5000000 bytes, over the limit of 1048576 bytes). Do \
+             not call `export_report` again for this step: the action is done and its answer \
+             would be as large again. Continue without its output, and tell the user the action \
+             succeeded but its result was too large to show."
+        );
+        assert!(
+            Texts::output_too_large("t", None, 1024)
+                .contains("too large to return (more than the limit of 1024 bytes).")
         );
     }
 

@@ -3,16 +3,39 @@
 //! `POST <url>` with the arguments as the JSON body and the headers
 //! `Idempotency-Key` (stable per step key), `Stepgate-Workflow-Id`,
 //! `Stepgate-Step-Index`, `Stepgate-Attempt` and `traceparent` when present.
-//! 2xx → `ok` with the JSON body as output; 4xx → a definite `error` (429 is
-//! retried, nothing was performed); 5xx, timeout or a broken connection after the
-//! request was sent → "may have run": retried with the same key unless the tool is
+//! 2xx → `ok` with the JSON body as output (a body over `max_output_bytes` →
+//! the error `output_too_large`: the tool ran); 3xx → never followed, the error
+//! `tool_redirected` (in doubt for a 302/303 of a keyed or unkeyed tool: services
+//! send those after performing a POST); 4xx → a definite `error` (429 is retried,
+//! nothing was performed); 5xx, timeout or a broken connection after the request
+//! was sent → "may have run": retried with the same key unless the tool is
 //! `unkeyed`, which is `in_doubt` at once; a refused connection (nothing sent) is
-//! retried for every category.
+//! retried for every category. A tool with `max_concurrency` has that many slots
+//! per registry; each try waits for one (at most `queue_timeout`) before its
+//! `timeout` starts.
 
 use crate::config::{Category, Config, ToolConfig};
 use crate::contract::{Call, ErrorBody, Outcome, Texts, headers};
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::Duration;
+use thiserror::Error;
+use tokio::sync::{Semaphore, SemaphorePermit};
+
+/// Idle connections kept per tool host (scheme, host and port). Enough to reuse
+/// connections under a steady load of `executor.concurrency` (default 64) calls
+/// spread over a few hosts, while bounding the sockets a burst leaves open.
+const POOL_MAX_IDLE_PER_HOST: usize = 32;
+/// How long an idle connection is kept for reuse. Below the 5 s keep-alive
+/// timeout of Node.js, uvicorn, hypercorn and Apache: a request written to a
+/// connection the server is closing at that moment fails after it was sent,
+/// which for an `unkeyed` tool is an `in_doubt` answer no one needed.
+const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(4);
+/// TCP keep-alive probes, so a peer that vanished during a long call is noticed
+/// by the OS, not only by the tool's timeout.
+const TCP_KEEPALIVE: Duration = Duration::from_secs(30);
+/// How much of a non-2xx body is read: enough for the excerpt in the message.
+const ERROR_BODY_PREFIX: usize = 4096;
 
 /// The configured tools, by name.
 #[derive(Clone)]
@@ -20,6 +43,8 @@ pub struct ToolRegistry {
     tools: BTreeMap<String, ToolConfig>,
     names: Vec<String>,
     http: reqwest::Client,
+    /// The slots of each tool with `max_concurrency`, shared by every clone.
+    slots: BTreeMap<String, Arc<Semaphore>>,
 }
 
 /// How one HTTP try ended.
@@ -31,17 +56,47 @@ enum Try {
     MaybeRan(String),
 }
 
+/// A try that could not start; its `Display` is the detail in the message.
+#[derive(Debug, Error)]
+enum SlotError {
+    #[error("all {slots} of its concurrent call slots stayed busy for {waited}")]
+    Busy { slots: u32, waited: String },
+}
+
+/// A 2xx body, read up to the tool's cap.
+enum Capped {
+    Whole(Vec<u8>),
+    /// Over the cap; the declared length when the tool sent one.
+    TooLarge(Option<u64>),
+}
+
 impl ToolRegistry {
     pub fn new(config: &Config) -> Self {
         let http = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs(5))
             .user_agent(concat!("stepgate/", env!("CARGO_PKG_VERSION")))
+            // A 307/308 would re-POST the arguments and the key to another
+            // address; a 302/303 would turn into a GET whose answer looks like
+            // the tool's output. The tool at the configured URL answers, or no one.
+            .redirect(reqwest::redirect::Policy::none())
+            .pool_max_idle_per_host(POOL_MAX_IDLE_PER_HOST)
+            .pool_idle_timeout(POOL_IDLE_TIMEOUT)
+            .tcp_keepalive(TCP_KEEPALIVE)
             .build()
             .expect("the HTTP client builds with static settings");
+        let slots = config
+            .tools
+            .iter()
+            .filter_map(|(name, t)| {
+                let n = t.max_concurrency?;
+                Some((name.clone(), Arc::new(Semaphore::new(n as usize))))
+            })
+            .collect();
         ToolRegistry {
             tools: config.tools.clone(),
             names: config.tool_names(),
             http,
+            slots,
         }
     }
 
@@ -80,6 +135,15 @@ impl ToolRegistry {
             if n > 1 {
                 tokio::time::sleep(tool.backoff_before(n - 1)).await;
             }
+            // Held for this try only: a backoff frees the slot for other calls.
+            let _slot = match self.slot(tool_name, tool).await {
+                Ok(slot) => slot,
+                Err(e) => {
+                    last = e.to_string();
+                    continue;
+                }
+            };
+            // The request's timeout starts only now, inside `try_once`.
             match self.try_once(tool, call).await {
                 Try::Done(outcome) => return outcome,
                 Try::NotSent(detail) => last = detail,
@@ -110,6 +174,27 @@ impl ToolRegistry {
         }
     }
 
+    /// Wait for one of the tool's slots (none to wait for without `max_concurrency`).
+    async fn slot(
+        &self,
+        name: &str,
+        tool: &ToolConfig,
+    ) -> Result<Option<SemaphorePermit<'_>>, SlotError> {
+        let Some(slots) = self.slots.get(name) else {
+            return Ok(None);
+        };
+        let busy = || SlotError::Busy {
+            slots: tool.max_concurrency.unwrap_or_default(),
+            waited: humantime::format_duration(tool.queue_timeout.0).to_string(),
+        };
+        match tokio::time::timeout(tool.queue_timeout.0, slots.acquire()).await {
+            Ok(Ok(permit)) => Ok(Some(permit)),
+            // Never closed; were it, no slot would ever come.
+            Ok(Err(_closed)) => Err(busy()),
+            Err(_elapsed) => Err(busy()),
+        }
+    }
+
     async fn try_once(&self, tool: &ToolConfig, call: &Call) -> Try {
         let step = &call.step;
         let key = step.idempotency_key();
@@ -132,19 +217,34 @@ impl ToolRegistry {
         if let Some(tp) = &call.traceparent {
             req = req.header(headers::TRACEPARENT, tp);
         }
-        let resp = match req.send().await {
+        let mut resp = match req.send().await {
             Ok(r) => r,
             Err(e) if e.is_connect() => return Try::NotSent(describe(&e)),
             Err(e) => return Try::MaybeRan(describe(&e)),
         };
         let status = resp.status();
-        let body = match resp.bytes().await {
-            Ok(b) => b,
-            // The tool answered but the body broke off: it ran, the answer is lost.
-            Err(e) if status.is_success() => return Try::MaybeRan(describe(&e)),
-            Err(_) => Default::default(),
-        };
+        let code = status.as_u16();
+        if status.is_redirection() {
+            return Try::Done(redirected(tool, &step.tool, code));
+        }
         if status.is_success() {
+            let body = match read_capped(&mut resp, tool.max_output_bytes).await {
+                Ok(Capped::Whole(b)) => b,
+                Ok(Capped::TooLarge(size)) => {
+                    return Try::Done(Outcome::Error {
+                        error: ErrorBody {
+                            kind: "output_too_large".into(),
+                            message: Texts::output_too_large(
+                                &step.tool,
+                                size,
+                                tool.max_output_bytes,
+                            ),
+                        },
+                    });
+                }
+                // The tool answered but the body broke off: it ran, the answer is lost.
+                Err(e) => return Try::MaybeRan(describe(&e)),
+            };
             let output = if body.is_empty() {
                 serde_json::Value::Null
             } else {
@@ -154,11 +254,11 @@ impl ToolRegistry {
             };
             return Try::Done(Outcome::Ok { output });
         }
-        let code = status.as_u16();
         if code == 429 {
             return Try::NotSent("HTTP 429, rate limited".to_owned());
         }
         if status.is_client_error() {
+            let body = read_prefix(&mut resp, ERROR_BODY_PREFIX).await;
             return Try::Done(Outcome::Error {
                 error: ErrorBody {
                     kind: "tool_refused".into(),
@@ -187,6 +287,62 @@ fn set_path(body: &mut serde_json::Value, path: &str, value: serde_json::Value) 
         cur = obj
             .entry(part.to_owned())
             .or_insert_with(|| serde_json::Value::Object(Default::default()));
+    }
+}
+
+/// Read a 2xx body chunk by chunk, stopping as soon as it exceeds `cap` bytes
+/// (at once when the declared length does): a tool cannot make us buffer more.
+async fn read_capped(resp: &mut reqwest::Response, cap: u64) -> Result<Capped, reqwest::Error> {
+    let declared = resp.content_length();
+    if let Some(len) = declared.filter(|&len| len > cap) {
+        return Ok(Capped::TooLarge(Some(len)));
+    }
+    // Trust a declared length only so far: the cap may be set high.
+    let mut body = Vec::with_capacity(declared.unwrap_or(0).min(1 << 20) as usize);
+    while let Some(chunk) = resp.chunk().await? {
+        if (body.len() + chunk.len()) as u64 > cap {
+            return Ok(Capped::TooLarge(None));
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(Capped::Whole(body))
+}
+
+/// The first `max` bytes of a body, for a message; a body that breaks off
+/// gives what arrived.
+async fn read_prefix(resp: &mut reqwest::Response, max: usize) -> Vec<u8> {
+    let mut out = Vec::new();
+    while out.len() < max {
+        match resp.chunk().await {
+            Ok(Some(chunk)) => {
+                let take = chunk.len().min(max - out.len());
+                out.extend_from_slice(&chunk[..take]);
+            }
+            Ok(None) | Err(_) => break,
+        }
+    }
+    out
+}
+
+/// A 3xx answer, never followed. 302 and 303 are what web frameworks send
+/// after performing a POST ("see the result there"), so from a tool that is not
+/// safe to re-run they leave the outcome in doubt; every other 3xx (301, 307,
+/// 308, …) means the action is somewhere else and was not performed here.
+fn redirected(tool: &ToolConfig, name: &str, code: u16) -> Outcome {
+    let error = |message| ErrorBody {
+        kind: "tool_redirected".into(),
+        message,
+    };
+    match (code, tool.category) {
+        (302 | 303, Category::ReadOnly | Category::Idempotent) => Outcome::Error {
+            error: error(Texts::tool_redirected_safe(name, code)),
+        },
+        (302 | 303, Category::Keyed | Category::Unkeyed) => Outcome::InDoubt {
+            error: error(Texts::tool_redirected_in_doubt(name, code)),
+        },
+        _ => Outcome::Error {
+            error: error(Texts::tool_redirected(name, code)),
+        },
     }
 }
 

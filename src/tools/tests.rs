@@ -183,3 +183,468 @@ async fn the_provider_key_goes_where_the_provider_reads_it() {
     assert_eq!(h["x-request-id"], key.as_str());
     assert!(h.get("idempotency-key").is_none());
 }
+
+/// A registry of one tool `t` at `url` with extra config lines.
+fn registry_with(category: &str, url: &str, extra: &str) -> ToolRegistry {
+    let cfg = Config::from_toml_str(
+        &format!("[tools.t]\ncategory = \"{category}\"\nurl = \"{url}\"\n{extra}"),
+        Vec::new(),
+    )
+    .unwrap();
+    ToolRegistry::new(&cfg)
+}
+
+/// Serve `app` on 127.0.0.1, port 0; the app is built knowing its own address.
+async fn serve(app: impl FnOnce(std::net::SocketAddr) -> Router) -> std::net::SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let app = app(addr);
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    addr
+}
+
+/// A tool at `/r` that answers `code` with a `Location` pointing at
+/// `/elsewhere`, which counts every request of any method.
+async fn redirecting(code: u16) -> (String, Arc<AtomicU32>, Arc<AtomicU32>) {
+    let (hits, followed) = (Arc::new(AtomicU32::new(0)), Arc::new(AtomicU32::new(0)));
+    let (h, f) = (hits.clone(), followed.clone());
+    let addr = serve(move |addr| {
+        Router::new()
+            .route(
+                "/r",
+                post(move || async move {
+                    h.fetch_add(1, Ordering::SeqCst);
+                    (
+                        StatusCode::from_u16(code).unwrap(),
+                        [(
+                            axum::http::header::LOCATION,
+                            format!("http://{addr}/elsewhere"),
+                        )],
+                    )
+                }),
+            )
+            .route(
+                "/elsewhere",
+                axum::routing::any(move || async move {
+                    f.fetch_add(1, Ordering::SeqCst);
+                    axum::Json(serde_json::json!({"followed": true}))
+                }),
+            )
+    })
+    .await;
+    (format!("http://{addr}/r"), hits, followed)
+}
+
+#[tokio::test]
+async fn a_307_or_308_is_not_followed_and_not_performed() {
+    for code in [307, 308, 301] {
+        for category in ["keyed", "unkeyed", "read_only"] {
+            let (url, hits, followed) = redirecting(code).await;
+            let o = registry(category, &url, "5s").invoke(&call()).await;
+            assert_eq!(
+                kind(&o),
+                ("error", "tool_redirected".into()),
+                "{code} {category}"
+            );
+            let Outcome::Error { error } = o else {
+                unreachable!()
+            };
+            assert!(
+                error.message.contains(&format!("redirect (HTTP {code})")),
+                "{}",
+                error.message
+            );
+            assert!(
+                error.message.contains("did not perform"),
+                "{}",
+                error.message
+            );
+            assert!(
+                !error.message.contains("127.0.0.1"),
+                "the address is never echoed"
+            );
+            assert_eq!(
+                followed.load(Ordering::SeqCst),
+                0,
+                "{code}: the target saw nothing"
+            );
+            assert_eq!(
+                hits.load(Ordering::SeqCst),
+                1,
+                "{code}: a redirect is not retried"
+            );
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_302_or_303_is_never_turned_into_a_get() {
+    for code in [302, 303] {
+        // A tool that is not safe to re-run may have acted before redirecting.
+        for category in ["keyed", "unkeyed"] {
+            let (url, hits, followed) = redirecting(code).await;
+            let o = registry(category, &url, "5s").invoke(&call()).await;
+            assert_eq!(
+                kind(&o),
+                ("in_doubt", "tool_redirected".into()),
+                "{code} {category}"
+            );
+            assert_eq!(
+                followed.load(Ordering::SeqCst),
+                0,
+                "{code}: no GET elsewhere"
+            );
+            assert_eq!(hits.load(Ordering::SeqCst), 1);
+        }
+        for category in ["read_only", "idempotent"] {
+            let (url, hits, followed) = redirecting(code).await;
+            let o = registry(category, &url, "5s").invoke(&call()).await;
+            assert_eq!(
+                kind(&o),
+                ("error", "tool_redirected".into()),
+                "{code} {category}"
+            );
+            assert_eq!(
+                followed.load(Ordering::SeqCst),
+                0,
+                "{code}: no GET elsewhere"
+            );
+            assert_eq!(hits.load(Ordering::SeqCst), 1);
+        }
+    }
+}
+
+/// A tool at `/r` answering 200 with `body`.
+async fn answering(body: impl Fn() -> axum::body::Body + Clone + Send + Sync + 'static) -> String {
+    let addr = serve(move |_| {
+        Router::new().route(
+            "/r",
+            post(move || {
+                let body = body.clone();
+                async move { body() }
+            }),
+        )
+    })
+    .await;
+    format!("http://{addr}/r")
+}
+
+#[tokio::test]
+async fn an_endless_2xx_body_ends_at_the_cap_as_output_too_large() {
+    // Chunked, no length, never ending: reading it to the end would hang
+    // until the timeout and end in doubt instead.
+    let url = answering(|| {
+        let chunk = axum::body::Bytes::from(vec![b'x'; 64 * 1024]);
+        axum::body::Body::from_stream(futures::stream::repeat_with(move || {
+            Ok::<_, std::io::Error>(chunk.clone())
+        }))
+    })
+    .await;
+    let reg = registry_with(
+        "unkeyed",
+        &url,
+        "timeout = \"30s\"\nmax_output_bytes = 100000\n",
+    );
+    let o = tokio::time::timeout(Duration::from_secs(20), reg.invoke(&call()))
+        .await
+        .expect("the body is not read to its end");
+    assert_eq!(kind(&o), ("error", "output_too_large".into()));
+    let Outcome::Error { error } = o else {
+        unreachable!()
+    };
+    assert!(
+        error.message.contains("ran and succeeded"),
+        "{}",
+        error.message
+    );
+    assert!(
+        error
+            .message
+            .contains("more than the limit of 100000 bytes"),
+        "{}",
+        error.message
+    );
+}
+
+#[tokio::test]
+async fn a_declared_length_over_the_cap_is_refused_before_reading() {
+    let url = answering(|| axum::body::Body::from(vec![b'1'; 10 * 1024 * 1024])).await;
+    let o = registry_with("keyed", &url, "max_output_bytes = 4096\n")
+        .invoke(&call())
+        .await;
+    assert_eq!(kind(&o), ("error", "output_too_large".into()));
+    let Outcome::Error { error } = o else {
+        unreachable!()
+    };
+    assert!(
+        error
+            .message
+            .contains("10485760 bytes, over the limit of 4096 bytes"),
+        "{}",
+        error.message
+    );
+}
+
+#[tokio::test]
+async fn a_body_of_exactly_the_cap_is_the_output() {
+    // 4096 bytes: exactly what the cap allows.
+    let url = answering(|| axum::body::Body::from(vec![b'7'; 4096])).await;
+    let o = registry_with("keyed", &url, "max_output_bytes = 4096\n")
+        .invoke(&call())
+        .await;
+    assert_eq!(kind(&o).0, "ok", "{o:?}");
+    // Chunked, one byte over: the cap counts the bytes that arrive.
+    let url = answering(|| {
+        axum::body::Body::from_stream(futures::stream::iter(
+            [vec![b'7'; 4000], vec![b'7'; 97]].map(Ok::<_, std::io::Error>),
+        ))
+    })
+    .await;
+    let o = registry_with("keyed", &url, "max_output_bytes = 4096\n")
+        .invoke(&call())
+        .await;
+    assert_eq!(kind(&o), ("error", "output_too_large".into()));
+}
+
+#[tokio::test]
+async fn a_4xx_body_is_read_only_as_far_as_the_message_needs() {
+    // An endless refusal still ends at once, with an excerpt.
+    let addr = serve(|_| {
+        Router::new().route(
+            "/r",
+            post(|| async {
+                let chunk = axum::body::Bytes::from_static(b"no no ");
+                (
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    axum::body::Body::from_stream(futures::stream::repeat_with(move || {
+                        Ok::<_, std::io::Error>(chunk.clone())
+                    })),
+                )
+            }),
+        )
+    })
+    .await;
+    let reg = registry_with("keyed", &format!("http://{addr}/r"), "timeout = \"30s\"\n");
+    let o = tokio::time::timeout(Duration::from_secs(20), reg.invoke(&call()))
+        .await
+        .expect("the refusal is not read to its end");
+    assert_eq!(kind(&o), ("error", "tool_refused".into()));
+    let Outcome::Error { error } = o else {
+        unreachable!()
+    };
+    assert!(
+        error.message.contains("Its answer: no no no"),
+        "{}",
+        error.message
+    );
+}
+
+/// A tool at `/r` that holds each request until the test lets one go
+/// (`release.add_permits`), tracking how many are in the handler at once and
+/// how many it has answered: `(in_flight, answered)`.
+struct Holding {
+    url: String,
+    in_flight: tokio::sync::watch::Receiver<(u32, u32)>,
+    peak: Arc<AtomicU32>,
+    release: Arc<tokio::sync::Semaphore>,
+}
+
+async fn holding() -> Holding {
+    let (tx, in_flight) = tokio::sync::watch::channel((0u32, 0u32));
+    let tx = Arc::new(tx);
+    let peak = Arc::new(AtomicU32::new(0));
+    let release = Arc::new(tokio::sync::Semaphore::new(0));
+    let (p, r) = (peak.clone(), release.clone());
+    let addr = serve(move |_| {
+        Router::new().route(
+            "/r",
+            post(move || {
+                let (tx, p, r) = (tx.clone(), p.clone(), r.clone());
+                async move {
+                    tx.send_modify(|(n, _)| {
+                        *n += 1;
+                        p.fetch_max(*n, Ordering::SeqCst);
+                    });
+                    r.acquire().await.unwrap().forget();
+                    tx.send_modify(|(n, answered)| {
+                        *n -= 1;
+                        *answered += 1;
+                    });
+                    axum::Json(serde_json::json!({"done": true}))
+                }
+            }),
+        )
+    })
+    .await;
+    Holding {
+        url: format!("http://{addr}/r"),
+        in_flight,
+        peak,
+        release,
+    }
+}
+
+async fn until_in_flight(h: &mut Holding, want: impl Fn(u32, u32) -> bool) {
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        h.in_flight.wait_for(|&(n, answered)| want(n, answered)),
+    )
+    .await
+    .expect("the tool saw the expected calls in time")
+    .unwrap();
+}
+
+#[tokio::test]
+async fn max_concurrency_bounds_the_calls_in_flight_at_the_tool() {
+    let mut tool = holding().await;
+    let reg = Arc::new(registry_with(
+        "keyed",
+        &tool.url,
+        "timeout = \"30s\"\nmax_concurrency = 2\n",
+    ));
+    let calls: Vec<_> = (0..6)
+        .map(|i| {
+            let reg = reg.clone();
+            tokio::spawn(async move {
+                let mut c = call();
+                c.step.step_index = i;
+                reg.invoke(&c).await
+            })
+        })
+        .collect();
+    // Let the calls go one at a time: each time, the next waiting one takes
+    // the free slot, and no third one ever reaches the tool.
+    for answered in 0..6u32 {
+        let want = (6 - answered).min(2);
+        until_in_flight(&mut tool, |n, a| a == answered && n == want).await;
+        tool.release.add_permits(1);
+    }
+    for c in calls {
+        let o = tokio::time::timeout(Duration::from_secs(10), c)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(kind(&o).0, "ok", "{o:?}");
+    }
+    assert_eq!(
+        tool.peak.load(Ordering::SeqCst),
+        2,
+        "two at once, never more"
+    );
+}
+
+#[tokio::test]
+async fn a_call_that_gets_no_slot_in_time_was_not_sent() {
+    let mut tool = holding().await;
+    let reg = Arc::new(registry_with(
+        "unkeyed",
+        &tool.url,
+        "timeout = \"30s\"\nretries = 1\nbackoff = \"10ms\"\nmax_concurrency = 1\nqueue_timeout = \"200ms\"\n",
+    ));
+    let first = {
+        let reg = reg.clone();
+        tokio::spawn(async move { reg.invoke(&call()).await })
+    };
+    until_in_flight(&mut tool, |n, _| n == 1).await;
+    let o = reg.invoke(&call()).await;
+    assert_eq!(kind(&o), ("error", "tool_unreachable".into()));
+    let Outcome::Error { error } = o else {
+        unreachable!()
+    };
+    assert!(
+        error
+            .message
+            .contains("after 2 tries (all 1 of its concurrent call slots stayed busy for 200ms)"),
+        "{}",
+        error.message
+    );
+    assert_eq!(
+        *tool.in_flight.borrow(),
+        (1, 0),
+        "the second call never reached the tool"
+    );
+    tool.release.add_permits(1);
+    let o = tokio::time::timeout(Duration::from_secs(10), first)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(kind(&o).0, "ok");
+    assert_eq!(tool.peak.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn the_timeout_counts_from_the_slot_and_still_applies_after_it() {
+    // One slot, a 2 s timeout. The tool takes 1.2 s for the first two
+    // requests and never answers the third.
+    let hits = Arc::new(AtomicU32::new(0));
+    let h = hits.clone();
+    let addr = serve(move |_| {
+        Router::new().route(
+            "/r",
+            post(move || {
+                let h = h.clone();
+                async move {
+                    let n = h.fetch_add(1, Ordering::SeqCst) + 1;
+                    let hold = if n <= 2 { 1200 } else { 600_000 };
+                    tokio::time::sleep(Duration::from_millis(hold)).await;
+                    axum::Json(serde_json::json!({"n": n}))
+                }
+            }),
+        )
+    })
+    .await;
+    let reg = Arc::new(registry_with(
+        "unkeyed",
+        &format!("http://{addr}/r"),
+        "timeout = \"2s\"\nmax_concurrency = 1\nqueue_timeout = \"30s\"\n",
+    ));
+    let started = std::time::Instant::now();
+    let calls: Vec<_> = (0..3)
+        .map(|i| {
+            let reg = reg.clone();
+            tokio::spawn(async move {
+                let mut c = call();
+                c.step.step_index = i;
+                let o = reg.invoke(&c).await;
+                (o, started.elapsed())
+            })
+        })
+        .collect();
+    let mut outcomes = Vec::new();
+    for c in calls {
+        outcomes.push(
+            tokio::time::timeout(Duration::from_secs(30), c)
+                .await
+                .unwrap()
+                .unwrap(),
+        );
+    }
+    outcomes.sort_by_key(|(_, took)| *took);
+    // The second request waited ~1.2 s for the slot and ran 1.2 s: longer than
+    // its 2 s timeout in all, yet it is the tool's answer.
+    let (second, took) = &outcomes[1];
+    assert_eq!(
+        second,
+        &Outcome::Ok {
+            output: serde_json::json!({"n": 2})
+        }
+    );
+    assert!(*took > Duration::from_secs(2), "{took:?}");
+    // The third got the slot after ~2.4 s; its own 2 s then ran out.
+    let (third, took) = &outcomes[2];
+    assert_eq!(
+        kind(third),
+        ("in_doubt", "outcome_unknown".into()),
+        "{third:?}"
+    );
+    let Outcome::InDoubt { error } = third else {
+        unreachable!()
+    };
+    assert!(error.message.contains("timed out"), "{}", error.message);
+    assert!(*took > Duration::from_millis(4000), "{took:?}");
+    assert_eq!(
+        hits.load(Ordering::SeqCst),
+        3,
+        "every call reached the tool"
+    );
+}
