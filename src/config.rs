@@ -427,7 +427,7 @@ pub struct ToolConfig {
     /// (progress, result, changelog), which librdkafka caps at 1 000 000 bytes by
     /// default (`message.max.bytes`): raise this only with those limits.
     pub max_output_bytes: u64,
-    /// At most this many calls of the tool in flight at once from one executor
+    /// At most this many calls of the tool in flight at once from one stepgate
     /// process (unset: no limit beyond `executor.concurrency`). A call waits for a
     /// free slot before each try; `timeout` counts from when it gets one.
     #[serde(skip_serializing_if = "Option::is_none")]
