@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The benchmarks of issue #7 in one command: starts the local broker if needed,
 # builds the release binaries and the Kafka Streams peer, then runs
-# `stepgate-bench all` (stepgate vs. an rdkafka passthrough and Kafka Streams on
-# one workload, then stepgate with 1 M and 10 M step records in its state).
+# `stepgate-bench all` (stepgate vs. an rdkafka passthrough and Kafka Streams,
+# inline and calling the HTTP tool, on one workload; the sequential mode, one
+# call at a time; then stepgate with 1 M and 10 M step records in its state).
 #
-#   benches/bench.sh                 # full size (~12-17 min on 2 cores, release build warm)
-#   benches/bench.sh quick           # small sizes (~3 min), to check the setup
+#   benches/bench.sh                 # full size (~15-20 min on 2 cores, release build warm)
+#   benches/bench.sh quick           # small sizes (~4 min), to check the setup
 #   benches/bench.sh [quick] --intents 50000 ...   # any stepgate-bench option
 #
 # Env: KAFKA_BROKERS (default: the local broker deploy/local/kafka.sh starts),
@@ -18,7 +19,7 @@ target="${CARGO_TARGET_DIR:-target}"
 args=()
 if [[ "${1:-}" == quick ]]; then
     shift
-    args+=(--intents 20000 --paced 5s --scale-sizes 100000,1000000 --scale-intents 20000)
+    args+=(--intents 20000 --paced 5s --sequential 50 --scale-sizes 100000,1000000 --scale-intents 20000)
 fi
 
 if [[ -z "${KAFKA_BROKERS:-}" ]]; then

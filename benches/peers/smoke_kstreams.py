@@ -1,26 +1,62 @@
 #!/usr/bin/env python3
 """Smoke test of the Kafka Streams dedup peer against a real broker.
 
-    python3 benches/peers/smoke_kstreams.py [eos|alos] [--bootstrap 127.0.0.1:9092]
+    python3 benches/peers/smoke_kstreams.py [eos|alos] [--http] [--bootstrap 127.0.0.1:9092]
 
 Builds the jar (benches/peers/build.sh), creates its own uniquely named topics,
 runs the peer, sends intents (first calls, repeats, a rephrased repeat, a new
 attempt, malformed input) and checks every Result v1. Then stops it with
 SIGTERM, restarts it on an EMPTY state dir (so the store must be restored from
-its changelog) and checks a later repeat is still deduplicated.
+its changelog) and checks a later repeat is still deduplicated. With --http the
+peer calls a local HTTP tool (--tool-url) for each new step: once per step, with
+stepgate's Idempotency-Key, and the tool's JSON body as the answer's output.
 Needs python3-confluent-kafka and a broker (deploy/local/kafka.sh start).
 """
-import json, os, re, signal, subprocess, sys, tempfile, time, uuid
+import hashlib, http.server, json, os, re, signal, struct, subprocess, sys, tempfile, threading, time, uuid
 from confluent_kafka import Consumer, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
 mode = sys.argv[1] if len(sys.argv) > 1 and not sys.argv[1].startswith("-") else "eos"
 bootstrap = sys.argv[sys.argv.index("--bootstrap") + 1] if "--bootstrap" in sys.argv else "127.0.0.1:9092"
+use_http = "--http" in sys.argv
+tool_calls = {}  # Idempotency-Key -> calls
+
+
+class Tool(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        json.loads(body or b"{}")
+        key = self.headers.get("Idempotency-Key", "")
+        tool_calls[key] = tool_calls.get(key, 0) + 1
+        out = b'{"sent": true}'
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+
+    def log_message(self, *a):
+        pass
+
+
+def sg_key(wf, step, tool, attempt):
+    """stepgate's Idempotency-Key (src/contract: StepKey::idempotency_key)."""
+    h = hashlib.sha256(wf.encode() + b"\0" + struct.pack(">Q", step) + tool.encode() + b"\0" + struct.pack(">Q", attempt))
+    return "sg1-" + h.hexdigest()
+
+
+tool_url = None
+if use_http:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Tool)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    tool_url = f"http://127.0.0.1:{server.server_address[1]}/noop"
 here = os.path.dirname(os.path.abspath(__file__))
 jar = subprocess.run(["bash", os.path.join(here, "build.sh")], check=True,
                      capture_output=True, text=True).stdout.strip()
 
-run = f"kdsmoke-{mode}-{uuid.uuid4().hex[:8]}"
+run = f"kdsmoke-{mode}{'-http' if use_http else ''}-{uuid.uuid4().hex[:8]}"
 t_in, t_out = f"{run}.intents", f"{run}.results"
 admin = AdminClient({"bootstrap.servers": bootstrap})
 for f in admin.create_topics([NewTopic(t, num_partitions=3, replication_factor=1) for t in (t_in, t_out)]).values():
@@ -41,7 +77,7 @@ def check(cond, what):
 def start(state_dir):
     p = subprocess.Popen(["java", "-jar", jar, "--bootstrap", bootstrap, "--input", t_in,
                           "--output", t_out, "--app-id", run, "--state-dir", state_dir,
-                          "--mode", mode, "--commit-ms", "100"],
+                          "--mode", mode, "--commit-ms", "100"] + (["--tool-url", tool_url] if tool_url else []),
                          stdout=subprocess.PIPE, text=True)
     t0 = time.time()
     line = p.stdout.readline().strip()  # blocks until READY (or exit)
@@ -122,8 +158,9 @@ first = by_call.get("c1")
 for p, key, r, h in res:
     check(list(r) == FIELDS, f"{r['call_id']}: Result v1 fields in order")
     check(key == r["workflow_id"], f"{r['call_id']}: keyed by workflow_id")
-    check(r["status"] == "ok" and r["output"] == {} and TS.match(r["completed_at"]),
-          f"{r['call_id']}: status ok, output {{}}, completed_at {r['completed_at']}")
+    want_out = {"sent": True} if use_http else {}
+    check(r["status"] == "ok" and r["output"] == want_out and TS.match(r["completed_at"]),
+          f"{r['call_id']}: status ok, output {want_out}, completed_at {r['completed_at']}")
     check(p == partition_of[r["call_id"]], f"{r['call_id']}: same partition as its intent ({p})")
 expect = {"n0": False, "n1": False, "n2": False, "n3": False, "c1": False, "c2": True, "c3": True, "c4": False, None: False, "c6": False, "c9": True, "c10": True}
 for cid, dedup in expect.items():
@@ -136,7 +173,12 @@ check(by_call[None][2]["step_index"] == 1, "no call_id: call_id null")
 check(by_call["c10"][3].get("traceparent", b"").startswith(b"00-4bf9"), "c10: traceparent header carried")
 counters = stop(peer)
 print("counters:", counters)
-check(counters == {"processed": 15, "new": 8, "repeats": 4, "malformed": 3}, "counters 15/8/4/3")
+check(counters == {"processed": 15, "new": 8, "repeats": 4, "malformed": 3, "tool_calls": 8 if use_http else 0},
+      "counters 15/8/4/3, tool calls " + ("8" if use_http else "0"))
+if use_http:
+    check(len(tool_calls) == 8 and set(tool_calls.values()) == {1}, f"tool called once for each of 8 steps ({tool_calls})")
+    check(tool_calls.get(sg_key("wf-a", 0, "send_email", 0)) == 1
+          and tool_calls.get(sg_key("wf-a", 0, "send_email", 1)) == 1, "Idempotency-Key as stepgate's (attempt 0 and 1)")
 
 # Restart on an empty state dir: the store must come back from its changelog.
 state2 = tempfile.mkdtemp(prefix="kdsmoke-")

@@ -5,11 +5,13 @@
 //! Each system runs as a child process, so its CPU time and peak RSS come from
 //! /proc. Per system: a flood (every intent published at once; throughput) then a
 //! paced phase (a fixed rate below capacity; latency), then the answers are
-//! checked intent by intent.
+//! checked intent by intent. Then the sequential mode: one agent, one call at a
+//! time on a fresh deployment (new steps, then repeats of them).
 
 mod passthrough;
 mod report;
 mod scale;
+mod sequential;
 mod systems;
 mod workload;
 
@@ -44,8 +46,17 @@ enum Cmd {
         #[command(flatten)]
         scale: ScaleOpts,
     },
-    /// stepgate, the passthrough (1 and 2 hops) and Kafka Streams on one workload.
+    /// stepgate, the passthrough (1 and 2 hops) and Kafka Streams on one workload,
+    /// then the sequential mode.
     Compare {
+        #[command(flatten)]
+        common: Common,
+        #[command(flatten)]
+        compare: CompareOpts,
+    },
+    /// The sequential mode only: one agent, one call at a time, publish → answer
+    /// (stepgate with a `keyed` tool, and the Kafka Streams peers in EOS).
+    Sequential {
         #[command(flatten)]
         common: Common,
         #[command(flatten)]
@@ -70,8 +81,9 @@ pub struct Common {
     /// Partitions of every topic (intents, results, internal, peers').
     #[arg(long, default_value_t = 4)]
     partitions: i32,
-    /// stepgate's `gate.commit_interval`, and the passthrough's and Kafka
-    /// Streams' commit interval.
+    /// The passthrough's and Kafka Streams' commit interval. Also stepgate's
+    /// `gate.commit_interval` on builds that still have that key (before issue
+    /// #12); a stepgate without it pipelines its commits and ignores this.
     #[arg(long, default_value = "100ms")]
     commit_interval: humantime::Duration,
     #[arg(long, default_value_t = 10_000)]
@@ -132,13 +144,20 @@ pub struct CompareOpts {
     /// Record a CPU profile of stepgate's flood with `perf record` into this file.
     #[arg(long)]
     perf: Option<PathBuf>,
-    /// Only these systems (stepgate, passthrough, kstreams).
+    /// Only these systems (stepgate, passthrough, kstreams, kstreams-http: the
+    /// Kafka Streams peer whose processor calls the bench's HTTP tool).
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "stepgate,passthrough,kstreams"
+        default_value = "stepgate,passthrough,kstreams,kstreams-http"
     )]
     only: Vec<String>,
+    /// Steps of the sequential mode, per system: one agent, one call at a time,
+    /// this many new steps then as many repeats of them (settled), publish →
+    /// answer; on a fresh deployment of stepgate (keyed tool) and of the Kafka
+    /// Streams peers (EOS). 0 skips it.
+    #[arg(long, default_value_t = 200)]
+    sequential: usize,
 }
 
 #[derive(Args, Clone)]
@@ -223,17 +242,23 @@ fn main() -> anyhow::Result<()> {
                 common,
                 compare,
                 scale,
-            } => bench(common, Some(compare), Some(scale)).await,
-            Cmd::Compare { common, compare } => bench(common, Some(compare), None).await,
-            Cmd::Scale { common, scale } => bench(common, None, Some(scale)).await,
+            } => bench(common, Some(compare), Some(scale), true).await,
+            Cmd::Compare { common, compare } => bench(common, Some(compare), None, true).await,
+            Cmd::Sequential { common, compare } => {
+                anyhow::ensure!(compare.sequential > 0, "--sequential must be > 0 here");
+                bench(common, Some(compare), None, false).await
+            }
+            Cmd::Scale { common, scale } => bench(common, None, Some(scale), true).await,
         }
     })
 }
 
+/// `floods`: the flood and paced runs of `compare` (without: its sequential mode only).
 async fn bench(
     common: Common,
     compare: Option<CompareOpts>,
     scale: Option<ScaleOpts>,
+    floods: bool,
 ) -> anyhow::Result<()> {
     let exe = std::env::current_exe()?;
     let stepgate = common
@@ -275,8 +300,13 @@ async fn bench(
     );
     let mut out = report::Report::new(&bench);
     if let Some(c) = &compare {
-        out.workload = Some(report::WorkloadInfo::new(&bench, c));
-        out.rows = compare_all(&bench, c).await?;
+        if floods {
+            out.workload = Some(report::WorkloadInfo::new(&bench, c));
+            out.rows = compare_all(&bench, c).await?;
+        }
+        if c.sequential > 0 {
+            out.sequential = sequential::run(&bench, c, &sequential_systems(&bench, c)).await?;
+        }
     }
     if let Some(s) = &scale {
         out.scale = scale::run(&bench, s).await?;
@@ -312,6 +342,8 @@ enum System {
     KStreams {
         eos: bool,
         jar: PathBuf,
+        /// The processor calls the bench's HTTP tool for each new step.
+        http: bool,
     },
 }
 
@@ -323,9 +355,96 @@ impl System {
                 concurrency,
             } => format!("sg-{}-c{concurrency}", category.replace('_', "")),
             System::Passthrough { hops, eos } => format!("pt{hops}-{}", mode(*eos)),
-            System::KStreams { eos, .. } => format!("ks-{}", mode(*eos)),
+            System::KStreams { eos, http, .. } => {
+                format!("ks-{}{}", mode(*eos), if *http { "-http" } else { "" })
+            }
         }
     }
+
+    fn name(&self) -> String {
+        match self {
+            System::Stepgate { .. } => "stepgate".into(),
+            System::Passthrough { hops, .. } => format!(
+                "passthrough, {hops} hop{}",
+                if *hops > 1 { "s" } else { "" }
+            ),
+            System::KStreams { http: false, .. } => "Kafka Streams dedup".into(),
+            System::KStreams { http: true, .. } => "Kafka Streams dedup, HTTP tool".into(),
+        }
+    }
+
+    fn mode(&self) -> String {
+        match self {
+            System::Stepgate {
+                category,
+                concurrency,
+            } => format!("EOS, {category} tool, executor.concurrency {concurrency}"),
+            System::Passthrough { eos, .. } | System::KStreams { eos, .. } => {
+                if *eos {
+                    "EOS".into()
+                } else {
+                    "ALOS".into()
+                }
+            }
+        }
+    }
+
+    /// What its answers should say about deduplication.
+    fn expect(&self) -> Expect {
+        match self {
+            System::Stepgate {
+                category: "keyed", ..
+            }
+            | System::KStreams { .. } => Expect::StepLog,
+            System::Stepgate { .. } => Expect::FastPath,
+            System::Passthrough { .. } => Expect::Echo,
+        }
+    }
+}
+
+/// The Kafka Streams peer's jar, if built.
+fn kstreams_jar(opts: &CompareOpts) -> Result<PathBuf, String> {
+    let jar = opts
+        .kstreams_jar
+        .clone()
+        .unwrap_or_else(|| PathBuf::from("benches/peers/kstreams-dedup/target/kstreams-dedup.jar"));
+    if jar.exists() {
+        Ok(jar)
+    } else {
+        Err(format!(
+            "Kafka Streams peer skipped: no jar at {} (bash benches/peers/build.sh)",
+            jar.display()
+        ))
+    }
+}
+
+/// The systems of the sequential mode: stepgate with a keyed tool, and the Kafka
+/// Streams peers (inline and HTTP tool) in EOS.
+fn sequential_systems(bench: &Bench, opts: &CompareOpts) -> Vec<System> {
+    let want = |s: &str| opts.only.iter().any(|o| o == s);
+    let mut out = Vec::new();
+    if want("stepgate") {
+        out.push(System::Stepgate {
+            category: "keyed",
+            concurrency: bench.concurrency(),
+        });
+    }
+    match kstreams_jar(opts) {
+        Ok(jar) => {
+            for http in [false, true] {
+                if want(if http { "kstreams-http" } else { "kstreams" }) {
+                    out.push(System::KStreams {
+                        eos: true,
+                        jar: jar.clone(),
+                        http,
+                    });
+                }
+            }
+        }
+        Err(note) if want("kstreams") || want("kstreams-http") => eprintln!("note: {note}"),
+        Err(_) => {}
+    }
+    out
 }
 
 fn mode(eos: bool) -> &'static str {
@@ -360,22 +479,29 @@ async fn compare_all(bench: &Bench, opts: &CompareOpts) -> anyhow::Result<Vec<Ro
         }
     }
     let mut notes = Vec::new();
-    if want("kstreams") {
-        let jar = opts.kstreams_jar.clone().unwrap_or_else(|| {
-            PathBuf::from("benches/peers/kstreams-dedup/target/kstreams-dedup.jar")
-        });
-        if jar.exists() {
-            for eos in [true, false] {
-                systems.push(System::KStreams {
-                    eos,
-                    jar: jar.clone(),
-                });
+    if want("kstreams") || want("kstreams-http") {
+        match kstreams_jar(opts) {
+            Ok(jar) => {
+                if want("kstreams") {
+                    for eos in [true, false] {
+                        systems.push(System::KStreams {
+                            eos,
+                            jar: jar.clone(),
+                            http: false,
+                        });
+                    }
+                }
+                // EOS only: the variant is there to show what calling the tool
+                // from the processor costs the peer.
+                if want("kstreams-http") {
+                    systems.push(System::KStreams {
+                        eos: true,
+                        jar,
+                        http: true,
+                    });
+                }
             }
-        } else {
-            notes.push(format!(
-                "Kafka Streams peer skipped: no jar at {} (bash benches/peers/build.sh)",
-                jar.display()
-            ));
+            Err(note) => notes.push(note),
         }
     }
     let mut rows = Vec::new();
@@ -403,10 +529,16 @@ struct Deployed {
     ready_s: f64,
 }
 
-async fn deploy(bench: &Bench, opts: &CompareOpts, system: &System) -> anyhow::Result<Deployed> {
+/// Start `system` on fresh topics named after `slug`.
+async fn deploy(
+    bench: &Bench,
+    opts: &CompareOpts,
+    system: &System,
+    slug: &str,
+) -> anyhow::Result<Deployed> {
     let c = &bench.common;
-    let prefix = format!("{}-{}", bench.run_id, system.slug());
-    let dir = bench.work.join(system.slug());
+    let prefix = format!("{}-{slug}", bench.run_id);
+    let dir = bench.work.join(slug);
     std::fs::create_dir_all(&dir)?;
     let log = dir.join("process.log");
     let limit = Duration::from_secs(120);
@@ -454,7 +586,7 @@ async fn deploy(bench: &Bench, opts: &CompareOpts, system: &System) -> anyhow::R
                 ready_s: ready.as_secs_f64(),
             })
         }
-        System::KStreams { eos, jar } => {
+        System::KStreams { eos, jar, http } => {
             let (input, output) = (format!("{prefix}.in"), format!("{prefix}.out"));
             systems::create_topics(&c.brokers, &[input.clone(), output.clone()], c.partitions)
                 .await?;
@@ -480,6 +612,9 @@ async fn deploy(bench: &Bench, opts: &CompareOpts, system: &System) -> anyhow::R
                     &opts.ks_threads.to_string(),
                 ])
                 .args(["--commit-ms", &bench.commit_ms().to_string()]);
+            if *http {
+                cmd.args(["--tool-url", &bench.tool.url]);
+            }
             let mut proc = Proc::spawn("kstreams-dedup", cmd, &log, true)?;
             let ready = proc.wait_ready_line(limit).await?;
             Ok(Deployed {
@@ -508,15 +643,8 @@ async fn measure(
 ) -> anyhow::Result<Row> {
     let c = &bench.common;
     bench.tool.take();
-    let mut d = deploy(bench, opts, system).await?;
-    let expect = match system {
-        System::Stepgate {
-            category: "keyed", ..
-        }
-        | System::KStreams { .. } => Expect::StepLog,
-        System::Stepgate { .. } => Expect::FastPath,
-        System::Passthrough { .. } => Expect::Echo,
-    };
+    let mut d = deploy(bench, opts, system, &system.slug()).await?;
+    let expect = system.expect();
     let kinds = flood.iter().chain(paced.iter()).map(|s| s.kind).collect();
     let agent = Arc::new(Agent::start(
         &c.brokers,
@@ -525,6 +653,7 @@ async fn measure(
         c.partitions,
         expect,
         kinds,
+        "1",
     )?);
     let watch = GroupWatch::new(&c.brokers, &d.group, &d.input, c.partitions)?;
     let (nf, np) = (flood.len(), paced.len());
@@ -600,27 +729,8 @@ async fn measure(
         .filter(|s| s.kind == workload::Kind::First)
         .count();
     let mut row = Row {
-        system: match system {
-            System::Stepgate { .. } => "stepgate".into(),
-            System::Passthrough { hops, .. } => format!(
-                "passthrough, {hops} hop{}",
-                if *hops > 1 { "s" } else { "" }
-            ),
-            System::KStreams { .. } => "Kafka Streams dedup".into(),
-        },
-        mode: match system {
-            System::Stepgate {
-                category,
-                concurrency,
-            } => format!("EOS, {category} tool, executor.concurrency {concurrency}"),
-            System::Passthrough { eos, .. } | System::KStreams { eos, .. } => {
-                if *eos {
-                    "EOS".into()
-                } else {
-                    "ALOS".into()
-                }
-            }
-        },
+        system: system.name(),
+        mode: system.mode(),
         slug: system.slug(),
         eos: !matches!(
             system,

@@ -79,18 +79,7 @@ impl Row {
                 v.wrong_dedup, v.not_ok
             ));
         }
-        if self.slug.starts_with("sg-") {
-            let invoked: usize = self
-                .tool_invocations
-                .iter()
-                .map(|(n, k)| *n as usize * k)
-                .sum();
-            let keys: usize = self.tool_invocations.values().sum();
-            let once = self.tool_invocations.get(&1).copied().unwrap_or(0);
-            s.push_str(&format!(
-                "; tool invoked {invoked} times for {keys} Idempotency-Keys ({once} keys exactly once)"
-            ));
-        }
+        s.push_str(&tool_line(&self.slug, &self.tool_invocations));
         s
     }
 
@@ -112,63 +101,163 @@ impl Row {
     /// Record every way the answers (and, for stepgate, the tool calls) differ
     /// from what the system promises.
     pub fn check(&mut self, expect: Expect, distinct: usize, tool: &BTreeMap<u32, usize>) {
-        let v = &self.verdict;
-        let mut p = Vec::new();
-        if v.missing > 0 {
-            p.push(format!("{} intents never answered", v.missing));
-        }
-        if self.eos && v.answered_twice > 0 {
-            p.push(format!(
-                "{} intents answered more than once ({} extra answers)",
-                v.answered_twice, v.extra_answers
-            ));
-        }
-        if v.wrong_dedup > 0 {
-            p.push(format!(
-                "{} answers with the wrong `deduplicated`",
-                v.wrong_dedup
-            ));
-        }
-        if v.not_ok > 0 {
-            p.push(format!("{} answers not `ok`", v.not_ok));
-        }
-        if v.unknown > 0 {
-            p.push(format!("{} answers match no intent", v.unknown));
-        }
-        if let Some(s) = &v.sample_wrong
-            && (v.wrong_dedup > 0 || v.not_ok > 0)
-        {
-            p.push(format!("e.g. {s}"));
-        }
-        if self.slug.starts_with("sg-") {
-            let invoked: usize = tool.iter().map(|(n, k)| *n as usize * k).sum();
-            let keys: usize = tool.values().sum();
-            match expect {
-                Expect::StepLog if keys != distinct || invoked != distinct => p.push(format!(
-                    "tool invoked {invoked} times for {keys} keys; want exactly once for each of {distinct} steps (times → keys: {tool:?})"
-                )),
-                Expect::FastPath if invoked != v.intents => p.push(format!(
-                    "read_only tool invoked {invoked} times; want once per intent ({})",
-                    v.intents
-                )),
-                _ => {}
-            }
-        }
-        self.problems = p;
+        self.problems = problems(&self.verdict, self.eos, &self.slug, expect, distinct, tool);
     }
 
     pub fn check_text(&self) -> String {
-        if !self.problems.is_empty() {
-            "FAIL".into()
-        } else if self.verdict.answered_twice > 0 {
-            format!("ok ({} dup)", self.verdict.extra_answers)
-        } else if self.slug.starts_with("sg-keyed") {
-            "ok, tool once/key".into()
-        } else if self.slug.starts_with("sg-") {
-            "ok, tool once/intent".into()
-        } else {
-            "ok".into()
+        check_text(
+            &self.problems,
+            &self.verdict,
+            &self.slug,
+            &self.tool_invocations,
+        )
+    }
+}
+
+/// Whether a system's runs call the bench's HTTP tool (stepgate, and the Kafka
+/// Streams peer's HTTP variant), so its calls are counted and checked.
+pub fn calls_tool(slug: &str) -> bool {
+    slug.starts_with("sg-") || slug.contains("-http")
+}
+
+/// "; tool invoked …" for systems that call the tool, else "".
+pub fn tool_line(slug: &str, tool: &BTreeMap<u32, usize>) -> String {
+    if !calls_tool(slug) {
+        return String::new();
+    }
+    let invoked: usize = tool.iter().map(|(n, k)| *n as usize * k).sum();
+    let keys: usize = tool.values().sum();
+    let once = tool.get(&1).copied().unwrap_or(0);
+    format!("; tool invoked {invoked} times for {keys} Idempotency-Keys ({once} keys exactly once)")
+}
+
+/// Every way the answers (and the tool calls) differ from what the system
+/// promises. stepgate promises one invocation per step key (keyed) or per intent
+/// (fast path); the Kafka Streams HTTP variant promises nothing about its calls
+/// (Streams re-processes after an abort): each step must have called the tool,
+/// and calls beyond one per key are shown, not failed.
+pub fn problems(
+    v: &Verdict,
+    eos: bool,
+    slug: &str,
+    expect: Expect,
+    distinct: usize,
+    tool: &BTreeMap<u32, usize>,
+) -> Vec<String> {
+    let mut p = Vec::new();
+    if v.missing > 0 {
+        p.push(format!("{} intents never answered", v.missing));
+    }
+    if eos && v.answered_twice > 0 {
+        p.push(format!(
+            "{} intents answered more than once ({} extra answers)",
+            v.answered_twice, v.extra_answers
+        ));
+    }
+    if v.wrong_dedup > 0 {
+        p.push(format!(
+            "{} answers with the wrong `deduplicated`",
+            v.wrong_dedup
+        ));
+    }
+    if v.not_ok > 0 {
+        p.push(format!("{} answers not `ok`", v.not_ok));
+    }
+    if v.unknown > 0 {
+        p.push(format!("{} answers match no intent", v.unknown));
+    }
+    if let Some(s) = &v.sample_wrong
+        && (v.wrong_dedup > 0 || v.not_ok > 0)
+    {
+        p.push(format!("e.g. {s}"));
+    }
+    let invoked: usize = tool.iter().map(|(n, k)| *n as usize * k).sum();
+    let keys: usize = tool.values().sum();
+    if slug.contains("-http") && keys != distinct {
+        p.push(format!(
+            "the tool was called for {keys} step keys; want each of {distinct} steps (times → keys: {tool:?})"
+        ));
+    } else if slug.starts_with("sg-") {
+        match expect {
+            Expect::StepLog if keys != distinct || invoked != distinct => p.push(format!(
+                "tool invoked {invoked} times for {keys} keys; want exactly once for each of {distinct} steps (times → keys: {tool:?})"
+            )),
+            Expect::FastPath if invoked != v.intents => p.push(format!(
+                "read_only tool invoked {invoked} times; want once per intent ({})",
+                v.intents
+            )),
+            _ => {}
         }
+    }
+    p
+}
+
+/// The checks column: FAIL, or ok with what was checked.
+pub fn check_text(
+    problems: &[String],
+    v: &Verdict,
+    slug: &str,
+    tool: &BTreeMap<u32, usize>,
+) -> String {
+    let extra_calls: usize = tool
+        .iter()
+        .map(|(n, k)| (*n as usize).saturating_sub(1) * k)
+        .sum();
+    if !problems.is_empty() {
+        "FAIL".into()
+    } else if v.answered_twice > 0 {
+        format!("ok ({} dup)", v.extra_answers)
+    } else if slug.starts_with("sg-keyed") {
+        "ok, tool once/key".into()
+    } else if slug.starts_with("sg-") {
+        "ok, tool once/intent".into()
+    } else if slug.contains("-http") && extra_calls == 0 {
+        "ok, tool once/key".into()
+    } else if slug.contains("-http") {
+        format!("ok, tool ≥ once/key ({extra_calls} repeated calls)")
+    } else {
+        "ok".into()
+    }
+}
+
+/// One system in the sequential mode: one call at a time, publish → answer.
+#[derive(Debug, Clone, Serialize)]
+pub struct SeqRow {
+    pub system: String,
+    pub mode: String,
+    pub slug: String,
+    /// New steps timed, and as many repeats of them.
+    pub steps: usize,
+    /// Untimed calls first (group joins, first transactions).
+    pub warmup: usize,
+    /// Publish → answer of a new step.
+    pub new: Latency,
+    /// Publish → answer of a repeat of a settled step.
+    pub repeat: Latency,
+    /// stepgate: commits (`stepgate_commit_latency_seconds_count`) between a
+    /// call's publish and its answer, per call.
+    pub commits_per_new: Option<f64>,
+    pub commits_per_repeat: Option<f64>,
+    /// stepgate: which commits that metric counts on this build.
+    pub commits_counted: Option<String>,
+    /// stepgate: the `gate.commit_interval` written, or "none (pipelined)".
+    pub commit_interval: Option<String>,
+    /// Kafka records written per call by topic (transaction markers included).
+    pub records_per_new: BTreeMap<String, f64>,
+    pub records_per_repeat: BTreeMap<String, f64>,
+    pub tool_invocations: BTreeMap<u32, usize>,
+    pub verdict: Verdict,
+    pub problems: Vec<String>,
+}
+
+impl SeqRow {
+    pub fn check_text(&self) -> String {
+        check_text(
+            &self.problems,
+            &self.verdict,
+            &self.slug,
+            &self.tool_invocations,
+        )
     }
 }
 
@@ -241,9 +330,13 @@ pub struct Report {
     pub brokers: String,
     pub partitions: i32,
     pub commit_interval: String,
+    /// stepgate's `gate.commit_interval` on builds that have the key; None: it
+    /// pipelines its commits (a batch closes when the previous commit returns).
+    pub stepgate_commit_interval: Option<String>,
     pub max_batch: usize,
     pub workload: Option<WorkloadInfo>,
     pub rows: Vec<Row>,
+    pub sequential: Vec<SeqRow>,
     pub scale: Vec<ScaleRow>,
 }
 
@@ -268,9 +361,13 @@ impl Report {
             brokers: b.common.brokers.clone(),
             partitions: b.common.partitions,
             commit_interval: b.common.commit_interval.to_string(),
+            stepgate_commit_interval: crate::systems::ConfigKeys::of_this_build()
+                .has(&["gate", "commit_interval"])
+                .then(|| b.common.commit_interval.to_string()),
             max_batch: b.common.max_batch,
             workload: None,
             rows: Vec::new(),
+            sequential: Vec::new(),
             scale: Vec::new(),
         }
     }
@@ -281,29 +378,42 @@ impl Report {
                 .iter()
                 .map(move |p| format!("{} {}: {p}", r.system, r.mode))
         });
+        let sequential = self.sequential.iter().flat_map(|r| {
+            r.problems
+                .iter()
+                .map(move |p| format!("sequential, {} {}: {p}", r.system, r.mode))
+        });
         let scale = self.scale.iter().flat_map(|s| {
             s.problems
                 .iter()
                 .map(move |p| format!("scale {}: {p}", s.steps))
         });
-        rows.chain(scale).collect()
+        rows.chain(sequential).chain(scale).collect()
     }
 
     pub fn render(&self) -> String {
         let mut o = String::new();
         let _ = writeln!(
             o,
-            "\n# stepgate-bench {} ({}, {} cores shared with the broker at {}; {} partitions; commit interval {}, max batch {})\n",
+            "\n# stepgate-bench {} ({}, {} cores shared with the broker at {}; {} partitions; commit interval {}{}, max batch {})\n",
             self.run_id,
             self.at,
             self.cores,
             self.brokers,
             self.partitions,
             self.commit_interval,
+            if self.stepgate_commit_interval.is_some() {
+                " (stepgate's too)"
+            } else {
+                " for the passthrough and Kafka Streams; stepgate pipelines its commits"
+            },
             self.max_batch
         );
         if let Some(w) = &self.workload {
             self.render_compare(&mut o, w);
+        }
+        if !self.sequential.is_empty() {
+            self.render_sequential(&mut o);
         }
         if !self.scale.is_empty() {
             self.render_scale(&mut o);
@@ -314,7 +424,7 @@ impl Report {
     fn render_compare(&self, o: &mut String, w: &WorkloadInfo) {
         let _ = writeln!(
             o,
-            "Workload: {} intents over {} workflows, {:.0}% repeats of earlier steps (half rephrased: same step key, other arguments), one no-op HTTP tool. \
+            "Workload: {} intents over {} workflows, {:.0}% repeats of earlier steps (half rephrased: same step key, other arguments), one no-op HTTP tool (stepgate calls it; the Kafka Streams peer runs its no-op inline, and its HTTP variant calls the same tool synchronously from the processor for each new step, with stepgate's Idempotency-Key). \
              Throughput: all intents published at once; **in/s** = intents committed by the system's consuming group per second, **answers/s** = answers received by the agent per second. \
              Latency: a paced phase at {:.0} intents/s for {}, publish → answer received. CPU: seconds used during the flood by the system's process, the broker and the bench (agent + no-op tool), out of {} × the flood's wall time.\n",
             w.intents,
@@ -399,7 +509,7 @@ impl Report {
             if let Some(g) = &sg.gate {
                 let _ = writeln!(
                     o,
-                    "\nstepgate's /metrics for the flood: {} intents received, {} repeats ({} rephrased), {} tool invocations (mean {:.2} ms), {} gate batches, mean commit (synced RocksDB write + Kafka transaction) {:.1} ms = {:.0}% of the flood's wall time; mean answer latency {:.0} ms.",
+                    "\nstepgate's /metrics for the flood: {} intents received, {} repeats ({} rephrased), {} tool invocations (mean {:.2} ms), {} gate batches, mean commit (`stepgate_commit_latency_seconds`) {:.1} ms = {:.0}% of the flood's wall time; mean answer latency {:.0} ms.",
                     g.intents_received,
                     g.repeats,
                     g.rephrased,
@@ -454,6 +564,127 @@ impl Report {
                 r.system,
                 r.mode,
                 r.problems.join("; ")
+            );
+        }
+        let _ = writeln!(o);
+    }
+
+    fn render_sequential(&self, o: &mut String) {
+        let _ = writeln!(
+            o,
+            "Sequential: one agent, one call at a time, nothing else running, on a fresh deployment per system: {} untimed warm-up calls, then {} new steps one after the other, then {} repeats of them (settled), each publish → answer (the agent's read_committed consume). \
+             Commits: stepgate's `stepgate_commit_latency_seconds_count` read just before each publish and just after its answer. Records: Kafka records written per call, transaction markers included.\n",
+            self.sequential[0].warmup, self.sequential[0].steps, self.sequential[0].steps,
+        );
+        let _ = writeln!(
+            o,
+            "| system | mode | new step p50 / p90 / p99 / max ms | repeat p50 / p90 / p99 / max ms | commits before a new step's answer | before a repeat's | Kafka records per new step | per repeat | checks |"
+        );
+        let _ = writeln!(o, "|---|---|---:|---:|---:|---:|---:|---:|---|");
+        let total = |m: &BTreeMap<String, f64>| m.values().sum::<f64>();
+        let fmt_commits = |c: Option<f64>| c.map_or("n/a".into(), |c| format!("{c:.2}"));
+        for r in &self.sequential {
+            let _ = writeln!(
+                o,
+                "| {} | {}{} | {:.1} / {:.1} / {:.1} / {:.1} | {:.1} / {:.1} / {:.1} / {:.1} | {} | {} | {:.2} | {:.2} | {} |",
+                r.system,
+                r.mode,
+                r.commit_interval
+                    .as_ref()
+                    .map_or(String::new(), |ci| format!(", gate.commit_interval {ci}")),
+                r.new.p50,
+                r.new.p90,
+                r.new.p99,
+                r.new.max,
+                r.repeat.p50,
+                r.repeat.p90,
+                r.repeat.p99,
+                r.repeat.max,
+                fmt_commits(r.commits_per_new),
+                fmt_commits(r.commits_per_repeat),
+                total(&r.records_per_new),
+                total(&r.records_per_repeat),
+                r.check_text()
+            );
+        }
+        if let Some(sg) = self
+            .sequential
+            .iter()
+            .find(|r| r.slug.starts_with("sg-keyed"))
+        {
+            let others: Vec<&SeqRow> = self
+                .sequential
+                .iter()
+                .filter(|r| r.slug != sg.slug)
+                .collect();
+            if !others.is_empty() {
+                let _ = writeln!(
+                    o,
+                    "\nstepgate ÷ each other system, sequential (<1 means stepgate answers sooner):\n"
+                );
+                let _ = writeln!(
+                    o,
+                    "| stepgate ÷ | new p50 | new p99 | repeat p50 | repeat p99 |"
+                );
+                let _ = writeln!(o, "|---|---:|---:|---:|---:|");
+                for r in others {
+                    let _ = writeln!(
+                        o,
+                        "| {} {} | {} | {} | {} | {} |",
+                        r.system,
+                        r.mode,
+                        ratio(sg.new.p50, r.new.p50),
+                        ratio(sg.new.p99, r.new.p99),
+                        ratio(sg.repeat.p50, r.repeat.p50),
+                        ratio(sg.repeat.p99, r.repeat.p99),
+                    );
+                }
+            }
+            if let Some(what) = &sg.commits_counted {
+                let _ = writeln!(o, "\nstepgate's commits counted: {what}.");
+            }
+        }
+        let _ = writeln!(
+            o,
+            "\nRecords per call by topic, sequential (new step; repeat):\n"
+        );
+        for r in &self.sequential {
+            let parts = |m: &BTreeMap<String, f64>| {
+                m.iter()
+                    .filter(|(_, n)| **n > 0.0)
+                    .map(|(t, n)| format!("{t} {n:.2}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            };
+            let _ = writeln!(
+                o,
+                "- {} {}: {}; {}",
+                r.system,
+                r.mode,
+                parts(&r.records_per_new),
+                parts(&r.records_per_repeat)
+            );
+        }
+        let _ = writeln!(o, "\nChecks (sequential):\n");
+        for r in &self.sequential {
+            let v = &r.verdict;
+            let _ = writeln!(
+                o,
+                "- {} {}: {} of {} calls answered, {} more than once; `deduplicated` wrong in {}, status not ok in {}{}: **{}**{}",
+                r.system,
+                r.mode,
+                v.answered,
+                v.intents,
+                v.answered_twice,
+                v.wrong_dedup,
+                v.not_ok,
+                tool_line(&r.slug, &r.tool_invocations),
+                r.check_text(),
+                if r.problems.is_empty() {
+                    String::new()
+                } else {
+                    format!(" — {}", r.problems.join("; "))
+                }
             );
         }
         let _ = writeln!(o);

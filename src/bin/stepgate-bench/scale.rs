@@ -157,6 +157,7 @@ async fn one(bench: &Bench, opts: &ScaleOpts, n: usize) -> anyhow::Result<ScaleR
         c.partitions,
         Expect::StepLog,
         specs.iter().map(|s| s.kind).collect(),
+        "1",
     )?);
     let watch = GroupWatch::new(&c.brokers, &format!("{prefix}-gate"), &input, c.partitions)?;
     let cpu0 = proc.cpu_secs();

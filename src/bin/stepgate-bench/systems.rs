@@ -348,6 +348,40 @@ pub struct StepgateSetup {
     pub config: PathBuf,
     pub http: String,
     pub state: PathBuf,
+    /// Whether this build has a separate executor (`kafka.executor_group`; before
+    /// issue #12): its own transactions then add to the gate's.
+    pub remote_executor: bool,
+    /// The `gate.commit_interval` written, when this build still has that key.
+    pub commit_interval: Option<String>,
+}
+
+/// Which config keys the stepgate library this bench was built with knows, read
+/// from its own `Config` (bench.sh builds both binaries from one tree). The bench
+/// writes only keys that exist, so one harness drives stepgate before and after
+/// keys are removed (`gate.commit_interval`, `kafka.executor_group`,
+/// `topics.calls`: issue #12), and every topic the build has gets the run's prefix.
+pub struct ConfigKeys(serde_json::Value);
+
+impl ConfigKeys {
+    pub fn of_this_build() -> ConfigKeys {
+        ConfigKeys(
+            serde_json::to_value(stepgate::config::Config::default())
+                .unwrap_or(serde_json::Value::Null),
+        )
+    }
+
+    pub fn has(&self, path: &[&str]) -> bool {
+        path.iter().try_fold(&self.0, |v, k| v.get(*k)).is_some()
+    }
+
+    /// The names of `kafka.topics`' keys (intents, results, …).
+    pub fn topics(&self) -> Vec<String> {
+        self.0
+            .pointer("/kafka/topics")
+            .and_then(|t| t.as_object())
+            .map(|o| o.keys().cloned().collect())
+            .unwrap_or_default()
+    }
 }
 
 impl StepgateSetup {
@@ -363,48 +397,52 @@ impl StepgateSetup {
         concurrency: usize,
         max_batch: usize,
     ) -> anyhow::Result<StepgateSetup> {
+        use std::fmt::Write as _;
         std::fs::create_dir_all(dir)?;
+        let keys = ConfigKeys::of_this_build();
         let http = format!("127.0.0.1:{}", free_port()?);
         let state = dir.join("state");
-        let text = format!(
-            r#"[kafka]
-brokers = "{brokers}"
-instance_id = "{prefix}-0"
-gate_group = "{prefix}-gate"
-executor_group = "{prefix}-exec"
-partitions = {partitions}
-[kafka.topics]
-intents = "{prefix}.intents"
-results = "{prefix}.results"
-dlq = "{prefix}.dlq"
-calls = "{prefix}.calls"
-progress = "{prefix}.progress"
-changelog = "{prefix}.changelog"
-commands = "{prefix}.commands"
-approvals = "{prefix}.approvals"
-[state]
-path = "{state}"
-[gate]
-commit_interval = "{commit_interval}"
-max_batch = {max_batch}
-[executor]
-concurrency = {concurrency}
-[http]
-listen = "{http}"
-[log]
-level = "warn"
-[tools.noop]
-category = "{category}"
-url = "{tool_url}"
-"#,
-            state = state.display(),
-        );
+        let remote_executor = keys.has(&["kafka", "executor_group"]);
+        let commit_interval = keys
+            .has(&["gate", "commit_interval"])
+            .then(|| commit_interval.to_owned());
+        let mut t = String::new();
+        let _ = writeln!(t, "[kafka]");
+        let _ = writeln!(t, r#"brokers = "{brokers}""#);
+        let _ = writeln!(t, r#"instance_id = "{prefix}-0""#);
+        let _ = writeln!(t, r#"gate_group = "{prefix}-gate""#);
+        if remote_executor {
+            let _ = writeln!(t, r#"executor_group = "{prefix}-exec""#);
+        }
+        let _ = writeln!(t, "partitions = {partitions}");
+        let _ = writeln!(t, "[kafka.topics]");
+        for topic in keys.topics() {
+            let _ = writeln!(t, r#"{topic} = "{prefix}.{topic}""#);
+        }
+        let _ = writeln!(t, "[state]");
+        let _ = writeln!(t, r#"path = "{}""#, state.display());
+        let _ = writeln!(t, "[gate]");
+        if let Some(ci) = &commit_interval {
+            let _ = writeln!(t, r#"commit_interval = "{ci}""#);
+        }
+        let _ = writeln!(t, "max_batch = {max_batch}");
+        let _ = writeln!(t, "[executor]");
+        let _ = writeln!(t, "concurrency = {concurrency}");
+        let _ = writeln!(t, "[http]");
+        let _ = writeln!(t, r#"listen = "{http}""#);
+        let _ = writeln!(t, "[log]");
+        let _ = writeln!(t, r#"level = "warn""#);
+        let _ = writeln!(t, "[tools.noop]");
+        let _ = writeln!(t, r#"category = "{category}""#);
+        let _ = writeln!(t, r#"url = "{tool_url}""#);
         let config = dir.join("stepgate.toml");
-        std::fs::write(&config, text)?;
+        std::fs::write(&config, t)?;
         Ok(StepgateSetup {
             config,
             http,
             state,
+            remote_executor,
+            commit_interval,
         })
     }
 

@@ -305,7 +305,8 @@ impl ProducerContext for Deliveries {
 
 impl Agent {
     /// Read answers from `output` (from its beginning: topics are fresh) for
-    /// `capacity` intent indexes.
+    /// one intent per entry of `kinds`. `linger_ms`: the producer's (1 for
+    /// floods; 0 when one call at a time is timed).
     pub fn start(
         brokers: &str,
         input: &str,
@@ -313,10 +314,11 @@ impl Agent {
         partitions: i32,
         expect: Expect,
         kinds: Vec<Kind>,
+        linger_ms: &str,
     ) -> anyhow::Result<Agent> {
         let producer: ThreadedProducer<Deliveries> = ClientConfig::new()
             .set("bootstrap.servers", brokers)
-            .set("linger.ms", "1")
+            .set("linger.ms", linger_ms)
             .set("acks", "all")
             .set("queue.buffering.max.messages", "1000000")
             .create_with_context(Deliveries::default())?;

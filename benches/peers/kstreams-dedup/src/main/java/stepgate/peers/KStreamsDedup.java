@@ -3,7 +3,15 @@ package stepgate.peers;
 import com.fasterxml.jackson.databind.JsonNode;
 import com.fasterxml.jackson.databind.ObjectMapper;
 import com.fasterxml.jackson.databind.node.ObjectNode;
+import java.io.IOException;
+import java.net.URI;
+import java.net.http.HttpClient;
+import java.net.http.HttpRequest;
+import java.net.http.HttpResponse;
+import java.nio.ByteBuffer;
 import java.nio.charset.StandardCharsets;
+import java.security.MessageDigest;
+import java.security.NoSuchAlgorithmException;
 import java.time.Duration;
 import java.time.ZoneOffset;
 import java.time.format.DateTimeFormatter;
@@ -32,11 +40,15 @@ import org.apache.kafka.streams.state.Stores;
 /**
  * Benchmark peer for stepgate: the well-known Kafka Streams dedup pattern
  * (persistent RocksDB key-value store with a changelog, Processor API), keyed
- * by stepgate's step key and answering Intent v1 with Result v1. The "tool" is
- * a no-op executed inline, so this measures the dedup machinery only.
+ * by stepgate's step key and answering Intent v1 with Result v1. By default the
+ * "tool" is a no-op executed inline, so this measures the dedup machinery only.
+ * With --tool-url, the processor calls an HTTP tool for each new step the way a
+ * Kafka Streams application would: a synchronous POST of the arguments, with
+ * stepgate's headers (Idempotency-Key stable per step key), before the store
+ * write and the answer. Its output is the answer's output.
  *
  * <p>Usage: --bootstrap H:P --input T --output T --app-id ID --state-dir DIR
- * --mode eos|alos [--threads N] [--commit-ms MS] [--prop KEY=VALUE ...]
+ * --mode eos|alos [--threads N] [--commit-ms MS] [--tool-url URL] [--prop KEY=VALUE ...]
  *
  * <p>stdout: "READY" once RUNNING; on shutdown one JSON line of counters.
  */
@@ -51,6 +63,88 @@ public final class KStreamsDedup {
     static final LongAdder NEW = new LongAdder();
     static final LongAdder REPEATS = new LongAdder();
     static final LongAdder MALFORMED = new LongAdder();
+    static final LongAdder TOOL_CALLS = new LongAdder();
+
+    /** The HTTP tool of --tool-url; null: the no-op runs inline. */
+    static volatile URI toolUrl;
+    static final HttpClient HTTP = HttpClient.newBuilder()
+            .version(HttpClient.Version.HTTP_1_1)
+            .connectTimeout(Duration.ofSeconds(5))
+            .build();
+    static final int TOOL_TRIES = 3;
+
+    /**
+     * stepgate's Idempotency-Key for a step (src/contract: "sg1-" + hex SHA-256 of
+     * workflow_id, 0, step_index as 8 bytes big-endian, tool, 0, attempt as 8 bytes).
+     */
+    static String idempotencyKey(String workflowId, long step, String tool, long attempt) {
+        try {
+            MessageDigest h = MessageDigest.getInstance("SHA-256");
+            h.update(workflowId.getBytes(StandardCharsets.UTF_8));
+            h.update((byte) 0);
+            h.update(ByteBuffer.allocate(8).putLong(step).array());
+            h.update(tool.getBytes(StandardCharsets.UTF_8));
+            h.update((byte) 0);
+            h.update(ByteBuffer.allocate(8).putLong(attempt).array());
+            StringBuilder hex = new StringBuilder("sg1-");
+            for (byte b : h.digest()) hex.append(String.format("%02x", b));
+            return hex.toString();
+        } catch (NoSuchAlgorithmException e) {
+            throw new IllegalStateException(e); // every JVM has SHA-256
+        }
+    }
+
+    /**
+     * Call the tool for a new step, synchronously: the output on a 2xx, an
+     * {"error": ...} node on a 4xx (a definite failure); a 5xx or an I/O error
+     * is retried with the same key, then fails the task (Streams' own handling).
+     */
+    static JsonNode callTool(String workflowId, long step, String tool, long attempt, JsonNode args) {
+        String key = idempotencyKey(workflowId, step, tool, attempt);
+        String body = args == null || !args.isObject() ? "{}" : args.toString();
+        HttpRequest req = HttpRequest.newBuilder(toolUrl)
+                .timeout(Duration.ofSeconds(10))
+                .header("Content-Type", "application/json")
+                .header("Idempotency-Key", key)
+                .header("Stepgate-Workflow-Id", workflowId)
+                .header("Stepgate-Step-Index", Long.toString(step))
+                .header("Stepgate-Attempt", Long.toString(attempt))
+                .POST(HttpRequest.BodyPublishers.ofString(body))
+                .build();
+        String last = null;
+        for (int i = 0; i < TOOL_TRIES; i++) {
+            try {
+                TOOL_CALLS.increment();
+                HttpResponse<String> r = HTTP.send(req, HttpResponse.BodyHandlers.ofString());
+                int code = r.statusCode();
+                if (code >= 200 && code < 300) {
+                    try {
+                        return JSON.readTree(r.body().isEmpty() ? "{}" : r.body());
+                    } catch (IOException e) {
+                        return JSON.createObjectNode().put("body", r.body());
+                    }
+                }
+                if (code >= 400 && code < 500) {
+                    ObjectNode err = JSON.createObjectNode();
+                    err.putObject("error").put("kind", "tool_failed").put("message", "HTTP " + code + ": " + r.body());
+                    return err;
+                }
+                last = "HTTP " + code;
+            } catch (IOException e) {
+                last = e.toString();
+            } catch (InterruptedException e) {
+                Thread.currentThread().interrupt();
+                throw new IllegalStateException("interrupted calling the tool", e);
+            }
+            try {
+                Thread.sleep(100L << i);
+            } catch (InterruptedException e) {
+                Thread.currentThread().interrupt();
+                throw new IllegalStateException("interrupted calling the tool", e);
+            }
+        }
+        throw new IllegalStateException("tool " + toolUrl + " failed " + TOOL_TRIES + " times: " + last);
+    }
 
     /** A result plus the partition of the intent it answers (for the sink's partitioner). */
     record Out(int partition, String json) {}
@@ -107,8 +201,19 @@ public final class KStreamsDedup {
                     r.put("tool", tool.asText());
                     r.put("attempt", attempt);
                     r.put("call_id", callId);
-                    r.put("status", "ok");
-                    r.putObject("output");
+                    if (toolUrl == null) {
+                        r.put("status", "ok");
+                        r.putObject("output");
+                    } else {
+                        JsonNode got = callTool(workflowId, step.asLong(), tool.asText(), attempt, in.get("arguments"));
+                        if (got.isObject() && got.size() == 1 && got.has("error")) {
+                            r.put("status", "error");
+                            r.set("error", got.get("error"));
+                        } else {
+                            r.put("status", "ok");
+                            r.set("output", got);
+                        }
+                    }
                     r.put("deduplicated", false);
                     r.put("completed_at", TS.format(java.time.Instant.now()));
                     out = JSON.writeValueAsString(r);
@@ -169,6 +274,7 @@ public final class KStreamsDedup {
                 case "--mode" -> mode = v;
                 case "--threads" -> p.put(StreamsConfig.NUM_STREAM_THREADS_CONFIG, Integer.parseInt(v));
                 case "--commit-ms" -> p.put(StreamsConfig.COMMIT_INTERVAL_MS_CONFIG, Long.parseLong(v));
+                case "--tool-url" -> toolUrl = URI.create(v);
                 case "--prop" -> { // escape hatch: any Streams/client property
                     int eq = v.indexOf('=');
                     if (eq <= 0) usage("--prop wants KEY=VALUE");
@@ -218,8 +324,8 @@ public final class KStreamsDedup {
             // the old member; SIGTERM here means "this instance is gone".
             streams.close(CloseOptions.timeout(Duration.ofSeconds(30))
                     .withGroupMembershipOperation(CloseOptions.GroupMembershipOperation.LEAVE_GROUP));
-            System.out.printf("{\"processed\": %d, \"new\": %d, \"repeats\": %d, \"malformed\": %d}%n",
-                    PROCESSED.sum(), NEW.sum(), REPEATS.sum(), MALFORMED.sum());
+            System.out.printf("{\"processed\": %d, \"new\": %d, \"repeats\": %d, \"malformed\": %d, \"tool_calls\": %d}%n",
+                    PROCESSED.sum(), NEW.sum(), REPEATS.sum(), MALFORMED.sum(), TOOL_CALLS.sum());
             System.out.flush();
         };
         Runtime.getRuntime().addShutdownHook(new Thread(shutdown, "shutdown"));
@@ -233,7 +339,8 @@ public final class KStreamsDedup {
 
     static void usage(String why) {
         System.err.println("kstreams-dedup: " + why + "\nusage: --bootstrap H:P --input T --output T --app-id ID"
-                + " --state-dir DIR --mode eos|alos [--threads N] [--commit-ms MS] [--prop KEY=VALUE]...");
+                + " --state-dir DIR --mode eos|alos [--threads N] [--commit-ms MS] [--tool-url URL]"
+                + " [--prop KEY=VALUE]...");
         System.exit(2);
     }
 }
