@@ -32,7 +32,12 @@ class StepgateTools:
 
     def __init__(self, brokers, intents, results):
         self.intents = intents
-        self.producer = Producer({"bootstrap.servers": brokers, "linger.ms": 0})
+        # murmur2 of the key, as Kafka's Java clients and stepgate's own client do:
+        # librdkafka's default partitioner (CRC32) would put this thread's retries
+        # in another partition than a Java or Rust client's, where they are not
+        # deduplicated. ("_random" only concerns null keys; ours never are.)
+        self.producer = Producer({"bootstrap.servers": brokers, "linger.ms": 0,
+                                  "partitioner": "murmur2_random"})
         self.consumer = Consumer({"bootstrap.servers": brokers, "group.id": f"agent-{uuid.uuid4().hex}",
                                   "enable.auto.commit": False, "isolation.level": "read_committed"})
         parts = self.consumer.list_topics(results, timeout=10).topics[results].partitions

@@ -272,3 +272,128 @@ pub enum AuditFormat {
     Json,
     Html,
 }
+
+/// What a redacted secret is printed as.
+pub const REDACTED: &str = "<redacted>";
+
+/// A config as TOML for people to read (`check-config`), secrets redacted:
+/// `[kafka.client]` properties that hold passwords, secrets, tokens or key
+/// material, and the password of any URL (`https://user:pass@host`).
+pub fn render_config(cfg: &crate::config::Config) -> Result<String, toml::ser::Error> {
+    let mut v = toml::Value::try_from(cfg)?;
+    if let Some(client) = v
+        .get_mut("kafka")
+        .and_then(|k| k.get_mut("client"))
+        .and_then(toml::Value::as_table_mut)
+    {
+        for (name, value) in client.iter_mut() {
+            if is_secret_property(name) {
+                *value = toml::Value::String(REDACTED.into());
+            }
+        }
+    }
+    redact_url_passwords(&mut v);
+    toml::to_string_pretty(&v)
+}
+
+/// Whether a librdkafka property holds a secret (`sasl.password`,
+/// `ssl.key.password`, `ssl.keystore.password`, `sasl.oauthbearer.client.secret`,
+/// `ssl.key.pem`, `sasl.oauthbearer.config`, …).
+pub fn is_secret_property(name: &str) -> bool {
+    let n = name.to_ascii_lowercase();
+    ["password", "secret", "token", "credential", "private"]
+        .iter()
+        .any(|w| n.contains(w))
+        // Key material inline, and free-form strings that may carry secrets.
+        || n == "ssl.key.pem"
+        || n == "ssl_key"
+        || n == "sasl.oauthbearer.config"
+        || n == "sasl.jaas.config"
+        || n.ends_with(".key")
+}
+
+fn redact_url_passwords(v: &mut toml::Value) {
+    match v {
+        toml::Value::String(s) => {
+            if let Ok(mut url) = reqwest::Url::parse(s)
+                && url.password().is_some()
+                // `<redacted>` would be percent-encoded in a URL.
+                && url.set_password(Some("redacted")).is_ok()
+            {
+                *s = url.to_string();
+            }
+        }
+        toml::Value::Array(a) => a.iter_mut().for_each(redact_url_passwords),
+        toml::Value::Table(t) => t.iter_mut().for_each(|(_, v)| redact_url_passwords(v)),
+        _ => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn check_config_output_lacks_every_secret() {
+        let text = r#"
+[kafka]
+brokers = "127.0.0.1:9092"
+[kafka.client]
+"security.protocol" = "sasl_ssl"
+"sasl.mechanism" = "PLAIN"
+"sasl.username" = "stepgate"
+"sasl.password" = "hunter2-sasl"
+"ssl.key.password" = "hunter2-key"
+"ssl.keystore.password" = "hunter2-keystore"
+"sasl.oauthbearer.client.secret" = "hunter2-oauth"
+"sasl.oauthbearer.config" = "principal=x clientSecret=hunter2-conf"
+"ssl.key.pem" = "-----BEGIN PRIVATE KEY-----hunter2-pem"
+"ssl.ca.location" = "/etc/ssl/ca.pem"
+[tools.search]
+category = "read_only"
+url = "https://bot:hunter2-url@tools.example.com/search"
+"#;
+        let env = [(
+            "STEPGATE_KAFKA_CLIENT_SASL_OAUTHBEARER_TOKEN_ENDPOINT_URL".to_owned(),
+            "https://idp.example.com/token".to_owned(),
+        )];
+        let cfg = crate::config::Config::from_toml_str(text, env).unwrap();
+        let out = render_config(&cfg).unwrap();
+        assert!(!out.contains("hunter2"), "a secret was printed:\n{out}");
+        for kept in [
+            "sasl.username",
+            "stepgate",
+            "/etc/ssl/ca.pem",
+            "sasl_ssl",
+            "https://bot:redacted@tools.example.com/search",
+        ] {
+            assert!(out.contains(kept), "`{kept}` missing:\n{out}");
+        }
+        assert!(out.matches(REDACTED).count() >= 7, "{out}");
+        // What is printed still loads (secrets replaced, nothing dropped).
+        crate::config::Config::from_toml_str(&out, std::iter::empty()).unwrap();
+    }
+
+    #[test]
+    fn secret_properties() {
+        for secret in [
+            "sasl.password",
+            "ssl.key.password",
+            "ssl.keystore.password",
+            "SASL.PASSWORD",
+            "sasl.oauthbearer.client.secret",
+            "ssl.key.pem",
+        ] {
+            assert!(is_secret_property(secret), "{secret}");
+        }
+        for plain in [
+            "sasl.username",
+            "ssl.ca.location",
+            "ssl.key.location",
+            "ssl.certificate.pem",
+            "message.max.bytes",
+        ] {
+            assert!(!is_secret_property(plain), "{plain}");
+        }
+    }
+}

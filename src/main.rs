@@ -89,6 +89,8 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
             }
             cfg.validate()?;
             stepgate::telemetry::init_logging(&cfg.log);
+            stepgate::kafka::check_sizes(&cfg.kafka, cfg.gate.max_intent_bytes)?;
+            stepgate::kafka::check_topic_sizes(&cfg.kafka, cfg.gate.max_intent_bytes).await?;
             let shutdown = shutdown_on_signals();
             stepgate::app::run(cfg, role, shutdown).await?;
             tracing::info!("stopped cleanly");
@@ -114,6 +116,8 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
             let k = cfg.kafka.clone();
             let n =
                 tokio::task::spawn_blocking(move || stepgate::kafka::check_layout(&k)).await??;
+            stepgate::kafka::check_sizes(&cfg.kafka, cfg.gate.max_intent_bytes)?;
+            stepgate::kafka::check_topic_sizes(&cfg.kafka, cfg.gate.max_intent_bytes).await?;
             println!("ok: every topic has a valid layout ({n} intent partitions)");
             Ok(())
         }
@@ -295,7 +299,9 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
         }
         Command::CheckConfig { config } => {
             let cfg = load(config.as_deref(), None)?;
-            print!("{}", toml::to_string_pretty(&cfg)?);
+            stepgate::kafka::check_sizes(&cfg.kafka, cfg.gate.max_intent_bytes)?;
+            // Secrets (passwords, tokens, key material) are printed redacted.
+            print!("{}", stepgate::cli::render_config(&cfg)?);
             Ok(())
         }
     }

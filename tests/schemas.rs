@@ -4,8 +4,8 @@
 
 use serde_json::{Value, json};
 use stepgate::contract::{
-    DlqRecord, ErrorBody, Outcome, Progress, ProgressEvent, Rejection, RejectionReason, Status,
-    StepKey, ToolResult, parse_intent,
+    DLQ_PAYLOAD_PREFIX_BYTES, DLQ_RECORD_MAX_BYTES, DlqRecord, ErrorBody, Outcome, Progress,
+    ProgressEvent, Rejection, RejectionReason, Status, StepKey, ToolResult, parse_intent,
 };
 
 fn schema(name: &str) -> jsonschema::Validator {
@@ -142,23 +142,77 @@ fn every_result_status_validates() {
     assert!(!v.is_valid(&bad));
 }
 
+/// Every rejection reason. The match makes a new variant a compile error here
+/// until it is listed (and so checked against the schema's enum).
+fn all_reasons() -> Vec<RejectionReason> {
+    use RejectionReason::*;
+    let all = vec![
+        Oversized,
+        MalformedJson,
+        NotAnObject,
+        MissingField,
+        WrongType,
+        InvalidValue,
+        UnknownTool,
+        WorkflowEnded,
+        BadCommand,
+        TooDeep,
+    ];
+    for r in &all {
+        match r {
+            Oversized | MalformedJson | NotAnObject | MissingField | WrongType | InvalidValue
+            | UnknownTool | WorkflowEnded | BadCommand | TooDeep => {}
+        }
+    }
+    all
+}
+
 #[test]
 fn dlq_records_validate() {
     let v = schema("dlq.v1.json");
-    for reason in [
-        RejectionReason::Oversized,
-        RejectionReason::MalformedJson,
-        RejectionReason::NotAnObject,
-        RejectionReason::MissingField,
-        RejectionReason::WrongType,
-        RejectionReason::InvalidValue,
-        RejectionReason::UnknownTool,
-    ] {
+    let big_text = "é".repeat(100_000);
+    let big_bytes: Vec<u8> = (0..300_000u32).map(|i| (i % 256) as u8).collect();
+    for reason in all_reasons() {
         let rej = Rejection::new(reason, "why".into());
-        for payload in [b"{oops".as_slice(), &[0xff, 0x00]] {
+        for payload in [
+            b"{oops".as_slice(),
+            &[0xff, 0x00],
+            b"",
+            big_text.as_bytes(),
+            &big_bytes,
+        ] {
             let d = DlqRecord::new(&rej, "stepgate.intents", 2, 41, payload, chrono::Utc::now());
-            assert_valid(&v, &serde_json::to_value(&d).unwrap());
+            let json = d.to_json();
+            assert!(json.len() <= DLQ_RECORD_MAX_BYTES, "{}", json.len());
+            assert_valid(&v, &serde_json::from_slice(&json).unwrap());
+            assert_eq!(d.payload_bytes, payload.len() as u64);
+            assert_eq!(
+                d.payload_truncated,
+                payload.len() > DLQ_PAYLOAD_PREFIX_BYTES
+            );
         }
+    }
+}
+
+#[test]
+fn dlq_reasons_are_the_schemas() {
+    let path = format!("{}/schemas/dlq.v1.json", env!("CARGO_MANIFEST_DIR"));
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let mut in_schema: Vec<String> = v["properties"]["reason"]["enum"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r.as_str().unwrap().to_owned())
+        .collect();
+    let mut in_code: Vec<String> = all_reasons()
+        .iter()
+        .map(|r| r.as_str().to_owned())
+        .collect();
+    in_schema.sort();
+    in_code.sort();
+    assert_eq!(in_schema, in_code);
+    for r in all_reasons() {
+        assert_eq!(serde_json::to_value(r).unwrap(), json!(r.as_str()));
     }
 }
 

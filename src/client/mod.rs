@@ -6,6 +6,12 @@
 //! with the original result instead of running the tool again. Only
 //! [`Workflow::retry_step`] asks for a deliberate re-execution (`attempt` + 1).
 //!
+//! Every intent is published to the partition that owns its workflow,
+//! [`crate::contract::partition_for`] (murmur2, as Kafka's Java clients do), so a
+//! retry from this client and one from any Java or murmur2 client of the same
+//! step meet in one partition. The intents topic's partition count is read
+//! once, when the client connects.
+//!
 //! ```no_run
 //! # async fn demo() -> Result<(), stepgate::client::ClientError> {
 //! use stepgate::client::{Client, ClientOptions};
@@ -44,6 +50,8 @@ pub enum ClientError {
     ArgumentsNotAnObject(Value),
     #[error("the results topic `{0}` does not exist")]
     NoResultsTopic(String),
+    #[error("the intents topic `{0}` does not exist")]
+    NoIntentsTopic(String),
 }
 
 /// Where and how the client talks to stepgate.
@@ -156,6 +164,8 @@ type Waiters = Arc<Mutex<HashMap<String, mpsc::UnboundedSender<ToolResult>>>>;
 pub struct Client {
     options: ClientOptions,
     producer: FutureProducer,
+    /// Partitions of the intents topic, read at connect.
+    intent_partitions: i32,
     waiters: Waiters,
     next_id: AtomicU64,
     id_prefix: String,
@@ -186,9 +196,13 @@ impl Client {
         let stop = CancellationToken::new();
         let opts = options.clone();
         let group = format!("{id_prefix}-reader");
-        let consumer = tokio::task::spawn_blocking(move || answers_consumer(&opts, &group))
-            .await
-            .map_err(|_| KafkaError::Canceled)??;
+        let (consumer, intent_partitions) = tokio::task::spawn_blocking(move || {
+            let partitions = partition_count(&opts, &opts.intents_topic)?
+                .ok_or_else(|| ClientError::NoIntentsTopic(opts.intents_topic.clone()))?;
+            Ok::<_, ClientError>((answers_consumer(&opts, &group)?, partitions))
+        })
+        .await
+        .map_err(|_| KafkaError::Canceled)??;
         let (w, s) = (waiters.clone(), stop.clone());
         tokio::spawn(async move {
             loop {
@@ -215,6 +229,7 @@ impl Client {
         Ok(Client {
             options,
             producer,
+            intent_partitions,
             waiters,
             next_id: AtomicU64::new(0),
             id_prefix,
@@ -288,6 +303,7 @@ impl Client {
         self.producer
             .send(
                 FutureRecord::to(&self.options.intents_topic)
+                    .partition(self.partition_of(&call.workflow_id))
                     .key(&call.workflow_id)
                     .payload(&payload),
                 Duration::from_secs(30),
@@ -295,6 +311,12 @@ impl Client {
             .await
             .map_err(|(e, _)| ClientError::Kafka(e))?;
         Ok(())
+    }
+
+    /// The partition of the intents topic that owns `workflow_id`, where every
+    /// intent of it is published.
+    pub fn partition_of(&self, workflow_id: &str) -> i32 {
+        crate::contract::partition_for(workflow_id, self.intent_partitions)
     }
 
     /// A workflow whose steps this client numbers, from 0.
@@ -319,17 +341,9 @@ fn answers_consumer(options: &ClientOptions, group: &str) -> Result<StreamConsum
         .set("fetch.wait.max.ms", "10")
         .create()?;
     let meta: BaseConsumer = options.kafka_config().create()?;
-    let md = meta.fetch_metadata(Some(&options.results_topic), Duration::from_secs(15))?;
-    let partitions = md
-        .topics()
-        .first()
-        .filter(|t| t.error().is_none())
-        .map(|t| t.partitions().len() as i32)
-        .unwrap_or(0);
-    drop(md);
-    if partitions == 0 {
+    let Some(partitions) = partition_count(options, &options.results_topic)? else {
         return Err(ClientError::NoResultsTopic(options.results_topic.clone()));
-    }
+    };
     let mut tpl = TopicPartitionList::new();
     for p in 0..partitions {
         let (_, high) =
@@ -340,6 +354,21 @@ fn answers_consumer(options: &ClientOptions, group: &str) -> Result<StreamConsum
     drop(tpl);
     drop(meta);
     Ok(consumer)
+}
+
+/// The number of partitions of `topic`, or None when it does not exist.
+fn partition_count(options: &ClientOptions, topic: &str) -> Result<Option<i32>, ClientError> {
+    let meta: BaseConsumer = options.kafka_config().create()?;
+    let md = meta.fetch_metadata(Some(topic), Duration::from_secs(15))?;
+    let partitions = md
+        .topics()
+        .first()
+        .filter(|t| t.error().is_none())
+        .map(|t| t.partitions().len() as i32)
+        .filter(|n| *n > 0);
+    drop(md);
+    drop(meta);
+    Ok(partitions)
 }
 
 /// A workflow's steps, numbered in call order. One `Workflow` per workflow run;
@@ -387,5 +416,73 @@ impl Workflow<'_> {
         self.client
             .call(StepCall::new(&self.id, step_index, tool, arguments)?.attempt(attempt))
             .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rdkafka::mocking::MockCluster;
+
+    /// Intents land in the partition `contract::partition_for` names (the one
+    /// Java's default partitioner picks), not where librdkafka's default would.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn intents_are_published_to_the_murmur2_partition() {
+        let mock = MockCluster::new(1).unwrap();
+        mock.create_topic("in", 7, 1).unwrap();
+        mock.create_topic("out", 7, 1).unwrap();
+        let mut options = ClientOptions::new(&mock.bootstrap_servers());
+        options.intents_topic = "in".into();
+        options.results_topic = "out".into();
+        let client = Client::new(options.clone()).await.unwrap();
+        // Keys whose murmur2 and CRC32 partitions differ among 7 (from the
+        // Java vectors in contract::partition's tests).
+        let ids = ["order-7781", "wf-0", "wf-1", "abcd", "kafka", "foobar"];
+        for id in ids {
+            let call = StepCall::new(id, 0, "t", serde_json::json!({})).unwrap();
+            client.publish(&call, &format!("c-{id}")).await.unwrap();
+        }
+        let consumer: BaseConsumer = options
+            .kafka_config()
+            .set("group.id", "check")
+            .create()
+            .unwrap();
+        let mut tpl = TopicPartitionList::new();
+        for p in 0..7 {
+            tpl.add_partition_offset("in", p, Offset::Beginning)
+                .unwrap();
+        }
+        consumer.assign(&tpl).unwrap();
+        drop(tpl);
+        let mut seen = HashMap::new();
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while seen.len() < ids.len() {
+            assert!(std::time::Instant::now() < deadline, "read {seen:?}");
+            if let Some(Ok(m)) = consumer.poll(Duration::from_millis(200)) {
+                let key = String::from_utf8(m.key().unwrap().to_vec()).unwrap();
+                seen.insert(key, m.partition());
+            }
+        }
+        for id in ids {
+            assert_eq!(seen[id], crate::contract::partition_for(id, 7), "{id}");
+            assert_eq!(client.partition_of(id), seen[id]);
+        }
+        // From the Java clients' own partitioner (kafka-clients 4.4.0).
+        assert_eq!(seen["order-7781"], 3);
+        assert_eq!(seen["abcd"], 5);
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_missing_intents_topic_is_named() {
+        let mock = MockCluster::new(1).unwrap();
+        mock.create_topic("out", 2, 1).unwrap();
+        let mut options = ClientOptions::new(&mock.bootstrap_servers());
+        options.intents_topic = "missing-intents".into();
+        options.results_topic = "out".into();
+        match Client::new(options).await {
+            Err(ClientError::NoIntentsTopic(t)) => assert_eq!(t, "missing-intents"),
+            Err(e) => panic!("{e}"),
+            Ok(_) => panic!("connected without an intents topic"),
+        }
     }
 }

@@ -4,14 +4,22 @@
 //! Public messages: [`Intent`] (v1, from agents), [`ToolResult`] (v1, to agents),
 //! [`DlqRecord`]. Internal: [`Progress`] (outcomes handed between gates); [`Call`]
 //! (in-process, gate → invoker).
+//! Partition ownership: [`partition_for`], the one canonical partitioner.
 
 mod operator;
+mod partition;
 mod texts;
 mod validate;
 
+#[cfg(test)]
+mod fuzz;
+
 pub use operator::{Action, ApprovalEvent, ApprovalKind, Command};
+pub use partition::{murmur2, partition_for};
 pub use texts::Texts;
-pub use validate::{Address, Rejection, RejectionReason, parse_intent};
+pub use validate::{
+    Address, MAX_NESTING_DEPTH, Rejection, RejectionReason, nested_deeper_than, parse_intent,
+};
 
 use chrono::{DateTime, SecondsFormat, Utc};
 use serde::{Deserialize, Serialize};
@@ -255,7 +263,29 @@ pub enum ProgressEvent {
     Finished { outcome: Outcome },
 }
 
-/// A dead-letter record: the raw input and why it was refused.
+/// At most this many bytes of a refused input's payload are copied into its
+/// dead-letter record; the record also carries the whole payload's length and
+/// SHA-256. A refused input can be as large as the broker accepts (and a
+/// base64 or `\u0000`-escaped copy of it larger still), so a whole copy could
+/// exceed the producer's `message.max.bytes`: the DLQ write failed, the gate
+/// session restarted on the same record, and the gate wedged for good.
+pub const DLQ_PAYLOAD_PREFIX_BYTES: usize = 64 * 1024;
+
+/// At most this many bytes of a dead-letter record's `message` are kept.
+pub const DLQ_MESSAGE_MAX_BYTES: usize = 4 * 1024;
+
+/// Upper bound of a [`DlqRecord`]'s JSON, whatever the input: the prefix
+/// escaped at worst six bytes per byte (`\u0000`), the message likewise, the
+/// topic (capped at 255 bytes) likewise, and the fixed fields. Far below the
+/// 1 000 000 bytes of librdkafka's default `message.max.bytes`, leaving room
+/// for the original key and headers the record keeps.
+pub const DLQ_RECORD_MAX_BYTES: usize =
+    6 * (DLQ_PAYLOAD_PREFIX_BYTES + DLQ_MESSAGE_MAX_BYTES + MAX_TOPIC_BYTES) + 1024;
+
+/// Kafka topic names are at most 249 characters; a longer one is cut.
+const MAX_TOPIC_BYTES: usize = 255;
+
+/// A dead-letter record: why an input was refused, and a bounded copy of it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DlqRecord {
     pub reason: RejectionReason,
@@ -264,9 +294,17 @@ pub struct DlqRecord {
     pub partition: i32,
     pub offset: i64,
     pub received_at: String,
+    /// The first [`DLQ_PAYLOAD_PREFIX_BYTES`] of the payload (cut at a character
+    /// boundary when UTF-8), or the base64 of them.
     pub payload: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub payload_encoding: Option<String>,
+    /// Length of the whole original payload, in bytes.
+    pub payload_bytes: u64,
+    /// SHA-256 of the whole original payload, lowercase hex.
+    pub payload_sha256: String,
+    /// Whether `payload` holds less than the whole original payload.
+    pub payload_truncated: bool,
 }
 
 impl DlqRecord {
@@ -279,24 +317,66 @@ impl DlqRecord {
         at: DateTime<Utc>,
     ) -> Self {
         use base64::Engine as _;
-        let (payload, payload_encoding) = match std::str::from_utf8(payload) {
-            Ok(s) => (s.to_owned(), None),
-            Err(_) => (
-                base64::engine::general_purpose::STANDARD.encode(payload),
+        let truncated = payload.len() > DLQ_PAYLOAD_PREFIX_BYTES;
+        let prefix = &payload[..payload.len().min(DLQ_PAYLOAD_PREFIX_BYTES)];
+        let text = match std::str::from_utf8(prefix) {
+            Ok(s) => Some(s),
+            // The cut split a character: keep the text up to it.
+            Err(e) if truncated && e.error_len().is_none() => {
+                std::str::from_utf8(&prefix[..e.valid_up_to()]).ok()
+            }
+            Err(_) => None,
+        };
+        let (payload_text, payload_encoding) = match text {
+            Some(s) => (s.to_owned(), None),
+            None => (
+                base64::engine::general_purpose::STANDARD.encode(prefix),
                 Some("base64".to_owned()),
             ),
         };
+        let copied = match &payload_encoding {
+            None => payload_text.len(),
+            Some(_) => prefix.len(),
+        };
         DlqRecord {
             reason: rejection.reason,
-            message: rejection.message.clone(),
-            topic: topic.to_owned(),
+            message: cut_at_char(&rejection.message, DLQ_MESSAGE_MAX_BYTES).to_owned(),
+            topic: cut_at_char(topic, MAX_TOPIC_BYTES).to_owned(),
             partition,
             offset,
             received_at: timestamp(at),
-            payload,
+            payload: payload_text,
             payload_encoding,
+            payload_bytes: payload.len() as u64,
+            payload_sha256: hex(&Sha256::digest(payload)),
+            payload_truncated: copied < payload.len(),
         }
     }
+
+    pub fn to_json(&self) -> Vec<u8> {
+        serde_json::to_vec(self).expect("a DlqRecord always serialises")
+    }
+}
+
+/// The longest prefix of `s` of at most `max` bytes that ends on a character.
+fn cut_at_char(s: &str, max: usize) -> &str {
+    if s.len() <= max {
+        return s;
+    }
+    let mut n = max;
+    while !s.is_char_boundary(n) {
+        n -= 1;
+    }
+    &s[..n]
+}
+
+fn hex(bytes: &[u8]) -> String {
+    use std::fmt::Write as _;
+    let mut s = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        let _ = write!(s, "{b:02x}");
+    }
+    s
 }
 
 #[cfg(test)]
@@ -385,5 +465,67 @@ mod tests {
         let d = DlqRecord::new(&rej, "t", 0, 1, &[0xff, 0xfe], Utc::now());
         assert_eq!(d.payload_encoding.as_deref(), Some("base64"));
         assert_eq!(d.payload, "//4=");
+        assert_eq!(d.payload_bytes, 2);
+        assert!(!d.payload_truncated);
+    }
+
+    fn rej() -> Rejection {
+        Rejection::new(RejectionReason::Oversized, "too big".into())
+    }
+
+    #[test]
+    fn dlq_payload_is_a_bounded_prefix_with_length_and_digest() {
+        // 900 kB of non-UTF-8 bytes wedged the gate: its whole base64 copy was
+        // over librdkafka's 1 000 000-byte message.max.bytes.
+        let big: Vec<u8> = (0..900_000u32).map(|i| (i % 251) as u8 | 0x80).collect();
+        let d = DlqRecord::new(&rej(), "t", 0, 1, &big, Utc::now());
+        assert_eq!(d.payload_encoding.as_deref(), Some("base64"));
+        assert!(d.payload_truncated);
+        assert_eq!(d.payload_bytes, 900_000);
+        assert_eq!(d.payload_sha256, hex(&Sha256::digest(&big)));
+        use base64::Engine as _;
+        let copied = base64::engine::general_purpose::STANDARD
+            .decode(&d.payload)
+            .unwrap();
+        assert_eq!(copied, big[..DLQ_PAYLOAD_PREFIX_BYTES]);
+        assert!(d.to_json().len() <= DLQ_RECORD_MAX_BYTES);
+
+        // Control bytes escape to six bytes each in JSON: still bounded.
+        let zeros = vec![0u8; 2_000_000];
+        let d = DlqRecord::new(&rej(), "t", 0, 1, &zeros, Utc::now());
+        assert_eq!(d.payload_encoding, None);
+        assert_eq!(d.payload.len(), DLQ_PAYLOAD_PREFIX_BYTES);
+        let json = d.to_json();
+        assert!(json.len() > 6 * DLQ_PAYLOAD_PREFIX_BYTES);
+        assert!(json.len() <= DLQ_RECORD_MAX_BYTES);
+    }
+
+    #[test]
+    fn dlq_prefix_of_utf8_ends_on_a_character() {
+        // 'é' is two bytes; an odd cut would split one.
+        let text = format!("x{}", "é".repeat(DLQ_PAYLOAD_PREFIX_BYTES));
+        let d = DlqRecord::new(&rej(), "t", 0, 1, text.as_bytes(), Utc::now());
+        assert_eq!(d.payload_encoding, None, "still UTF-8 text");
+        assert_eq!(d.payload.len(), DLQ_PAYLOAD_PREFIX_BYTES - 1);
+        assert!(text.starts_with(&d.payload));
+        assert!(d.payload_truncated);
+        assert_eq!(d.payload_bytes, text.len() as u64);
+        // Whole and short: copied as is, not truncated.
+        let d = DlqRecord::new(&rej(), "t", 0, 1, b"{oops", Utc::now());
+        assert_eq!((d.payload.as_str(), d.payload_truncated), ("{oops", false));
+        assert_eq!(
+            d.payload_sha256,
+            // sha256("{oops"), from `printf '{oops' | sha256sum`.
+            "935aaf3a54c0648c74df48a8025f20086019843f5b9fbffe5540b9cba0edcc97"
+        );
+    }
+
+    #[test]
+    fn dlq_message_and_topic_are_bounded() {
+        let long = Rejection::new(RejectionReason::BadCommand, "m".repeat(100_000));
+        let d = DlqRecord::new(&long, &"t".repeat(10_000), 0, 1, b"", Utc::now());
+        assert_eq!(d.message.len(), DLQ_MESSAGE_MAX_BYTES);
+        assert_eq!(d.topic.len(), MAX_TOPIC_BYTES);
+        assert!(d.to_json().len() <= DLQ_RECORD_MAX_BYTES);
     }
 }

@@ -39,6 +39,15 @@ impl Texts {
         )
     }
 
+    /// `arguments` or `metadata` is nested deeper than stepgate accepts.
+    pub fn too_deep(tool: &str, field: &str, limit: usize) -> String {
+        format!(
+            "This call to `{tool}` was rejected before execution, so nothing was performed: \
+             `{field}` is nested more than {limit} levels deep. Flatten it (for example pass \
+             deeply nested content as a JSON string) and call the tool again."
+        )
+    }
+
     /// Started, then no outcome arrived before the tool's deadline (e.g. the executor died).
     pub fn in_doubt_lost(tool: &str) -> String {
         format!(
@@ -232,6 +241,16 @@ mod golden {
             "This call to `upload` was rejected before execution, so nothing was performed: it is \
              2000000 bytes, over the limit of 1048576 bytes. Send smaller arguments (for example a \
              reference to large content instead of the content itself) and call the tool again."
+        );
+    }
+
+    #[test]
+    fn too_deep() {
+        assert_eq!(
+            Texts::too_deep("search", "arguments", 64),
+            "This call to `search` was rejected before execution, so nothing was performed: \
+             `arguments` is nested more than 64 levels deep. Flatten it (for example pass deeply \
+             nested content as a JSON string) and call the tool again."
         );
     }
 

@@ -20,6 +20,8 @@ pub enum RejectionReason {
     WorkflowEnded,
     /// An operator command that is unreadable or does not fit the step's state.
     BadCommand,
+    /// `arguments` or `metadata` nested deeper than [`MAX_NESTING_DEPTH`].
+    TooDeep,
 }
 
 impl RejectionReason {
@@ -34,6 +36,7 @@ impl RejectionReason {
             RejectionReason::UnknownTool => "unknown_tool",
             RejectionReason::WorkflowEnded => "workflow_ended",
             RejectionReason::BadCommand => "bad_command",
+            RejectionReason::TooDeep => "too_deep",
         }
     }
 }
@@ -64,6 +67,14 @@ impl Rejection {
         }
     }
 }
+
+/// Deepest nesting of an intent's `arguments` and `metadata` (the object itself
+/// is level 1). serde_json refuses documents nested deeper than 128, and
+/// stepgate stores arguments and outputs inside records of its own, a few
+/// levels deeper: an intent accepted near that limit made a record that could
+/// never be read back, and every later repeat of its step failed. 64 leaves
+/// ample room on both sides.
+pub const MAX_NESTING_DEPTH: usize = 64;
 
 /// Beyond this size an oversized intent is not even parsed to find its address.
 const PARSE_FOR_ADDRESS_LIMIT: usize = 16 * 1024 * 1024;
@@ -209,6 +220,20 @@ pub fn parse_intent(
             ));
         }
     };
+    for (field, value) in [
+        ("arguments", Some(&arguments)),
+        ("metadata", metadata.as_ref()),
+    ] {
+        if let Some(m) = value
+            && object_deeper_than(m, MAX_NESTING_DEPTH)
+        {
+            return Err(Rejection {
+                reason: RejectionReason::TooDeep,
+                message: Texts::too_deep(&tool_label, field, MAX_NESTING_DEPTH),
+                address,
+            });
+        }
+    }
     if known_tools.binary_search(&tool).is_err() {
         return Err(Rejection {
             reason: RejectionReason::UnknownTool,
@@ -293,6 +318,37 @@ fn read_address(obj: &Map<String, Value>) -> Option<Address> {
             .and_then(Value::as_str)
             .map(str::to_owned),
     })
+}
+
+/// Whether a JSON value nests arrays or objects more than `limit` levels deep
+/// (a scalar is level 0, `{}` and `[]` level 1). For every value stepgate
+/// stores inside records of its own (arguments, metadata, outputs, an
+/// operator's `output`): within the bound, it can always be read back.
+pub fn nested_deeper_than(v: &Value, limit: usize) -> bool {
+    deeper_than(vec![(v, 1)], limit)
+}
+
+/// Whether an object holds arrays or objects more than `limit` levels deep
+/// (the object itself is level 1).
+fn object_deeper_than(obj: &Map<String, Value>, limit: usize) -> bool {
+    limit == 0 || deeper_than(obj.values().map(|v| (v, 2)).collect(), limit)
+}
+
+/// Iterative, as depth is what it guards against: `stack` holds values with
+/// the level each container among them would be at.
+fn deeper_than(mut stack: Vec<(&Value, usize)>, limit: usize) -> bool {
+    while let Some((v, depth)) = stack.pop() {
+        let children: Box<dyn Iterator<Item = &Value>> = match v {
+            Value::Array(a) => Box::new(a.iter()),
+            Value::Object(m) => Box::new(m.values()),
+            _ => continue,
+        };
+        if depth > limit {
+            return true;
+        }
+        stack.extend(children.map(|c| (c, depth + 1)));
+    }
+    false
 }
 
 fn type_name(v: &Value) -> &'static str {
@@ -439,6 +495,71 @@ mod tests {
         assert_eq!(r.reason, RejectionReason::UnknownTool);
         assert!(r.message.contains("`search`, `send_email`"));
         assert!(r.address.is_some());
+    }
+
+    /// `{"k": {"k": … {}}}`, `levels` objects deep (the outer one included).
+    fn nested(levels: usize) -> Value {
+        let mut v = json!({});
+        for _ in 1..levels {
+            v = json!({ "k": v });
+        }
+        v
+    }
+
+    #[test]
+    fn arguments_and_metadata_deeper_than_the_limit_are_rejected() {
+        let ok = parse(
+            json!({"workflow_id": "w", "step_index": 0, "tool": "search",
+            "arguments": nested(MAX_NESTING_DEPTH), "metadata": nested(MAX_NESTING_DEPTH)}),
+        );
+        assert!(ok.is_ok(), "{ok:?}");
+        for field in ["arguments", "metadata"] {
+            let mut intent = json!({"workflow_id": "w", "step_index": 1, "tool": "search",
+                "arguments": {}, "call_id": "c"});
+            intent[field] = nested(MAX_NESTING_DEPTH + 1);
+            let r = parse(intent).unwrap_err();
+            assert_eq!(r.reason, RejectionReason::TooDeep, "{field}");
+            assert!(
+                r.message
+                    .contains(&format!("`{field}` is nested more than 64")),
+                "{}",
+                r.message
+            );
+            assert_eq!(r.address.unwrap().step.to_string(), "w#1/search@0");
+        }
+        // Arrays count as levels too.
+        let mut deep = json!([]);
+        for _ in 0..MAX_NESTING_DEPTH {
+            deep = json!([deep]);
+        }
+        let r = parse(
+            json!({"workflow_id": "w", "step_index": 0, "tool": "search",
+            "arguments": {"a": deep}}),
+        )
+        .unwrap_err();
+        assert_eq!(r.reason, RejectionReason::TooDeep);
+    }
+
+    #[test]
+    fn depth_of_any_value() {
+        assert!(!nested_deeper_than(&json!(1), 0));
+        assert!(nested_deeper_than(&json!([]), 0));
+        assert!(!nested_deeper_than(&json!([]), 1));
+        assert!(!nested_deeper_than(&nested(64), 64));
+        assert!(nested_deeper_than(&nested(65), 64));
+        assert!(nested_deeper_than(&json!([1, [2, [3]]]), 2));
+        assert!(!nested_deeper_than(&json!([1, [2, [3]]]), 3));
+    }
+
+    #[test]
+    fn beyond_serde_jsons_own_limit_is_malformed_not_a_panic() {
+        let text = format!(
+            r#"{{"workflow_id":"w","step_index":0,"tool":"search","arguments":{}}}"#,
+            format!("{}{}", "[".repeat(200_000), "]".repeat(200_000))
+        );
+        let r = parse_intent(text.as_bytes(), 1 << 20, &tools()).unwrap_err();
+        assert_eq!(r.reason, RejectionReason::MalformedJson);
+        assert!(r.message.contains("recursion limit"), "{}", r.message);
     }
 
     #[test]

@@ -26,7 +26,28 @@ pub enum KafkaSetupError {
     MissingTopic(String),
     #[error("{0}")]
     Layout(String),
+    #[error("{0}")]
+    Sizes(String),
 }
+
+/// Largest record stepgate's producers write (librdkafka `message.max.bytes`,
+/// default 1 000 000) and the `max.message.bytes` of the topics that
+/// `stepgate topics create` makes for what stepgate writes. Set explicitly: a
+/// record over the limit fails its whole transaction, and the session would
+/// meet the same input again.
+pub const MESSAGE_MAX_BYTES: usize = 4 * 1024 * 1024;
+
+/// `max.message.bytes` of the intents topic `stepgate topics create` makes:
+/// agents can publish up to this (intents over `gate.max_intent_bytes` are
+/// then rejected), and a dead-letter copy — the original key and headers plus
+/// a bounded value ([`crate::contract::DLQ_RECORD_MAX_BYTES`]) — always fits
+/// under [`MESSAGE_MAX_BYTES`].
+pub const INTENTS_MAX_MESSAGE_BYTES: usize = 2 * 1024 * 1024;
+
+/// What stepgate adds around an intent's arguments in the records it writes
+/// (step key, call ids, traceparent, timestamps, record framing), generously.
+/// A record derived from one intent is at most `gate.max_intent_bytes` plus this.
+pub const RECORD_ENVELOPE_BYTES: usize = 64 * 1024;
 
 /// The `[kafka.client]` pass-through, applied last so an operator can override
 /// any of stepgate's defaults (TLS, SASL, timeouts, …).
@@ -97,11 +118,110 @@ pub fn txn_producer_config(cfg: &KafkaConfig, transactional_id: &str) -> ClientC
         .set("enable.idempotence", "true")
         .set("acks", "all")
         .set("linger.ms", "1")
+        .set("message.max.bytes", MESSAGE_MAX_BYTES.to_string())
         .set(
             "transaction.timeout.ms",
             cfg.transaction_timeout.0.as_millis().to_string(),
         );
     with_overrides(c, cfg)
+}
+
+/// The largest record stepgate's producers may write: [`MESSAGE_MAX_BYTES`]
+/// unless `[kafka.client]` overrides `message.max.bytes`.
+pub fn producer_max_bytes(cfg: &KafkaConfig) -> Result<usize, KafkaSetupError> {
+    match cfg.client.get("message.max.bytes") {
+        None => Ok(MESSAGE_MAX_BYTES),
+        Some(v) => v.trim().parse().map_err(|_| {
+            KafkaSetupError::Sizes(format!(
+                "`kafka.client.\"message.max.bytes\"` must be a number of bytes, got `{v}`"
+            ))
+        }),
+    }
+}
+
+/// Refuse a config whose largest intent could not be written back: every
+/// record stepgate derives from an intent (the forwarded call, the step
+/// record) is up to `max_intent_bytes` + [`RECORD_ENVELOPE_BYTES`], and must
+/// fit under the producer's `message.max.bytes`.
+pub fn check_sizes(cfg: &KafkaConfig, max_intent_bytes: usize) -> Result<(), KafkaSetupError> {
+    let need = max_intent_bytes.saturating_add(RECORD_ENVELOPE_BYTES);
+    let producer = producer_max_bytes(cfg)?;
+    if need > producer {
+        return Err(KafkaSetupError::Sizes(format!(
+            "`gate.max_intent_bytes` is {max_intent_bytes}: the records stepgate writes for such an intent take up to {need} bytes (the intent + {RECORD_ENVELOPE_BYTES} of envelope), over the producer's `message.max.bytes` of {producer}. Lower `gate.max_intent_bytes` to at most {} or raise `kafka.client.\"message.max.bytes\"` (and the topics' `max.message.bytes`) to at least {need}.",
+            producer.saturating_sub(RECORD_ENVELOPE_BYTES)
+        )));
+    }
+    Ok(())
+}
+
+/// Refuse topics whose `max.message.bytes` is below what stepgate writes to
+/// them (`max_intent_bytes` + envelope; for the DLQ, a copy of the largest
+/// record the intents topic accepts). Topics that do not exist are left to
+/// [`check_layout`]; when the broker does not answer (no DescribeConfigs
+/// permission, a mock cluster), the check is skipped with a warning.
+pub async fn check_topic_sizes(
+    cfg: &KafkaConfig,
+    max_intent_bytes: usize,
+) -> Result<(), KafkaSetupError> {
+    use rdkafka::admin::ResourceSpecifier;
+    let t = &cfg.topics;
+    let admin: AdminClient<DefaultClientContext> = base_config(cfg).create()?;
+    let specs: Vec<ResourceSpecifier<'_>> = t
+        .all()
+        .iter()
+        .map(|n| ResourceSpecifier::Topic(n.as_str()))
+        .collect();
+    let opts = AdminOptions::new().request_timeout(Some(Duration::from_secs(10)));
+    let described = match admin.describe_configs(specs.iter(), &opts).await {
+        Ok(d) => d,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot read the topics' max.message.bytes: not checked");
+            return Ok(());
+        }
+    };
+    let mut limits = std::collections::BTreeMap::new();
+    for (name, r) in t.all().iter().zip(described) {
+        let limit = r.ok().and_then(|c| {
+            c.get("max.message.bytes")
+                .and_then(|e| e.value.as_deref())
+                .and_then(|v| v.parse::<usize>().ok())
+        });
+        if let Some(l) = limit {
+            limits.insert(name.to_string(), l);
+        }
+    }
+    let need = max_intent_bytes.saturating_add(RECORD_ENVELOPE_BYTES);
+    let mut problems = Vec::new();
+    for (name, limit) in &limits {
+        if *name == t.intents {
+            continue;
+        }
+        let need = if *name == t.dlq {
+            // A DLQ record keeps the original key and headers.
+            limits
+                .get(&t.intents)
+                .copied()
+                .unwrap_or(need)
+                .max(need)
+                .saturating_add(crate::contract::DLQ_RECORD_MAX_BYTES)
+        } else {
+            need
+        };
+        if *limit < need {
+            problems.push(format!(
+                "`{name}` has max.message.bytes={limit}, stepgate may write {need}"
+            ));
+        }
+    }
+    if problems.is_empty() {
+        Ok(())
+    } else {
+        Err(KafkaSetupError::Sizes(format!(
+            "records stepgate writes would not fit: {}. Raise each with `kafka-configs --alter --entity-type topics --entity-name <topic> --add-config max.message.bytes={MESSAGE_MAX_BYTES}` (what `stepgate topics create` sets), or lower `gate.max_intent_bytes` (now {max_intent_bytes}).",
+            problems.join("; ")
+        )))
+    }
 }
 
 /// The context of consumers that read partitions to their end (restore, audit,
@@ -381,6 +501,11 @@ pub async fn create_topics(
     let admin: AdminClient<DefaultClientContext> = base_config(cfg).create()?;
     let t = &cfg.topics;
     let retention_ms = retention.as_millis().max(1).to_string();
+    let (intents_max, others_max) = (
+        INTENTS_MAX_MESSAGE_BYTES.to_string(),
+        MESSAGE_MAX_BYTES.to_string(),
+    );
+    let (intents_max, others_max) = (intents_max.as_str(), others_max.as_str());
     let names = t.all();
     let topics: Vec<NewTopic> = names
         .iter()
@@ -389,6 +514,16 @@ pub async fn create_topics(
                 n,
                 cfg.partitions,
                 TopicReplication::Fixed(cfg.replication_factor),
+            );
+            // Explicit record size limits (see MESSAGE_MAX_BYTES): the
+            // broker's default (1 MiB) is below what stepgate may write.
+            let topic = topic.set(
+                "max.message.bytes",
+                if *n == &t.intents {
+                    intents_max
+                } else {
+                    others_max
+                },
             );
             if *n == &t.changelog {
                 // Latest value per key; tombstones remove purged records.
@@ -542,6 +677,8 @@ pub struct Input {
     pub offset: i64,
     pub key: Option<Vec<u8>>,
     pub payload: Option<Vec<u8>>,
+    /// Header names are bytes on the wire; a name that is not UTF-8 is kept
+    /// with its invalid bytes replaced by U+FFFD (so a DLQ copy still shows it).
     pub headers: Vec<(String, Option<Vec<u8>>)>,
     /// The record's Kafka timestamp, ms since the epoch.
     pub timestamp_ms: Option<i64>,
@@ -558,23 +695,221 @@ impl Input {
     }
 }
 
-/// Copy a consumed message out of librdkafka's buffers.
+/// Copy a consumed message out of librdkafka's buffers. Never panics, whatever
+/// the record holds.
 pub fn to_input(m: &rdkafka::message::BorrowedMessage<'_>) -> Input {
-    use rdkafka::message::{Headers, Message};
+    use rdkafka::message::Message;
     Input {
         topic: m.topic().to_owned(),
         partition: m.partition(),
         offset: m.offset(),
         key: m.key().map(<[u8]>::to_vec),
         payload: m.payload().map(<[u8]>::to_vec),
-        headers: m
-            .headers()
-            .map(|h| {
-                h.iter()
-                    .map(|hd| (hd.key.to_owned(), hd.value.map(<[u8]>::to_vec)))
-                    .collect()
-            })
-            .unwrap_or_default(),
+        headers: raw_headers(m),
         timestamp_ms: m.timestamp().to_millis(),
+    }
+}
+
+/// A message's headers, names read as bytes. rdkafka's own `Headers::iter`,
+/// `get` and `try_get` unwrap `to_str()` on every name, so one header whose
+/// name is not UTF-8 — which any producer can write — panicked the process,
+/// and again on every restart (the record is read again). So the names are
+/// read through librdkafka's C API instead.
+fn raw_headers(m: &rdkafka::message::BorrowedMessage<'_>) -> Vec<(String, Option<Vec<u8>>)> {
+    use rdkafka::bindings as rd;
+    use std::ffi::{CStr, c_void};
+    let mut hdrs: *mut rd::rd_kafka_headers_t = std::ptr::null_mut();
+    // SAFETY: `m.ptr()` is a live message for the borrow of `m`; the headers
+    // it returns are owned by the message and only read while `m` is borrowed.
+    let err = unsafe { rd::rd_kafka_message_headers(m.ptr(), &mut hdrs) };
+    if err != rd::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR || hdrs.is_null() {
+        return Vec::new();
+    }
+    // SAFETY: `hdrs` is non-null and valid while `m` is.
+    let count = unsafe { rd::rd_kafka_header_cnt(hdrs) };
+    let mut out = Vec::with_capacity(count);
+    for idx in 0..count {
+        let mut name: *const std::os::raw::c_char = std::ptr::null();
+        let mut value: *const c_void = std::ptr::null();
+        let mut size: usize = 0;
+        // SAFETY: `idx` < count; librdkafka writes pointers into the headers'
+        // own storage, valid while `m` is.
+        let err =
+            unsafe { rd::rd_kafka_header_get_all(hdrs, idx, &mut name, &mut value, &mut size) };
+        if err != rd::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR || name.is_null() {
+            continue;
+        }
+        // SAFETY: librdkafka stores names NUL-terminated.
+        let name = unsafe { CStr::from_ptr(name) }.to_bytes();
+        let value = (!value.is_null()).then(|| {
+            // SAFETY: `value` points to `size` bytes owned by the headers.
+            unsafe { std::slice::from_raw_parts(value.cast::<u8>(), size) }.to_vec()
+        });
+        out.push((String::from_utf8_lossy(name).into_owned(), value));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rdkafka::consumer::BaseConsumer;
+    use rdkafka::mocking::MockCluster;
+    use rdkafka::producer::{BaseProducer, Producer};
+    use std::ffi::c_void;
+
+    /// Produce one record with raw header names through librdkafka's C API:
+    /// rdkafka's own `OwnedHeaders` only takes `&str` names.
+    fn produce_raw(
+        producer: &BaseProducer,
+        topic: &std::ffi::CStr,
+        headers: &[(&[u8], &[u8])],
+        value: &[u8],
+    ) {
+        use rd::rd_kafka_vtype_t as V;
+        use rdkafka::bindings as rd;
+        // Names NUL-terminated, for librdkafka's `strlen`.
+        let names: Vec<Vec<u8>> = headers
+            .iter()
+            .map(|(n, _)| n.iter().copied().chain([0]).collect())
+            .collect();
+        // SAFETY: plain-old-data unions, every field written before use.
+        let mut vus: Vec<rd::rd_kafka_vu_t> = Vec::new();
+        let mut vu =
+            |vtype: V, u: rd::rd_kafka_vu_s__bindgen_ty_1| vus.push(rd::rd_kafka_vu_t { vtype, u });
+        vu(
+            V::RD_KAFKA_VTYPE_TOPIC,
+            rd::rd_kafka_vu_s__bindgen_ty_1 {
+                cstr: topic.as_ptr(),
+            },
+        );
+        vu(
+            V::RD_KAFKA_VTYPE_PARTITION,
+            rd::rd_kafka_vu_s__bindgen_ty_1 { i32_: 0 },
+        );
+        vu(
+            V::RD_KAFKA_VTYPE_VALUE,
+            rd::rd_kafka_vu_s__bindgen_ty_1 {
+                mem: rd::rd_kafka_vu_s__bindgen_ty_1__bindgen_ty_1 {
+                    ptr: value.as_ptr() as *mut c_void,
+                    size: value.len(),
+                },
+            },
+        );
+        // RD_KAFKA_MSG_F_COPY: librdkafka copies the value.
+        vu(
+            V::RD_KAFKA_VTYPE_MSGFLAGS,
+            rd::rd_kafka_vu_s__bindgen_ty_1 { i: 0x2 },
+        );
+        for (name, (_, v)) in names.iter().zip(headers) {
+            vu(
+                V::RD_KAFKA_VTYPE_HEADER,
+                rd::rd_kafka_vu_s__bindgen_ty_1 {
+                    header: rd::rd_kafka_vu_s__bindgen_ty_1__bindgen_ty_2 {
+                        name: name.as_ptr().cast(),
+                        val: v.as_ptr().cast(),
+                        size: v.len() as isize,
+                    },
+                },
+            );
+        }
+        // SAFETY: every pointer in `vus` outlives the call (librdkafka copies).
+        let err = unsafe {
+            rd::rd_kafka_produceva(producer.client().native_ptr(), vus.as_ptr(), vus.len())
+        };
+        assert!(err.is_null(), "rd_kafka_produceva failed");
+        producer.flush(Duration::from_secs(10)).unwrap();
+    }
+
+    #[test]
+    fn a_header_name_that_is_not_utf8_is_read_without_panicking() {
+        let mock = MockCluster::new(1).unwrap();
+        mock.create_topic("in", 1, 1).unwrap();
+        let producer: BaseProducer = ClientConfig::new()
+            .set("bootstrap.servers", mock.bootstrap_servers())
+            .create()
+            .unwrap();
+        produce_raw(
+            &producer,
+            c"in",
+            &[(b"\xff\xfe", b"x"), (b"traceparent", b"00-abc-01")],
+            br#"{"workflow_id":"w"}"#,
+        );
+        let consumer: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", mock.bootstrap_servers())
+            .set("group.id", "g")
+            .set("auto.offset.reset", "earliest")
+            .create()
+            .unwrap();
+        let mut tpl = rdkafka::TopicPartitionList::new();
+        tpl.add_partition_offset("in", 0, rdkafka::Offset::Beginning)
+            .unwrap();
+        consumer.assign(&tpl).unwrap();
+        drop(tpl);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let input = loop {
+            assert!(Instant::now() < deadline, "no record within 20 s");
+            match consumer.poll(Duration::from_millis(200)) {
+                Some(Ok(m)) => break to_input(&m),
+                Some(Err(e)) => panic!("{e}"),
+                None => {}
+            }
+        };
+        assert_eq!(
+            input.headers,
+            vec![
+                ("\u{fffd}\u{fffd}".to_owned(), Some(b"x".to_vec())),
+                ("traceparent".to_owned(), Some(b"00-abc-01".to_vec())),
+            ]
+        );
+        assert_eq!(input.traceparent().as_deref(), Some("00-abc-01"));
+        assert_eq!(
+            input.payload.as_deref(),
+            Some(br#"{"workflow_id":"w"}"#.as_slice())
+        );
+    }
+
+    #[test]
+    fn producers_set_message_max_bytes_and_sizes_are_checked() {
+        let mut cfg = KafkaConfig::default();
+        let p = txn_producer_config(&cfg, "t");
+        assert_eq!(
+            p.get("message.max.bytes"),
+            Some(MESSAGE_MAX_BYTES.to_string().as_str())
+        );
+        check_sizes(&cfg, 1024 * 1024).unwrap();
+        check_sizes(&cfg, MESSAGE_MAX_BYTES - RECORD_ENVELOPE_BYTES).unwrap();
+        let e = check_sizes(&cfg, MESSAGE_MAX_BYTES)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("`gate.max_intent_bytes` is 4194304"), "{e}");
+        assert!(
+            e.contains("Lower `gate.max_intent_bytes` to at most 4128768"),
+            "{e}"
+        );
+        // An operator's override is what counts.
+        cfg.client
+            .insert("message.max.bytes".into(), "1000000".into());
+        assert_eq!(
+            txn_producer_config(&cfg, "t").get("message.max.bytes"),
+            Some("1000000")
+        );
+        assert!(check_sizes(&cfg, 1024 * 1024).is_err());
+        cfg.client.insert("message.max.bytes".into(), "lots".into());
+        let e = check_sizes(&cfg, 1).unwrap_err().to_string();
+        assert!(e.contains("must be a number of bytes, got `lots`"), "{e}");
+    }
+
+    #[test]
+    fn a_dlq_copy_of_the_largest_intents_record_fits() {
+        // The original key and headers (at most the whole intents record) plus
+        // the bounded value.
+        assert!(
+            INTENTS_MAX_MESSAGE_BYTES + crate::contract::DLQ_RECORD_MAX_BYTES < MESSAGE_MAX_BYTES
+        );
+        assert!(
+            crate::config::GateConfig::default().max_intent_bytes + RECORD_ENVELOPE_BYTES
+                <= MESSAGE_MAX_BYTES
+        );
     }
 }
