@@ -904,9 +904,12 @@ mod tests {
     fn a_dlq_copy_of_the_largest_intents_record_fits() {
         // The original key and headers (at most the whole intents record) plus
         // the bounded value.
-        assert!(
-            INTENTS_MAX_MESSAGE_BYTES + crate::contract::DLQ_RECORD_MAX_BYTES < MESSAGE_MAX_BYTES
-        );
+        const {
+            assert!(
+                INTENTS_MAX_MESSAGE_BYTES + crate::contract::DLQ_RECORD_MAX_BYTES
+                    < MESSAGE_MAX_BYTES
+            )
+        };
         assert!(
             crate::config::GateConfig::default().max_intent_bytes + RECORD_ENVELOPE_BYTES
                 <= MESSAGE_MAX_BYTES
