@@ -554,8 +554,9 @@ mod tests {
     #[test]
     fn beyond_serde_jsons_own_limit_is_malformed_not_a_panic() {
         let text = format!(
-            r#"{{"workflow_id":"w","step_index":0,"tool":"search","arguments":{}}}"#,
-            format!("{}{}", "[".repeat(200_000), "]".repeat(200_000))
+            r#"{{"workflow_id":"w","step_index":0,"tool":"search","arguments":{}{}}}"#,
+            "[".repeat(200_000),
+            "]".repeat(200_000)
         );
         let r = parse_intent(text.as_bytes(), 1 << 20, &tools()).unwrap_err();
         assert_eq!(r.reason, RejectionReason::MalformedJson);
