@@ -553,9 +553,11 @@ mod tests {
 
     #[test]
     fn beyond_serde_jsons_own_limit_is_malformed_not_a_panic() {
-        let nested = format!("{}{}", "[".repeat(200_000), "]".repeat(200_000));
-        let text =
-            format!(r#"{{"workflow_id":"w","step_index":0,"tool":"search","arguments":{nested}}}"#);
+        let text = format!(
+            r#"{{"workflow_id":"w","step_index":0,"tool":"search","arguments":{}{}}}"#,
+            "[".repeat(200_000),
+            "]".repeat(200_000)
+        );
         let r = parse_intent(text.as_bytes(), 1 << 20, &tools()).unwrap_err();
         assert_eq!(r.reason, RejectionReason::MalformedJson);
         assert!(r.message.contains("recursion limit"), "{}", r.message);

@@ -49,6 +49,11 @@ pub const INTENTS_MAX_MESSAGE_BYTES: usize = 2 * 1024 * 1024;
 /// A record derived from one intent is at most `gate.max_intent_bytes` plus this.
 pub const RECORD_ENVELOPE_BYTES: usize = 64 * 1024;
 
+// A DLQ copy of the largest record `intents` accepts — its key and headers plus
+// the bounded value — fits under what stepgate writes.
+const _: () =
+    assert!(INTENTS_MAX_MESSAGE_BYTES + crate::contract::DLQ_RECORD_MAX_BYTES < MESSAGE_MAX_BYTES);
+
 /// The `[kafka.client]` pass-through, applied last so an operator can override
 /// any of stepgate's defaults (TLS, SASL, timeouts, …).
 fn with_overrides(mut c: ClientConfig, cfg: &KafkaConfig) -> ClientConfig {
@@ -901,15 +906,7 @@ mod tests {
     }
 
     #[test]
-    fn a_dlq_copy_of_the_largest_intents_record_fits() {
-        // The original key and headers (at most the whole intents record) plus
-        // the bounded value.
-        const {
-            assert!(
-                INTENTS_MAX_MESSAGE_BYTES + crate::contract::DLQ_RECORD_MAX_BYTES
-                    < MESSAGE_MAX_BYTES
-            )
-        };
+    fn the_default_largest_intent_fits() {
         assert!(
             crate::config::GateConfig::default().max_intent_bytes + RECORD_ENVELOPE_BYTES
                 <= MESSAGE_MAX_BYTES
