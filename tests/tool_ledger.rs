@@ -37,7 +37,7 @@ fn start_tool(db: &Path, addr: &str, die_before_answer: bool) -> Child {
     }
     let mut child = cmd.spawn().unwrap_or_else(|e| {
         panic!(
-            "{}: {e} (built by `cargo test --all-targets`)",
+            "{}: {e} (built as a program by `cargo test`, as deploy/local/test.sh runs it)",
             example().display()
         )
     });

@@ -14,4 +14,8 @@ fi
 
 cargo fmt --check
 cargo clippy --all-targets -- -D warnings
+# `cargo test` (default targets) builds the examples as programs, which
+# --all-targets builds only as test harnesses: tests/tool_ledger.rs runs
+# examples/ticket_tool.
+cargo test --no-run
 cargo test --all-targets
