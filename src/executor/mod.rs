@@ -15,7 +15,7 @@ use crate::telemetry::Metrics;
 use crate::tools::ToolRegistry;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 use tokio::sync::{Semaphore, mpsc};
 
 /// An invocation's outcome, in the partition of its step.
@@ -97,15 +97,6 @@ impl Invoker {
             });
         };
         tokio::spawn(tracing::Instrument::instrument(task, span));
-    }
-
-    /// Wait until no invocation runs, or `limit` passes; returns how many still run.
-    pub async fn drain(&self, limit: Duration) -> usize {
-        let until = Instant::now() + limit;
-        while self.running() > 0 && Instant::now() < until {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        self.running()
     }
 }
 

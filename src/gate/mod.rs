@@ -543,7 +543,24 @@ impl Session<'_> {
                         traceparent.as_deref(),
                     ));
                 }
-                other => records.push(self.record(&other)),
+                Out::Approval { partition, event } => records.push(OutRecord {
+                    topic: t.approvals.clone(),
+                    partition: Some(partition),
+                    key: Some(event.step.workflow_id.as_bytes().to_vec()),
+                    payload: Some(serde_json::to_vec(&event).expect("approval events serialise")),
+                    headers: Vec::new(),
+                }),
+                Out::Dlq {
+                    key,
+                    headers,
+                    record,
+                } => records.push(OutRecord {
+                    topic: t.dlq.clone(),
+                    partition: None,
+                    key,
+                    payload: Some(serde_json::to_vec(&record).expect("DLQ records serialise")),
+                    headers,
+                }),
             }
         }
         for f in &pending.orphans {
@@ -701,33 +718,6 @@ impl Session<'_> {
             self.land(core, f).await?;
         }
         Ok(())
-    }
-
-    fn record(&self, out: &Out) -> OutRecord {
-        let t = &self.config.kafka.topics;
-        match out {
-            Out::Invoke { .. } | Out::Result { .. } => {
-                unreachable!("invocations and results are taken apart in send")
-            }
-            Out::Approval { partition, event } => OutRecord {
-                topic: t.approvals.clone(),
-                partition: Some(*partition),
-                key: Some(event.step.workflow_id.as_bytes().to_vec()),
-                payload: Some(serde_json::to_vec(event).expect("approval events serialise")),
-                headers: Vec::new(),
-            },
-            Out::Dlq {
-                key,
-                headers,
-                record,
-            } => OutRecord {
-                topic: t.dlq.clone(),
-                partition: None,
-                key: key.clone(),
-                payload: Some(serde_json::to_vec(record).expect("DLQ records serialise")),
-                headers: headers.clone(),
-            },
-        }
     }
 }
 
