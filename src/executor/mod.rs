@@ -23,6 +23,8 @@ use tokio::sync::{Semaphore, mpsc};
 pub struct Finished {
     pub partition: i32,
     pub progress: Progress,
+    /// From the hand-over to the outcome (a wait for a pool slot included).
+    pub took: std::time::Duration,
 }
 
 /// Starts invocations; their outcomes arrive on the receiver [`Invoker::new`]
@@ -75,6 +77,7 @@ impl Invoker {
             dispatch = call.dispatch,
             traceparent = call.traceparent.as_deref().unwrap_or("")
         );
+        let handed = Instant::now();
         let task = async move {
             // The pool is never closed, so acquiring only waits.
             let _slot = pool.acquire_owned().await;
@@ -94,6 +97,7 @@ impl Invoker {
             let _ = tx.send(Finished {
                 partition,
                 progress,
+                took: handed.elapsed(),
             });
         };
         tokio::spawn(tracing::Instrument::instrument(task, span));

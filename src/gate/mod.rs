@@ -93,6 +93,7 @@ pub async fn run(
             assigned: BTreeSet::new(),
             ever_assigned: false,
             backlog: std::mem::take(&mut carry),
+            linger: Linger::default(),
         };
         let result = session.run(&mut core, &mut outcomes, &shutdown).await;
         carry.append(&mut session.backlog);
@@ -126,6 +127,63 @@ struct Session<'a> {
     ever_assigned: bool,
     /// Outcomes waiting for the session to know its partitions.
     backlog: Vec<Finished>,
+    linger: Linger,
+}
+
+/// Whether the next batch waits a little for the outcomes of calls just started.
+///
+/// A batch closes when the previous commit returns — which is also when the
+/// calls it recorded start. A fast tool's outcome then arrives a moment after
+/// the next batch closed and waits out that whole commit before its own. When
+/// calls have lately taken well under half a commit, the next batch waits (at
+/// most 1.5× their recent duration) for the calls just started, and their
+/// outcomes ride in it: one commit less of latency for the cost of a short wait.
+/// Slow tools (or a flood, where calls queue for the pool) make it wait for nothing.
+#[derive(Default)]
+struct Linger {
+    /// Moving averages: hand-over → outcome, and a batch's commit.
+    call: Duration,
+    commit: Duration,
+    /// Calls started by the last landed batch and not yet finished, and until when to wait for them.
+    outstanding: usize,
+    until: Option<tokio::time::Instant>,
+}
+
+impl Linger {
+    fn ewma(avg: &mut Duration, sample: Duration) {
+        *avg = if avg.is_zero() {
+            sample
+        } else {
+            (*avg * 7 + sample) / 8
+        };
+    }
+
+    fn landed(&mut self, calls: usize, commit: Duration) {
+        Self::ewma(&mut self.commit, commit);
+        let wait = self.call * 3 / 2;
+        if calls > 0 && !self.call.is_zero() && wait < self.commit / 2 {
+            self.outstanding = calls;
+            self.until = Some(tokio::time::Instant::now() + wait);
+        } else {
+            self.until = None;
+        }
+    }
+
+    fn finished(&mut self, took: Duration) {
+        Self::ewma(&mut self.call, took);
+        self.outstanding = self.outstanding.saturating_sub(1);
+        if self.outstanding == 0 {
+            self.until = None;
+        }
+    }
+
+    /// The deadline while the next batch should wait.
+    fn waiting(&mut self) -> Option<tokio::time::Instant> {
+        if self.until.is_some_and(|t| t <= tokio::time::Instant::now()) {
+            self.until = None;
+        }
+        self.until
+    }
 }
 
 /// What one batch has gathered.
@@ -159,6 +217,40 @@ impl Pending {
     }
 }
 
+/// The gate's transactional producers, used in turn: one batch's commit returns
+/// before the broker has written its transaction markers, and a transactional
+/// producer's next transaction is refused (`CONCURRENT_TRANSACTIONS`, retried by
+/// librdkafka after 20 ms) until they are written. With two, back-to-back
+/// batches never wait for that: each producer's previous transaction has had a
+/// whole commit to complete. Both ids derive from the instance, so a restarted
+/// instance fences its predecessor's; the group metadata sent with the offsets
+/// fences a zombie member (KIP-447) whichever producer it uses.
+struct Producers {
+    all: [FutureProducer; 2],
+    turn: usize,
+}
+
+impl Producers {
+    async fn init(k: &crate::config::KafkaConfig) -> Result<Producers, GateError> {
+        let id = format!("{}-gate-{}", k.gate_group, k.instance_id);
+        let id_b = format!("{id}-b");
+        let (a, b) = tokio::try_join!(
+            kafka::init_txn_producer(k, &id),
+            kafka::init_txn_producer(k, &id_b),
+        )?;
+        Ok(Producers {
+            all: [a, b],
+            turn: 0,
+        })
+    }
+
+    /// The producer of the next batch.
+    fn next(&mut self) -> FutureProducer {
+        self.turn = (self.turn + 1) % self.all.len();
+        self.all[self.turn].clone()
+    }
+}
+
 /// A batch whose transaction is being committed.
 struct InFlight {
     task: JoinHandle<Result<BTreeMap<i32, i64>, GateError>>,
@@ -184,9 +276,7 @@ impl Session<'_> {
             kafka::txn_consumer_config(k, &k.gate_group, &format!("{}-gate", k.instance_id))
                 .create_with_context(ctx)?,
         );
-        let producer =
-            kafka::init_txn_producer(k, &format!("{}-gate-{}", k.gate_group, k.instance_id))
-                .await?;
+        let mut producer = Producers::init(k).await?;
         consumer.subscribe(&[&k.topics.intents, &k.topics.progress, &k.topics.commands])?;
         info!(intents = %k.topics.intents, progress = %k.topics.progress, commands = %k.topics.commands, "gate consuming");
 
@@ -196,7 +286,7 @@ impl Session<'_> {
             .serve(
                 core,
                 &consumer,
-                &producer,
+                &mut producer,
                 &mut events,
                 outcomes,
                 &mut pending,
@@ -212,7 +302,7 @@ impl Session<'_> {
         };
         let result = match (result, landed) {
             (Ok(()), Ok(())) => {
-                self.shut_down(core, &consumer, &producer, outcomes, pending)
+                self.shut_down(core, &consumer, &mut producer, outcomes, pending)
                     .await
             }
             (Err(e), _) | (Ok(()), Err(e)) => {
@@ -230,7 +320,7 @@ impl Session<'_> {
         &mut self,
         core: &mut GateCore,
         consumer: &Arc<TxnConsumer>,
-        producer: &FutureProducer,
+        producer: &mut Producers,
         events: &mut mpsc::UnboundedReceiver<RebalanceEvent>,
         outcomes: &mut mpsc::UnboundedReceiver<Finished>,
         pending: &mut Pending,
@@ -249,6 +339,7 @@ impl Session<'_> {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let max_batch = self.config.gate.max_batch;
         loop {
+            let linger = self.linger.waiting();
             let step = tokio::select! {
                 biased;
                 _ = shutdown.cancelled() => return Ok(()),
@@ -256,6 +347,7 @@ impl Session<'_> {
                 done = wait_commit(in_flight) => Step::Committed(done.map_err(GateError::from).and_then(|r| r)),
                 Some(f) = outcomes.recv() => Step::Outcome(f),
                 _ = tick.tick() => Step::Tick,
+                _ = tokio::time::sleep_until(linger.unwrap_or_else(tokio::time::Instant::now)), if linger.is_some() => Step::Lingered,
                 msg = consumer.recv(), if pending.inputs < max_batch => {
                     Step::Input(msg.map(|m| kafka::to_input(&m)))
                 }
@@ -282,6 +374,7 @@ impl Session<'_> {
                     self.landed(core, f, r)?;
                 }
                 Step::Outcome(f) => self.on_finished(core, consumer, pending, f).await?,
+                Step::Lingered => {}
                 Step::Tick => {
                     // A member left without partitions for this long (e.g.
                     // fenced while the broker restarted) starts over.
@@ -333,8 +426,12 @@ impl Session<'_> {
             for (p, call) in core.take_immediate() {
                 self.invoker.start(p, call);
             }
-            // Group commit: a batch closes when the previous commit returns.
-            if in_flight.is_none() && (!pending.is_empty() || core.has_outs()) {
+            // Group commit: a batch closes when the previous commit returns
+            // (and the outcomes worth waiting for are in).
+            if in_flight.is_none()
+                && (!pending.is_empty() || core.has_outs())
+                && self.linger.waiting().is_none()
+            {
                 let closing = std::mem::replace(pending, Pending::on_top_of(None));
                 let f = self.send(core, consumer, producer, closing)?;
                 *pending = Pending::on_top_of(Some(f.batch.clone()));
@@ -383,6 +480,7 @@ impl Session<'_> {
         f: Finished,
     ) -> Result<(), GateError> {
         let p = f.partition;
+        self.linger.finished(f.took);
         core.finished(p, &f.progress.step, f.progress.dispatch);
         let fast = f.progress.fast_ref.is_some();
         if self.assigned.contains(&p) {
@@ -511,7 +609,7 @@ impl Session<'_> {
         &mut self,
         core: &mut GateCore,
         consumer: &Arc<TxnConsumer>,
-        producer: &FutureProducer,
+        producer: &mut Producers,
         mut pending: Pending,
     ) -> Result<InFlight, GateError> {
         let started = Instant::now();
@@ -598,16 +696,30 @@ impl Session<'_> {
         }
         let batch = Arc::new(pending.batch);
         let changelog = t.changelog.clone();
-        let (producer, consumer) = (producer.clone(), consumer.clone());
+        let (producer, consumer) = (producer.next(), consumer.clone());
         let task = tokio::spawn(async move {
             producer.begin_transaction()?;
             let sent = async {
-                let landed = kafka::send_all(&producer, &records).await?;
-                if tpl.count() > 0 {
-                    kafka::send_offsets(&producer, &consumer, tpl).await?;
-                }
+                let t0 = Instant::now();
+                // The offsets go to the transaction while its records are in
+                // flight: neither waits for the other.
+                let (landed, offsets) = tokio::join!(kafka::send_all(&producer, &records), async {
+                    if tpl.count() > 0 {
+                        kafka::send_offsets(&producer, &consumer, tpl).await
+                    } else {
+                        Ok(())
+                    }
+                });
+                let (landed, ()) = (landed?, offsets?);
+                let t1 = Instant::now();
                 crash_point::before_commit();
                 kafka::commit_txn(&producer).await?;
+                tracing::debug!(
+                    records = records.len(),
+                    send_us = (t1 - t0).as_micros() as u64,
+                    commit_us = t1.elapsed().as_micros() as u64,
+                    "batch committed"
+                );
                 // Where the changelog records landed: the local state will
                 // reflect each partition's changelog up to there.
                 let mut next = BTreeMap::new();
@@ -667,6 +779,7 @@ impl Session<'_> {
                 o.committed = committed;
             }
         }
+        self.linger.landed(f.invokes.len(), f.started.elapsed());
         for (p, call) in f.invokes {
             core.invoked(p, &call);
             self.invoker.start(p, call);
@@ -688,7 +801,7 @@ impl Session<'_> {
         &mut self,
         core: &mut GateCore,
         consumer: &Arc<TxnConsumer>,
-        producer: &FutureProducer,
+        producer: &mut Producers,
         outcomes: &mut mpsc::UnboundedReceiver<Finished>,
         pending: Pending,
     ) -> Result<(), GateError> {
@@ -726,6 +839,8 @@ enum Step {
     Rebalance(RebalanceEvent),
     Committed(Result<BTreeMap<i32, i64>, GateError>),
     Outcome(Finished),
+    /// The wait for the calls a batch started is over.
+    Lingered,
     Tick,
     Input(Result<Input, KafkaError>),
 }

@@ -22,10 +22,12 @@ use std::time::Duration;
 use thiserror::Error;
 use tokio::sync::{Semaphore, SemaphorePermit};
 
-/// Idle connections kept per tool host (scheme, host and port). Enough to reuse
-/// connections under a steady load of `executor.concurrency` (default 64) calls
-/// spread over a few hosts, while bounding the sockets a burst leaves open.
-const POOL_MAX_IDLE_PER_HOST: usize = 32;
+/// Idle connections kept per tool host (scheme, host and port): as many as
+/// calls can run at once (`executor.concurrency`), so a steady load reuses its
+/// connections — with fewer, every call beyond them opened and closed a TCP
+/// connection, which cost more CPU than the rest of the hot path — and at most
+/// this many, so the sockets a burst leaves open stay bounded.
+const POOL_MAX_IDLE_PER_HOST_CAP: usize = 1024;
 /// How long an idle connection is kept for reuse. Below the 5 s keep-alive
 /// timeout of Node.js, uvicorn, hypercorn and Apache: a request written to a
 /// connection the server is closing at that moment fails after it was sent,
@@ -79,7 +81,12 @@ impl ToolRegistry {
             // address; a 302/303 would turn into a GET whose answer looks like
             // the tool's output. The tool at the configured URL answers, or no one.
             .redirect(reqwest::redirect::Policy::none())
-            .pool_max_idle_per_host(POOL_MAX_IDLE_PER_HOST)
+            .pool_max_idle_per_host(
+                config
+                    .executor
+                    .concurrency
+                    .clamp(1, POOL_MAX_IDLE_PER_HOST_CAP),
+            )
             .pool_idle_timeout(POOL_IDLE_TIMEOUT)
             .tcp_keepalive(TCP_KEEPALIVE)
             .build()

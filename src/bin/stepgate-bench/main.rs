@@ -712,9 +712,18 @@ async fn measure(
     let (a, p) = (agent.clone(), paced.clone());
     let rate = opts.rate;
     let publish = tokio::task::spawn_blocking(move || a.publish(&p, nf, Some(rate)));
+    let paced_t0 = Instant::now();
     let paced_end = wait_answers(&agent, &watch, nf..nf + np, &mut d.proc, bench.stall()).await;
     publish.await??;
     paced_end?;
+    let gate_paced = match (&d.stepgate, &gate) {
+        (Some(s), Some(before)) => s.metrics().await.map(|m| {
+            GateFigures::from_metrics(&m)
+                .since(before)
+                .with_wall(paced_t0.elapsed().as_secs_f64())
+        }),
+        _ => None,
+    };
     // Late duplicates (at-least-once redeliveries) still arrive briefly.
     tokio::time::sleep(Duration::from_millis(500)).await;
     let (rss, rss_peak) = d.proc.rss_mib();
@@ -754,6 +763,7 @@ async fn measure(
         tool_invocations: tool.clone(),
         records_per_intent: records,
         gate: gate.map(|g| g.with_wall(flood_s)),
+        gate_paced,
         problems: Vec::new(),
         verdict,
     };

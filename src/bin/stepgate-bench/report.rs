@@ -43,6 +43,8 @@ pub struct Row {
     /// Kafka records written per flood intent, by topic (transaction markers included).
     pub records_per_intent: BTreeMap<String, f64>,
     pub gate: Option<GateFigures>,
+    /// The same for the paced phase.
+    pub gate_paced: Option<GateFigures>,
     pub verdict: Verdict,
     pub problems: Vec<String>,
 }
@@ -272,6 +274,8 @@ pub struct GateFigures {
     pub repeats: f64,
     pub rephrased: f64,
     pub answer_latency_mean_ms: f64,
+    answers: f64,
+    answer_s: f64,
     /// Share of the flood's wall time the gate spent committing batches.
     pub commit_share: f64,
 }
@@ -289,6 +293,27 @@ impl GateFigures {
             rephrased: m.sum("stepgate_rephrased_retries_total"),
             answer_latency_mean_ms: m.sum("stepgate_answer_latency_seconds_sum") * 1000.0
                 / answers.max(1.0),
+            answers,
+            answer_s: m.sum("stepgate_answer_latency_seconds_sum"),
+            commit_share: 0.0,
+        }
+    }
+
+    /// What happened between an earlier scrape and this one.
+    pub fn since(&self, earlier: &GateFigures) -> GateFigures {
+        let answers = self.answers - earlier.answers;
+        let answer_s = self.answer_s - earlier.answer_s;
+        GateFigures {
+            batches: self.batches - earlier.batches,
+            commit_s: self.commit_s - earlier.commit_s,
+            invocations: self.invocations - earlier.invocations,
+            tool_s: self.tool_s - earlier.tool_s,
+            intents_received: self.intents_received - earlier.intents_received,
+            repeats: self.repeats - earlier.repeats,
+            rephrased: self.rephrased - earlier.rephrased,
+            answer_latency_mean_ms: answer_s * 1000.0 / answers.max(1.0),
+            answers,
+            answer_s,
             commit_share: 0.0,
         }
     }
@@ -513,6 +538,19 @@ impl Report {
                     g.intents_received,
                     g.repeats,
                     g.rephrased,
+                    g.invocations,
+                    g.tool_s * 1000.0 / g.invocations.max(1.0),
+                    g.batches,
+                    g.commit_s * 1000.0 / g.batches.max(1.0),
+                    g.commit_share * 100.0,
+                    g.answer_latency_mean_ms
+                );
+            }
+            if let Some(g) = &sg.gate_paced {
+                let _ = writeln!(
+                    o,
+                    "\nstepgate's /metrics for the paced phase: {} intents received, {} tool invocations (mean {:.2} ms), {} gate batches, mean commit {:.1} ms = {:.0}% of the phase's wall time; mean answer latency {:.0} ms.",
+                    g.intents_received,
                     g.invocations,
                     g.tool_s * 1000.0 / g.invocations.max(1.0),
                     g.batches,

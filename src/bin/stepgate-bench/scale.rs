@@ -199,6 +199,7 @@ async fn one(bench: &Bench, opts: &ScaleOpts, n: usize) -> anyhow::Result<ScaleR
         tool_invocations: Default::default(),
         records_per_intent: Default::default(),
         gate: None,
+        gate_paced: None,
         verdict: agent.verdict(0..specs.len()),
         problems: Vec::new(),
     };
