@@ -6,6 +6,7 @@
 //! (in-process, gate → invoker).
 //! Partition ownership: [`partition_for`], the one canonical partitioner.
 
+pub mod codec;
 mod operator;
 mod partition;
 mod texts;

@@ -594,7 +594,7 @@ impl GateCore {
         now_ms: i64,
     ) -> Result<(), StateError> {
         let payload = input.payload.as_deref().unwrap_or_default();
-        let progress: Progress = match serde_json::from_slice(payload) {
+        let progress: Progress = match crate::contract::codec::decode(payload) {
             Ok(pr) => pr,
             Err(e) => {
                 // Only stepgate writes this topic; keep the evidence and go on.

@@ -864,7 +864,7 @@ fn progress_record(topic: &str, partition: i32, p: &Progress) -> OutRecord {
         topic: topic.to_owned(),
         partition: Some(partition),
         key: Some(p.step.workflow_id.as_bytes().to_vec()),
-        payload: Some(serde_json::to_vec(p).expect("progress records serialise")),
+        payload: Some(crate::contract::codec::encode(p)),
         headers: Vec::new(),
     }
 }

@@ -23,7 +23,7 @@ mod record;
 
 pub use record::{FastEntry, OperatorEntry, Phase, RephrasedCall, StepRecord, Waiter, WorkflowEnd};
 
-use crate::contract::StepKey;
+use crate::contract::{StepKey, codec};
 use rocksdb::{
     ColumnFamilyDescriptor, DB, Direction, IteratorMode, Options, WriteBatch, WriteOptions,
 };
@@ -39,7 +39,7 @@ pub enum StateError {
     #[error("corrupt state record under {cf}")]
     Corrupt {
         cf: &'static str,
-        source: serde_json::Error,
+        source: crate::contract::codec::DecodeError,
     },
 }
 
@@ -225,9 +225,9 @@ impl StateStore {
         for (key, value) in self.scan_prefix(Cf::Deadlines, &partition.to_be_bytes())? {
             let step = decode_step_key(&key).ok_or(StateError::Corrupt {
                 cf: "deadlines",
-                source: serde::de::Error::custom("bad step key"),
+                source: crate::contract::codec::DecodeError::Empty,
             })?;
-            out.push((step, decode::<i64>(Cf::Deadlines, &value)?));
+            out.push((step, decode_deadline(&value)?));
         }
         Ok(out)
     }
@@ -432,6 +432,9 @@ type Writes = HashMap<(Cf, Vec<u8>), Option<Vec<u8>>>;
 #[derive(Default)]
 pub struct Batch {
     writes: Writes,
+    /// The step records among `writes`, decoded (None: deleted): a step written
+    /// in this batch or the one below is read without decoding it again.
+    steps: HashMap<Vec<u8>, Option<StepRecord>>,
     /// The writes of the batch committing while this one gathers.
     below: Option<std::sync::Arc<Batch>>,
 }
@@ -441,6 +444,7 @@ impl Batch {
     pub fn on_top_of(below: Option<std::sync::Arc<Batch>>) -> Batch {
         Batch {
             writes: Writes::new(),
+            steps: HashMap::new(),
             below,
         }
     }
@@ -472,12 +476,40 @@ impl Batch {
         partition: i32,
         step: &StepKey,
     ) -> Result<Option<StepRecord>, StateError> {
-        self.get(store, Cf::Steps, step_key_bytes(partition, step))?
+        let key = step_key_bytes(partition, step);
+        if let Some(r) = self.written_step(&key) {
+            return Ok(r.clone());
+        }
+        store
+            .get_raw(Cf::Steps, &key)?
             .map(|b| decode(Cf::Steps, &b))
             .transpose()
     }
 
-    /// Write a step record, keeping the deadline and expiry indexes in line.
+    /// A step record this batch or the one below wrote (Some(None): deleted).
+    fn written_step(&self, key: &[u8]) -> Option<&Option<StepRecord>> {
+        self.steps
+            .get(key)
+            .or_else(|| self.below.as_ref().and_then(|b| b.steps.get(key)))
+    }
+
+    /// The index fields of a step's current record (None: no record).
+    fn current_index(&self, store: &StateStore, key: &[u8]) -> Result<Option<Indexed>, StateError> {
+        if let Some(r) = self.written_step(key) {
+            return Ok(r.as_ref().map(|r| Indexed {
+                phase: r.phase,
+                deadline_ms: r.deadline_ms,
+                expires_at_ms: r.expires_at_ms,
+            }));
+        }
+        store
+            .get_raw(Cf::Steps, key)?
+            .map(|b| decode::<Indexed>(Cf::Steps, &b))
+            .transpose()
+    }
+
+    /// Write a step record, keeping the deadline and expiry indexes in line
+    /// (an index entry that does not change is not written again).
     pub fn put_step(
         &mut self,
         store: &StateStore,
@@ -485,24 +517,25 @@ impl Batch {
         record: &StepRecord,
     ) -> Result<(), StateError> {
         let key = step_key_bytes(partition, &record.step);
-        if let Some(old) = self.step(store, partition, &record.step)?
-            && old.expires_at_ms != record.expires_at_ms
-        {
-            self.writes
-                .insert((Cf::Expiry, expiry_key(&key, old.expires_at_ms)), None);
+        let old = self.current_index(store, &key)?;
+        let old_expiry = old.as_ref().map(|o| o.expires_at_ms);
+        if old_expiry != Some(record.expires_at_ms) {
+            if let Some(e) = old_expiry {
+                self.writes.insert((Cf::Expiry, expiry_key(&key, e)), None);
+            }
+            self.writes.insert(
+                (Cf::Expiry, expiry_key(&key, record.expires_at_ms)),
+                Some(Vec::new()),
+            );
         }
-        self.writes.insert(
-            (Cf::Expiry, expiry_key(&key, record.expires_at_ms)),
-            Some(Vec::new()),
-        );
-        self.writes.insert(
-            (Cf::Deadlines, key.clone()),
-            deadline_of(record.phase, record.deadline_ms).map(encode_deadline),
-        );
-        self.writes.insert(
-            (Cf::Steps, key),
-            Some(serde_json::to_vec(record).expect("records serialise")),
-        );
+        let deadline = deadline_of(record.phase, record.deadline_ms);
+        if old.and_then(|o| deadline_of(o.phase, o.deadline_ms)) != deadline {
+            self.writes
+                .insert((Cf::Deadlines, key.clone()), deadline.map(encode_deadline));
+        }
+        self.writes
+            .insert((Cf::Steps, key.clone()), Some(codec::encode(record)));
+        self.steps.insert(key, Some(record.clone()));
         Ok(())
     }
 
@@ -514,12 +547,13 @@ impl Batch {
         step: &StepKey,
     ) -> Result<(), StateError> {
         let key = step_key_bytes(partition, step);
-        if let Some(old) = self.step(store, partition, step)? {
+        if let Some(old) = self.current_index(store, &key)? {
             self.writes
                 .insert((Cf::Expiry, expiry_key(&key, old.expires_at_ms)), None);
         }
         self.writes.insert((Cf::Deadlines, key.clone()), None);
-        self.writes.insert((Cf::Steps, key), None);
+        self.writes.insert((Cf::Steps, key.clone()), None);
+        self.steps.insert(key, None);
         Ok(())
     }
 
@@ -548,7 +582,7 @@ impl Batch {
                 Cf::Workflows,
                 workflow_key(partition, &end.step.workflow_id),
             ),
-            Some(serde_json::to_vec(end).expect("workflow ends serialise")),
+            Some(codec::encode(end)),
         );
     }
 
@@ -624,12 +658,25 @@ fn deadline_of(phase: Phase, deadline_ms: Option<i64>) -> Option<i64> {
     }
 }
 
+/// A deadline in the (local-only) deadlines index: 8 bytes, big endian.
 fn encode_deadline(d: i64) -> Vec<u8> {
-    serde_json::to_vec(&d).expect("i64 serialises")
+    d.to_be_bytes().to_vec()
+}
+
+/// Earlier versions wrote the deadline as a JSON number (13 digits for any
+/// date in this millennium, so never 8 bytes long).
+fn decode_deadline(bytes: &[u8]) -> Result<i64, StateError> {
+    match <[u8; 8]>::try_from(bytes) {
+        Ok(b) => Ok(i64::from_be_bytes(b)),
+        Err(_) => serde_json::from_slice(bytes).map_err(|e| StateError::Corrupt {
+            cf: Cf::Deadlines.name(),
+            source: e.into(),
+        }),
+    }
 }
 
 fn decode<T: serde::de::DeserializeOwned>(cf: Cf, bytes: &[u8]) -> Result<T, StateError> {
-    serde_json::from_slice(bytes).map_err(|source| StateError::Corrupt {
+    codec::decode(bytes).map_err(|source| StateError::Corrupt {
         cf: cf.name(),
         source,
     })

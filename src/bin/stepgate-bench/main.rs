@@ -825,8 +825,14 @@ async fn wait_answers(
 struct Perf(std::process::Child);
 
 fn start_perf(path: &Path, pid: u32) -> anyhow::Result<Perf> {
-    let child = Command::new("perf")
-        .args(["record", "-F", "499", "-o"])
+    // PERF_CALL_GRAPH=1: with call stacks (DWARF unwinding: large files, more overhead).
+    let mut cmd = Command::new("perf");
+    cmd.args(["record", "-F", "499"]);
+    if std::env::var("PERF_CALL_GRAPH").is_ok_and(|v| v == "1") {
+        cmd.args(["--call-graph", "dwarf,32768"]);
+    }
+    let child = cmd
+        .arg("-o")
         .arg(path)
         .args(["-p", &pid.to_string()])
         .stdout(std::process::Stdio::null())
