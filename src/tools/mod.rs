@@ -304,10 +304,13 @@ impl ToolRegistry {
         }
         if status.is_client_error() {
             let body = read_prefix(&mut resp, ERROR_BODY_PREFIX).await;
+            // A refusal often quotes the credential it refused ("invalid API
+            // key …"); the excerpt goes to a model and into Kafka records.
+            let excerpt = without_secrets(&String::from_utf8_lossy(&body), extra_headers);
             return Try::Done(Outcome::Error {
                 error: ErrorBody {
                     kind: "tool_refused".into(),
-                    message: Texts::tool_refused(&step.tool, code, &String::from_utf8_lossy(&body)),
+                    message: Texts::tool_refused(&step.tool, code, &excerpt),
                 },
             });
         }
@@ -330,6 +333,23 @@ fn tool_headers(tool: &ToolConfig) -> Result<HeaderMap, String> {
         map.insert(name_ok, value);
     }
     Ok(map)
+}
+
+/// `text` with every configured header value replaced by `<redacted>`: the
+/// whole value, and each of its words of 8 characters or more (the token of
+/// `Bearer <token>`).
+fn without_secrets(text: &str, secrets: &HeaderMap) -> String {
+    let mut out = text.to_owned();
+    for value in secrets.values().filter_map(|v| v.to_str().ok()) {
+        for secret in
+            std::iter::once(value).chain(value.split_whitespace().filter(|w| w.len() >= 8))
+        {
+            if !secret.is_empty() && out.contains(secret) {
+                out = out.replace(secret, crate::config::REDACTED);
+            }
+        }
+    }
+    out
 }
 
 /// Put `value` at a dotted path of `body`, creating objects on the way (a

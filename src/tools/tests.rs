@@ -722,3 +722,41 @@ async fn an_invalid_traceparent_is_dropped_and_the_call_still_runs() {
         assert!(h.get("traceparent").is_none(), "{bad:?} was sent");
     }
 }
+
+#[tokio::test]
+async fn a_refusal_quoting_the_credential_does_not_pass_it_on() {
+    let addr = serve(|_| {
+        Router::new().route(
+            "/r",
+            post(|headers: HeaderMap| async move {
+                let auth = headers["authorization"].to_str().unwrap().to_owned();
+                let token = auth.trim_start_matches("Bearer ").to_owned();
+                (
+                    StatusCode::UNAUTHORIZED,
+                    format!("invalid credentials `{auth}` (token {token})"),
+                )
+            }),
+        )
+    })
+    .await;
+    let mut cfg = Config::from_toml_str(
+        &format!(
+            "[tools.t]\ncategory = \"keyed\"\nurl = \"http://{addr}/r\"\nheaders = {{ Authorization = \"env:T\" }}\n"
+        ),
+        Vec::new(),
+    )
+    .unwrap();
+    cfg.resolve_tool_headers(|_| Some("Bearer hunter2-token".into()))
+        .unwrap();
+    let o = ToolRegistry::new(&cfg).invoke(&call()).await;
+    let Outcome::Error { error } = o else {
+        panic!("{o:?}")
+    };
+    assert_eq!(error.kind, "tool_refused");
+    assert!(!error.message.contains("hunter2"), "{}", error.message);
+    assert!(
+        error.message.contains("invalid credentials"),
+        "{}",
+        error.message
+    );
+}
