@@ -1088,24 +1088,27 @@ pub fn redact_url(s: &str) -> String {
     url.to_string()
 }
 
+/// librdkafka properties with the secret ones ([`is_secret_property`])
+/// replaced by [`REDACTED`] and credentials in the others' URLs redacted.
+pub fn redact_client_properties(props: &BTreeMap<String, String>) -> BTreeMap<String, String> {
+    props
+        .iter()
+        .map(|(k, v)| {
+            let v = if is_secret_property(k) {
+                REDACTED.to_owned()
+            } else {
+                redact_url(v)
+            };
+            (k.clone(), v)
+        })
+        .collect()
+}
+
 impl KafkaConfig {
-    /// Secret `[kafka.client]` properties replaced by [`REDACTED`], credentials
-    /// in the others' URLs redacted.
+    /// The `[kafka.client]` pass-through redacted ([`redact_client_properties`]).
     pub fn redacted(&self) -> KafkaConfig {
-        let client = self
-            .client
-            .iter()
-            .map(|(k, v)| {
-                let v = if is_secret_property(k) {
-                    REDACTED.to_owned()
-                } else {
-                    redact_url(v)
-                };
-                (k.clone(), v)
-            })
-            .collect();
         KafkaConfig {
-            client,
+            client: redact_client_properties(&self.client),
             ..self.clone()
         }
     }
