@@ -1,6 +1,6 @@
 //! Running stepgate: the roles of one process, its HTTP endpoints, and shutdown.
 
-use crate::config::Config;
+use crate::config::{Config, ConfigError};
 use crate::gate;
 use crate::kafka::{self, KafkaSetupError};
 use crate::state::{StateError, StateStore};
@@ -25,6 +25,8 @@ pub enum Role {
 
 #[derive(Debug, Error)]
 pub enum AppError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
     #[error(transparent)]
     Setup(#[from] KafkaSetupError),
     #[error("cannot open the state at {path}")]
@@ -79,6 +81,10 @@ pub async fn start(
     role: Role,
     shutdown: CancellationToken,
 ) -> Result<Running, AppError> {
+    let mut config = config;
+    // Tool headers (credentials) are read once, here, from the environment or
+    // their files; a missing one stops the start, naming tool and header.
+    config.resolve_tool_headers(|var| std::env::var(var).ok())?;
     let config = Arc::new(config);
     let k = config.kafka.clone();
     if role == Role::Executor {
@@ -92,7 +98,8 @@ pub async fn start(
             "config key is deprecated and ignored (see README, Upgrading)"
         );
     }
-    let metrics = Arc::new(Metrics::new());
+    // The `tool` label takes only configured names (bounded cardinality).
+    let metrics = Arc::new(Metrics::with_tools(config.tool_names()));
     let health = Arc::new(Health::new());
     let http_addr = if config.http.listen.is_empty() {
         None
@@ -141,4 +148,26 @@ pub async fn start(
 /// [`start`], then wait until `shutdown` (or a failure).
 pub async fn run(config: Config, role: Role, shutdown: CancellationToken) -> Result<(), AppError> {
     start(config, role, shutdown).await?.wait().await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_tool_header_whose_variable_is_missing_stops_the_start() {
+        let config = Config::from_toml_str(
+            "[kafka]\nbrokers = \"127.0.0.1:1\"\n[tools.pay]\ncategory = \"keyed\"\nurl = \"http://127.0.0.1:1/pay\"\n\
+             headers = { Authorization = \"env:STEPGATE_TEST_NEVER_SET_5F2A\" }\n",
+            std::iter::empty(),
+        )
+        .unwrap();
+        // Before any Kafka call: the broker address leads nowhere.
+        let e = match start(config, Role::All, CancellationToken::new()).await {
+            Err(e) => e.to_string(),
+            Ok(_) => panic!("started without the tool's credentials"),
+        };
+        assert!(e.contains("tools.pay.headers.Authorization"), "{e}");
+        assert!(e.contains("STEPGATE_TEST_NEVER_SET_5F2A"), "{e}");
+    }
 }

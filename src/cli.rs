@@ -273,60 +273,15 @@ pub enum AuditFormat {
     Html,
 }
 
-/// What a redacted secret is printed as.
-pub const REDACTED: &str = "<redacted>";
+pub use crate::config::{REDACTED, is_secret_property};
 
-/// A config as TOML for people to read (`check-config`), secrets redacted:
-/// `[kafka.client]` properties that hold passwords, secrets, tokens or key
-/// material, and the password of any URL (`https://user:pass@host`).
+/// A config as TOML for people to read (`check-config`), secrets redacted by
+/// [`crate::config::Config::redacted`] (the one place that decides what is a
+/// secret; `Debug` uses it too): `[kafka.client]` properties that hold
+/// passwords, secrets, tokens or key material, credentials in URLs
+/// (`https://user:pass@host`, `?api_key=`), and tool header values.
 pub fn render_config(cfg: &crate::config::Config) -> Result<String, toml::ser::Error> {
-    let mut v = toml::Value::try_from(cfg)?;
-    if let Some(client) = v
-        .get_mut("kafka")
-        .and_then(|k| k.get_mut("client"))
-        .and_then(toml::Value::as_table_mut)
-    {
-        for (name, value) in client.iter_mut() {
-            if is_secret_property(name) {
-                *value = toml::Value::String(REDACTED.into());
-            }
-        }
-    }
-    redact_url_passwords(&mut v);
-    toml::to_string_pretty(&v)
-}
-
-/// Whether a librdkafka property holds a secret (`sasl.password`,
-/// `ssl.key.password`, `ssl.keystore.password`, `sasl.oauthbearer.client.secret`,
-/// `ssl.key.pem`, `sasl.oauthbearer.config`, …).
-pub fn is_secret_property(name: &str) -> bool {
-    let n = name.to_ascii_lowercase();
-    ["password", "secret", "token", "credential", "private"]
-        .iter()
-        .any(|w| n.contains(w))
-        // Key material inline, and free-form strings that may carry secrets.
-        || n == "ssl.key.pem"
-        || n == "ssl_key"
-        || n == "sasl.oauthbearer.config"
-        || n == "sasl.jaas.config"
-        || n.ends_with(".key")
-}
-
-fn redact_url_passwords(v: &mut toml::Value) {
-    match v {
-        toml::Value::String(s) => {
-            if let Ok(mut url) = reqwest::Url::parse(s)
-                && url.password().is_some()
-                // `<redacted>` would be percent-encoded in a URL.
-                && url.set_password(Some("redacted")).is_ok()
-            {
-                *s = url.to_string();
-            }
-        }
-        toml::Value::Array(a) => a.iter_mut().for_each(redact_url_passwords),
-        toml::Value::Table(t) => t.iter_mut().for_each(|(_, v)| redact_url_passwords(v)),
-        _ => {}
-    }
+    toml::to_string_pretty(&cfg.redacted())
 }
 
 #[cfg(test)]
@@ -351,25 +306,33 @@ brokers = "127.0.0.1:9092"
 "ssl.ca.location" = "/etc/ssl/ca.pem"
 [tools.search]
 category = "read_only"
-url = "https://bot:hunter2-url@tools.example.com/search"
+url = "https://bot:hunter2-url@tools.example.com/search?api_key=hunter2-query&q=1"
+headers = { Authorization = "env:SEARCH_TOKEN", "X-Api-Key" = "hunter2-literal" }
 "#;
         let env = [(
             "STEPGATE_KAFKA_CLIENT_SASL_OAUTHBEARER_TOKEN_ENDPOINT_URL".to_owned(),
             "https://idp.example.com/token".to_owned(),
         )];
-        let cfg = crate::config::Config::from_toml_str(text, env).unwrap();
+        let mut cfg = crate::config::Config::from_toml_str(text, env).unwrap();
+        cfg.resolve_tool_headers(|v| (v == "SEARCH_TOKEN").then(|| "Bearer hunter2-env".into()))
+            .unwrap();
         let out = render_config(&cfg).unwrap();
-        assert!(!out.contains("hunter2"), "a secret was printed:\n{out}");
-        for kept in [
-            "sasl.username",
-            "stepgate",
-            "/etc/ssl/ca.pem",
-            "sasl_ssl",
-            "https://bot:redacted@tools.example.com/search",
-        ] {
-            assert!(out.contains(kept), "`{kept}` missing:\n{out}");
+        let debug = format!("{cfg:?} {:?}", cfg.tools["search"]);
+        for shown in [&out, &debug] {
+            assert!(!shown.contains("hunter2"), "a secret was shown:\n{shown}");
+            for kept in [
+                "sasl.username",
+                "stepgate",
+                "/etc/ssl/ca.pem",
+                "sasl_ssl",
+                "https://bot:redacted@tools.example.com/search?api_key=redacted&q=1",
+                "https://idp.example.com/token",
+                "env:SEARCH_TOKEN",
+            ] {
+                assert!(shown.contains(kept), "`{kept}` missing:\n{shown}");
+            }
+            assert!(shown.matches(REDACTED).count() >= 7, "{shown}");
         }
-        assert!(out.matches(REDACTED).count() >= 7, "{out}");
         // What is printed still loads (secrets replaced, nothing dropped).
         crate::config::Config::from_toml_str(&out, std::iter::empty()).unwrap();
     }
@@ -382,7 +345,10 @@ url = "https://bot:hunter2-url@tools.example.com/search"
             "ssl.keystore.password",
             "SASL.PASSWORD",
             "sasl.oauthbearer.client.secret",
+            "sasl.oauthbearer.config",
+            "sasl.oauthbearer.assertion.private.key.passphrase",
             "ssl.key.pem",
+            "ssl_key",
         ] {
             assert!(is_secret_property(secret), "{secret}");
         }
@@ -390,7 +356,11 @@ url = "https://bot:hunter2-url@tools.example.com/search"
             "sasl.username",
             "ssl.ca.location",
             "ssl.key.location",
+            "ssl.keystore.location",
             "ssl.certificate.pem",
+            "sasl.kerberos.keytab",
+            "sasl.oauthbearer.token.endpoint.url",
+            "sasl.oauthbearer.client.id",
             "message.max.bytes",
         ] {
             assert!(!is_secret_property(plain), "{plain}");

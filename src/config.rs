@@ -25,6 +25,14 @@ pub enum ConfigError {
     Env { var: String, message: String },
     #[error("invalid config: `{field}` {message}")]
     Invalid { field: String, message: String },
+    /// A tool header whose value could not be read. Names the tool, the header
+    /// and where the value was to come from; never the value.
+    #[error("invalid config: `tools.{tool}.headers.{header}`: {message}")]
+    Secret {
+        tool: String,
+        header: String,
+        message: String,
+    },
 }
 
 /// A duration written as `"250ms"`, `"10s"`, `"7d"`.
@@ -72,7 +80,7 @@ pub struct Config {
     pub tools: BTreeMap<String, ToolConfig>,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct KafkaConfig {
     /// Bootstrap servers, comma-separated.
@@ -86,7 +94,9 @@ pub struct KafkaConfig {
     /// Stable identity of this process: static group membership
     /// (`group.instance.id`) and transactional ids derive from it, so a restarted
     /// process takes its partitions back at once instead of after a session timeout.
-    /// Must be unique per running process.
+    /// Must be unique per running process. Default: the host's name
+    /// ([`default_instance_id`]), which differs between hosts and pods and stays
+    /// the same across restarts of one.
     pub instance_id: String,
     /// Partitions of every topic that `stepgate topics create` makes.
     pub partitions: i32,
@@ -108,7 +118,7 @@ impl Default for KafkaConfig {
             topics: TopicsConfig::default(),
             gate_group: "stepgate-gate".into(),
             executor_group: None,
-            instance_id: "stepgate-0".into(),
+            instance_id: default_instance_id(),
             partitions: 4,
             replication_factor: 1,
             session_timeout: dur("30s"),
@@ -394,7 +404,7 @@ impl ToolAnnotations {
     }
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, try_from = "RawToolConfig")]
 pub struct ToolConfig {
     /// How the tool may be retried; from `annotations` when not given.
@@ -438,7 +448,157 @@ pub struct ToolConfig {
     /// that the tool's deadline (`deadline()`, which the gate waits before it
     /// settles a `started` step) covers the waiting too.
     pub queue_timeout: Dur,
+    /// Extra headers sent on every call of the tool (credentials, API keys), by
+    /// name: `"env:NAME"` reads an environment variable, `"file:/path"` a file
+    /// (a Kubernetes or Docker secret), anything else is the value itself
+    /// (discouraged for secrets: it sits in the config). Read once at start;
+    /// never logged or printed. The protocol's own headers cannot be set here.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub headers: BTreeMap<String, HeaderSpec>,
 }
+
+/// Where a tool header's value comes from.
+#[derive(Clone, PartialEq, Eq)]
+pub enum HeaderSource {
+    /// `env:NAME`: the environment variable `NAME`.
+    Env(String),
+    /// `file:/path`: the file's content, surrounding whitespace trimmed.
+    File(PathBuf),
+    /// The value itself, written in the config.
+    Literal(String),
+}
+
+/// A tool header as configured (`"env:PAY_TOKEN"`), and its value once
+/// [`Config::resolve_tool_headers`] has read it. Serialized as configured; its
+/// `Debug` never shows a value.
+#[derive(Clone)]
+pub struct HeaderSpec {
+    pub source: HeaderSource,
+    value: Option<String>,
+}
+
+/// The largest header value read from a file: a secret, not a document (and a
+/// misconfigured `file:/dev/zero` must not hang the start).
+const MAX_HEADER_FILE_BYTES: u64 = 64 * 1024;
+
+impl HeaderSpec {
+    pub fn parse(spec: &str) -> HeaderSpec {
+        let source = if let Some(name) = spec.strip_prefix("env:") {
+            HeaderSource::Env(name.to_owned())
+        } else if let Some(path) = spec.strip_prefix("file:") {
+            HeaderSource::File(PathBuf::from(path))
+        } else {
+            HeaderSource::Literal(spec.to_owned())
+        };
+        let value = match &source {
+            HeaderSource::Literal(v) => Some(v.clone()),
+            _ => None,
+        };
+        HeaderSpec { source, value }
+    }
+
+    /// The value to send, once resolved (a literal is resolved from the start).
+    pub fn value(&self) -> Option<&str> {
+        self.value.as_deref()
+    }
+
+    /// The spec as written, a literal value replaced by [`REDACTED`].
+    fn shown(&self) -> String {
+        match &self.source {
+            HeaderSource::Env(n) => format!("env:{n}"),
+            HeaderSource::File(p) => format!("file:{}", p.display()),
+            HeaderSource::Literal(_) => REDACTED.to_owned(),
+        }
+    }
+
+    /// Read the value from its source. The error says where from, never what.
+    fn resolve(&mut self, env: &dyn Fn(&str) -> Option<String>) -> Result<(), String> {
+        let raw = match &self.source {
+            HeaderSource::Literal(v) => v.clone(),
+            HeaderSource::Env(name) => {
+                env(name).ok_or_else(|| format!("environment variable `{name}` is not set"))?
+            }
+            HeaderSource::File(path) => {
+                use std::io::Read as _;
+                let shown = path.display();
+                let mut buf = Vec::new();
+                std::fs::File::open(path)
+                    .and_then(|f| f.take(MAX_HEADER_FILE_BYTES + 1).read_to_end(&mut buf))
+                    .map_err(|e| format!("cannot read file `{shown}`: {e}"))?;
+                if buf.len() as u64 > MAX_HEADER_FILE_BYTES {
+                    return Err(format!(
+                        "file `{shown}` is larger than {MAX_HEADER_FILE_BYTES} bytes"
+                    ));
+                }
+                String::from_utf8(buf).map_err(|_| format!("file `{shown}` is not UTF-8"))?
+            }
+        };
+        let value = raw.trim();
+        let from = match &self.source {
+            HeaderSource::Env(name) => format!("environment variable `{name}`"),
+            HeaderSource::File(path) => format!("file `{}`", path.display()),
+            HeaderSource::Literal(_) => "the configured value".to_owned(),
+        };
+        if value.is_empty() {
+            return Err(format!("{from} is empty"));
+        }
+        if reqwest::header::HeaderValue::from_str(value).is_err() {
+            return Err(format!(
+                "{from} is not a valid HTTP header value (it holds control or non-ASCII characters)"
+            ));
+        }
+        self.value = Some(value.to_owned());
+        Ok(())
+    }
+}
+
+impl std::fmt::Debug for HeaderSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            HeaderSource::Env(n) => f.debug_tuple("Env").field(n).finish(),
+            HeaderSource::File(p) => f.debug_tuple("File").field(p).finish(),
+            HeaderSource::Literal(_) => f.debug_tuple("Literal").field(&REDACTED).finish(),
+        }
+    }
+}
+
+impl std::fmt::Debug for HeaderSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.shown())
+    }
+}
+
+impl Serialize for HeaderSpec {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match &self.source {
+            HeaderSource::Env(n) => s.serialize_str(&format!("env:{n}")),
+            HeaderSource::File(p) => s.serialize_str(&format!("file:{}", p.display())),
+            HeaderSource::Literal(v) => s.serialize_str(v),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for HeaderSpec {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        String::deserialize(d).map(|s| HeaderSpec::parse(&s))
+    }
+}
+
+/// Headers a tool's `headers` may not set: the protocol's own (a second
+/// `Idempotency-Key` or `traceparent` would break the step's identity or its
+/// trace) and the ones that frame the request.
+const RESERVED_HEADERS: [&str; 10] = [
+    crate::contract::headers::IDEMPOTENCY_KEY,
+    crate::contract::headers::WORKFLOW_ID,
+    crate::contract::headers::STEP_INDEX,
+    crate::contract::headers::ATTEMPT,
+    crate::contract::headers::TRACEPARENT,
+    "Content-Type",
+    "Content-Length",
+    "Transfer-Encoding",
+    "Host",
+    "Connection",
+];
 
 /// A tool as written in the config, before `category` is settled.
 #[derive(Debug, Clone, Deserialize)]
@@ -468,6 +628,8 @@ struct RawToolConfig {
     max_concurrency: Option<u32>,
     #[serde(default)]
     queue_timeout: Option<Dur>,
+    #[serde(default)]
+    headers: BTreeMap<String, HeaderSpec>,
 }
 
 impl TryFrom<RawToolConfig> for ToolConfig {
@@ -498,6 +660,7 @@ impl TryFrom<RawToolConfig> for ToolConfig {
             max_output_bytes: r.max_output_bytes,
             max_concurrency: r.max_concurrency,
             queue_timeout: r.queue_timeout.unwrap_or(r.timeout),
+            headers: r.headers,
         })
     }
 }
@@ -569,8 +732,7 @@ impl Config {
         text: &str,
         env: impl IntoIterator<Item = (String, String)>,
     ) -> Result<Config, ConfigError> {
-        let file: toml::Table =
-            toml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
+        let file: toml::Table = toml::from_str(text).map_err(|e| syntax_error(&e, text))?;
         // Merge the file over the defaults so every key has a known type for env parsing.
         let mut merged = toml::Table::try_from(Config::default())
             .map_err(|e| ConfigError::Parse(e.to_string()))?;
@@ -668,14 +830,24 @@ impl Config {
                     "tool names are 1 to 128 of [A-Za-z0-9_.:-]",
                 ));
             }
-            let url_ok = reqwest::Url::parse(&tool.url)
-                .map(|u| matches!(u.scheme(), "http" | "https") && u.host().is_some())
-                .unwrap_or(false);
-            if !url_ok {
-                return Err(invalid(
-                    &format!("tools.{name}.url"),
-                    &format!("must be an http(s) URL, got `{}`", tool.url),
-                ));
+            // The URL may carry credentials: echoed redacted, or not at all.
+            match reqwest::Url::parse(&tool.url) {
+                Ok(u) if matches!(u.scheme(), "http" | "https") && u.host().is_some() => {}
+                Ok(_) => {
+                    return Err(invalid(
+                        &format!("tools.{name}.url"),
+                        &format!(
+                            "must be an http(s) URL with a host, got `{}`",
+                            redact_url(&tool.url)
+                        ),
+                    ));
+                }
+                Err(e) => {
+                    return Err(invalid(
+                        &format!("tools.{name}.url"),
+                        &format!("must be an http(s) URL; what is configured is not a URL ({e})"),
+                    ));
+                }
             }
             if reqwest::header::HeaderName::from_bytes(tool.idempotency_header.as_bytes()).is_err()
             {
@@ -721,14 +893,349 @@ impl Config {
                     "must be longer than 0",
                 ));
             }
+            for (i, (header, spec)) in tool.headers.iter().enumerate() {
+                let field = format!("tools.{name}.headers.{header}");
+                if reqwest::header::HeaderName::from_bytes(header.as_bytes()).is_err() {
+                    return Err(invalid(&field, "is not a valid HTTP header name"));
+                }
+                if tool
+                    .headers
+                    .keys()
+                    .skip(i + 1)
+                    .any(|other| other.eq_ignore_ascii_case(header))
+                {
+                    return Err(invalid(
+                        &field,
+                        "is given twice (header names are case-insensitive)",
+                    ));
+                }
+                if let Some(reserved) = RESERVED_HEADERS
+                    .iter()
+                    .copied()
+                    .chain([tool.idempotency_header.as_str()])
+                    .find(|r| r.eq_ignore_ascii_case(header))
+                {
+                    return Err(invalid(
+                        &field,
+                        &format!(
+                            "cannot be set: stepgate sends `{reserved}` itself on every call \
+                             (the protocol's headers and the request's framing are not configurable)"
+                        ),
+                    ));
+                }
+                // Only what the spec names, never a value.
+                match &spec.source {
+                    HeaderSource::Env(var) if var.is_empty() => {
+                        return Err(invalid(
+                            &field,
+                            "`env:` needs a variable name, e.g. \"env:PAY_TOKEN\"",
+                        ));
+                    }
+                    HeaderSource::File(path) if path.as_os_str().is_empty() => {
+                        return Err(invalid(
+                            &field,
+                            "`file:` needs a path, e.g. \"file:/run/secrets/pay_key\"",
+                        ));
+                    }
+                    HeaderSource::Literal(v)
+                        if v.trim().is_empty()
+                            || reqwest::header::HeaderValue::from_str(v.trim()).is_err() =>
+                    {
+                        return Err(invalid(
+                            &field,
+                            "is empty or not a valid HTTP header value (write \"env:NAME\" or \"file:/path\" to read it from the environment or a file)",
+                        ));
+                    }
+                    _ => {}
+                }
+            }
         }
         Ok(())
+    }
+
+    /// Read every tool header's value from the environment (through `env`) or
+    /// its file, once, at start. A missing variable or unreadable file is an
+    /// error naming the tool, the header and the source — never a value.
+    /// Headers already resolved are left as they are.
+    pub fn resolve_tool_headers(
+        &mut self,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<(), ConfigError> {
+        for (tool, t) in &mut self.tools {
+            for (header, spec) in &mut t.headers {
+                if spec.value().is_some() && !matches!(spec.source, HeaderSource::Literal(_)) {
+                    continue;
+                }
+                spec.resolve(&env).map_err(|message| ConfigError::Secret {
+                    tool: tool.clone(),
+                    header: header.clone(),
+                    message,
+                })?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The same config with every secret replaced by [`REDACTED`]: the
+    /// `[kafka.client]` properties [`is_secret_property`] names, credentials
+    /// in URLs ([`redact_url`]) and tool header values (their `env:`/`file:`
+    /// sources stay, they are not secrets). What `check-config` prints and what
+    /// `Debug` shows; it still loads.
+    pub fn redacted(&self) -> Config {
+        Config {
+            kafka: self.kafka.redacted(),
+            tools: self
+                .tools
+                .iter()
+                .map(|(n, t)| (n.clone(), t.redacted()))
+                .collect(),
+            ..self.clone()
+        }
     }
 
     /// Sorted tool names.
     pub fn tool_names(&self) -> Vec<String> {
         self.tools.keys().cloned().collect()
     }
+}
+
+// Redaction: the one place that decides what is a secret. `check-config`
+// prints `Config::redacted()`; every `Debug` below shows redacted values.
+
+/// What a redacted secret is shown as.
+pub const REDACTED: &str = "<redacted>";
+
+/// Whether a librdkafka property holds a secret: `sasl.password`,
+/// `ssl.key.password`, `ssl.keystore.password`, `sasl.oauthbearer.client.secret`,
+/// inline key material (`ssl.key.pem`, `ssl_key`), and free-form strings that
+/// may carry one (`sasl.oauthbearer.config`). A property naming a path or an
+/// address (`ssl.key.location`, `sasl.kerberos.keytab`,
+/// `sasl.oauthbearer.token.endpoint.url`) is shown (an address with its
+/// credentials redacted).
+pub fn is_secret_property(name: &str) -> bool {
+    let n = name.to_ascii_lowercase();
+    let names_a_place = [".location", ".file", ".keytab", ".url"]
+        .iter()
+        .any(|s| n.ends_with(s));
+    let secret_word = [
+        "password",
+        "passphrase",
+        "secret",
+        "token",
+        "credential",
+        "private",
+        "key",
+    ]
+    .iter()
+    .any(|w| n.contains(w));
+    (secret_word && !names_a_place) || n == "sasl.oauthbearer.config" || n == "sasl.jaas.config"
+}
+
+/// A URL with its credentials redacted: the password (`https://bot:redacted@h`),
+/// a user name standing alone (often a token: `https://redacted@h`), and the
+/// values of query parameters named like credentials (`?api_key=redacted`).
+/// A string that is not a URL is returned as it is.
+pub fn redact_url(s: &str) -> String {
+    let Ok(mut url) = reqwest::Url::parse(s) else {
+        // Not a URL, but it may still look like one with credentials in it.
+        return match (s.find("://"), s.rfind('@')) {
+            (Some(scheme_end), Some(at)) if at > scheme_end => {
+                format!("{}://redacted@{}", &s[..scheme_end], &s[at + 1..])
+            }
+            _ => s.to_owned(),
+        };
+    };
+    if !url.has_host() {
+        return s.to_owned();
+    }
+    // `<redacted>` would be percent-encoded in a URL.
+    if url.password().is_some() {
+        let _ = url.set_password(Some("redacted"));
+    } else if !url.username().is_empty() {
+        let _ = url.set_username("redacted");
+    }
+    if url.query().is_some() {
+        let secretish = |k: &str| {
+            let k = k.to_ascii_lowercase();
+            [
+                "key",
+                "token",
+                "secret",
+                "password",
+                "passwd",
+                "auth",
+                "sig",
+                "credential",
+            ]
+            .iter()
+            .any(|w| k.contains(w))
+        };
+        let pairs: Vec<(String, String)> = url
+            .query_pairs()
+            .map(|(k, v)| {
+                let v = if secretish(&k) {
+                    "redacted".to_owned()
+                } else {
+                    v.into_owned()
+                };
+                (k.into_owned(), v)
+            })
+            .collect();
+        if pairs.iter().any(|(k, _)| secretish(k)) {
+            url.query_pairs_mut().clear().extend_pairs(pairs);
+        }
+    }
+    url.to_string()
+}
+
+/// librdkafka properties with the secret ones ([`is_secret_property`])
+/// replaced by [`REDACTED`] and credentials in the others' URLs redacted.
+pub fn redact_client_properties(props: &BTreeMap<String, String>) -> BTreeMap<String, String> {
+    props
+        .iter()
+        .map(|(k, v)| {
+            let v = if is_secret_property(k) {
+                REDACTED.to_owned()
+            } else {
+                redact_url(v)
+            };
+            (k.clone(), v)
+        })
+        .collect()
+}
+
+impl KafkaConfig {
+    /// The `[kafka.client]` pass-through redacted ([`redact_client_properties`]).
+    pub fn redacted(&self) -> KafkaConfig {
+        KafkaConfig {
+            client: redact_client_properties(&self.client),
+            ..self.clone()
+        }
+    }
+}
+
+impl std::fmt::Debug for KafkaConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let r = self.redacted();
+        f.debug_struct("KafkaConfig")
+            .field("brokers", &r.brokers)
+            .field("topics", &r.topics)
+            .field("gate_group", &r.gate_group)
+            .field("executor_group", &r.executor_group)
+            .field("instance_id", &r.instance_id)
+            .field("partitions", &r.partitions)
+            .field("replication_factor", &r.replication_factor)
+            .field("session_timeout", &r.session_timeout)
+            .field("transaction_timeout", &r.transaction_timeout)
+            .field("client", &r.client)
+            .finish()
+    }
+}
+
+impl ToolConfig {
+    /// The URL's credentials redacted, and header values (literal ones: a
+    /// source `env:`/`file:` is kept) replaced by [`REDACTED`].
+    pub fn redacted(&self) -> ToolConfig {
+        let headers = self
+            .headers
+            .iter()
+            .map(|(k, spec)| {
+                let spec = match spec.source {
+                    HeaderSource::Literal(_) => HeaderSpec::parse(REDACTED),
+                    _ => HeaderSpec {
+                        source: spec.source.clone(),
+                        value: None,
+                    },
+                };
+                (k.clone(), spec)
+            })
+            .collect();
+        ToolConfig {
+            url: redact_url(&self.url),
+            headers,
+            ..self.clone()
+        }
+    }
+}
+
+impl std::fmt::Debug for ToolConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let r = self.redacted();
+        f.debug_struct("ToolConfig")
+            .field("category", &r.category)
+            .field("policy", &r.policy)
+            .field("url", &r.url)
+            .field("timeout", &r.timeout)
+            .field("retries", &r.retries)
+            .field("backoff", &r.backoff)
+            .field("record", &r.record)
+            .field("idempotency_header", &r.idempotency_header)
+            .field("idempotency_field", &r.idempotency_field)
+            .field("annotations", &r.annotations)
+            .field("max_output_bytes", &r.max_output_bytes)
+            .field("max_concurrency", &r.max_concurrency)
+            .field("queue_timeout", &r.queue_timeout)
+            .field("headers", &r.headers)
+            .finish()
+    }
+}
+
+/// The default `kafka.instance_id`: this host's name, which is distinct per
+/// host, container and Kubernetes pod and stable across restarts of one (static
+/// membership and transactional ids rely on both). `HOSTNAME` first (Kubernetes
+/// sets it to the pod's name, Docker to the container's id), then the system's
+/// host name.
+pub fn default_instance_id() -> String {
+    instance_id_from(std::env::var("HOSTNAME").ok(), system_hostname)
+}
+
+/// [`default_instance_id`] from its sources: the first usable name, made of
+/// the characters Kafka accepts in a `group.instance.id` (`[A-Za-z0-9._-]`,
+/// anything else becomes `-`) and at most 200 of them; `stepgate-0` only when
+/// no source names the host.
+pub fn instance_id_from(
+    hostname_env: Option<String>,
+    system: impl FnOnce() -> Option<String>,
+) -> String {
+    fn usable(name: Option<String>) -> Option<String> {
+        let name = name?;
+        let name = name.trim();
+        if name.is_empty() {
+            return None;
+        }
+        Some(
+            name.chars()
+                .take(200)
+                .map(|c| {
+                    if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') {
+                        c
+                    } else {
+                        '-'
+                    }
+                })
+                .collect(),
+        )
+    }
+    usable(hostname_env)
+        .or_else(|| usable(system()))
+        .unwrap_or_else(|| "stepgate-0".to_owned())
+}
+
+/// The kernel's host name (`gethostname(2)`), else `/etc/hostname`.
+fn system_hostname() -> Option<String> {
+    let mut buf = [0u8; 256];
+    // SAFETY: `buf` is writable for its whole length, which is what we pass;
+    // gethostname writes at most that many bytes.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    if rc == 0 {
+        let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+        if let Ok(name) = std::str::from_utf8(&buf[..end])
+            && !name.trim().is_empty()
+        {
+            return Some(name.to_owned());
+        }
+    }
+    std::fs::read_to_string("/etc/hostname").ok()
 }
 
 fn merge(base: &mut toml::Table, over: toml::Table) {
@@ -740,6 +1247,18 @@ fn merge(base: &mut toml::Table, over: toml::Table) {
             }
         }
     }
+}
+
+/// A TOML syntax error by line and column, without the excerpt of the file
+/// that toml's own message quotes: that line may hold a secret.
+fn syntax_error(e: &toml::de::Error, text: &str) -> ConfigError {
+    let at = e.span().map(|span| {
+        let before = text.get(..span.start).unwrap_or(text);
+        let line = before.matches('\n').count() + 1;
+        let column = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+        format!("line {line}, column {column}: ")
+    });
+    ConfigError::Parse(format!("{}{}", at.unwrap_or_default(), e.message()))
 }
 
 fn env_name(path: &[&str]) -> String {
@@ -1027,5 +1546,195 @@ timeout = "5s"
         )
         .unwrap();
         assert_eq!(c.tools["t"].max_concurrency, Some(3));
+    }
+
+    fn tool_with(headers: &str) -> Result<Config, ConfigError> {
+        Config::from_toml_str(
+            &format!("[tools.pay]\ncategory = \"keyed\"\nurl = \"http://h/pay\"\n{headers}"),
+            env(&[]),
+        )
+    }
+
+    #[test]
+    fn tool_headers_resolve_from_env_file_or_literal() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("key");
+        std::fs::write(&file, "  secret-from-file\r\n").unwrap();
+        let mut c = tool_with(&format!(
+            "headers = {{ Authorization = \"env:PAY_TOKEN\", \"X-Api-Key\" = \"file:{}\", \"X-Tenant\" = \"acme\" }}\n",
+            file.display()
+        ))
+        .unwrap();
+        let h = &c.tools["pay"].headers;
+        assert_eq!(
+            h["Authorization"].source,
+            HeaderSource::Env("PAY_TOKEN".into())
+        );
+        assert_eq!(h["Authorization"].value(), None, "not read before start");
+        assert_eq!(h["X-Tenant"].value(), Some("acme"));
+        c.resolve_tool_headers(|v| (v == "PAY_TOKEN").then(|| "Bearer abc".into()))
+            .unwrap();
+        let h = &c.tools["pay"].headers;
+        assert_eq!(h["Authorization"].value(), Some("Bearer abc"));
+        assert_eq!(h["X-Api-Key"].value(), Some("secret-from-file"));
+        // Serialized as configured, so check-config shows where values come from.
+        let out = toml::to_string(&c).unwrap();
+        assert!(out.contains("env:PAY_TOKEN"), "{out}");
+        assert!(
+            !out.contains("Bearer abc") && !out.contains("secret-from-file"),
+            "{out}"
+        );
+        // From the environment too, like every key.
+        let c = Config::from_toml_str(
+            "[tools.pay]\ncategory = \"keyed\"\nurl = \"http://h/pay\"\nheaders = { Authorization = \"env:A\" }\n",
+            env(&[("STEPGATE_TOOLS_PAY_HEADERS_AUTHORIZATION", "env:B")]),
+        )
+        .unwrap();
+        assert_eq!(
+            c.tools["pay"].headers["Authorization"].source,
+            HeaderSource::Env("B".into())
+        );
+    }
+
+    #[test]
+    fn a_missing_header_secret_names_tool_and_header_never_a_value() {
+        let mut c = tool_with("headers = { Authorization = \"env:PAY_TOKEN\" }\n").unwrap();
+        let e = c.resolve_tool_headers(|_| None).unwrap_err().to_string();
+        assert!(e.contains("tools.pay.headers.Authorization"), "{e}");
+        assert!(e.contains("PAY_TOKEN") && e.contains("not set"), "{e}");
+        // A value that is not a header value: refused, and not echoed.
+        let e = c
+            .resolve_tool_headers(|_| Some("Bearer hunter2\u{7}".into()))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("not a valid HTTP header value"), "{e}");
+        assert!(!e.contains("hunter2"), "{e}");
+        let e = c.resolve_tool_headers(|_| Some(" ".into())).unwrap_err();
+        assert!(e.to_string().contains("is empty"), "{e}");
+        let mut c = tool_with("headers = { \"X-Api-Key\" = \"file:/nonexistent/stepgate/key\" }\n")
+            .unwrap();
+        let e = c.resolve_tool_headers(|_| None).unwrap_err().to_string();
+        assert!(e.contains("tools.pay.headers.X-Api-Key"), "{e}");
+        assert!(e.contains("/nonexistent/stepgate/key"), "{e}");
+        let e = tool_with("headers = { Authorization = \"Bearer hunter2\\u0001\" }\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("tools.pay.headers.Authorization"), "{e}");
+        assert!(!e.contains("hunter2"), "{e}");
+    }
+
+    #[test]
+    fn protocol_headers_cannot_be_configured() {
+        for name in [
+            "Idempotency-Key",
+            "idempotency-key",
+            "Content-Type",
+            "traceparent",
+            "Stepgate-Workflow-Id",
+            "Host",
+        ] {
+            let e = tool_with(&format!("headers = {{ \"{name}\" = \"x\" }}\n")).unwrap_err();
+            assert!(e.to_string().contains("cannot be set"), "{name}: {e}");
+        }
+        // The tool's own key header is reserved too.
+        let e = tool_with(
+            "idempotency_header = \"X-Request-Id\"\nheaders = { \"x-request-id\" = \"x\" }\n",
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("X-Request-Id"), "{e}");
+        for (headers, says) in [
+            ("{ \"bad header\" = \"x\" }", "not a valid HTTP header name"),
+            ("{ A = \"env:\" }", "needs a variable name"),
+            ("{ A = \"file:\" }", "needs a path"),
+            ("{ A = \"x\", a = \"y\" }", "given twice"),
+        ] {
+            let e = tool_with(&format!("headers = {headers}\n")).unwrap_err();
+            assert!(e.to_string().contains(says), "{headers}: {e}");
+        }
+    }
+
+    #[test]
+    fn validation_errors_never_echo_credentials() {
+        for url in [
+            "ftp://bot:hunter2@h/x",
+            "http//bot:hunter2@h/x",
+            "https://bot:hunter2@/x",
+        ] {
+            let e = Config::from_toml_str(
+                &format!("[tools.x]\ncategory = \"keyed\"\nurl = \"{url}\"\n"),
+                env(&[]),
+            )
+            .unwrap_err()
+            .to_string();
+            assert!(e.contains("tools.x.url"), "{e}");
+            assert!(!e.contains("hunter2"), "{e}");
+        }
+        // A TOML syntax error is placed by line and column, its line not quoted.
+        let e = Config::from_toml_str("[kafka.client]\n\"sasl.password\" = hunter2\n", env(&[]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("line 2"), "{e}");
+        assert!(!e.contains("hunter2"), "{e}");
+    }
+
+    #[test]
+    fn urls_lose_their_credentials() {
+        for (url, shown) in [
+            (
+                "https://bot:pw@h.example/x",
+                "https://bot:redacted@h.example/x",
+            ),
+            ("https://tok@h.example/x", "https://redacted@h.example/x"),
+            (
+                "https://h.example/x?api_key=k1&q=a+b&access_token=t",
+                "https://h.example/x?api_key=redacted&q=a+b&access_token=redacted",
+            ),
+            ("https://h.example/x?q=1", "https://h.example/x?q=1"),
+            ("127.0.0.1:9092", "127.0.0.1:9092"),
+        ] {
+            assert_eq!(redact_url(url), shown);
+        }
+    }
+
+    #[test]
+    fn debug_shows_no_secret() {
+        let mut c = Config::from_toml_str(
+            "[kafka.client]\n\"sasl.password\" = \"hunter2-a\"\n\"ssl.key.password\" = \"hunter2-b\"\n\
+             \"sasl.oauthbearer.client.secret\" = \"hunter2-c\"\n\"ssl.key.location\" = \"/etc/k.pem\"\n\
+             [tools.pay]\ncategory = \"keyed\"\nurl = \"https://u:hunter2-d@h/pay\"\n\
+             headers = { Authorization = \"env:T\", \"X-Key\" = \"hunter2-e\" }\n",
+            env(&[]),
+        )
+        .unwrap();
+        c.resolve_tool_headers(|_| Some("hunter2-f".into()))
+            .unwrap();
+        let d = format!("{c:?}");
+        assert!(!d.contains("hunter2"), "{d}");
+        assert!(d.contains("/etc/k.pem") && d.contains("env:T"), "{d}");
+    }
+
+    #[test]
+    fn the_default_instance_id_is_the_host_name() {
+        let sys = |name: &'static str| move || Some(name.to_owned());
+        // Kubernetes sets HOSTNAME to the pod's name.
+        assert_eq!(
+            instance_id_from(Some("gate-7f9c-x2x".into()), sys("node")),
+            "gate-7f9c-x2x"
+        );
+        // Without it, the system's host name (as gethostname or /etc/hostname give it).
+        assert_eq!(instance_id_from(None, sys("build-box\n")), "build-box");
+        assert_eq!(instance_id_from(Some("  ".into()), sys("h1")), "h1");
+        // Only characters Kafka takes in a group.instance.id, and a bounded length.
+        assert_eq!(
+            instance_id_from(Some("a b/c:d".into()), sys("x")),
+            "a-b-c-d"
+        );
+        assert_eq!(instance_id_from(Some("h".repeat(300)), sys("x")).len(), 200);
+        assert_eq!(instance_id_from(None, || None), "stepgate-0");
+        // Stable: the same host gives the same id each time (restarts keep
+        // their static membership and transactional ids).
+        assert_eq!(default_instance_id(), default_instance_id());
+        assert_eq!(KafkaConfig::default().instance_id, default_instance_id());
+        assert!(!default_instance_id().is_empty());
     }
 }

@@ -298,9 +298,11 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::CheckConfig { config } => {
-            let cfg = load(config.as_deref(), None)?;
+            let mut cfg = load(config.as_deref(), None)?;
             stepgate::kafka::check_sizes(&cfg.kafka, cfg.gate.max_intent_bytes)?;
-            // Secrets (passwords, tokens, key material) are printed redacted.
+            // As `run` does: a tool header whose variable or file is missing fails.
+            cfg.resolve_tool_headers(|var| std::env::var(var).ok())?;
+            // Secrets (passwords, tokens, key material, header values) are printed redacted.
             print!("{}", stepgate::cli::render_config(&cfg)?);
             Ok(())
         }

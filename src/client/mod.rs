@@ -54,8 +54,9 @@ pub enum ClientError {
     NoIntentsTopic(String),
 }
 
-/// Where and how the client talks to stepgate.
-#[derive(Debug, Clone)]
+/// Where and how the client talks to stepgate. Its `Debug` redacts secret
+/// client properties (`sasl.password`, …).
+#[derive(Clone)]
 pub struct ClientOptions {
     pub brokers: String,
     pub intents_topic: String,
@@ -99,6 +100,22 @@ impl ClientOptions {
             c.set(k, v);
         }
         c
+    }
+}
+
+impl std::fmt::Debug for ClientOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClientOptions")
+            .field("brokers", &self.brokers)
+            .field("intents_topic", &self.intents_topic)
+            .field("results_topic", &self.results_topic)
+            .field("timeout", &self.timeout)
+            .field("republish_after", &self.republish_after)
+            .field(
+                "kafka",
+                &crate::config::redact_client_properties(&self.kafka),
+            )
+            .finish()
     }
 }
 
@@ -423,6 +440,19 @@ impl Workflow<'_> {
 mod tests {
     use super::*;
     use rdkafka::mocking::MockCluster;
+
+    #[test]
+    fn options_debug_redacts_secret_properties() {
+        let mut o = ClientOptions::new("127.0.0.1:9092");
+        o.kafka.insert("sasl.password".into(), "hunter2".into());
+        o.kafka.insert("sasl.username".into(), "agent".into());
+        let d = format!("{o:?}");
+        assert!(!d.contains("hunter2"), "{d}");
+        assert!(
+            d.contains("agent") && d.contains(crate::config::REDACTED),
+            "{d}"
+        );
+    }
 
     /// Intents land in the partition `contract::partition_for` names (the one
     /// Java's default partitioner picks), not where librdkafka's default would.

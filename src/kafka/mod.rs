@@ -690,13 +690,17 @@ pub struct Input {
 }
 
 impl Input {
-    /// The W3C `traceparent` header, when present and readable.
+    /// The W3C `traceparent` header, when present and valid
+    /// ([`crate::telemetry::is_valid_traceparent`]). An invalid one is ignored
+    /// here, where it enters: it is neither stored, nor sent to a tool (where
+    /// it could fail the request), nor copied onto the result.
     pub fn traceparent(&self) -> Option<String> {
         self.headers
             .iter()
             .find(|(k, _)| k.eq_ignore_ascii_case("traceparent"))
             .and_then(|(_, v)| v.as_ref())
             .and_then(|v| String::from_utf8(v.clone()).ok())
+            .filter(|tp| crate::telemetry::is_valid_traceparent(tp))
     }
 }
 
@@ -826,6 +830,42 @@ mod tests {
         producer.flush(Duration::from_secs(10)).unwrap();
     }
 
+    const TRACEPARENT: &[u8] = b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+
+    #[test]
+    fn an_invalid_traceparent_is_ignored_where_it_enters() {
+        let input = |tp: &[u8]| Input {
+            topic: "in".into(),
+            partition: 0,
+            offset: 0,
+            key: None,
+            payload: None,
+            headers: vec![("Traceparent".to_owned(), Some(tp.to_vec()))],
+            timestamp_ms: None,
+        };
+        assert_eq!(
+            input(TRACEPARENT)
+                .traceparent()
+                .as_deref()
+                .map(str::as_bytes),
+            Some(TRACEPARENT)
+        );
+        for bad in [
+            b"00-abc-01".as_slice(),
+            b"",
+            b"\xff\xfe",
+            b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01\n",
+            b"00-00000000000000000000000000000000-b7ad6b7169203331-01",
+        ] {
+            assert_eq!(
+                input(bad).traceparent(),
+                None,
+                "{:?}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+    }
+
     #[test]
     fn a_header_name_that_is_not_utf8_is_read_without_panicking() {
         let mock = MockCluster::new(1).unwrap();
@@ -837,7 +877,7 @@ mod tests {
         produce_raw(
             &producer,
             c"in",
-            &[(b"\xff\xfe", b"x"), (b"traceparent", b"00-abc-01")],
+            &[(b"\xff\xfe", b"x"), (b"traceparent", TRACEPARENT)],
             br#"{"workflow_id":"w"}"#,
         );
         let consumer: BaseConsumer = ClientConfig::new()
@@ -864,10 +904,13 @@ mod tests {
             input.headers,
             vec![
                 ("\u{fffd}\u{fffd}".to_owned(), Some(b"x".to_vec())),
-                ("traceparent".to_owned(), Some(b"00-abc-01".to_vec())),
+                ("traceparent".to_owned(), Some(TRACEPARENT.to_vec())),
             ]
         );
-        assert_eq!(input.traceparent().as_deref(), Some("00-abc-01"));
+        assert_eq!(
+            input.traceparent().as_deref().map(str::as_bytes),
+            Some(TRACEPARENT)
+        );
         assert_eq!(
             input.payload.as_deref(),
             Some(br#"{"workflow_id":"w"}"#.as_slice())

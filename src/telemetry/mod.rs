@@ -13,9 +13,17 @@ use prometheus::{
 use std::time::Duration;
 use tracing::{info, warn};
 
+/// The `tool` label of a tool that is not configured in this process.
+pub const UNKNOWN_TOOL: &str = "unknown";
+
 /// Every metric of one stepgate process.
 pub struct Metrics {
     registry: Registry,
+    /// The configured tools: the only values the `tool` label takes. A step's
+    /// tool name comes from a record (an intent, a progress or changelog record
+    /// written with another config), so labelling by it unchecked would let
+    /// any producer create series without bound.
+    tools: std::collections::BTreeSet<String>,
     intents_received: IntCounter,
     steps_forwarded: IntCounterVec,
     fast_path_calls: IntCounterVec,
@@ -71,7 +79,15 @@ impl Default for Metrics {
 }
 
 impl Metrics {
+    /// Metrics with no configured tools: every `tool` label is [`UNKNOWN_TOOL`].
     pub fn new() -> Self {
+        Self::with_tools(std::iter::empty::<String>())
+    }
+
+    /// Metrics whose `tool` label is one of `tools` (the configured names) or
+    /// [`UNKNOWN_TOOL`].
+    pub fn with_tools(tools: impl IntoIterator<Item = impl Into<String>>) -> Self {
+        let tools = tools.into_iter().map(Into::into).collect();
         let r = Registry::new();
         let buckets = vec![
             0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -253,6 +269,16 @@ impl Metrics {
             commit_latency,
             state_write_latency,
             registry: r,
+            tools,
+        }
+    }
+
+    /// The `tool` label of `name`: itself when configured, else [`UNKNOWN_TOOL`].
+    pub fn tool_label<'a>(&self, name: &'a str) -> &'a str {
+        if self.tools.contains(name) {
+            name
+        } else {
+            UNKNOWN_TOOL
         }
     }
 
@@ -272,24 +298,26 @@ impl Metrics {
     pub fn step_forwarded(&self, step: &crate::contract::StepKey, category: &str) {
         tracing::debug!(step = %step, category, "new step recorded and forwarded");
         self.steps_forwarded
-            .with_label_values(&[&step.tool, category])
+            .with_label_values(&[self.tool_label(&step.tool), category])
             .inc();
     }
 
     pub fn fast_path_call(&self, step: &crate::contract::StepKey) {
         tracing::debug!(step = %step, "fast-path call forwarded");
-        self.fast_path_calls.with_label_values(&[&step.tool]).inc();
+        self.fast_path_calls
+            .with_label_values(&[self.tool_label(&step.tool)])
+            .inc();
     }
 
     pub fn repeat(&self, step: &crate::contract::StepKey, in_flight: bool, rephrased: bool) {
         let state = if in_flight { "in_flight" } else { "completed" };
         tracing::debug!(step = %step, state, rephrased, "repeat of a known step: not forwarded");
         self.repeats_answered
-            .with_label_values(&[&step.tool, state])
+            .with_label_values(&[self.tool_label(&step.tool), state])
             .inc();
         if rephrased {
             self.rephrased_retries
-                .with_label_values(&[&step.tool])
+                .with_label_values(&[self.tool_label(&step.tool)])
                 .inc();
         }
     }
@@ -324,26 +352,32 @@ impl Metrics {
     pub fn invoked(&self, step: &crate::contract::StepKey, outcome: &str, took: Duration) {
         tracing::debug!(step = %step, outcome, took_ms = took.as_millis() as u64, "tool invoked");
         self.invocations
-            .with_label_values(&[&step.tool, outcome])
+            .with_label_values(&[self.tool_label(&step.tool), outcome])
             .inc();
         self.tool_latency
-            .with_label_values(&[&step.tool])
+            .with_label_values(&[self.tool_label(&step.tool)])
             .observe(took.as_secs_f64());
     }
 
     pub fn in_doubt(&self, step: &crate::contract::StepKey, why: &str) {
         warn!(step = %step, why, "step is in doubt: it may have run, its outcome is unknown");
-        self.in_doubt_steps.with_label_values(&[&step.tool]).inc();
+        self.in_doubt_steps
+            .with_label_values(&[self.tool_label(&step.tool)])
+            .inc();
     }
 
     pub fn reforwarded(&self, step: &crate::contract::StepKey, dispatch: u32) {
         warn!(step = %step, dispatch, "no outcome by the deadline: forwarded again (safe for this tool)");
-        self.reforwarded.with_label_values(&[&step.tool]).inc();
+        self.reforwarded
+            .with_label_values(&[self.tool_label(&step.tool)])
+            .inc();
     }
 
     pub fn late_outcome(&self, step: &crate::contract::StepKey) {
         warn!(step = %step, "outcome arrived after the step was settled; kept for the operator");
-        self.late_outcomes.with_label_values(&[&step.tool]).inc();
+        self.late_outcomes
+            .with_label_values(&[self.tool_label(&step.tool)])
+            .inc();
     }
 
     pub fn operator_command(
@@ -368,7 +402,7 @@ impl Metrics {
     pub fn approval_requested(&self, step: &crate::contract::StepKey) {
         info!(step = %step, "call held for approval");
         self.approvals_requested
-            .with_label_values(&[&step.tool])
+            .with_label_values(&[self.tool_label(&step.tool)])
             .inc();
     }
 
@@ -441,6 +475,29 @@ pub fn init_logging(cfg: &crate::config::LogConfig) {
     };
 }
 
+/// Whether `tp` is a W3C `traceparent` worth carrying: version `00` exactly as
+/// `00-<32 hex>-<16 hex>-<2 hex>` (lowercase), or a later version (not `ff`)
+/// that starts that way (anything after must follow a `-`, in visible ASCII);
+/// the trace id and the parent id not all zeros. Anything else is dropped where
+/// it is read, so a bad header can neither fail a tool's request nor travel on.
+pub fn is_valid_traceparent(tp: &str) -> bool {
+    let b = tp.as_bytes();
+    let hex = |s: &[u8]| s.iter().all(|c| matches!(c, b'0'..=b'9' | b'a'..=b'f'));
+    let zeros = |s: &[u8]| s.iter().all(|&c| c == b'0');
+    if b.len() < 55 {
+        return false;
+    }
+    let (version, trace_id, parent_id, flags) = (&b[0..2], &b[3..35], &b[36..52], &b[53..55]);
+    let shape = b[2] == b'-' && b[35] == b'-' && b[52] == b'-';
+    let fields = hex(version) && hex(trace_id) && hex(parent_id) && hex(flags);
+    let rest_ok = match version {
+        b"00" => b.len() == 55,
+        b"ff" => false,
+        _ => b.len() == 55 || (b[55] == b'-' && b[56..].iter().all(|c| c.is_ascii_graphic())),
+    };
+    shape && fields && rest_ok && !zeros(trace_id) && !zeros(parent_id)
+}
+
 /// An error with its causes, `outer: inner: …`, for log lines.
 pub fn error_chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
@@ -451,4 +508,78 @@ pub fn error_chain(e: &dyn std::error::Error) -> String {
         cur = c.source();
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::contract::StepKey;
+
+    fn step(tool: &str) -> StepKey {
+        StepKey {
+            workflow_id: "w".into(),
+            step_index: 0,
+            tool: tool.into(),
+            attempt: 0,
+        }
+    }
+
+    #[test]
+    fn the_tool_label_takes_only_configured_names() {
+        let m = Metrics::with_tools(["send_email"]);
+        m.step_forwarded(&step("send_email"), "keyed");
+        // Names no one configured, as records from elsewhere may carry them.
+        for n in 0..50 {
+            m.step_forwarded(&step(&format!("made-up-{n}")), "keyed");
+            m.invoked(&step(&format!("made-up-{n}")), "ok", Duration::ZERO);
+            m.late_outcome(&step(&format!("made-up-{n}")));
+        }
+        let out = m.render();
+        assert!(!out.contains("made-up"), "{out}");
+        assert!(
+            out.contains(r#"stepgate_steps_forwarded_total{category="keyed",tool="send_email"} 1"#),
+            "{out}"
+        );
+        assert!(
+            out.contains(r#"stepgate_steps_forwarded_total{category="keyed",tool="unknown"} 50"#),
+            "{out}"
+        );
+        assert!(
+            out.contains(r#"stepgate_late_outcomes_total{tool="unknown"} 50"#),
+            "{out}"
+        );
+        // Without configured tools, every name is unknown.
+        assert_eq!(Metrics::new().tool_label("send_email"), UNKNOWN_TOOL);
+    }
+
+    #[test]
+    fn traceparents_are_checked_as_w3c_says() {
+        for ok in [
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00",
+            // A later version may add fields after a dash.
+            "01-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01-extra",
+            "cc-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        ] {
+            assert!(is_valid_traceparent(ok), "{ok}");
+        }
+        for bad in [
+            "",
+            "00-abc-01",
+            // All-zero ids are invalid.
+            "00-00000000000000000000000000000000-b7ad6b7169203331-01",
+            "00-0af7651916cd43dd8448eb211c80319c-0000000000000000-01",
+            // Uppercase hex, a version 00 with more, version ff.
+            "00-0AF7651916CD43DD8448EB211C80319C-b7ad6b7169203331-01",
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01-x",
+            "ff-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            // Control characters or spaces (no valid header value).
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01\n",
+            "01-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01-a b",
+            "00_0af7651916cd43dd8448eb211c80319c_b7ad6b7169203331_01",
+            "00-0af7651916cd43dd8448eb211c80319g-b7ad6b7169203331-01",
+        ] {
+            assert!(!is_valid_traceparent(bad), "{bad:?}");
+        }
+    }
 }

@@ -16,6 +16,7 @@
 
 use crate::config::{Category, Config, ToolConfig};
 use crate::contract::{Call, ErrorBody, Outcome, Texts, headers};
+use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -47,6 +48,10 @@ pub struct ToolRegistry {
     http: reqwest::Client,
     /// The slots of each tool with `max_concurrency`, shared by every clone.
     slots: BTreeMap<String, Arc<Semaphore>>,
+    /// Each tool's configured `headers`, values marked sensitive (never in a
+    /// `Debug`); an error (naming the header, not a value) when one has no
+    /// value, which [`crate::config::Config::resolve_tool_headers`] prevents.
+    headers: BTreeMap<String, Result<HeaderMap, String>>,
 }
 
 /// How one HTTP try ended.
@@ -99,11 +104,17 @@ impl ToolRegistry {
                 Some((name.clone(), Arc::new(Semaphore::new(n as usize))))
             })
             .collect();
+        let headers = config
+            .tools
+            .iter()
+            .map(|(name, t)| (name.clone(), tool_headers(t)))
+            .collect();
         ToolRegistry {
             tools: config.tools.clone(),
             names: config.tool_names(),
             http,
             slots,
+            headers,
         }
     }
 
@@ -135,6 +146,21 @@ impl ToolRegistry {
                 },
             };
         };
+        // Every configured tool has an entry; `None` is unreachable.
+        let no_headers = HeaderMap::new();
+        let extra_headers = match self.headers.get(tool_name) {
+            Some(Ok(h)) => h,
+            // Nothing is sent without its credentials: definitely not performed.
+            Some(Err(detail)) => {
+                return Outcome::Error {
+                    error: ErrorBody {
+                        kind: "tool_unreachable".into(),
+                        message: Texts::tool_unreachable(tool_name, 0, detail),
+                    },
+                };
+            }
+            None => &no_headers,
+        };
         let tries = tool.retries + 1;
         let mut maybe_ran: Option<String> = None;
         let mut last = String::new();
@@ -151,7 +177,7 @@ impl ToolRegistry {
                 }
             };
             // The request's timeout starts only now, inside `try_once`.
-            match self.try_once(tool, call).await {
+            match self.try_once(tool, call, extra_headers).await {
                 Try::Done(outcome) => return outcome,
                 Try::NotSent(detail) => last = detail,
                 Try::MaybeRan(detail) => {
@@ -202,17 +228,20 @@ impl ToolRegistry {
         }
     }
 
-    async fn try_once(&self, tool: &ToolConfig, call: &Call) -> Try {
+    async fn try_once(&self, tool: &ToolConfig, call: &Call, extra_headers: &HeaderMap) -> Try {
         let step = &call.step;
         let key = step.idempotency_key();
         let mut body = serde_json::Value::Object(call.arguments.clone());
         if let Some(path) = &tool.idempotency_field {
             set_path(&mut body, path, serde_json::Value::String(key.clone()));
         }
+        // The configured headers first; none of them is one of the protocol's
+        // (config validation refuses those), so nothing below is doubled.
         let mut req = self
             .http
             .post(&tool.url)
             .timeout(tool.timeout.0)
+            .headers(extra_headers.clone())
             .header(tool.idempotency_header.as_str(), key)
             .header(headers::STEP_INDEX, step.step_index.to_string())
             .header(headers::ATTEMPT, step.attempt.to_string())
@@ -221,12 +250,21 @@ impl ToolRegistry {
             Ok(v) => req = req.header(headers::WORKFLOW_ID, v),
             Err(_) => req = req.header(headers::WORKFLOW_ID, percent_escape(&step.workflow_id)),
         }
-        if let Some(tp) = &call.traceparent {
+        // An invalid traceparent is dropped, never sent: as a header value it
+        // could fail the request before anything was sent, and the trace is
+        // not worth the call.
+        if let Some(tp) = call
+            .traceparent
+            .as_deref()
+            .filter(|tp| crate::telemetry::is_valid_traceparent(tp))
+        {
             req = req.header(headers::TRACEPARENT, tp);
         }
         let mut resp = match req.send().await {
             Ok(r) => r,
             Err(e) if e.is_connect() => return Try::NotSent(describe(&e)),
+            // The request could not even be built: nothing was sent.
+            Err(e) if e.is_builder() => return Try::NotSent(describe(&e)),
             Err(e) => return Try::MaybeRan(describe(&e)),
         };
         let status = resp.status();
@@ -266,15 +304,52 @@ impl ToolRegistry {
         }
         if status.is_client_error() {
             let body = read_prefix(&mut resp, ERROR_BODY_PREFIX).await;
+            // A refusal often quotes the credential it refused ("invalid API
+            // key …"); the excerpt goes to a model and into Kafka records.
+            let excerpt = without_secrets(&String::from_utf8_lossy(&body), extra_headers);
             return Try::Done(Outcome::Error {
                 error: ErrorBody {
                     kind: "tool_refused".into(),
-                    message: Texts::tool_refused(&step.tool, code, &String::from_utf8_lossy(&body)),
+                    message: Texts::tool_refused(&step.tool, code, &excerpt),
                 },
             });
         }
         Try::MaybeRan(format!("HTTP {code}"))
     }
+}
+
+/// A tool's configured headers, values marked sensitive so that no `Debug`
+/// (of the request, in a log) shows them.
+fn tool_headers(tool: &ToolConfig) -> Result<HeaderMap, String> {
+    let mut map = HeaderMap::new();
+    for (name, spec) in &tool.headers {
+        let name_ok = HeaderName::from_bytes(name.as_bytes())
+            .map_err(|_| format!("its header `{name}` has an invalid name"))?;
+        let mut value = spec
+            .value()
+            .and_then(|v| HeaderValue::from_str(v).ok())
+            .ok_or_else(|| format!("stepgate has no valid value for its header `{name}`"))?;
+        value.set_sensitive(true);
+        map.insert(name_ok, value);
+    }
+    Ok(map)
+}
+
+/// `text` with every configured header value replaced by `<redacted>`: the
+/// whole value, and each of its words of 8 characters or more (the token of
+/// `Bearer <token>`).
+fn without_secrets(text: &str, secrets: &HeaderMap) -> String {
+    let mut out = text.to_owned();
+    for value in secrets.values().filter_map(|v| v.to_str().ok()) {
+        for secret in
+            std::iter::once(value).chain(value.split_whitespace().filter(|w| w.len() >= 8))
+        {
+            if !secret.is_empty() && out.contains(secret) {
+                out = out.replace(secret, crate::config::REDACTED);
+            }
+        }
+    }
+    out
 }
 
 /// Put `value` at a dotted path of `body`, creating objects on the way (a
@@ -367,6 +442,8 @@ fn describe(e: &reqwest::Error) -> String {
         "timed out".into()
     } else if e.is_connect() {
         "connection refused".into()
+    } else if e.is_builder() {
+        "the request could not be built (nothing was sent)".into()
     } else {
         "connection broken".into()
     }

@@ -648,3 +648,115 @@ async fn the_timeout_counts_from_the_slot_and_still_applies_after_it() {
         "every call reached the tool"
     );
 }
+
+#[tokio::test]
+async fn configured_headers_arrive_on_every_call_from_env_and_file() {
+    let (url, hits, seen) = server(vec![200], Duration::ZERO).await;
+    let dir = tempfile::tempdir().unwrap();
+    let key_file = dir.path().join("pay_key");
+    // A secret file usually ends with a newline; it is not part of the value.
+    std::fs::write(&key_file, "k-123\n").unwrap();
+    let mut cfg = Config::from_toml_str(
+        &format!(
+            "[tools.t]\ncategory = \"keyed\"\nurl = \"{url}\"\n\
+             headers = {{ Authorization = \"env:PAY_TOKEN\", \"X-Api-Key\" = \"file:{}\", \"X-Tenant\" = \"acme\" }}\n",
+            key_file.display()
+        ),
+        Vec::new(),
+    )
+    .unwrap();
+    cfg.resolve_tool_headers(|var| (var == "PAY_TOKEN").then(|| "Bearer t-456".to_owned()))
+        .unwrap();
+    let tools = ToolRegistry::new(&cfg);
+    for n in 1..=2 {
+        let o = tools.invoke(&call()).await;
+        assert_eq!(kind(&o).0, "ok", "{o:?}");
+        assert_eq!(hits.load(Ordering::SeqCst), n);
+        let h = seen.lock().unwrap().clone().unwrap();
+        assert_eq!(h["authorization"], "Bearer t-456");
+        assert_eq!(h["x-api-key"], "k-123");
+        assert_eq!(h["x-tenant"], "acme");
+        // The protocol's headers are still there, once each.
+        assert_eq!(h.get_all("idempotency-key").iter().count(), 1);
+        assert_eq!(h["stepgate-step-index"], "4");
+    }
+}
+
+#[tokio::test]
+async fn a_header_without_its_value_sends_nothing() {
+    let (url, hits, _) = server(vec![200], Duration::ZERO).await;
+    // Loaded but never resolved (start does that): the call is not sent
+    // without its credentials, and the message names the header only.
+    let tools = registry_with(
+        "unkeyed",
+        &url,
+        "headers = { Authorization = \"env:PAY_TOKEN\" }\n",
+    );
+    let o = tools.invoke(&call()).await;
+    assert_eq!(kind(&o), ("error", "tool_unreachable".into()));
+    if let Outcome::Error { error } = &o {
+        assert!(error.message.contains("Authorization"), "{}", error.message);
+    }
+    assert_eq!(hits.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test]
+async fn an_invalid_traceparent_is_dropped_and_the_call_still_runs() {
+    let (url, hits, seen) = server(vec![200], Duration::ZERO).await;
+    let tools = registry("unkeyed", &url, "5s");
+    for bad in [
+        // Not a header value at all: it used to fail the request builder,
+        // and the unkeyed call ended in doubt though nothing was sent.
+        "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01\n",
+        "00-abc-01",
+        "00-00000000000000000000000000000000-b7ad6b7169203331-01",
+        "00-0AF7651916CD43DD8448EB211C80319C-b7ad6b7169203331-01",
+    ] {
+        let mut c = call();
+        c.traceparent = Some(bad.to_owned());
+        let before = hits.load(Ordering::SeqCst);
+        let o = tools.invoke(&c).await;
+        assert_eq!(kind(&o).0, "ok", "{bad:?}: {o:?}");
+        assert_eq!(hits.load(Ordering::SeqCst), before + 1, "{bad:?}");
+        let h = seen.lock().unwrap().clone().unwrap();
+        assert!(h.get("traceparent").is_none(), "{bad:?} was sent");
+    }
+}
+
+#[tokio::test]
+async fn a_refusal_quoting_the_credential_does_not_pass_it_on() {
+    let addr = serve(|_| {
+        Router::new().route(
+            "/r",
+            post(|headers: HeaderMap| async move {
+                let auth = headers["authorization"].to_str().unwrap().to_owned();
+                let token = auth.trim_start_matches("Bearer ").to_owned();
+                (
+                    StatusCode::UNAUTHORIZED,
+                    format!("invalid credentials `{auth}` (token {token})"),
+                )
+            }),
+        )
+    })
+    .await;
+    let mut cfg = Config::from_toml_str(
+        &format!(
+            "[tools.t]\ncategory = \"keyed\"\nurl = \"http://{addr}/r\"\nheaders = {{ Authorization = \"env:T\" }}\n"
+        ),
+        Vec::new(),
+    )
+    .unwrap();
+    cfg.resolve_tool_headers(|_| Some("Bearer hunter2-token".into()))
+        .unwrap();
+    let o = ToolRegistry::new(&cfg).invoke(&call()).await;
+    let Outcome::Error { error } = o else {
+        panic!("{o:?}")
+    };
+    assert_eq!(error.kind, "tool_refused");
+    assert!(!error.message.contains("hunter2"), "{}", error.message);
+    assert!(
+        error.message.contains("invalid credentials"),
+        "{}",
+        error.message
+    );
+}
