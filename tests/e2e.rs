@@ -1129,3 +1129,100 @@ async fn audit_reports_a_recorded_workload() {
     );
     assert_eq!(s.tools.count("send_email"), 1, "the audit touched nothing");
 }
+
+/// A step record no reader can decode (here: on the changelog, with a version
+/// byte no stepgate writes) wedged the partition: every session failed on the
+/// intent that read it and re-read the same intent. Now the restore keeps the
+/// record unindexed, the intent fails a few times and is then set aside —
+/// dead-lettered with the reason and answered `rejected`/`unprocessable` with a
+/// text that says whether the step ran is unknown — and the partition goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreadable_step_record_sets_its_intent_aside_and_the_partition_goes_on() {
+    use rdkafka::producer::{FutureProducer, FutureRecord};
+    let mut s = Stack::new(StackOptions::default()).await;
+    let wf = "wf-poison";
+    let p = stepgate::contract::partition_for(wf, 4);
+    // The changelog key of the step, as the gate writes it; a value no version reads.
+    let scratch = tempfile::tempdir().unwrap();
+    let store = stepgate::state::StateStore::open(scratch.path()).unwrap();
+    let mut b = stepgate::state::Batch::default();
+    let mut record = stepgate::state::StepRecord {
+        step: stepgate::contract::StepKey {
+            workflow_id: wf.into(),
+            step_index: 1,
+            tool: "send_email".into(),
+            attempt: 0,
+        },
+        category: stepgate::config::Category::Keyed,
+        phase: stepgate::state::Phase::Completed,
+        arguments: serde_json::Map::new(),
+        call_id: Some("old".into()),
+        metadata: None,
+        traceparent: None,
+        dispatch: 1,
+        intended_at_ms: 0,
+        started_at_ms: None,
+        deadline_ms: None,
+        result: None,
+        waiters: Vec::new(),
+        repeats: 0,
+        rephrased_count: 0,
+        rephrased: Vec::new(),
+        late_outcome: None,
+        expires_at_ms: i64::MAX / 2,
+        intent_ts_ms: None,
+        operator_log: Vec::new(),
+        partition: p,
+    };
+    record.partition = p;
+    b.put_step(&store, p, &record).unwrap();
+    let entry = b.changelog().into_iter().next().unwrap();
+    let producer: FutureProducer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .create()
+        .unwrap();
+    producer
+        .send(
+            FutureRecord::to(&s.topic("changelog"))
+                .partition(p)
+                .key(&entry.key)
+                .payload(&[0x7f_u8, 1, 2, 3][..]),
+            Duration::from_secs(10),
+        )
+        .await
+        .unwrap();
+    s.start().await;
+    let agent = s.agent();
+    let dlq = s.reader("dlq");
+    // Both in the step's partition, whatever the test client's partitioner.
+    for (step, id) in [(1, "p1"), (2, "p2")] {
+        let i = intent(wf, step, "send_email", json!({"subject": id}), id);
+        agent
+            .send_raw(wf, i.to_string().as_bytes(), Some(p), &[])
+            .await;
+    }
+    // The same partition goes on: a later step of the same workflow runs.
+    let next = agent.answer("p2", WAIT).await;
+    assert_eq!(next.status, Status::Ok, "{}", s.log());
+    let set_aside = agent.answer("p1", WAIT).await;
+    assert_eq!(set_aside.status, Status::Rejected);
+    let e = set_aside.error.unwrap();
+    assert_eq!(e.kind, "unprocessable");
+    assert!(
+        e.message.contains("cannot tell whether an earlier call"),
+        "{}",
+        e.message
+    );
+    let records = dlq.wait_for(1, WAIT).await;
+    assert_eq!(records[0].value["reason"], "unprocessable");
+    assert_eq!(records[0].value["offset"], 0);
+    assert_eq!(
+        s.tools.count("send_email"),
+        1,
+        "the set-aside call was not made"
+    );
+    assert!(
+        s.child.as_mut().unwrap().try_wait().unwrap().is_none(),
+        "still running"
+    );
+}

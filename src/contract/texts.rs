@@ -149,6 +149,29 @@ impl Texts {
         )
     }
 
+    /// A 2xx output nested deeper than arguments may be.
+    pub fn output_too_deep(tool: &str, limit: usize) -> String {
+        format!(
+            "The tool `{tool}` ran and succeeded, so the action took effect, but its answer \
+             nests deeper than {limit} levels and cannot be returned. Do not call `{tool}` \
+             again for this step: the action is done and its answer would be as deep again. \
+             Continue without its output, and tell the user the action succeeded but its \
+             result could not be shown."
+        )
+    }
+
+    /// An intent set aside after its processing failed on stored state that
+    /// cannot be read: whether the step ran before is unknown.
+    pub fn unprocessable(tool: &str) -> String {
+        format!(
+            "stepgate could not process this call of `{tool}`: the record it keeps for this \
+             step cannot be read, so it cannot tell whether an earlier call of this step already \
+             took effect. The call was not made now. Do not call `{tool}` again for this step \
+             on your own: tell the user that this action needs a person to check whether it was \
+             done, and continue with what does not depend on it."
+        )
+    }
+
     /// A new step of a workflow after a `last_step` tool ended it.
     pub fn workflow_ended(
         tool: &str,

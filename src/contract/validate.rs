@@ -22,6 +22,9 @@ pub enum RejectionReason {
     BadCommand,
     /// `arguments` or `metadata` nested deeper than [`MAX_NESTING_DEPTH`].
     TooDeep,
+    /// Processing failed again and again on a stored record stepgate cannot
+    /// read: the input was set aside so the partition moves on.
+    Unprocessable,
 }
 
 impl RejectionReason {
@@ -37,6 +40,7 @@ impl RejectionReason {
             RejectionReason::WorkflowEnded => "workflow_ended",
             RejectionReason::BadCommand => "bad_command",
             RejectionReason::TooDeep => "too_deep",
+            RejectionReason::Unprocessable => "unprocessable",
         }
     }
 }

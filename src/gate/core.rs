@@ -540,6 +540,33 @@ impl GateCore {
         self.reject(input, rejection, now_ms);
     }
 
+    /// Set aside an input whose processing keeps failing (`error`): dead-letter
+    /// it, and answer its caller when it is an intent that can be addressed.
+    pub fn set_aside(&mut self, input: &Input, is_intent: bool, error: &str, now_ms: i64) {
+        let payload = input.payload.as_deref().unwrap_or_default();
+        let intent = is_intent
+            .then(|| parse_intent(payload, self.settings.max_intent_bytes, &self.tool_names).ok())
+            .flatten();
+        let (message, address) = match intent {
+            Some(i) => (
+                Texts::unprocessable(&i.tool),
+                Some(crate::contract::Address {
+                    step: i.step_key(),
+                    call_id: i.call_id,
+                }),
+            ),
+            None => (String::new(), None),
+        };
+        let mut rejection = Rejection::new(
+            RejectionReason::Unprocessable,
+            format!("{message} (processing failed: {error})")
+                .trim_start()
+                .to_owned(),
+        );
+        rejection.address = address;
+        self.reject(input, rejection, now_ms);
+    }
+
     fn reject(&mut self, input: &Input, rejection: Rejection, now_ms: i64) {
         self.metrics.rejected(
             rejection.reason.as_str(),

@@ -81,6 +81,7 @@ pub async fn run(
     let (invoker, mut outcomes) = Invoker::new(&config, metrics.clone());
     // Outcomes received but not yet committed, carried into the next session.
     let mut carry: Vec<Finished> = Vec::new();
+    let mut poison = Poison::default();
     let mut backoff = Duration::from_millis(250);
     loop {
         let mut session = Session {
@@ -94,6 +95,7 @@ pub async fn run(
             ever_assigned: false,
             backlog: std::mem::take(&mut carry),
             linger: Linger::default(),
+            poison: &mut poison,
         };
         let result = session.run(&mut core, &mut outcomes, &shutdown).await;
         carry.append(&mut session.backlog);
@@ -128,6 +130,44 @@ struct Session<'a> {
     /// Outcomes waiting for the session to know its partitions.
     backlog: Vec<Finished>,
     linger: Linger,
+    poison: &'a mut Poison,
+}
+
+/// Inputs whose processing failed on a record stepgate cannot read, counted
+/// across sessions. Such a failure repeats each time the input is re-read, so
+/// after [`Poison::SET_ASIDE_AFTER`] of them the input is set aside — dead-lettered
+/// with the reason (and answered, when its caller can be told) — and the
+/// partition moves on. Failures of the broker or the disk are not counted:
+/// they pass, and the input is processed then.
+#[derive(Default)]
+struct Poison {
+    failures: HashMap<(String, i32, i64), (u32, String)>,
+}
+
+impl Poison {
+    const SET_ASIDE_AFTER: u32 = 3;
+
+    fn failed(&mut self, input: (String, i32, i64), error: &StateError) {
+        let e = self.failures.entry(input).or_insert((0, String::new()));
+        e.0 += 1;
+        e.1 = crate::telemetry::error_chain(error);
+    }
+
+    /// The error to set this input aside with, once it failed often enough.
+    fn set_aside(&self, input: &Input) -> Option<&str> {
+        let key = (input.topic.clone(), input.partition, input.offset);
+        self.failures
+            .get(&key)
+            .filter(|(n, _)| *n >= Self::SET_ASIDE_AFTER)
+            .map(|(_, e)| e.as_str())
+    }
+
+    fn forget(&mut self, input: &Input) {
+        if !self.failures.is_empty() {
+            self.failures
+                .remove(&(input.topic.clone(), input.partition, input.offset));
+        }
+    }
 }
 
 /// Whether the next batch waits a little for the outcomes of calls just started.
@@ -450,17 +490,32 @@ impl Session<'_> {
         let topics = &self.config.kafka.topics;
         self.ensure_owned(core, consumer, input.partition).await?;
         let now = now_ms();
+        let processed = if let Some(error) = self.poison.set_aside(&input) {
+            warn!(topic = %input.topic, partition = input.partition, offset = input.offset, %error, "setting aside an input whose processing failed {} times", Poison::SET_ASIDE_AFTER);
+            core.set_aside(&input, input.topic == topics.intents, error, now);
+            Ok(())
+        } else if input.topic == topics.intents {
+            core.on_intent(self.store, &mut pending.batch, &input, now)
+        } else if input.topic == topics.commands {
+            core.on_command(self.store, &mut pending.batch, &input, now)
+        } else {
+            core.on_progress(self.store, &mut pending.batch, &input, now)
+        };
+        match processed {
+            Ok(()) => self.poison.forget(&input),
+            Err(e) => {
+                if matches!(e, StateError::Corrupt { .. }) {
+                    self.poison
+                        .failed((input.topic.clone(), input.partition, input.offset), &e);
+                }
+                return Err(e.into());
+            }
+        }
         if input.topic == topics.intents {
-            core.on_intent(self.store, &mut pending.batch, &input, now)?;
             pending
                 .intents_next
                 .insert(input.partition, input.offset + 1);
         } else {
-            if input.topic == topics.commands {
-                core.on_command(self.store, &mut pending.batch, &input, now)?;
-            } else {
-                core.on_progress(self.store, &mut pending.batch, &input, now)?;
-            }
             pending
                 .others_next
                 .insert((input.topic.clone(), input.partition), input.offset + 1);

@@ -401,7 +401,15 @@ impl StateStore {
         key: &[u8],
         value: Option<&[u8]>,
     ) -> Result<(), StateError> {
-        let r: Option<Indexed> = value.map(|v| decode(Cf::Steps, v)).transpose()?;
+        let r: Option<Indexed> = match value.map(|v| decode(Cf::Steps, v)).transpose() {
+            Ok(r) => r,
+            // Kept as it is, unindexed: the restore goes on, and an input of
+            // this step fails on it until the gate sets that input aside.
+            Err(e) => {
+                tracing::error!(error = %crate::telemetry::error_chain(&e), "a step record on the changelog cannot be read; restored without its indexes");
+                None
+            }
+        };
         if let Some(r) = &r {
             wb.put_cf(self.cf(Cf::Expiry), expiry_key(key, r.expires_at_ms), []);
         }

@@ -238,12 +238,18 @@ fn a_full_record_round_trips_and_json_records_still_read() {
     let dir = tempfile::tempdir().unwrap();
     let s = StateStore::open(dir.path()).unwrap();
     let mut r = record(7, Phase::InDoubt, 9_000);
-    r.arguments = serde_json::json!({"to": "a@b.c", "n": [1, 2.5, null, {"deep": true}], "big": u64::MAX})
-        .as_object()
-        .cloned()
-        .unwrap();
+    r.arguments =
+        serde_json::json!({"to": "a@b.c", "n": [1, 2.5, null, {"deep": true}], "big": u64::MAX})
+            .as_object()
+            .cloned()
+            .unwrap();
     r.call_id = Some("c-1".into());
-    r.metadata = Some(serde_json::json!({"m": "é\u{0000}"}).as_object().cloned().unwrap());
+    r.metadata = Some(
+        serde_json::json!({"m": "é\u{0000}"})
+            .as_object()
+            .cloned()
+            .unwrap(),
+    );
     r.traceparent = Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into());
     r.result = Some(ToolResult::from_outcome(
         &r.step,
@@ -290,7 +296,10 @@ fn a_full_record_round_trips_and_json_records_still_read() {
     // As an earlier version wrote it.
     let json = serde_json::to_vec(&r).unwrap();
     assert_eq!(
-        changelog_step(&entries[0].key, Some(&json)).unwrap().2.as_ref(),
+        changelog_step(&entries[0].key, Some(&json))
+            .unwrap()
+            .2
+            .as_ref(),
         Some(&r)
     );
 }

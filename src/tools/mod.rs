@@ -297,6 +297,19 @@ impl ToolRegistry {
                     serde_json::Value::String(String::from_utf8_lossy(&body).into_owned())
                 })
             };
+            // As deep as arguments may be, no deeper: every record that carries
+            // the output (step record, answer) stays readable by every reader.
+            if crate::contract::nested_deeper_than(&output, crate::contract::MAX_NESTING_DEPTH) {
+                return Try::Done(Outcome::Error {
+                    error: ErrorBody {
+                        kind: "output_too_deep".into(),
+                        message: Texts::output_too_deep(
+                            &step.tool,
+                            crate::contract::MAX_NESTING_DEPTH,
+                        ),
+                    },
+                });
+            }
             return Try::Done(Outcome::Ok { output });
         }
         if code == 429 {

@@ -760,3 +760,28 @@ async fn a_refusal_quoting_the_credential_does_not_pass_it_on() {
         error.message
     );
 }
+
+#[tokio::test]
+async fn an_output_nested_deeper_than_arguments_may_be_is_an_error_that_says_it_ran() {
+    let deep = |n: usize| format!("{}1{}", "[".repeat(n), "]".repeat(n));
+    let (ok_body, deep_body) = (deep(crate::contract::MAX_NESTING_DEPTH), deep(100));
+    let url = answering(move || axum::body::Body::from(ok_body.clone())).await;
+    let reg = registry_with("unkeyed", &url, "");
+    assert_eq!(
+        kind(&reg.invoke(&call()).await).0,
+        "ok",
+        "at the limit: returned"
+    );
+    let url = answering(move || axum::body::Body::from(deep_body.clone())).await;
+    let reg = registry_with("unkeyed", &url, "");
+    let o = reg.invoke(&call()).await;
+    assert_eq!(kind(&o), ("error", "output_too_deep".into()));
+    let Outcome::Error { error } = o else {
+        unreachable!()
+    };
+    assert!(
+        error.message.contains("ran and succeeded"),
+        "{}",
+        error.message
+    );
+}
