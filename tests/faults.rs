@@ -298,6 +298,28 @@ fn owned_from_log(log: &str) -> BTreeSet<i32> {
     owned
 }
 
+/// The gates' partition events, for failure messages.
+fn partition_lines(gates: &[Gate]) -> String {
+    gates
+        .iter()
+        .map(|g| {
+            let log = g.log();
+            let lines: Vec<String> = log
+                .lines()
+                .map(strip_ansi)
+                .filter(|l| l.contains("partitions") || l.contains("gate "))
+                .collect();
+            format!(
+                "--- {} (owns {:?})\n{}",
+                g.name,
+                g.owned(),
+                lines.join("\n")
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
 // ---------------------------------------------------------------- the load
 
 #[derive(Clone, Debug)]
@@ -539,6 +561,7 @@ async fn settle(
     load: &mut Load,
     results: &TopicReader,
     in_flight_at_fault: usize,
+    fault_at: Instant,
 ) -> Summary {
     load.stop().await;
     let calls = load.sent();
@@ -554,6 +577,8 @@ async fn settle(
     let mut violations = Vec::new();
     let (mut answered, mut lost, mut dup_answers, mut ok, mut in_doubt) = (0, 0, 0, 0, 0);
     let mut by_step: BTreeMap<(String, u64, &str), Vec<&ToolResult>> = BTreeMap::new();
+    let (mut doubt_at, mut doubt_parts) = (Vec::new(), BTreeSet::new());
+    let mut doubt_msg = String::new();
     for c in &calls {
         match a.get(&c.id).map(Vec::as_slice) {
             None | Some([]) => lost += 1,
@@ -566,7 +591,19 @@ async fn settle(
                 let r = &rs[0];
                 match r.status {
                     Status::Ok => ok += 1,
-                    Status::InDoubt if c.tool == UNKEYED => in_doubt += 1,
+                    Status::InDoubt if c.tool == UNKEYED => {
+                        in_doubt += 1;
+                        if doubt_msg.is_empty() {
+                            doubt_msg = format!("{} {:?}", c.id, r.error);
+                        }
+                        let at = if c.sent >= fault_at {
+                            (c.sent - fault_at).as_secs_f64()
+                        } else {
+                            -(fault_at - c.sent).as_secs_f64()
+                        };
+                        doubt_at.push(at);
+                        doubt_parts.insert(partition_for(&c.wf, PARTITIONS));
+                    }
                     _ => violations.push(format!("{}: unexpected answer {r:?}", c.id)),
                 }
                 if (r.workflow_id.as_str(), r.step_index, r.tool.as_str())
@@ -603,6 +640,21 @@ async fn settle(
             }
         }
     }
+    let late_doubt = doubt_at.iter().filter(|t| **t > 1.0).count();
+    if late_doubt > 0 {
+        // Doubt about calls the fault cannot have cut off: keep the logs.
+        let keep = std::env::temp_dir().join(format!("stepgate-faults-{}", s.prefix));
+        std::fs::create_dir_all(&keep).unwrap();
+        for e in std::fs::read_dir(s.dir.path()).unwrap().flatten() {
+            if e.path().extension().is_some_and(|x| x == "log") {
+                let _ = std::fs::copy(e.path(), keep.join(e.file_name()));
+            }
+        }
+        println!(
+            "{scenario}: {in_doubt} in doubt ({late_doubt} sent over 1 s after the fault), first: {doubt_msg}; logs kept in {}",
+            keep.display()
+        );
+    }
     let undelivered = load.undelivered.load(Ordering::SeqCst);
     if undelivered > 0 {
         violations.push(format!(
@@ -623,10 +675,19 @@ async fn settle(
         running: true,
         violations,
         extra: format!(
-            "invocations unkeyed {} keyed {} (keyed effects {})",
+            "invocations unkeyed {} keyed {} (keyed effects {}){}",
             s.tools.count(UNKEYED),
             s.tools.count(KEYED),
-            s.tools.effects(KEYED)
+            s.tools.effects(KEYED),
+            if doubt_at.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    ", in-doubt steps sent {:+.1}..{:+.1} s from the fault, partitions {doubt_parts:?}",
+                    doubt_at.iter().copied().fold(f64::MAX, f64::min),
+                    doubt_at.iter().copied().fold(f64::MIN, f64::max)
+                )
+            }
         ),
     }
 }
@@ -685,6 +746,7 @@ async fn a_gate_killed_past_the_session_timeout_under_load() {
 
     let in_flight_at_fault = in_flight(&load, &results);
     let killed_at = Instant::now();
+    let fault_at = killed_at;
     gates[victim].sigkill();
     assert!(
         wait_until(WAIT, || {
@@ -698,16 +760,23 @@ async fn a_gate_killed_past_the_session_timeout_under_load() {
         "the survivors take the killed gate's partitions {moved:?}"
     );
     let moved_after = killed_at.elapsed();
-    let mut restored_after = 0.0;
-    for i in &survivors {
-        restored_after += gates[*i]
-            .metric("stepgate_state_restored_records_total")
-            .await
-            .unwrap();
+    // The new owners replay the moved partitions' changelog before serving them.
+    let mut restored_after = restored_before;
+    let deadline = Instant::now() + WAIT;
+    while restored_after <= restored_before && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        restored_after = 0.0;
+        for i in &survivors {
+            restored_after += gates[*i]
+                .metric("stepgate_state_restored_records_total")
+                .await
+                .unwrap_or(0.0);
+        }
     }
     assert!(
         restored_after > restored_before,
-        "a survivor restored the moved partitions from the changelog"
+        "a survivor restored the moved partitions from the changelog ({restored_before} → {restored_after}):\n{}",
+        partition_lines(&gates)
     );
     // The survivors answer new intents of the moved partitions.
     assert!(
@@ -726,10 +795,15 @@ async fn a_gate_killed_past_the_session_timeout_under_load() {
         wait_until(WAIT, || !back.owned().is_empty()).await,
         "the restarted gate gets partitions back"
     );
-    let restored_on_return = back
-        .metric("stepgate_state_restored_records_total")
-        .await
-        .unwrap();
+    let mut restored_on_return = 0.0;
+    let deadline = Instant::now() + WAIT;
+    while restored_on_return == 0.0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        restored_on_return = back
+            .metric("stepgate_state_restored_records_total")
+            .await
+            .unwrap_or(0.0);
+    }
     assert!(
         restored_on_return > 0.0,
         "the returning gate replays what the others committed"
@@ -742,6 +816,7 @@ async fn a_gate_killed_past_the_session_timeout_under_load() {
         &mut load,
         &results,
         in_flight_at_fault,
+        fault_at,
     )
     .await;
     sum.running = gates.iter_mut().all(Gate::alive);
@@ -790,6 +865,7 @@ async fn a_zombie_gate_is_fenced() {
 
     let in_flight_at_fault = in_flight(&load, &results);
     let stopped_at = Instant::now();
+    let fault_at = stopped_at;
     let before_stop: Vec<Call> = load.sent();
     gates[zombie].signal("-STOP");
     let taken = wait_until(WAIT, || gates[other].owned() == all).await;
@@ -814,9 +890,9 @@ async fn a_zombie_gate_is_fenced() {
     let stopped_for = stopped_at.elapsed();
     let answers_at_resume = results.all().len();
 
+    let log_at_resume = gates[zombie].log().len();
     gates[zombie].signal("-CONT");
     let z = &gates[zombie];
-    let log_at_resume = z.log().len();
     // The zombie finds out: its session fails or its partitions are revoked,
     // and it rejoins the group.
     assert!(
@@ -827,8 +903,9 @@ async fn a_zombie_gate_is_fenced() {
                 && !owned_from_log(&after).is_empty()
         })
         .await,
-        "the zombie notices and rejoins:\n{}",
-        z.log()
+        "the zombie notices and rejoins:\n{}\n{}",
+        z.log(),
+        partition_lines(&gates)
     );
     let zlog = strip_ansi(&z.log()[log_at_resume..]);
     let fenced: Vec<&str> = zlog
@@ -857,6 +934,7 @@ async fn a_zombie_gate_is_fenced() {
         &mut load,
         &results,
         in_flight_at_fault,
+        fault_at,
     )
     .await;
     sum.running = gates.iter_mut().all(Gate::alive);
@@ -958,6 +1036,7 @@ async fn the_broker_killed_under_load() {
 
     let in_flight_at_fault = in_flight(&load, &results);
     let invocations_at_fault = s.tools.count(UNKEYED) + s.tools.count(KEYED);
+    let fault_at = Instant::now();
     broker.kill_9();
     let killed_at = Instant::now();
     // The outage itself (not a wait for a condition): the load goes on
@@ -983,6 +1062,7 @@ async fn the_broker_killed_under_load() {
         &mut load,
         &results,
         in_flight_at_fault,
+        fault_at,
     )
     .await;
     sum.running = s.child.as_mut().unwrap().try_wait().unwrap().is_none();
@@ -1137,6 +1217,7 @@ async fn poison_inputs_under_load() {
     let producer = agent_producer(&s.config.kafka.brokers);
     let intents = s.topic("intents");
     let first_in_flight = in_flight(&load, &results);
+    let first_published = Instant::now();
     let mut rows = Vec::new();
     for poison in poisons() {
         let in_flight_now = in_flight(&load, &results);
@@ -1245,6 +1326,7 @@ async fn poison_inputs_under_load() {
         &mut load,
         &results,
         first_in_flight,
+        first_published,
     )
     .await;
     sum.running = s.child.as_mut().unwrap().try_wait().unwrap().is_none();
