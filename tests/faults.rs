@@ -1037,6 +1037,7 @@ async fn the_broker_killed_under_load() {
     let in_flight_at_fault = in_flight(&load, &results);
     let invocations_at_fault = s.tools.count(UNKEYED) + s.tools.count(KEYED);
     let fault_at = Instant::now();
+    let sent_at_kill = load.sent().len();
     broker.kill_9();
     let killed_at = Instant::now();
     // The outage itself (not a wait for a condition): the load goes on
@@ -1067,9 +1068,11 @@ async fn the_broker_killed_under_load() {
     .await;
     sum.running = s.child.as_mut().unwrap().try_wait().unwrap().is_none();
     sum.extra = format!(
-        "{}; broker down {:.1} s, {} invocations before the kill, everything sent until the restart answered {:.1} s after it, stepgate never restarted",
+        "{}; broker down {:.1} s (restarted after {} s), {} intents published while it was down, {} invocations before the kill, everything sent until the restart answered {:.1} s after it, stepgate never restarted",
         sum.extra,
         down_for.as_secs_f64(),
+        outage.as_secs(),
+        sent_during_outage - sent_at_kill,
         invocations_at_fault,
         recovery.as_secs_f64()
     );
