@@ -1043,8 +1043,8 @@ async fn the_broker_killed_under_load() {
     // The outage itself (not a wait for a condition): the load goes on
     // publishing into the agent's producer, the calls running finish.
     tokio::time::sleep(outage).await;
-    let sent_during_outage = load.sent().len();
     broker.start();
+    let sent_during_outage = load.sent().len();
     let down_for = killed_at.elapsed();
     let back_at = Instant::now();
     let recovered =
