@@ -1,0 +1,1365 @@
+//! Faults that move partitions, under load, against the real broker (issue #13):
+//! a gate killed and kept down past the session timeout, a zombie gate
+//! (SIGSTOP past the session timeout, SIGCONT), the broker hard-killed, and
+//! poison records published to `intents` among valid ones.
+//!
+//! Every scenario runs a steady stream of intents (an agent task publishing
+//! every 25 ms, `keyed` and `unkeyed` steps, some rephrased repeats in flight)
+//! while the fault happens, and checks:
+//! - every `call_id` answered exactly once (lost = sent and never answered);
+//! - per step, one answer caused the invocation and every other answer is the
+//!   same but for `call_id`/`deduplicated`;
+//! - duplicate effects counted at the tool: an `unkeyed` step invoked more than
+//!   once (raw invocations), a `keyed` step invoked with more than one
+//!   `Idempotency-Key` (distinct keys per step, as a provider that deduplicates
+//!   by key performs them) — `the_duplicate_checks_can_fail` shows both flag a
+//!   duplicate;
+//! - the gates still running.
+//!
+//! Each prints one summary line (`cargo test --test faults -- --nocapture`).
+//! The broker outage lasts 10 s; `STEPGATE_LONG_FAULTS=1` makes it 30 s.
+//! The broker-kill test runs its own broker (`deploy/local/kafka.sh`, ports
+//! 29092/29093, its own data directory); the others use `KAFKA_BROKERS`.
+
+mod common;
+
+use common::*;
+use rdkafka::config::ClientConfig;
+use rdkafka::message::{BorrowedHeaders, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use serde_json::{Value, json};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use stepgate::contract::{Status, ToolResult, partition_for};
+
+/// The scenarios load two cores heavily: one at a time.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+const UNKEYED: &str = "ticket";
+const KEYED: &str = "charge";
+const PARTITIONS: i32 = 4;
+/// How long the test waits for anything (generous: a compile may share the cores).
+const WAIT: Duration = Duration::from_secs(180);
+
+fn options(brokers: Option<String>, grace: &'static str) -> StackOptions {
+    StackOptions {
+        brokers,
+        tools: vec![(UNKEYED, "unkeyed", "3s"), (KEYED, "keyed", "3s")],
+        // The broker's group.min.session.timeout.ms is 6 s.
+        session_timeout: "6s",
+        grace,
+        ..StackOptions::default()
+    }
+}
+
+/// Poll `cond` every 100 ms until it holds (true) or `limit` passes (false).
+async fn wait_until<F: FnMut() -> bool>(limit: Duration, mut cond: F) -> bool {
+    let start = Instant::now();
+    loop {
+        if cond() {
+            return true;
+        }
+        if start.elapsed() >= limit {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+// ---------------------------------------------------------------- the tool's count
+
+fn step_of(c: &Invocation) -> (String, String, String) {
+    let h = |k: &str| c.headers.get(k).cloned().unwrap_or_default();
+    (
+        h("stepgate-workflow-id"),
+        h("stepgate-step-index"),
+        h("stepgate-attempt"),
+    )
+}
+
+/// `unkeyed` steps the tool saw invoked more than once (raw invocations).
+fn duplicate_unkeyed(tools: &ToolServer, tool: &str) -> usize {
+    let mut per_step: HashMap<_, usize> = HashMap::new();
+    for c in tools.calls(tool) {
+        *per_step.entry(step_of(&c)).or_default() += 1;
+    }
+    per_step.values().filter(|n| **n > 1).count()
+}
+
+/// `keyed` steps the tool saw with more than one `Idempotency-Key`: a provider
+/// that deduplicates by key would have performed the effect more than once.
+fn duplicate_keyed(tools: &ToolServer, tool: &str) -> usize {
+    tools
+        .keys_per_step(tool)
+        .values()
+        .filter(|keys| keys.len() > 1)
+        .count()
+}
+
+/// Both checks flag a duplicate (they are not implied by how keys are made).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_duplicate_checks_can_fail() {
+    let tools = ToolServer::start().await;
+    let http = reqwest::Client::new();
+    let post = |tool: &'static str, step: &'static str, key: &'static str| {
+        http.post(format!("{}/{tool}", tools.base))
+            .header("Idempotency-Key", key)
+            .header("Stepgate-Workflow-Id", "wf")
+            .header("Stepgate-Step-Index", step)
+            .header("Stepgate-Attempt", "0")
+            .body("{}")
+            .send()
+    };
+    post(UNKEYED, "1", "k1").await.unwrap();
+    post(KEYED, "1", "k1").await.unwrap();
+    post(KEYED, "1", "k1").await.unwrap();
+    assert_eq!(duplicate_unkeyed(&tools, UNKEYED), 0);
+    assert_eq!(
+        duplicate_keyed(&tools, KEYED),
+        0,
+        "a re-run with the step's one key is one effect"
+    );
+    post(UNKEYED, "1", "k1").await.unwrap();
+    post(KEYED, "1", "k2").await.unwrap();
+    assert_eq!(
+        duplicate_unkeyed(&tools, UNKEYED),
+        1,
+        "an unkeyed step run twice"
+    );
+    assert_eq!(
+        duplicate_keyed(&tools, KEYED),
+        1,
+        "a keyed step with two keys"
+    );
+}
+
+// ---------------------------------------------------------------- gates
+
+/// A `stepgate run` of the stack's deployment, as a child process that can be
+/// killed, stopped and restarted (same instance id and state directory).
+struct Gate {
+    name: String,
+    http: String,
+    config: PathBuf,
+    dir: PathBuf,
+    child: Option<Child>,
+    starts: u32,
+}
+
+impl Gate {
+    fn start(s: &Stack, name: &str) -> Gate {
+        let http = format!("127.0.0.1:{}", free_port());
+        let mut g = Gate {
+            name: name.into(),
+            config: s.config_for(name, &http),
+            http,
+            dir: s.dir.path().to_owned(),
+            child: None,
+            starts: 0,
+        };
+        g.spawn();
+        g
+    }
+
+    fn spawn(&mut self) {
+        assert!(self.child.is_none());
+        self.starts += 1;
+        let log = std::fs::File::create(self.log_path()).unwrap();
+        self.child = Some(
+            Command::new(stepgate_bin())
+                .args(["run", "--config"])
+                .arg(&self.config)
+                .stdout(Stdio::null())
+                .stderr(log)
+                .spawn()
+                .expect("stepgate binary starts"),
+        );
+    }
+
+    fn log_path(&self) -> PathBuf {
+        self.dir.join(format!("{}-{}.log", self.name, self.starts))
+    }
+
+    /// The log of the current process.
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.log_path()).unwrap_or_default()
+    }
+
+    fn pid(&self) -> String {
+        self.child.as_ref().expect("running").id().to_string()
+    }
+
+    fn signal(&self, sig: &str) {
+        let ok = Command::new("kill")
+            .args([sig, &self.pid()])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "kill {sig} {}", self.name);
+    }
+
+    fn sigkill(&mut self) {
+        let mut c = self.child.take().expect("running");
+        c.kill().unwrap();
+        c.wait().unwrap();
+    }
+
+    fn alive(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .is_some_and(|c| c.try_wait().unwrap().is_none())
+    }
+
+    /// The partitions this process owns, by its log.
+    fn owned(&self) -> BTreeSet<i32> {
+        owned_from_log(&self.log())
+    }
+
+    /// A counter or gauge from /metrics, summed over its labels.
+    async fn metric(&self, name: &str) -> Option<f64> {
+        let text = reqwest::Client::new()
+            .get(format!("http://{}/metrics", self.http))
+            .timeout(Duration::from_secs(5))
+            .send()
+            .await
+            .ok()?
+            .text()
+            .await
+            .ok()?;
+        Some(
+            text.lines()
+                .filter(|l| {
+                    l.strip_prefix(name)
+                        .is_some_and(|r| r.starts_with(' ') || r.starts_with('{'))
+                })
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum(),
+        )
+    }
+}
+
+impl Drop for Gate {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill(); // SIGKILL ends a stopped process too
+            let _ = c.wait();
+        }
+    }
+}
+
+fn strip_ansi(line: &str) -> String {
+    let mut out = String::with_capacity(line.len());
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// Replays a gate's "partitions assigned/revoked" log lines (a new session
+/// starts with none).
+fn owned_from_log(log: &str) -> BTreeSet<i32> {
+    let set = |line: &str| -> Vec<i32> {
+        let (Some(a), Some(b)) = (line.rfind('{'), line.rfind('}')) else {
+            return Vec::new();
+        };
+        if b < a {
+            return Vec::new();
+        }
+        line[a + 1..b]
+            .split(',')
+            .filter_map(|x| x.trim().parse().ok())
+            .collect()
+    };
+    let mut owned = BTreeSet::new();
+    for line in log.lines().map(strip_ansi) {
+        if line.contains("gate consuming") || line.contains("gate session failed") {
+            owned.clear();
+        } else if line.contains("partitions assigned") {
+            owned.extend(set(&line));
+        } else if line.contains("partitions revoked") {
+            for p in set(&line) {
+                owned.remove(&p);
+            }
+        }
+    }
+    owned
+}
+
+/// The gates' partition events, for failure messages.
+fn partition_lines(gates: &[Gate]) -> String {
+    gates
+        .iter()
+        .map(|g| {
+            let log = g.log();
+            let lines: Vec<String> = log
+                .lines()
+                .map(strip_ansi)
+                .filter(|l| l.contains("partitions") || l.contains("gate "))
+                .collect();
+            format!(
+                "--- {} (owns {:?})\n{}",
+                g.name,
+                g.owned(),
+                lines.join("\n")
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+// ---------------------------------------------------------------- the load
+
+#[derive(Clone, Debug)]
+struct Call {
+    id: String,
+    wf: String,
+    step: u64,
+    tool: &'static str,
+    sent: Instant,
+}
+
+/// Workflow ids spread over every partition (by the canonical partitioner).
+fn workflows(tag: &str, per_partition: usize) -> Vec<String> {
+    let mut by_p: BTreeMap<i32, Vec<String>> = BTreeMap::new();
+    let mut i = 0;
+    while by_p.len() < PARTITIONS as usize || by_p.values().any(|v| v.len() < per_partition) {
+        let wf = format!("{tag}-wf{i}");
+        let p = by_p.entry(partition_for(&wf, PARTITIONS)).or_default();
+        if p.len() < per_partition {
+            p.push(wf);
+        }
+        i += 1;
+    }
+    by_p.into_values().flatten().collect()
+}
+
+fn agent_producer(brokers: &str) -> FutureProducer {
+    ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("linger.ms", "0")
+        .set("partitioner", "murmur2_random")
+        // A retried send across a broker outage must not publish the intent
+        // twice (that would be a second call with the same call_id).
+        .set("enable.idempotence", "true")
+        .set("message.max.bytes", "4194304")
+        .create()
+        .unwrap()
+}
+
+/// An agent publishing intents at a steady pace until stopped.
+struct Load {
+    started: Instant,
+    calls: Arc<Mutex<Vec<Call>>>,
+    undelivered: Arc<AtomicUsize>,
+    stop: Arc<AtomicBool>,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Load {
+    fn start(brokers: &str, intents: &str, tag: &str) -> Load {
+        let started = Instant::now();
+        let producer = agent_producer(brokers);
+        let wfs = workflows(tag, 6);
+        let calls = Arc::new(Mutex::new(Vec::new()));
+        let undelivered = Arc::new(AtomicUsize::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (c, u, st, topic, tag) = (
+            calls.clone(),
+            undelivered.clone(),
+            stop.clone(),
+            intents.to_owned(),
+            tag.to_owned(),
+        );
+        let task = tokio::spawn(async move {
+            let mut n: usize = 0;
+            while !st.load(Ordering::SeqCst) {
+                let wf = wfs[n % wfs.len()].clone();
+                let step = (n / wfs.len()) as u64;
+                let tool = if (n + n / wfs.len()) % 2 == 0 {
+                    UNKEYED
+                } else {
+                    KEYED
+                };
+                let id = format!("{tag}-{n}");
+                let mut send = vec![(id.clone(), json!({"n": n}))];
+                if n % 8 == 3 {
+                    // A rephrased repeat while the step is in flight.
+                    send.push((format!("{id}-r"), json!({"n": n, "again": true})));
+                }
+                for (id, args) in send {
+                    let payload = intent(&wf, step, tool, args, &id).to_string();
+                    c.lock().unwrap().push(Call {
+                        id,
+                        wf: wf.clone(),
+                        step,
+                        tool,
+                        sent: Instant::now(),
+                    });
+                    let fut = loop {
+                        match producer
+                            .send_result(FutureRecord::to(&topic).key(&wf).payload(&payload))
+                        {
+                            Ok(f) => break f,
+                            // Queue full (the broker is away): wait, keep order.
+                            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+                        }
+                    };
+                    let u = u.clone();
+                    tokio::spawn(async move {
+                        if !matches!(fut.await, Ok(Ok(_))) {
+                            u.fetch_add(1, Ordering::SeqCst);
+                        }
+                    });
+                }
+                n += 1;
+                tokio::time::sleep(Duration::from_millis(25)).await;
+            }
+        });
+        Load {
+            started,
+            calls,
+            undelivered,
+            stop,
+            task: Some(task),
+        }
+    }
+
+    fn sent(&self) -> Vec<Call> {
+        self.calls.lock().unwrap().clone()
+    }
+
+    async fn stop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(t) = self.task.take() {
+            t.await.unwrap();
+        }
+    }
+}
+
+impl Drop for Load {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+    }
+}
+
+fn answers(results: &TopicReader) -> HashMap<String, Vec<ToolResult>> {
+    let mut out: HashMap<String, Vec<ToolResult>> = HashMap::new();
+    for r in results.all() {
+        let t: ToolResult =
+            serde_json::from_value(r.value.clone()).expect("every result is a Result v1");
+        out.entry(t.call_id.clone().unwrap_or_default())
+            .or_default()
+            .push(t);
+    }
+    out
+}
+
+/// Calls sent and not yet answered.
+fn in_flight(load: &Load, results: &TopicReader) -> usize {
+    let a = answers(results);
+    load.sent()
+        .iter()
+        .filter(|c| !a.contains_key(&c.id))
+        .count()
+}
+
+/// Wait until `n` more calls sent after `since` (and matching `filter`) are answered.
+async fn answered_after(
+    load: &Load,
+    results: &TopicReader,
+    since: Instant,
+    n: usize,
+    filter: impl Fn(&Call) -> bool,
+) -> bool {
+    wait_until(WAIT, || {
+        let a = answers(results);
+        load.sent()
+            .iter()
+            .filter(|c| c.sent >= since && filter(c) && a.contains_key(&c.id))
+            .count()
+            >= n
+    })
+    .await
+}
+
+struct Summary {
+    scenario: String,
+    in_flight: usize,
+    sent: usize,
+    answered: usize,
+    dup_unkeyed: usize,
+    dup_keyed: usize,
+    dup_answers: usize,
+    lost: usize,
+    ok: usize,
+    in_doubt: usize,
+    running: bool,
+    violations: Vec<String>,
+    extra: String,
+}
+
+impl Summary {
+    fn print_and_assert(&self) {
+        println!(
+            "FAULTS | {} | in flight at the fault: {} | sent: {} | answered: {} | duplicate effects unkeyed/keyed: {}/{} | duplicate answers: {} | lost: {} | ok {} in_doubt {} | stepgate kept running: {} | {}",
+            self.scenario,
+            self.in_flight,
+            self.sent,
+            self.answered,
+            self.dup_unkeyed,
+            self.dup_keyed,
+            self.dup_answers,
+            self.lost,
+            self.ok,
+            self.in_doubt,
+            if self.running { "yes" } else { "NO" },
+            self.extra,
+        );
+        assert_eq!(self.lost, 0, "{}: intents lost", self.scenario);
+        assert_eq!(
+            self.dup_answers, 0,
+            "{}: a call_id answered twice",
+            self.scenario
+        );
+        assert_eq!(
+            self.dup_unkeyed, 0,
+            "{}: an unkeyed step ran twice",
+            self.scenario
+        );
+        assert_eq!(
+            self.dup_keyed, 0,
+            "{}: a keyed step took effect twice",
+            self.scenario
+        );
+        assert!(
+            self.violations.is_empty(),
+            "{}: {:#?}",
+            self.scenario,
+            self.violations
+        );
+        assert!(self.running, "{}: stepgate stopped", self.scenario);
+    }
+}
+
+/// Stop the load, wait for every answer, and count.
+async fn settle(
+    scenario: &str,
+    s: &Stack,
+    load: &mut Load,
+    results: &TopicReader,
+    in_flight_at_fault: usize,
+    fault_at: Instant,
+) -> Summary {
+    load.stop().await;
+    let calls = load.sent();
+    let all_answered = wait_until(Duration::from_secs(240), || {
+        let a = answers(results);
+        calls.iter().all(|c| a.contains_key(&c.id))
+    })
+    .await;
+    // A window for late duplicates (e.g. a zombie's) to show; passing never
+    // depends on it.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let a = answers(results);
+    let mut violations = Vec::new();
+    let (mut answered, mut lost, mut dup_answers, mut ok, mut in_doubt) = (0, 0, 0, 0, 0);
+    let mut by_step: BTreeMap<(String, u64, &str), Vec<&ToolResult>> = BTreeMap::new();
+    let (mut doubt_at, mut doubt_parts) = (Vec::new(), BTreeSet::new());
+    let mut doubt_msg = String::new();
+    for c in &calls {
+        match a.get(&c.id).map(Vec::as_slice) {
+            None | Some([]) => lost += 1,
+            Some(rs) => {
+                answered += 1;
+                if rs.len() > 1 {
+                    dup_answers += 1;
+                    violations.push(format!("{} answered {} times: {rs:?}", c.id, rs.len()));
+                }
+                let r = &rs[0];
+                match r.status {
+                    Status::Ok => ok += 1,
+                    Status::InDoubt if c.tool == UNKEYED => {
+                        in_doubt += 1;
+                        if doubt_msg.is_empty() {
+                            doubt_msg = format!("{} {:?}", c.id, r.error);
+                        }
+                        let at = if c.sent >= fault_at {
+                            (c.sent - fault_at).as_secs_f64()
+                        } else {
+                            -(fault_at - c.sent).as_secs_f64()
+                        };
+                        doubt_at.push(at);
+                        doubt_parts.insert(partition_for(&c.wf, PARTITIONS));
+                    }
+                    _ => violations.push(format!("{}: unexpected answer {r:?}", c.id)),
+                }
+                if (r.workflow_id.as_str(), r.step_index, r.tool.as_str())
+                    != (c.wf.as_str(), c.step, c.tool)
+                {
+                    violations.push(format!("{}: answer for another step {r:?}", c.id));
+                }
+                by_step
+                    .entry((c.wf.clone(), c.step, c.tool))
+                    .or_default()
+                    .push(r);
+            }
+        }
+    }
+    if !all_answered {
+        violations.push(format!("{lost} calls never answered in 240 s"));
+    }
+    for (key, rs) in &by_step {
+        let firsts: Vec<&&ToolResult> = rs.iter().filter(|r| !r.deduplicated).collect();
+        if firsts.len() != 1 {
+            violations.push(format!(
+                "{key:?}: {} answers say they caused the invocation: {rs:?}",
+                firsts.len()
+            ));
+            continue;
+        }
+        for r in rs {
+            let mut same = (*r).clone();
+            same.call_id = firsts[0].call_id.clone();
+            same.deduplicated = false;
+            if &same != *firsts[0] {
+                violations.push(format!("{key:?}: answers differ: {rs:?}"));
+                break;
+            }
+        }
+    }
+    let late_doubt = doubt_at.iter().filter(|t| **t > 1.0).count();
+    if late_doubt > 0 {
+        // Doubt about calls the fault cannot have cut off: keep the logs.
+        let keep = std::env::temp_dir().join(format!("stepgate-faults-{}", s.prefix));
+        std::fs::create_dir_all(&keep).unwrap();
+        for e in std::fs::read_dir(s.dir.path()).unwrap().flatten() {
+            if e.path().extension().is_some_and(|x| x == "log") {
+                let _ = std::fs::copy(e.path(), keep.join(e.file_name()));
+            }
+        }
+        println!(
+            "{scenario}: {in_doubt} in doubt ({late_doubt} sent over 1 s after the fault), first: {doubt_msg}; logs kept in {}",
+            keep.display()
+        );
+    }
+    let undelivered = load.undelivered.load(Ordering::SeqCst);
+    if undelivered > 0 {
+        violations.push(format!(
+            "{undelivered} intents the agent's producer failed to deliver"
+        ));
+    }
+    Summary {
+        scenario: scenario.into(),
+        in_flight: in_flight_at_fault,
+        sent: calls.len(),
+        answered,
+        dup_unkeyed: duplicate_unkeyed(&s.tools, UNKEYED),
+        dup_keyed: duplicate_keyed(&s.tools, KEYED),
+        dup_answers,
+        lost,
+        ok,
+        in_doubt,
+        running: true,
+        violations,
+        extra: format!(
+            "invocations unkeyed {} keyed {} (keyed effects {}){}",
+            s.tools.count(UNKEYED),
+            s.tools.count(KEYED),
+            s.tools.effects(KEYED),
+            if doubt_at.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    ", in-doubt steps sent {:+.1}..{:+.1} s from the fault, partitions {doubt_parts:?}",
+                    doubt_at.iter().copied().fold(f64::MAX, f64::min),
+                    doubt_at.iter().copied().fold(f64::MIN, f64::max)
+                )
+            }
+        ),
+    }
+}
+
+fn tool_delay(s: &Stack) {
+    for t in [UNKEYED, KEYED] {
+        s.tools
+            .script(t, vec![Reply::Delay(Duration::from_millis(150))]);
+    }
+}
+
+async fn warm_up(load: &Load, results: &TopicReader) {
+    assert!(
+        answered_after(load, results, load.started, 60, |_| true).await,
+        "the load is answered before the fault"
+    );
+}
+
+// ---------------------------------------------------------------- 1. gate killed
+
+/// Three gates; one is killed (SIGKILL) and kept down past the session timeout,
+/// so its partitions move and the survivors restore them from the changelog;
+/// then it comes back, takes partitions back, and restores them again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gate_killed_past_the_session_timeout_under_load() {
+    let _serial = SERIAL.lock().await;
+    let s = Stack::new(options(None, "2s")).await;
+    tool_delay(&s);
+    let mut gates: Vec<Gate> = ["a", "b", "c"].iter().map(|n| Gate::start(&s, n)).collect();
+    for g in &gates {
+        wait_ready(&g.http).await;
+    }
+    let results = s.agent().results;
+    let mut load = Load::start(&s.config.kafka.brokers, &s.topic("intents"), "k");
+    warm_up(&load, &results).await;
+    let all: BTreeSet<i32> = (0..PARTITIONS).collect();
+    assert!(
+        wait_until(WAIT, || {
+            gates.iter().flat_map(Gate::owned).collect::<BTreeSet<_>>() == all
+        })
+        .await,
+        "every partition owned"
+    );
+    let victim = (0..gates.len())
+        .max_by_key(|i| gates[*i].owned().len())
+        .unwrap();
+    let moved = gates[victim].owned();
+    let survivors: Vec<usize> = (0..gates.len()).filter(|i| *i != victim).collect();
+    let mut restored_before = 0.0;
+    for i in &survivors {
+        restored_before += gates[*i]
+            .metric("stepgate_state_restored_records_total")
+            .await
+            .unwrap();
+    }
+
+    let in_flight_at_fault = in_flight(&load, &results);
+    let killed_at = Instant::now();
+    let fault_at = killed_at;
+    gates[victim].sigkill();
+    assert!(
+        wait_until(WAIT, || {
+            survivors
+                .iter()
+                .flat_map(|i| gates[*i].owned())
+                .collect::<BTreeSet<_>>()
+                == all
+        })
+        .await,
+        "the survivors take the killed gate's partitions {moved:?}"
+    );
+    let moved_after = killed_at.elapsed();
+    // The new owners replay the moved partitions' changelog before serving them.
+    let mut restored_after = restored_before;
+    let deadline = Instant::now() + WAIT;
+    while restored_after <= restored_before && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        restored_after = 0.0;
+        for i in &survivors {
+            restored_after += gates[*i]
+                .metric("stepgate_state_restored_records_total")
+                .await
+                .unwrap_or(0.0);
+        }
+    }
+    assert!(
+        restored_after > restored_before,
+        "a survivor restored the moved partitions from the changelog ({restored_before} → {restored_after}):\n{}",
+        partition_lines(&gates)
+    );
+    // The survivors answer new intents of the moved partitions.
+    assert!(
+        answered_after(&load, &results, Instant::now(), 20, |c| moved
+            .contains(&partition_for(&c.wf, PARTITIONS)))
+        .await,
+        "the moved partitions are served"
+    );
+    let down_for = killed_at.elapsed();
+
+    // Back: partitions return to it, and it restores what the others wrote.
+    gates[victim].spawn();
+    wait_ready(&gates[victim].http).await;
+    let back = &gates[victim];
+    assert!(
+        wait_until(WAIT, || !back.owned().is_empty()).await,
+        "the restarted gate gets partitions back"
+    );
+    let mut restored_on_return = 0.0;
+    let deadline = Instant::now() + WAIT;
+    while restored_on_return == 0.0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        restored_on_return = back
+            .metric("stepgate_state_restored_records_total")
+            .await
+            .unwrap_or(0.0);
+    }
+    assert!(
+        restored_on_return > 0.0,
+        "the returning gate replays what the others committed"
+    );
+    assert!(answered_after(&load, &results, Instant::now(), 60, |_| true).await);
+
+    let mut sum = settle(
+        "gate SIGKILLed, down past the session timeout (6 s), restarted",
+        &s,
+        &mut load,
+        &results,
+        in_flight_at_fault,
+        fault_at,
+    )
+    .await;
+    sum.running = gates.iter_mut().all(Gate::alive);
+    sum.extra = format!(
+        "{}; partitions {moved:?} moved after {:.1} s, killed gate down {:.1} s, survivors restored {} records, returning gate {}",
+        sum.extra,
+        moved_after.as_secs_f64(),
+        down_for.as_secs_f64(),
+        restored_after - restored_before,
+        restored_on_return
+    );
+    sum.print_and_assert();
+}
+
+// ---------------------------------------------------------------- 2. zombie
+
+/// Two gates; one is frozen (SIGSTOP) with calls in flight past the session
+/// timeout and the transaction timeout, the other takes over and settles its
+/// steps; then the frozen one resumes (SIGCONT) with outcomes and a batch of a
+/// generation that is gone: whatever it tries to commit is fenced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_zombie_gate_is_fenced() {
+    let _serial = SERIAL.lock().await;
+    let s = Stack::new(options(None, "2s")).await;
+    tool_delay(&s);
+    let mut gates: Vec<Gate> = ["a", "b"].iter().map(|n| Gate::start(&s, n)).collect();
+    for g in &gates {
+        wait_ready(&g.http).await;
+    }
+    let results = s.agent().results;
+    let mut load = Load::start(&s.config.kafka.brokers, &s.topic("intents"), "z");
+    warm_up(&load, &results).await;
+    let all: BTreeSet<i32> = (0..PARTITIONS).collect();
+    assert!(
+        wait_until(WAIT, || {
+            gates[0].owned().len() + gates[1].owned().len() == all.len()
+                && !gates[0].owned().is_empty()
+                && !gates[1].owned().is_empty()
+        })
+        .await,
+        "both gates own partitions"
+    );
+    let (zombie, other) = (0, 1);
+    let moved = gates[zombie].owned();
+    let invocations_before = s.tools.count(UNKEYED) + s.tools.count(KEYED);
+
+    let in_flight_at_fault = in_flight(&load, &results);
+    let stopped_at = Instant::now();
+    let fault_at = stopped_at;
+    let before_stop: Vec<Call> = load.sent();
+    gates[zombie].signal("-STOP");
+    let taken = wait_until(WAIT, || gates[other].owned() == all).await;
+    if !taken {
+        gates[zombie].signal("-CONT");
+    }
+    assert!(taken, "the other gate takes every partition");
+    let moved_after = stopped_at.elapsed();
+    // Everything the zombie had taken in is settled by the other gate (its
+    // in-flight calls in doubt or re-run with their key), and its open
+    // transaction outlives the transaction timeout (10 s).
+    let settled = wait_until(WAIT, || {
+        let a = answers(&results);
+        stopped_at.elapsed() > Duration::from_secs(12)
+            && before_stop.iter().all(|c| a.contains_key(&c.id))
+    })
+    .await;
+    if !settled {
+        gates[zombie].signal("-CONT");
+    }
+    assert!(settled, "the other gate settles the zombie's steps");
+    let stopped_for = stopped_at.elapsed();
+    let answers_at_resume = results.all().len();
+
+    let log_at_resume = gates[zombie].log().len();
+    gates[zombie].signal("-CONT");
+    let z = &gates[zombie];
+    // The zombie finds out: its session fails or its partitions are revoked,
+    // and it rejoins the group.
+    assert!(
+        wait_until(WAIT, || {
+            let log = z.log();
+            let after = strip_ansi(&log[log_at_resume.min(log.len())..]);
+            (after.contains("gate session failed") || after.contains("partitions revoked"))
+                && !owned_from_log(&after).is_empty()
+        })
+        .await,
+        "the zombie notices and rejoins:\n{}\n{}",
+        z.log(),
+        partition_lines(&gates)
+    );
+    let zlog = strip_ansi(&z.log()[log_at_resume..]);
+    let fenced: Vec<&str> = zlog
+        .lines()
+        .filter(|l| {
+            l.contains("session failed")
+                || l.contains("revoked")
+                || l.to_lowercase().contains("fenc")
+        })
+        .take(3)
+        .collect();
+    println!("zombie after SIGCONT:\n{}", fenced.join("\n"));
+    assert!(answered_after(&load, &results, Instant::now(), 60, |_| true).await);
+    let late = gates[other]
+        .metric("stepgate_late_outcomes_total")
+        .await
+        .unwrap_or(0.0)
+        + gates[zombie]
+            .metric("stepgate_late_outcomes_total")
+            .await
+            .unwrap_or(0.0);
+
+    let mut sum = settle(
+        "zombie: SIGSTOP past the session timeout, SIGCONT",
+        &s,
+        &mut load,
+        &results,
+        in_flight_at_fault,
+        fault_at,
+    )
+    .await;
+    sum.running = gates.iter_mut().all(Gate::alive);
+    sum.extra = format!(
+        "{}; partitions {moved:?} moved after {:.1} s, zombie frozen {:.1} s, {} invocations before the freeze, {} answers before the resume, late outcomes {late}",
+        sum.extra,
+        moved_after.as_secs_f64(),
+        stopped_for.as_secs_f64(),
+        invocations_before,
+        answers_at_resume,
+    );
+    sum.print_and_assert();
+}
+
+// ---------------------------------------------------------------- 3. broker killed
+
+/// A single-node broker of the test's own (ports 29092/29093, its own data
+/// directory), so the shared one is never touched.
+struct Broker {
+    dir: tempfile::TempDir,
+}
+
+const BROKER: &str = "127.0.0.1:29092";
+
+impl Broker {
+    fn script(&self, action: &str) -> std::process::Output {
+        Command::new("bash")
+            .arg(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/deploy/local/kafka.sh"
+            ))
+            .arg(action)
+            .env("KAFKA_PORT", "29092")
+            .env("KAFKA_CONTROLLER_PORT", "29093")
+            .env("KAFKA_DATA_DIR", self.dir.path())
+            .output()
+            .expect("kafka.sh runs")
+    }
+
+    fn start(&self) {
+        let out = self.script("start");
+        assert!(
+            out.status.success(),
+            "kafka.sh start: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    /// SIGKILL the broker (no controlled shutdown) and wait until it is gone.
+    fn kill_9(&self) {
+        let pid = std::fs::read_to_string(self.dir.path().join("kafka.pid"))
+            .unwrap()
+            .trim()
+            .to_owned();
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        assert!(
+            String::from_utf8_lossy(&cmdline).contains("kafka.Kafka")
+                && String::from_utf8_lossy(&cmdline)
+                    .contains(&self.dir.path().display().to_string()),
+            "pid {pid} is this test's broker"
+        );
+        assert!(
+            Command::new("kill")
+                .args(["-KILL", &pid])
+                .status()
+                .unwrap()
+                .success()
+        );
+        let gone = Instant::now() + Duration::from_secs(30);
+        while std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            assert!(Instant::now() < gone, "broker {pid} still there");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Broker {
+    fn drop(&mut self) {
+        let _ = self.script("stop");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_broker_killed_under_load() {
+    let _serial = SERIAL.lock().await;
+    let long = std::env::var("STEPGATE_LONG_FAULTS").as_deref() == Ok("1");
+    let outage = Duration::from_secs(if long { 30 } else { 10 });
+    let broker = Broker {
+        dir: tempfile::tempdir().unwrap(),
+    };
+    broker.start();
+    let mut s = Stack::new(options(Some(BROKER.into()), "10s")).await;
+    tool_delay(&s);
+    s.start().await;
+    let results = s.agent().results;
+    let mut load = Load::start(BROKER, &s.topic("intents"), "br");
+    warm_up(&load, &results).await;
+
+    let in_flight_at_fault = in_flight(&load, &results);
+    let invocations_at_fault = s.tools.count(UNKEYED) + s.tools.count(KEYED);
+    let fault_at = Instant::now();
+    let sent_at_kill = load.sent().len();
+    broker.kill_9();
+    let killed_at = Instant::now();
+    // The outage itself (not a wait for a condition): the load goes on
+    // publishing into the agent's producer, the calls running finish.
+    tokio::time::sleep(outage).await;
+    broker.start();
+    let sent_during_outage = load.sent().len();
+    let down_for = killed_at.elapsed();
+    let back_at = Instant::now();
+    let recovered =
+        answered_after(&load, &results, load.started, sent_during_outage, |_| true).await;
+    let recovery = back_at.elapsed();
+    assert!(
+        recovered,
+        "stepgate answers again after the broker is back:\n{}",
+        s.log()
+    );
+    assert!(answered_after(&load, &results, Instant::now(), 60, |_| true).await);
+
+    let mut sum = settle(
+        &format!("broker SIGKILLed for {} s under load", outage.as_secs()),
+        &s,
+        &mut load,
+        &results,
+        in_flight_at_fault,
+        fault_at,
+    )
+    .await;
+    sum.running = s.child.as_mut().unwrap().try_wait().unwrap().is_none();
+    sum.extra = format!(
+        "{}; broker down {:.1} s (restarted after {} s), {} intents published while it was down, {} invocations before the kill, everything sent until the restart answered {:.1} s after it, stepgate never restarted",
+        sum.extra,
+        down_for.as_secs_f64(),
+        outage.as_secs(),
+        sent_during_outage - sent_at_kill,
+        invocations_at_fault,
+        recovery.as_secs_f64()
+    );
+    sum.print_and_assert();
+}
+
+// ---------------------------------------------------------------- 4. poison
+
+/// Kafka headers with raw (possibly non-UTF-8) names: rdkafka's `OwnedHeaders`
+/// only takes `&str` names, so through librdkafka's C API.
+fn raw_headers(headers: &[(&[u8], &[u8])]) -> OwnedHeaders {
+    let h = OwnedHeaders::new();
+    let ptr =
+        h.as_borrowed() as *const BorrowedHeaders as *mut rdkafka::bindings::rd_kafka_headers_t;
+    for (name, value) in headers {
+        // SAFETY: `ptr` is the live, writable header list `h` owns; librdkafka
+        // copies name and value.
+        let err = unsafe {
+            rdkafka::bindings::rd_kafka_header_add(
+                ptr,
+                name.as_ptr().cast(),
+                name.len() as isize,
+                value.as_ptr().cast(),
+                value.len() as isize,
+            )
+        };
+        assert_eq!(
+            err,
+            rdkafka::bindings::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR
+        );
+    }
+    h
+}
+
+struct Poison {
+    name: &'static str,
+    payload: Vec<u8>,
+    headers: Vec<(&'static [u8], &'static [u8])>,
+    /// The DLQ reason it must get (None: a valid intent, answered normally).
+    reason: Option<&'static str>,
+    /// The call id a rejected answer must reach.
+    call_id: Option<&'static str>,
+}
+
+fn nested(depth: usize) -> Value {
+    let mut v = json!(1);
+    for _ in 0..depth {
+        v = json!({ "a": v });
+    }
+    v
+}
+
+fn poisons() -> Vec<Poison> {
+    let mut not_utf8 = Vec::with_capacity(900 * 1024);
+    while not_utf8.len() < 900 * 1024 {
+        not_utf8.extend_from_slice(&[0xff, 0xfe, 0x80, 0xc3, 0x00]);
+    }
+    not_utf8.truncate(900 * 1024);
+    let big = "x".repeat(1_200_000);
+    let p = |v: Value| v.to_string().into_bytes();
+    vec![
+        Poison {
+            name: "900 KiB of non-UTF-8 bytes",
+            payload: not_utf8,
+            headers: vec![],
+            reason: Some("malformed_json"),
+            call_id: None,
+        },
+        Poison {
+            name: "valid intent, header name 0xff 0xfe",
+            payload: p(intent("poison-hdr", 1, KEYED, json!({"h": 1}), "p-hdr")),
+            headers: vec![(b"\xff\xfe", b"x")],
+            reason: None,
+            call_id: Some("p-hdr"),
+        },
+        Poison {
+            name: "malformed JSON",
+            payload: br#"{"workflow_id": "poison-json", "step_index": 1, "tool": "#.to_vec(),
+            headers: vec![],
+            reason: Some("malformed_json"),
+            call_id: None,
+        },
+        Poison {
+            name: "wrong-typed step_index (\"two\")",
+            payload: p(
+                json!({"workflow_id": "poison-type", "step_index": "two", "tool": KEYED, "arguments": {}, "call_id": "p-type1"}),
+            ),
+            headers: vec![],
+            reason: Some("wrong_type"),
+            call_id: None,
+        },
+        Poison {
+            name: "wrong-typed arguments (a string)",
+            payload: p(
+                json!({"workflow_id": "poison-type", "step_index": 2, "tool": KEYED, "arguments": "hi", "call_id": "p-type2"}),
+            ),
+            headers: vec![],
+            reason: Some("wrong_type"),
+            call_id: Some("p-type2"),
+        },
+        Poison {
+            name: "unknown tool",
+            payload: p(intent("poison-tool", 1, "chrage", json!({}), "p-tool")),
+            headers: vec![],
+            reason: Some("unknown_tool"),
+            call_id: Some("p-tool"),
+        },
+        Poison {
+            name: "oversized (1.2 MB, over gate.max_intent_bytes)",
+            payload: p(intent(
+                "poison-big",
+                1,
+                KEYED,
+                json!({"body": big}),
+                "p-big",
+            )),
+            headers: vec![],
+            reason: Some("oversized"),
+            call_id: Some("p-big"),
+        },
+        Poison {
+            name: "arguments nested 70 deep",
+            payload: p(intent("poison-deep", 1, KEYED, nested(70), "p-deep")),
+            headers: vec![],
+            reason: Some("too_deep"),
+            call_id: Some("p-deep"),
+        },
+    ]
+}
+
+/// Poison records published to `intents` one after another among a steady
+/// stream of valid intents: each lands on the DLQ (with a model-readable
+/// `rejected` answer when its call can be addressed), and the others keep
+/// being answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poison_inputs_under_load() {
+    let _serial = SERIAL.lock().await;
+    let mut s = Stack::new(options(None, "2s")).await;
+    tool_delay(&s);
+    s.start().await;
+    let results = s.agent().results;
+    let dlq = s.reader("dlq");
+    let mut load = Load::start(&s.config.kafka.brokers, &s.topic("intents"), "p");
+    warm_up(&load, &results).await;
+    let producer = agent_producer(&s.config.kafka.brokers);
+    let intents = s.topic("intents");
+    let first_in_flight = in_flight(&load, &results);
+    let first_published = Instant::now();
+    let mut rows = Vec::new();
+    for poison in poisons() {
+        let in_flight_now = in_flight(&load, &results);
+        let key = "poison-key".to_owned();
+        let mut rec = FutureRecord::to(&intents)
+            .key(&key)
+            .payload(&poison.payload);
+        if !poison.headers.is_empty() {
+            rec = rec.headers(raw_headers(&poison.headers));
+        }
+        let delivered = producer
+            .send(rec, Duration::from_secs(30))
+            .await
+            .map_err(|(e, _)| e)
+            .expect("the poison is published");
+        let published_at = Instant::now();
+        let dlq_record = if let Some(reason) = poison.reason {
+            let found = wait_until(WAIT, || {
+                dlq.all().iter().any(|r| {
+                    r.value["partition"] == delivered.partition
+                        && r.value["offset"] == delivered.offset
+                })
+            })
+            .await;
+            assert!(found, "{}: no DLQ record\n{}", poison.name, s.log());
+            let r = dlq
+                .all()
+                .into_iter()
+                .find(|r| {
+                    r.value["partition"] == delivered.partition
+                        && r.value["offset"] == delivered.offset
+                })
+                .unwrap();
+            assert_eq!(r.value["reason"], reason, "{}: {:?}", poison.name, r.value);
+            assert_eq!(r.key.as_deref(), Some(key.as_bytes()), "the key is kept");
+            assert_eq!(
+                r.value["payload_bytes"],
+                poison.payload.len(),
+                "{}",
+                poison.name
+            );
+            Some(r)
+        } else {
+            None
+        };
+        let answer = match poison.call_id {
+            Some(id) => {
+                assert!(
+                    wait_until(WAIT, || answers(&results).contains_key(id)).await,
+                    "{}: no answer for {id}\n{}",
+                    poison.name,
+                    s.log()
+                );
+                let a = answers(&results)[id][0].clone();
+                match poison.reason {
+                    Some(reason) => {
+                        assert_eq!(a.status, Status::Rejected, "{a:?}");
+                        let e = a.error.clone().unwrap();
+                        assert_eq!(e.kind, reason, "{a:?}");
+                        assert!(
+                            e.message.contains("nothing was performed"),
+                            "model-readable: {}",
+                            e.message
+                        );
+                    }
+                    None => assert_eq!(a.status, Status::Ok, "{a:?}"),
+                }
+                Some(a)
+            }
+            None => None,
+        };
+        // The others keep being answered.
+        assert!(
+            answered_after(&load, &results, published_at, 20, |_| true).await,
+            "{}: the gate goes on\n{}",
+            poison.name,
+            s.log()
+        );
+        let running = s.child.as_mut().unwrap().try_wait().unwrap().is_none();
+        rows.push((
+            poison.name,
+            in_flight_now,
+            dlq_record
+                .map(|r| {
+                    format!(
+                        "DLQ {} (payload_bytes {}, truncated {}, encoding {})",
+                        r.value["reason"].as_str().unwrap_or("?"),
+                        r.value["payload_bytes"],
+                        r.value["payload_truncated"],
+                        r.value["payload_encoding"].as_str().unwrap_or("utf-8")
+                    )
+                })
+                .unwrap_or_else(|| "not dead-lettered (valid)".into()),
+            answer
+                .map(|a| match a.error {
+                    Some(e) => format!("answer {:?} {}", a.status, e.kind),
+                    None => format!("answer {:?}", a.status),
+                })
+                .unwrap_or_else(|| "no answer (no call addressable)".into()),
+            running,
+        ));
+    }
+    let mut sum = settle(
+        "poison inputs among valid intents",
+        &s,
+        &mut load,
+        &results,
+        first_in_flight,
+        first_published,
+    )
+    .await;
+    sum.running = s.child.as_mut().unwrap().try_wait().unwrap().is_none();
+    // Each poison call_id answered once; nothing rejected reached a tool.
+    let a = answers(&results);
+    for p in poisons() {
+        if let Some(id) = p.call_id
+            && a.get(id).map_or(0, Vec::len) != 1
+        {
+            sum.violations
+                .push(format!("{id} answered {:?}", a.get(id)));
+        }
+    }
+    for tool in [UNKEYED, KEYED] {
+        for c in s.tools.calls(tool) {
+            let wf = step_of(&c).0;
+            if wf.starts_with("poison-") && wf != "poison-hdr" {
+                sum.violations
+                    .push(format!("a rejected intent reached {tool}: {wf}"));
+            }
+        }
+    }
+    for (name, in_flight_then, dlq, answer, running) in &rows {
+        println!(
+            "FAULTS | poison: {name} | in flight when published: {in_flight_then} | {dlq} | {answer} | the next 20 intents answered | duplicate effects unkeyed/keyed: {}/{} (whole run) | lost: {} (whole run) | stepgate kept running: {}",
+            sum.dup_unkeyed,
+            sum.dup_keyed,
+            sum.lost,
+            if *running { "yes" } else { "NO" }
+        );
+    }
+    sum.print_and_assert();
+}
