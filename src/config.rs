@@ -232,6 +232,12 @@ pub struct GateConfig {
     pub fast_path_timeout: Option<Dur>,
     /// Largest accepted intent, in bytes.
     pub max_intent_bytes: usize,
+    /// Refuse an intent found outside its workflow's partition (murmur2 of the
+    /// `workflow_id`, as Kafka's Java client and stepgate's clients partition):
+    /// a step is deduplicated only within one partition, so a retry published
+    /// elsewhere could run again. `false` accepts any partition — only for
+    /// producers with a partitioner of their own that never changes.
+    pub check_partition: bool,
 }
 
 impl Default for GateConfig {
@@ -242,6 +248,7 @@ impl Default for GateConfig {
             in_doubt_grace: dur("30s"),
             fast_path_timeout: None,
             max_intent_bytes: 1024 * 1024,
+            check_partition: true,
         }
     }
 }

@@ -220,6 +220,8 @@ url = "http://{tools_addr}/search_orders"
 
     let producer: FutureProducer = ClientConfig::new()
         .set("bootstrap.servers", &brokers)
+        // The canonical partitioner (Java's), as every agent must use.
+        .set("partitioner", "murmur2_random")
         .set("linger.ms", "0")
         .create()?;
     let consumer: StreamConsumer = ClientConfig::new()

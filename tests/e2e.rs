@@ -387,15 +387,18 @@ async fn sigterm_finishes_the_call_in_flight_and_commits_it() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn answers_go_to_the_intents_partition_whatever_the_partitioner() {
+async fn an_intent_outside_its_workflows_partition_is_refused_in_the_partition_it_reached() {
     let mut s = Stack::new(StackOptions::default()).await;
     s.start().await;
     let agent = s.agent();
+    let owner = stepgate::contract::partition_for("same-key", 4);
+    // One step published to every partition, as four clients with different
+    // partitioners would: only the workflow's own partition may run it.
     for p in 0..4 {
         let i = intent(
             "same-key",
-            100 + p as u64,
-            "search",
+            100,
+            "send_email",
             json!({"q": p}),
             &format!("p{p}"),
         );
@@ -414,10 +417,23 @@ async fn answers_go_to_the_intents_partition_whatever_the_partitioner() {
     for p in 0..4 {
         agent.answer(&format!("p{p}"), WAIT).await;
         let (partition, r) = agent.answers(&format!("p{p}")).remove(0);
-        assert_eq!(partition, p, "answered in the intent's partition");
-        assert_eq!(r.status, Status::Ok);
+        assert_eq!(partition, p, "answered in the partition the intent reached");
+        if p == owner {
+            assert_eq!(r.status, Status::Ok);
+        } else {
+            assert_eq!(r.status, Status::Rejected);
+            let e = r.error.unwrap();
+            assert_eq!(e.kind, "wrong_partition");
+            assert!(
+                e.message.contains("Nothing was performed")
+                    && e.message.contains(&format!("belong to partition {owner}")),
+                "{}",
+                e.message
+            );
+        }
     }
-    let calls = s.tools.calls("search");
+    assert_eq!(s.tools.count("send_email"), 1, "run once, in its partition");
+    let calls = s.tools.calls("send_email");
     assert!(
         calls
             .iter()
@@ -431,6 +447,40 @@ async fn answers_go_to_the_intents_partition_whatever_the_partitioner() {
             .all(|r| r.headers.iter().any(|(k, _)| k == "traceparent")),
         "traceparent reaches the result"
     );
+    let dlq = s.reader("dlq").wait_for(3, WAIT).await;
+    assert!(dlq.iter().all(|r| r.value["reason"] == "wrong_partition"));
+}
+
+/// `gate.check_partition = false`: any partition is accepted (for producers
+/// with a stable partitioner of their own); answers go to the intent's partition.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_partition_check_answers_go_to_the_intents_partition_whatever_the_partitioner()
+{
+    let mut s = Stack::new(StackOptions {
+        gate: "check_partition = false",
+        ..StackOptions::default()
+    })
+    .await;
+    s.start().await;
+    let agent = s.agent();
+    for p in 0..4 {
+        let i = intent(
+            "same-key",
+            100 + p as u64,
+            "search",
+            json!({"q": p}),
+            &format!("p{p}"),
+        );
+        agent
+            .send_raw("same-key", i.to_string().as_bytes(), Some(p), &[])
+            .await;
+    }
+    for p in 0..4 {
+        agent.answer(&format!("p{p}"), WAIT).await;
+        let (partition, r) = agent.answers(&format!("p{p}")).remove(0);
+        assert_eq!(partition, p, "answered in the intent's partition");
+        assert_eq!(r.status, Status::Ok);
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

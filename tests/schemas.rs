@@ -157,11 +157,14 @@ fn all_reasons() -> Vec<RejectionReason> {
         WorkflowEnded,
         BadCommand,
         TooDeep,
+        Unprocessable,
+        WrongPartition,
     ];
     for r in &all {
         match r {
             Oversized | MalformedJson | NotAnObject | MissingField | WrongType | InvalidValue
-            | UnknownTool | WorkflowEnded | BadCommand | TooDeep => {}
+            | UnknownTool | WorkflowEnded | BadCommand | TooDeep | Unprocessable
+            | WrongPartition => {}
         }
     }
     all

@@ -345,6 +345,7 @@ fn dlq_records_never_panic_and_stay_under_the_bound() {
         RejectionReason::BadCommand,
         RejectionReason::TooDeep,
         RejectionReason::Unprocessable,
+        RejectionReason::WrongPartition,
     ];
     let payload = prop_oneof![
         vec(any::<u8>(), 0..512),

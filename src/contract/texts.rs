@@ -172,6 +172,18 @@ impl Texts {
         )
     }
 
+    /// An intent outside its workflow's partition.
+    pub fn wrong_partition(tool: &str, workflow_id: &str, got: i32, owner: i32) -> String {
+        format!(
+            "Nothing was performed: this call of `{tool}` was published to partition {got}, \
+             but the calls of workflow `{workflow_id}` belong to partition {owner}, where its \
+             earlier steps are recorded; run here, it could repeat an action already done. \
+             This is a setup problem of the agent's Kafka client (its partitioner), not of the \
+             call: do not retry it unchanged. Tell the user the tool could not be called \
+             because of a configuration error."
+        )
+    }
+
     /// A new step of a workflow after a `last_step` tool ended it.
     pub fn workflow_ended(
         tool: &str,

@@ -25,6 +25,8 @@ pub enum RejectionReason {
     /// Processing failed again and again on a stored record stepgate cannot
     /// read: the input was set aside so the partition moves on.
     Unprocessable,
+    /// Published to a partition other than its workflow's.
+    WrongPartition,
 }
 
 impl RejectionReason {
@@ -41,6 +43,7 @@ impl RejectionReason {
             RejectionReason::BadCommand => "bad_command",
             RejectionReason::TooDeep => "too_deep",
             RejectionReason::Unprocessable => "unprocessable",
+            RejectionReason::WrongPartition => "wrong_partition",
         }
     }
 }

@@ -51,12 +51,16 @@ pub struct GateSettings {
     pub retention: Duration,
     pub in_doubt_grace: Duration,
     pub max_intent_bytes: usize,
+    pub check_partition: bool,
 }
 
 pub struct GateCore {
     tools: BTreeMap<String, ToolConfig>,
     tool_names: Vec<String>,
     settings: GateSettings,
+    /// Partitions of the intents topic, as the session last read them (None
+    /// until known: no partition check then).
+    intent_partitions: Option<i32>,
     metrics: Arc<Metrics>,
     /// (deadline ms, partition, step): started steps to check.
     due: BTreeSet<(i64, i32, StepKey)>,
@@ -90,10 +94,12 @@ impl GateCore {
         GateCore {
             tools: config.tools.clone(),
             tool_names: config.tool_names(),
+            intent_partitions: None,
             settings: GateSettings {
                 retention: config.state.retention.0,
                 in_doubt_grace: config.gate.in_doubt_grace.0,
                 max_intent_bytes: config.gate.max_intent_bytes,
+                check_partition: config.gate.check_partition,
             },
             metrics,
             due: BTreeSet::new(),
@@ -201,6 +207,26 @@ impl GateCore {
                 return Ok(());
             }
         };
+        // A step is deduplicated within its workflow's partition only.
+        if self.settings.check_partition
+            && let Some(n) = self.intent_partitions
+            && let owner = crate::contract::partition_for(&intent.workflow_id, n)
+            && owner != p
+        {
+            if replayed {
+                return Ok(());
+            }
+            let mut rejection = Rejection::new(
+                RejectionReason::WrongPartition,
+                Texts::wrong_partition(&intent.tool, &intent.workflow_id, p, owner),
+            );
+            rejection.address = Some(crate::contract::Address {
+                step: intent.step_key(),
+                call_id: intent.call_id.clone(),
+            });
+            self.reject(input, rejection, now_ms);
+            return Ok(());
+        }
         let tool = &self.tools[&intent.tool];
         if replayed && tool.recorded() {
             return Ok(());
@@ -538,6 +564,12 @@ impl GateCore {
         );
         let rejection = Rejection::new(RejectionReason::BadCommand, problem.to_owned());
         self.reject(input, rejection, now_ms);
+    }
+
+    /// The intents topic's partition count (read at each session's start and
+    /// assignment: adding partitions moves workflows).
+    pub fn set_intent_partitions(&mut self, n: i32) {
+        self.intent_partitions = Some(n);
     }
 
     /// Set aside an input whose processing keeps failing (`error`): dead-letter

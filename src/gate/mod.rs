@@ -573,6 +573,19 @@ impl Session<'_> {
             RebalanceEvent::Assigned(parts) => {
                 let ps: BTreeSet<i32> = parts.iter().map(|(_, p)| *p).collect();
                 info!(partitions = ?ps, "partitions assigned");
+                // Partitions added to `intents` trigger a rebalance: re-read
+                // the count the partition check uses.
+                let k = self.config.kafka.clone();
+                let intents = k.topics.intents.clone();
+                match tokio::task::spawn_blocking(move || kafka::partition_counts(&k, &[&intents]))
+                    .await
+                {
+                    Ok(Ok(n)) => core.set_intent_partitions(n[0] as i32),
+                    Ok(Err(e)) => {
+                        warn!(error = %e, "could not read the intents topic's partition count; keeping the last one")
+                    }
+                    Err(e) => warn!(error = %e, "partition count task failed"),
+                }
                 self.ever_assigned = true;
                 self.assigned.extend(ps.iter().copied());
                 for p in ps {

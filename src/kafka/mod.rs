@@ -445,11 +445,13 @@ pub async fn commit_txn(producer: &FutureProducer) -> Result<(), KafkaError> {
 }
 
 /// Abort the open transaction, if any; errors are logged (the caller is already
-/// on an error path and recreates the producer).
+/// on an error path and recreates the producer, whose `init_transactions` aborts
+/// whatever is still open). Bounded to a few seconds: the session waits for it
+/// before it restarts, and outcomes wait for the session.
 pub async fn abort_txn(producer: &FutureProducer) {
     let p = producer.clone();
     if let Err(e) =
-        blocking(move || p.abort_transaction(Timeout::After(Duration::from_secs(30)))).await
+        blocking(move || p.abort_transaction(Timeout::After(Duration::from_secs(5)))).await
     {
         tracing::warn!(error = %e, "transaction abort failed");
     }

@@ -648,6 +648,9 @@ impl Agent {
     pub fn new(brokers: &str, intents: &str, results: &str) -> Agent {
         let producer = ClientConfig::new()
             .set("bootstrap.servers", brokers)
+            // Java's partitioner, as stepgate's clients use (the gate refuses an
+            // intent outside its workflow's partition).
+            .set("partitioner", "murmur2_random")
             .set("linger.ms", "0")
             .create()
             .unwrap();

@@ -148,14 +148,11 @@ pub fn build(ns: &str, shape: &Shape, seed: u64) -> Vec<Spec> {
     out
 }
 
-/// The partition of a workflow's intents. Explicit, so that steps loaded into the
-/// changelog (scale mode) are where their repeats arrive.
+/// The partition of a workflow's intents: stepgate's canonical one (the gate
+/// refuses others). Explicit, so that steps loaded into the changelog (scale
+/// mode) are where their repeats arrive.
 pub fn partition_of(workflow: &str, partitions: i32) -> i32 {
-    let mut h: u32 = 0x811c_9dc5;
-    for b in workflow.bytes() {
-        h = (h ^ b as u32).wrapping_mul(0x0100_0193);
-    }
-    (h % partitions.max(1) as u32) as i32
+    stepgate::contract::partition_for(workflow, partitions)
 }
 
 /// Intent v1 JSON; `call_id` carries the intent's index.
