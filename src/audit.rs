@@ -1,13 +1,14 @@
-//! `stepgate audit`: what agents did, reconstructed from the intents and results
-//! topics alone (replayed, read_committed) — never from, or touching, live state.
+//! `stepgate audit`: what agents did, reconstructed from the intents, results
+//! and commands topics alone (replayed, read_committed) — never from, or
+//! touching, live state.
 //!
 //! Per workflow and step: every call, which were repeats, how rephrased repeats
 //! differed (a field-level diff of what the model changed), identical-argument
 //! calls at distinct steps (what an argument hash would have wrongly refused),
-//! in-doubt steps, and latencies.
+//! in-doubt steps and how operators settled them, and latencies.
 
 use crate::config::KafkaConfig;
-use crate::contract::{StepKey, ToolResult};
+use crate::contract::{Action, Command, StepKey, ToolResult};
 use crate::kafka;
 use rdkafka::consumer::Consumer;
 use rdkafka::error::KafkaError;
@@ -72,6 +73,33 @@ pub struct StepAudit {
     /// The status of the step's first answer.
     pub outcome: Option<String>,
     pub in_doubt: bool,
+    /// Operators' decisions about the step (from `commands`), oldest first.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub decisions: Vec<Decision>,
+}
+
+/// An operator's decision about a step, as published on `commands`.
+#[derive(Debug, Clone, Serialize)]
+pub struct Decision {
+    pub id: String,
+    /// `resolve_executed`, `resolve_not_executed`, `approve` or `deny`.
+    pub action: String,
+    pub by: String,
+    pub at: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// The output an operator recorded for a step resolved as executed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub output: Option<Value>,
+}
+
+impl StepAudit {
+    /// The operator's decision that settled an in-doubt step, if any.
+    pub fn resolution(&self) -> Option<&Decision> {
+        self.decisions
+            .iter()
+            .find(|d| d.action.starts_with("resolve_"))
+    }
 }
 
 /// Two calls at distinct steps with identical arguments: both legitimately
@@ -97,6 +125,8 @@ pub struct Summary {
     pub repeats: usize,
     pub rephrased: usize,
     pub in_doubt: usize,
+    /// In-doubt steps an operator resolved (executed or not).
+    pub in_doubt_resolved: usize,
     pub unanswered: usize,
     pub hash_collisions: usize,
     /// Repeats / calls.
@@ -164,7 +194,34 @@ pub fn replay_topic(
 }
 
 /// Build the report from replayed intents and results.
-pub fn build(intents: &[Replayed], results: &[Replayed], query: &AuditQuery) -> AuditReport {
+pub fn build(
+    intents: &[Replayed],
+    results: &[Replayed],
+    commands: &[Replayed],
+    query: &AuditQuery,
+) -> AuditReport {
+    // Each decision once (a command re-sent by its author has the same id).
+    let mut decisions: BTreeMap<StepKey, Vec<Decision>> = BTreeMap::new();
+    for c in commands {
+        let Ok(cmd) = serde_json::from_slice::<Command>(&c.value) else {
+            continue;
+        };
+        let list = decisions.entry(cmd.step.clone()).or_default();
+        if list.iter().any(|d| d.id == cmd.id) {
+            continue;
+        }
+        list.push(Decision {
+            id: cmd.id,
+            action: cmd.action.as_str().to_owned(),
+            by: cmd.by,
+            at: cmd.at,
+            reason: cmd.reason,
+            output: match cmd.action {
+                Action::ResolveExecuted { output } => Some(output),
+                _ => None,
+            },
+        });
+    }
     let mut answers: BTreeMap<String, (ToolResult, i64)> = BTreeMap::new();
     for r in results {
         if let Ok(t) = serde_json::from_slice::<ToolResult>(&r.value)
@@ -202,6 +259,7 @@ pub fn build(intents: &[Replayed], results: &[Replayed], query: &AuditQuery) -> 
                 rephrased: 0,
                 outcome: None,
                 in_doubt: false,
+                decisions: Vec::new(),
             });
         let repeat = !entry.calls.is_empty();
         let changes = match entry.calls.first() {
@@ -238,6 +296,7 @@ pub fn build(intents: &[Replayed], results: &[Replayed], query: &AuditQuery) -> 
             .or(s.calls.iter().find(|c| c.status.is_some()))
             .and_then(|c| c.status.clone());
         s.in_doubt = s.outcome.as_deref() == Some("in_doubt");
+        s.decisions = decisions.remove(&s.step).unwrap_or_default();
         by_wf.entry(s.step.workflow_id.clone()).or_default().push(s);
     }
     let mut summary = Summary::default();
@@ -264,6 +323,10 @@ pub fn build(intents: &[Replayed], results: &[Replayed], query: &AuditQuery) -> 
             summary.repeats += steps.iter().map(|s| s.repeats).sum::<usize>();
             summary.rephrased += steps.iter().map(|s| s.rephrased).sum::<usize>();
             summary.in_doubt += steps.iter().filter(|s| s.in_doubt).count();
+            summary.in_doubt_resolved += steps
+                .iter()
+                .filter(|s| s.in_doubt && s.resolution().is_some())
+                .count();
             summary.unanswered += steps
                 .iter()
                 .flat_map(|s| &s.calls)
@@ -343,7 +406,7 @@ pub fn render_text(report: &AuditReport) -> String {
     let mut o = String::new();
     let _ = writeln!(
         o,
-        "{} workflows, {} steps, {} calls: {} repeats ({:.1}% deduplicated), {} rephrased by the model, {} in doubt, {} unanswered",
+        "{} workflows, {} steps, {} calls: {} repeats ({:.1}% deduplicated), {} rephrased by the model, {} in doubt ({} resolved by an operator), {} unanswered",
         s.workflows,
         s.steps,
         s.calls,
@@ -351,6 +414,7 @@ pub fn render_text(report: &AuditReport) -> String {
         s.dedup_rate * 100.0,
         s.rephrased,
         s.in_doubt,
+        s.in_doubt_resolved,
         s.unanswered
     );
     let _ = writeln!(
@@ -368,12 +432,29 @@ pub fn render_text(report: &AuditReport) -> String {
                 st.step.tool,
                 st.step.attempt,
                 st.outcome.as_deref().unwrap_or("no answer"),
-                if st.in_doubt {
-                    "  ⚠ in doubt: may have run, needs a person"
-                } else {
-                    ""
+                match (st.in_doubt, st.resolution()) {
+                    (true, None) => "  ⚠ in doubt: may have run, needs a person",
+                    (true, Some(_)) => "  (in doubt, then settled by an operator)",
+                    _ => "",
                 }
             );
+            for d in &st.decisions {
+                let _ = writeln!(
+                    o,
+                    "    {} by {} at {}{}{}",
+                    d.action,
+                    d.by,
+                    d.at,
+                    d.output
+                        .as_ref()
+                        .map(|v| format!(", output {v}"))
+                        .unwrap_or_default(),
+                    d.reason
+                        .as_deref()
+                        .map(|r| format!(": {r}"))
+                        .unwrap_or_default()
+                );
+            }
             for c in &st.calls {
                 let _ = writeln!(
                     o,
@@ -573,14 +654,11 @@ mod tests {
                 "completed_at": "2026-11-29T00:00:00.000Z"}),
             ),
         ];
-        let r = build(
-            &intents,
-            &results,
-            &AuditQuery {
-                workflow: Some("w".into()),
-                since_ms: None,
-            },
-        );
+        let query = AuditQuery {
+            workflow: Some("w".into()),
+            since_ms: None,
+        };
+        let r = build(&intents, &results, &[], &query);
         assert_eq!(
             (r.summary.workflows, r.summary.steps, r.summary.calls),
             (1, 3, 4)
@@ -616,6 +694,23 @@ mod tests {
                 && html.contains("workflow <span class=\"lbl\">w</span>")
         );
         assert!(html.contains("class=\"call in_doubt"), "{html}");
+
+        // An operator's resolution (sent twice by its author) shows how the
+        // in-doubt step was settled.
+        let resolve = json!({"id": "cmd-1", "workflow_id": "w", "step_index": 3, "tool": "t", "attempt": 0,
+            "action": "resolve_executed", "output": {"confirmation": "B-7"}, "by": "carol",
+            "at": "2026-11-29T08:41:07.118Z", "reason": "seen in the statement"});
+        let commands = vec![rec(0, 2000, resolve.clone()), rec(1, 2001, resolve)];
+        let r = build(&intents, &results, &commands, &query);
+        assert_eq!((r.summary.in_doubt, r.summary.in_doubt_resolved), (1, 1));
+        let step3 = &r.workflows[0].steps[2];
+        assert_eq!(step3.decisions.len(), 1, "one decision, however often sent");
+        let text = render_text(&r);
+        assert!(!text.contains("⚠ in doubt"), "{text}");
+        assert!(
+            text.contains(r#"resolve_executed by carol at 2026-11-29T08:41:07.118Z, output {"confirmation":"B-7"}: seen in the statement"#),
+            "{text}"
+        );
     }
 
     #[test]

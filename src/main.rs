@@ -188,7 +188,11 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
                 eprintln!();
                 let results = read(&k.topics.results)?;
                 eprintln!();
-                Ok(stepgate::audit::build(&intents, &results, &query))
+                let commands = read(&k.topics.commands)?;
+                eprintln!();
+                Ok(stepgate::audit::build(
+                    &intents, &results, &commands, &query,
+                ))
             })
             .await??;
             let text = match format {

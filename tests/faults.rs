@@ -1224,10 +1224,18 @@ async fn poison_inputs_under_load() {
     let mut rows = Vec::new();
     for poison in poisons() {
         let in_flight_now = in_flight(&load, &results);
-        let key = "poison-key".to_owned();
+        // Keyed and partitioned by its workflow when it names one (the gate
+        // refuses a valid intent outside its workflow's partition).
+        let workflow = serde_json::from_slice::<Value>(&poison.payload)
+            .ok()
+            .and_then(|v| v["workflow_id"].as_str().map(str::to_owned));
+        let key = workflow.clone().unwrap_or_else(|| "poison-key".to_owned());
         let mut rec = FutureRecord::to(&intents)
             .key(&key)
             .payload(&poison.payload);
+        if let Some(wf) = &workflow {
+            rec = rec.partition(stepgate::contract::partition_for(wf, PARTITIONS));
+        }
         if !poison.headers.is_empty() {
             rec = rec.headers(raw_headers(&poison.headers));
         }

@@ -740,15 +740,21 @@ impl GateCore {
         if let Outcome::InDoubt { error } = &outcome {
             self.metrics.in_doubt(&record.step, &error.kind);
         }
+        // A step settled a second time (an operator resolving it) already gave
+        // its first caller a final answer: one final answer per call_id. The
+        // new result answers the step's later calls.
+        let answer_caller = record.result.is_none();
         record.phase = phase;
         let result =
             ToolResult::from_outcome(&record.step, record.call_id.clone(), outcome, at(now_ms));
-        self.outs.push(Out::Result {
-            partition: p,
-            result: result.clone(),
-            traceparent: record.traceparent.clone(),
-            since_ms: record.intent_ts_ms,
-        });
+        if answer_caller {
+            self.outs.push(Out::Result {
+                partition: p,
+                result: result.clone(),
+                traceparent: record.traceparent.clone(),
+                since_ms: record.intent_ts_ms,
+            });
+        }
         for w in record.waiters.drain(..) {
             self.outs.push(Out::Result {
                 partition: p,
