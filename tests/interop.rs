@@ -78,8 +78,17 @@ async fn kcat_publishes_a_raw_intent_line_and_gets_its_answer_in_that_partition(
     let mut s = Stack::new(StackOptions::default()).await;
     s.start().await;
     let agent = s.agent();
+    let owner = stepgate::contract::partition_for("wf-kcat", 4);
+    let elsewhere = (owner + 1) % 4;
     let line = r#"{"workflow_id":"wf-kcat","step_index":1,"tool":"create_ticket","arguments":{"title":"from kcat"},"call_id":"kcat-1"}"#;
-    for partition in ["2", "3"] {
+    // With the README's `-X partitioner=murmur2_random`, then the same step
+    // forced into another partition (a client with another partitioner).
+    let elsewhere_arg = elsewhere.to_string();
+    let runs = [
+        ("kcat-ok", vec!["-X", "partitioner=murmur2_random"]),
+        ("kcat-wrong", vec!["-p", elsewhere_arg.as_str()]),
+    ];
+    for (id, extra) in &runs {
         let mut child = Command::new("kcat")
             .args([
                 "-P",
@@ -89,37 +98,33 @@ async fn kcat_publishes_a_raw_intent_line_and_gets_its_answer_in_that_partition(
                 &s.config.kafka.topics.intents,
                 "-k",
                 "wf-kcat",
-                "-p",
-                partition,
             ])
+            .args(extra)
             .stdin(std::process::Stdio::piped())
             .spawn()
             .expect("kcat runs (deploy/local/test.sh installs it)");
         use std::io::Write;
         let mut stdin = child.stdin.take().unwrap();
-        writeln!(
-            stdin,
-            "{}",
-            line.replace("kcat-1", &format!("kcat-p{partition}"))
-        )
-        .unwrap();
+        writeln!(stdin, "{}", line.replace("kcat-1", id)).unwrap();
         drop(stdin);
         assert!(child.wait().unwrap().success());
     }
-    for p in [2, 3] {
-        let id = format!("kcat-p{p}");
-        let r = agent.answer(&id, Duration::from_secs(30)).await;
-        assert_eq!(r.status, Status::Ok);
-        assert_eq!(
-            agent.answers(&id)[0].0,
-            p,
-            "answered in the intent's partition"
-        );
-    }
-    // The same workflow in two partitions is two separate step logs: the
-    // contract asks agents to key by workflow_id; a client that does not is
-    // still answered, in place.
-    assert_eq!(s.tools.count("create_ticket"), 2);
+    let r = agent.answer("kcat-ok", Duration::from_secs(30)).await;
+    assert_eq!(r.status, Status::Ok);
+    assert_eq!(
+        agent.answers("kcat-ok")[0].0,
+        owner,
+        "answered in the workflow's partition"
+    );
+    let r = agent.answer("kcat-wrong", Duration::from_secs(30)).await;
+    assert_eq!(r.status, Status::Rejected);
+    assert_eq!(r.error.unwrap().kind, "wrong_partition");
+    assert_eq!(
+        agent.answers("kcat-wrong")[0].0,
+        elsewhere,
+        "refused in the partition it reached"
+    );
+    assert_eq!(s.tools.count("create_ticket"), 1, "the step ran once");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
