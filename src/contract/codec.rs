@@ -49,12 +49,6 @@ pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, DecodeError> {
     }
 }
 
-/// An internal record as JSON, for people (audit, operator tools), whichever
-/// encoding it was written in.
-pub fn to_json(bytes: &[u8]) -> Result<serde_json::Value, DecodeError> {
-    decode(bytes)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -86,7 +80,10 @@ mod tests {
         assert_eq!(decode::<V1>(&bytes).unwrap(), r);
         // Fields a reader does not know are skipped; missing optional ones default.
         assert_eq!(decode::<Partial>(&bytes).unwrap(), Partial { a: -3 });
-        assert_eq!(to_json(&bytes).unwrap()["v"]["x"][1], json!(2.5));
+        assert_eq!(
+            decode::<serde_json::Value>(&bytes).unwrap()["v"]["x"][1],
+            json!(2.5)
+        );
     }
 
     #[test]

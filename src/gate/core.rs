@@ -216,14 +216,14 @@ impl GateCore {
             if replayed {
                 return Ok(());
             }
-            let mut rejection = Rejection::new(
-                RejectionReason::WrongPartition,
-                Texts::wrong_partition(&intent.tool, &intent.workflow_id, p, owner),
-            );
-            rejection.address = Some(crate::contract::Address {
-                step: intent.step_key(),
-                call_id: intent.call_id.clone(),
-            });
+            let rejection = Rejection {
+                reason: RejectionReason::WrongPartition,
+                message: Texts::wrong_partition(&intent.tool, &intent.workflow_id, p, owner),
+                address: Some(Address {
+                    step: intent.step_key(),
+                    call_id: intent.call_id,
+                }),
+            };
             self.reject(input, rejection, now_ms);
             return Ok(());
         }
@@ -582,20 +582,20 @@ impl GateCore {
         let (message, address) = match intent {
             Some(i) => (
                 Texts::unprocessable(&i.tool),
-                Some(crate::contract::Address {
+                Some(Address {
                     step: i.step_key(),
                     call_id: i.call_id,
                 }),
             ),
             None => (String::new(), None),
         };
-        let mut rejection = Rejection::new(
-            RejectionReason::Unprocessable,
-            format!("{message} (processing failed: {error})")
+        let rejection = Rejection {
+            reason: RejectionReason::Unprocessable,
+            message: format!("{message} (processing failed: {error})")
                 .trim_start()
                 .to_owned(),
-        );
-        rejection.address = address;
+            address,
+        };
         self.reject(input, rejection, now_ms);
     }
 

@@ -147,25 +147,31 @@ struct Poison {
 impl Poison {
     const SET_ASIDE_AFTER: u32 = 3;
 
-    fn failed(&mut self, input: (String, i32, i64), error: &StateError) {
-        let e = self.failures.entry(input).or_insert((0, String::new()));
+    fn key(input: &Input) -> (String, i32, i64) {
+        (input.topic.clone(), input.partition, input.offset)
+    }
+
+    fn failed(&mut self, input: &Input, error: &StateError) {
+        let e = self.failures.entry(Self::key(input)).or_default();
         e.0 += 1;
         e.1 = crate::telemetry::error_chain(error);
     }
 
     /// The error to set this input aside with, once it failed often enough.
+    /// (Every input asks: nothing is built while no input has failed.)
     fn set_aside(&self, input: &Input) -> Option<&str> {
-        let key = (input.topic.clone(), input.partition, input.offset);
+        if self.failures.is_empty() {
+            return None;
+        }
         self.failures
-            .get(&key)
+            .get(&Self::key(input))
             .filter(|(n, _)| *n >= Self::SET_ASIDE_AFTER)
             .map(|(_, e)| e.as_str())
     }
 
     fn forget(&mut self, input: &Input) {
         if !self.failures.is_empty() {
-            self.failures
-                .remove(&(input.topic.clone(), input.partition, input.offset));
+            self.failures.remove(&Self::key(input));
         }
     }
 }
@@ -505,8 +511,7 @@ impl Session<'_> {
             Ok(()) => self.poison.forget(&input),
             Err(e) => {
                 if matches!(e, StateError::Corrupt { .. }) {
-                    self.poison
-                        .failed((input.topic.clone(), input.partition, input.offset), &e);
+                    self.poison.failed(&input, &e);
                 }
                 return Err(e.into());
             }

@@ -299,6 +299,22 @@ impl GateFigures {
         }
     }
 
+    /// One line: what stepgate's /metrics say about `phase`.
+    pub fn summary(&self, phase: &str) -> String {
+        format!(
+            "stepgate's /metrics for {phase}: {} intents received, {} repeats ({} rephrased), {} tool invocations (mean {:.2} ms), {} gate batches, mean commit (`stepgate_commit_latency_seconds`) {:.1} ms = {:.0}% of its wall time; mean answer latency {:.0} ms.",
+            self.intents_received,
+            self.repeats,
+            self.rephrased,
+            self.invocations,
+            self.tool_s * 1000.0 / self.invocations.max(1.0),
+            self.batches,
+            self.commit_s * 1000.0 / self.batches.max(1.0),
+            self.commit_share * 100.0,
+            self.answer_latency_mean_ms
+        )
+    }
+
     /// What happened between an earlier scrape and this one.
     pub fn since(&self, earlier: &GateFigures) -> GateFigures {
         let answers = self.answers - earlier.answers;
@@ -531,33 +547,10 @@ impl Report {
                 o,
                 "\nstepgate has no at-least-once mode: every gate batch commits in a Kafka transaction (src/config.rs has no processing-guarantee setting), so the ALOS rows are compared with stepgate's EOS figures."
             );
-            if let Some(g) = &sg.gate {
-                let _ = writeln!(
-                    o,
-                    "\nstepgate's /metrics for the flood: {} intents received, {} repeats ({} rephrased), {} tool invocations (mean {:.2} ms), {} gate batches, mean commit (`stepgate_commit_latency_seconds`) {:.1} ms = {:.0}% of the flood's wall time; mean answer latency {:.0} ms.",
-                    g.intents_received,
-                    g.repeats,
-                    g.rephrased,
-                    g.invocations,
-                    g.tool_s * 1000.0 / g.invocations.max(1.0),
-                    g.batches,
-                    g.commit_s * 1000.0 / g.batches.max(1.0),
-                    g.commit_share * 100.0,
-                    g.answer_latency_mean_ms
-                );
-            }
-            if let Some(g) = &sg.gate_paced {
-                let _ = writeln!(
-                    o,
-                    "\nstepgate's /metrics for the paced phase: {} intents received, {} tool invocations (mean {:.2} ms), {} gate batches, mean commit {:.1} ms = {:.0}% of the phase's wall time; mean answer latency {:.0} ms.",
-                    g.intents_received,
-                    g.invocations,
-                    g.tool_s * 1000.0 / g.invocations.max(1.0),
-                    g.batches,
-                    g.commit_s * 1000.0 / g.batches.max(1.0),
-                    g.commit_share * 100.0,
-                    g.answer_latency_mean_ms
-                );
+            for (phase, g) in [("the flood", &sg.gate), ("the paced phase", &sg.gate_paced)] {
+                if let Some(g) = g {
+                    let _ = writeln!(o, "\n{}", g.summary(phase));
+                }
             }
         }
         let _ = writeln!(o, "\nChecks (flood and paced phase):\n");
