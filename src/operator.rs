@@ -75,7 +75,7 @@ fn read_to_end(
         Ok::<_, std::convert::Infallible>(())
     })
     .unwrap_or_else(|never| match never {});
-    if !done {
+    if done != kafka::ReadEnd::Reached {
         return Err(OperatorError::ReadTimeout {
             topic: topic.to_owned(),
             limit: READ_LIMIT,

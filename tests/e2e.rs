@@ -839,6 +839,106 @@ async fn the_changelog_restores_state_even_when_group_offsets_are_gone() {
     assert_eq!(s.tools.count("create_ticket"), 1);
 }
 
+/// A changelog deleted and recreated under a gate's local state: the state
+/// reflects an offset the new topic does not hold, so it is not trusted — the
+/// partition is restored from the new changelog's start (a position past the
+/// end is refused by the broker; no watermark query is involved).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recreated_changelog_is_restored_from_its_start_not_trusted() {
+    use rdkafka::admin::{AdminClient, AdminOptions};
+    use rdkafka::client::DefaultClientContext;
+    let mut s = Stack::new(StackOptions::default()).await;
+    s.start().await;
+    let agent = s.agent();
+    for n in 0..3 {
+        agent
+            .call(intent(
+                "wf-rc",
+                n,
+                "create_ticket",
+                json!({}),
+                &format!("rc{n}"),
+            ))
+            .await;
+    }
+    s.kill();
+    let admin: AdminClient<DefaultClientContext> = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .create()
+        .unwrap();
+    let changelog = s.topic("changelog");
+    let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
+    admin.delete_topics(&[&changelog], &opts).await.unwrap()[0]
+        .as_ref()
+        .unwrap();
+    // Deletion completes in the background: create until the topic is new.
+    let until = std::time::Instant::now() + Duration::from_secs(60);
+    while !stepgate::kafka::create_topics(&s.config.kafka, Duration::from_secs(86400))
+        .await
+        .is_ok_and(|r| r.iter().any(|(t, new)| *t == changelog && *new))
+    {
+        assert!(
+            std::time::Instant::now() < until,
+            "the changelog was not recreated in 60 s"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    s.start().await;
+    let next = agent
+        .call(intent("wf-rc", 3, "create_ticket", json!({}), "rc3"))
+        .await;
+    assert_eq!(next.status, Status::Ok, "{}", s.log_tail(100));
+    assert!(
+        s.log()
+            .contains("the changelog does not hold the offset the local state reflects"),
+        "{}",
+        s.log_tail(100)
+    );
+}
+
+/// A fatal consumer error — here another consumer joining with the gate's
+/// static member id, which fences the gate's consumer for good — restarts the
+/// gate's session with a new consumer instead of leaving it deaf.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fatally_fenced_consumer_is_replaced() {
+    use rdkafka::consumer::{BaseConsumer, Consumer};
+    let mut s = Stack::new(StackOptions::default()).await;
+    s.start().await;
+    let agent = s.agent();
+    agent
+        .call(intent("wf-ff", 0, "create_ticket", json!({}), "ff0"))
+        .await;
+    let k = &s.config.kafka;
+    let usurper: BaseConsumer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", &k.brokers)
+        .set("group.id", &k.gate_group)
+        .set("group.instance.id", format!("{}-gate", k.instance_id))
+        .set("partition.assignment.strategy", "range")
+        .set("session.timeout.ms", "6000")
+        .set("enable.auto.commit", "false")
+        .create()
+        .unwrap();
+    usurper.subscribe(&[&k.topics.intents]).unwrap();
+    let until = std::time::Instant::now() + Duration::from_secs(60);
+    // librdkafka either raises a fatal error (the gate then starts a new
+    // consumer) or, seeing the fence on a heartbeat, rejoins by itself.
+    while !(s.log().contains("failed for good") || s.log().contains("fenced by other consumer")) {
+        assert!(
+            std::time::Instant::now() < until,
+            "the gate's consumer was not fenced: {}",
+            s.log_tail(60)
+        );
+        let _ = usurper.poll(Duration::from_millis(100));
+    }
+    drop(usurper);
+    // The gate's new consumer takes the member id back and answers again.
+    let next = agent
+        .call(intent("wf-ff", 1, "create_ticket", json!({}), "ff1"))
+        .await;
+    assert_eq!(next.status, Status::Ok, "{}", s.log_tail(60));
+    assert_eq!(s.tools.count("create_ticket"), 2);
+}
+
 /// After a known workload, `/metrics` counts exactly what happened.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_count_a_known_workload_exactly() {

@@ -528,11 +528,15 @@ impl Summary {
             if self.running { "yes" } else { "NO" },
             self.extra,
         );
-        assert_eq!(self.lost, 0, "{}: intents lost", self.scenario);
+        assert_eq!(
+            self.lost, 0,
+            "{}: intents lost: {:?}",
+            self.scenario, self.violations
+        );
         assert_eq!(
             self.dup_answers, 0,
-            "{}: a call_id answered twice",
-            self.scenario
+            "{}: a call_id answered twice: {:?}",
+            self.scenario, self.violations
         );
         assert_eq!(
             self.dup_unkeyed, 0,
@@ -655,6 +659,9 @@ async fn settle(
             keep.display()
         );
     }
+    if lost > 0 || dup_answers > 0 {
+        violations.push(on_the_intents_topic(s, &calls, &a).await);
+    }
     let undelivered = load.undelivered.load(Ordering::SeqCst);
     if undelivered > 0 {
         violations.push(format!(
@@ -690,6 +697,53 @@ async fn settle(
             }
         ),
     }
+}
+
+/// What the intents topic holds of the calls lost or answered twice: tells a
+/// call the agent's producer never delivered (or delivered twice) from one
+/// stepgate did not answer (or answered twice).
+async fn on_the_intents_topic(
+    s: &Stack,
+    calls: &[Call],
+    a: &HashMap<String, Vec<ToolResult>>,
+) -> String {
+    let odd: Vec<&Call> = calls
+        .iter()
+        .filter(|c| a.get(&c.id).is_none_or(|rs| rs.len() != 1))
+        .collect();
+    let intents = TopicReader::new(&s.config.kafka.brokers, &s.topic("intents"));
+    let total = calls.len();
+    wait_until(Duration::from_secs(30), || intents.all().len() >= total).await;
+    let mut copies: HashMap<String, Vec<(i32, Option<u64>)>> = HashMap::new();
+    for r in intents.all() {
+        if let Some(id) = r.value["call_id"].as_str() {
+            copies
+                .entry(id.to_owned())
+                .or_default()
+                .push((r.partition, r.value["step_index"].as_u64()));
+        }
+    }
+    let lines: Vec<String> = odd
+        .iter()
+        .take(12)
+        .map(|c| {
+            format!(
+                "{} (wf {} step {}): {} answer(s), on `intents` {:?}",
+                c.id,
+                c.wf,
+                c.step,
+                a.get(&c.id).map_or(0, Vec::len),
+                copies.get(&c.id).cloned().unwrap_or_default()
+            )
+        })
+        .collect();
+    format!(
+        "{} calls lost or answered twice; `intents` holds {} records for {} sent: {}",
+        odd.len(),
+        intents.all().len(),
+        total,
+        lines.join("; ")
+    )
 }
 
 fn tool_delay(s: &Stack) {
@@ -1050,11 +1104,31 @@ async fn the_broker_killed_under_load() {
     let recovered =
         answered_after(&load, &results, load.started, sent_during_outage, |_| true).await;
     let recovery = back_at.elapsed();
-    assert!(
-        recovered,
-        "stepgate answers again after the broker is back:\n{}",
-        s.log()
-    );
+    if !recovered {
+        let a = answers(&results);
+        let missing: Vec<String> = load
+            .sent()
+            .iter()
+            .filter(|c| !a.contains_key(&c.id))
+            .map(|c| format!("{} ({} step {})", c.id, c.wf, c.step))
+            .collect();
+        let metrics = s.metrics().await;
+        let answered: Vec<&str> = metrics
+            .lines()
+            .filter(|l| l.starts_with("stepgate_") && !l.contains("_bucket"))
+            .filter(|l| l.contains("result") || l.contains("session") || l.contains("restore"))
+            .collect();
+        panic!(
+            "stepgate answers again after the broker is back: {} of {} sent unanswered (first: {:?}), {} undelivered by the agent's producer, {} answers read\nmetrics:\n{}\nlog (tail):\n{}",
+            missing.len(),
+            load.sent().len(),
+            &missing[..missing.len().min(5)],
+            load.undelivered.load(Ordering::SeqCst),
+            a.len(),
+            answered.join("\n"),
+            s.log_tail(150)
+        );
+    }
     assert!(answered_after(&load, &results, Instant::now(), 60, |_| true).await);
 
     let mut sum = settle(
@@ -1253,7 +1327,7 @@ async fn poison_inputs_under_load() {
                 })
             })
             .await;
-            assert!(found, "{}: no DLQ record\n{}", poison.name, s.log());
+            assert!(found, "{}: no DLQ record\n{}", poison.name, s.log_tail(150));
             let r = dlq
                 .all()
                 .into_iter()
@@ -1280,7 +1354,7 @@ async fn poison_inputs_under_load() {
                     wait_until(WAIT, || answers(&results).contains_key(id)).await,
                     "{}: no answer for {id}\n{}",
                     poison.name,
-                    s.log()
+                    s.log_tail(150)
                 );
                 let a = answers(&results)[id][0].clone();
                 match poison.reason {
@@ -1305,7 +1379,7 @@ async fn poison_inputs_under_load() {
             answered_after(&load, &results, published_at, 20, |_| true).await,
             "{}: the gate goes on\n{}",
             poison.name,
-            s.log()
+            s.log_tail(150)
         );
         let running = s.child.as_mut().unwrap().try_wait().unwrap().is_none();
         rows.push((

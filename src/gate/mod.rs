@@ -51,6 +51,10 @@ pub enum GateError {
     RestoreTimeout { partition: i32, limit: Duration },
     #[error("the commit task failed")]
     Join(#[from] tokio::task::JoinError),
+    /// librdkafka stops a client for good on a fatal error (e.g. its static
+    /// member id was taken by another consumer): only a new one goes on.
+    #[error("the gate's consumer failed for good ({0}): starting a new one")]
+    FatalConsumer(String),
 }
 
 /// The offset-metadata tag carrying, per intents partition, the first offset
@@ -422,6 +426,9 @@ impl Session<'_> {
                 Step::Outcome(f) => self.on_finished(core, consumer, pending, f).await?,
                 Step::Lingered => {}
                 Step::Tick => {
+                    if let Some((code, reason)) = consumer.client().fatal_error() {
+                        return Err(GateError::FatalConsumer(format!("{code:?}: {reason}")));
+                    }
                     // A member left without partitions for this long (e.g.
                     // fenced while the broker restarted) starts over.
                     if self.assigned.is_empty() && unassigned_since.elapsed() > stuck_after {
@@ -957,56 +964,67 @@ pub fn restore_partition(
     store: &StateStore,
     p: i32,
 ) -> Result<Restored, GateError> {
-    let consumer = kafka::read_to_end_consumer(cfg, &format!("{}-restore", cfg.gate_group))?;
-    let topic = &cfg.topics.changelog;
-    let mut from = store.changelog_next(p)?;
-    if let Some(f) = from {
-        // A changelog that ends before the offset we reflect was recreated:
-        // what we hold is from another topic.
-        let (_, high) = consumer.fetch_watermarks(topic, p, Duration::from_secs(30))?;
-        if high < f {
-            warn!(
-                partition = p,
-                local = f,
-                changelog_end = high,
-                "the changelog is behind the local state (recreated?): restoring from its start"
-            );
-            from = None;
-        }
-    }
-    let full = from.is_none();
-    if full {
-        store.wipe_partition(p)?;
-    }
-    let mut tpl = TopicPartitionList::new();
-    tpl.add_partition_offset(topic, p, from.map_or(Offset::Beginning, Offset::Offset))?;
-    consumer.assign(&tpl)?;
-    drop(tpl);
+    let group = format!("{}-restore", cfg.gate_group);
     let deadline = Instant::now() + RESTORE_LIMIT;
-    let mut buf = Vec::with_capacity(10_000);
-    let mut n = 0;
-    let mut next = from.unwrap_or(0);
-    let done = kafka::read_to_end(&consumer, BTreeSet::from([p]), Some(deadline), |m| {
-        next = next.max(m.offset() + 1);
-        if let Some(k) = m.key() {
-            buf.push((k.to_vec(), m.payload().map(<[u8]>::to_vec)));
+    let mut from = store.changelog_next(p)?;
+    loop {
+        let full = from.is_none();
+        if full {
+            store.wipe_partition(p)?;
         }
-        if buf.len() >= 10_000 {
-            n += store.apply_changelog(&buf)?;
-            buf.clear();
+        // Resuming, a position past the changelog's end means the changelog
+        // was recreated: what we hold is from another topic.
+        let consumer = match from {
+            Some(_) => kafka::resume_consumer(cfg, &group)?,
+            None => kafka::read_to_end_consumer(cfg, &group)?,
+        };
+        let mut tpl = TopicPartitionList::new();
+        tpl.add_partition_offset(
+            &cfg.topics.changelog,
+            p,
+            from.map_or(Offset::Beginning, Offset::Offset),
+        )?;
+        consumer.assign(&tpl)?;
+        drop(tpl);
+        let mut buf = Vec::with_capacity(10_000);
+        let mut n = 0;
+        let mut next = from.unwrap_or(0);
+        let end = kafka::read_to_end(&consumer, BTreeSet::from([p]), Some(deadline), |m| {
+            next = next.max(m.offset() + 1);
+            if let Some(k) = m.key() {
+                buf.push((k.to_vec(), m.payload().map(<[u8]>::to_vec)));
+            }
+            if buf.len() >= 10_000 {
+                n += store.apply_changelog(&buf)?;
+                buf.clear();
+            }
+            Ok::<_, StateError>(())
+        })?;
+        drop(consumer);
+        match end {
+            kafka::ReadEnd::Reached => {
+                n += store.apply_changelog(&buf)?;
+                store.finish_restore(p, Some(next))?;
+                return Ok(Restored { records: n, full });
+            }
+            kafka::ReadEnd::TimedOut => {
+                return Err(GateError::RestoreTimeout {
+                    partition: p,
+                    limit: RESTORE_LIMIT,
+                });
+            }
+            // Only a resume reads with an out-of-range error: once from the
+            // start, the loop ends.
+            kafka::ReadEnd::OutOfRange => {
+                warn!(
+                    partition = p,
+                    local = ?from,
+                    "the changelog does not hold the offset the local state reflects (recreated?): restoring from its start"
+                );
+                from = None;
+            }
         }
-        Ok::<_, StateError>(())
-    })?;
-    if !done {
-        return Err(GateError::RestoreTimeout {
-            partition: p,
-            limit: RESTORE_LIMIT,
-        });
     }
-    n += store.apply_changelog(&buf)?;
-    store.finish_restore(p, Some(next))?;
-    drop(consumer);
-    Ok(Restored { records: n, full })
 }
 
 /// What [`restore_partition`] did.

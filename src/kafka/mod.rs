@@ -252,47 +252,74 @@ impl ClientContext for ReadToEnd {
 impl ConsumerContext for ReadToEnd {}
 
 /// A consumer for reading partitions to their end, only what was committed:
-/// the caller assigns it and hands it to [`read_to_end`]. Blocking.
+/// the caller assigns it and hands it to [`read_to_end`]. A position outside
+/// the log starts over from the log's start. Blocking.
 pub fn read_to_end_consumer(
     cfg: &KafkaConfig,
     group: &str,
 ) -> Result<ReadToEndConsumer, KafkaError> {
+    reader_config(cfg, group, "earliest").create_with_context(ReadToEnd)
+}
+
+/// A [`read_to_end_consumer`] for resuming at a known offset: a position
+/// outside the log (past its end: the topic was recreated) ends the read with
+/// [`ReadEnd::OutOfRange`] instead of silently starting elsewhere. Blocking.
+pub fn resume_consumer(cfg: &KafkaConfig, group: &str) -> Result<ReadToEndConsumer, KafkaError> {
+    reader_config(cfg, group, "error").create_with_context(ReadToEnd)
+}
+
+fn reader_config(cfg: &KafkaConfig, group: &str, reset: &str) -> ClientConfig {
     let mut c = base_config(cfg);
     c.set("group.id", group)
         .set("enable.auto.commit", "false")
         .set("enable.partition.eof", "true")
         .set("isolation.level", "read_committed")
-        .set("auto.offset.reset", "earliest");
+        .set("auto.offset.reset", reset);
     bound_prefetch(&mut c);
-    c.create_with_context(ReadToEnd)
+    c
+}
+
+/// How a [`read_to_end`] ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReadEnd {
+    /// Every partition reached its end.
+    Reached,
+    /// The deadline passed first.
+    TimedOut,
+    /// A [`resume_consumer`]'s position is outside the log.
+    OutOfRange,
 }
 
 /// Poll an assigned [`read_to_end_consumer`] until each of `open` has reached
 /// its end, handing every record to `f`. The end is the broker's partition-EOF:
 /// transaction markers take offsets a read_committed reader never sees, so
-/// counting to the high watermark would never finish. Read errors are retried
-/// (librdkafka reconnects by itself). Returns `Ok(false)` when `deadline`
-/// passed first, and the first error `f` returns. Blocking.
+/// counting to the high watermark would never finish (and no watermark query
+/// is needed: those were seen to time out for minutes after a broker restart).
+/// Read errors are retried (librdkafka reconnects by itself). Returns the
+/// first error `f` returns. Blocking.
 pub fn read_to_end<E>(
     consumer: &ReadToEndConsumer,
     mut open: BTreeSet<i32>,
     deadline: Option<Instant>,
     mut f: impl FnMut(&BorrowedMessage<'_>) -> Result<(), E>,
-) -> Result<bool, E> {
+) -> Result<ReadEnd, E> {
     while !open.is_empty() {
         match consumer.poll(Duration::from_millis(500)) {
             Some(Ok(m)) => f(&m)?,
             Some(Err(KafkaError::PartitionEOF(p))) => {
                 open.remove(&p);
             }
+            Some(Err(KafkaError::MessageConsumption(
+                rdkafka::types::RDKafkaErrorCode::AutoOffsetReset,
+            ))) => return Ok(ReadEnd::OutOfRange),
             Some(Err(e)) => tracing::warn!(error = %e, "read error (retrying)"),
             None => {}
         }
         if deadline.is_some_and(|d| Instant::now() > d) {
-            return Ok(false);
+            return Ok(ReadEnd::TimedOut);
         }
     }
-    Ok(true)
+    Ok(ReadEnd::Reached)
 }
 
 /// Rebalance events, signalled to the loop that owns the consumer (callbacks

@@ -506,6 +506,25 @@ level = "info,rdkafka=warn"
             .join("\n--- restart ---\n")
     }
 
+    /// The log without librdkafka's per-connection noise (a broker outage
+    /// writes thousands of "connection refused" lines), its last `lines`
+    /// lines: what a failing assertion can print whole.
+    pub fn log_tail(&self, lines: usize) -> String {
+        let log = self.log();
+        let kept: Vec<&str> = log
+            .lines()
+            .filter(|l| {
+                !(l.contains("librdkafka")
+                    && (l.contains("Connect to")
+                        || l.contains("Disconnected")
+                        || l.contains("Global error")
+                        || l.contains("brokers are down")))
+                    && !l.contains("consumer error (librdkafka retries by itself)")
+            })
+            .collect();
+        kept[kept.len().saturating_sub(lines)..].join("\n")
+    }
+
     pub async fn metrics(&self) -> String {
         reqwest::get(format!("http://{}/metrics", self.http))
             .await
