@@ -59,7 +59,7 @@ url = "http://{tool}/noop"
         ),
         Vec::new(),
     )?;
-    stepgate::kafka::create_topics(&config.kafka, Duration::from_secs(3600)).await?;
+    stepgate::kafka::create_topics(&config.kafka, &config.state).await?;
     let stop = CancellationToken::new();
     let running = app::start(config.clone(), Role::All, stop.clone()).await?;
 

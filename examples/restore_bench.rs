@@ -10,7 +10,7 @@
 
 use rdkafka::ClientConfig;
 use rdkafka::producer::FutureProducer;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 use stepgate::config::{Category, Config, TopicsConfig};
 use stepgate::contract::{Outcome, StepKey, ToolResult};
 use stepgate::kafka::OutRecord;
@@ -29,7 +29,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let prefix = format!("restore-bench-{}", std::process::id());
     config.kafka.topics = TopicsConfig::with_prefix(&prefix);
     config.kafka.partitions = 1;
-    stepgate::kafka::create_topics(&config.kafka, Duration::from_secs(86400)).await?;
+    stepgate::kafka::create_topics(&config.kafka, &config.state).await?;
 
     // Load: synthetic completed steps, written as the gate writes them.
     let scratch = tempfile::tempdir()?;

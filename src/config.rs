@@ -189,6 +189,9 @@ impl Default for TopicsConfig {
     }
 }
 
+/// The RocksDB block cache when none is configured (`state.block_cache_mib`).
+pub const DEFAULT_BLOCK_CACHE_BYTES: usize = 64 << 20;
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct StateConfig {
@@ -198,6 +201,11 @@ pub struct StateConfig {
     pub retention: Dur,
     /// How often expired records are purged.
     pub purge_interval: Dur,
+    /// How long operators' decisions (the `commands` topic: resolutions,
+    /// approvals, denials) are kept, for the audit; unset: forever. Applied by
+    /// `stepgate topics create`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decisions_retention: Option<Dur>,
     /// RocksDB block cache, in MiB, shared by every column family: data, index
     /// and filter blocks (so memory does not grow with the records).
     pub block_cache_mib: usize,
@@ -209,7 +217,8 @@ impl Default for StateConfig {
             path: PathBuf::from("./stepgate-state"),
             retention: dur("7d"),
             purge_interval: dur("1m"),
-            block_cache_mib: crate::state::DEFAULT_BLOCK_CACHE_BYTES >> 20,
+            decisions_retention: None,
+            block_cache_mib: DEFAULT_BLOCK_CACHE_BYTES >> 20,
         }
     }
 }
@@ -310,7 +319,7 @@ impl Default for LogConfig {
     }
 }
 
-/// How a tool may be retried; see DESIGN.md "Tools".
+/// How a tool may be retried; see README "Tools" and `docs/design.md` "Step lifecycle".
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Category {
@@ -826,12 +835,7 @@ impl Config {
             ));
         }
         for (name, tool) in &self.tools {
-            if !name
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | ':' | '-'))
-                || name.is_empty()
-                || name.len() > crate::contract::MAX_TOOL_NAME_CHARS
-            {
+            if !crate::contract::valid_tool_name(name) {
                 return Err(invalid(
                     &format!("tools.{name}"),
                     "tool names are 1 to 128 of [A-Za-z0-9_.:-]",

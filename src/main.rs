@@ -90,6 +90,7 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
             cfg.validate()?;
             stepgate::telemetry::init_logging(&cfg.log);
             stepgate::kafka::check_sizes(&cfg.kafka, cfg.gate.max_intent_bytes)?;
+            stepgate::kafka::check_step_record_size(&cfg)?;
             stepgate::kafka::check_topic_sizes(&cfg.kafka, cfg.gate.max_intent_bytes).await?;
             let shutdown = shutdown_on_signals();
             stepgate::app::run(cfg, role, shutdown).await?;
@@ -109,7 +110,7 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
                 cfg.kafka.partitions = n;
             }
             cfg.validate()?;
-            let created = stepgate::kafka::create_topics(&cfg.kafka, cfg.state.retention.0).await?;
+            let created = stepgate::kafka::create_topics(&cfg.kafka, &cfg.state).await?;
             for (name, new) in created {
                 println!("{} {name}", if new { "created" } else { "exists " });
             }
@@ -117,6 +118,7 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
             let n =
                 tokio::task::spawn_blocking(move || stepgate::kafka::check_layout(&k)).await??;
             stepgate::kafka::check_sizes(&cfg.kafka, cfg.gate.max_intent_bytes)?;
+            stepgate::kafka::check_step_record_size(&cfg)?;
             stepgate::kafka::check_topic_sizes(&cfg.kafka, cfg.gate.max_intent_bytes).await?;
             println!("ok: every topic has a valid layout ({n} intent partitions)");
             Ok(())
@@ -304,6 +306,7 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
         Command::CheckConfig { config } => {
             let mut cfg = load(config.as_deref(), None)?;
             stepgate::kafka::check_sizes(&cfg.kafka, cfg.gate.max_intent_bytes)?;
+            stepgate::kafka::check_step_record_size(&cfg)?;
             // As `run` does: a tool header whose variable or file is missing fails.
             cfg.resolve_tool_headers(|var| std::env::var(var).ok())?;
             // Secrets (passwords, tokens, key material, header values) are printed redacted.

@@ -505,13 +505,13 @@ async fn refuses_to_start_when_results_has_fewer_partitions_than_intents() {
     cfg.kafka.brokers = brokers();
     cfg.kafka.topics = stepgate::config::TopicsConfig::with_prefix(&prefix);
     cfg.kafka.partitions = 4;
-    stepgate::kafka::create_topics(&cfg.kafka, Duration::from_secs(3600))
+    stepgate::kafka::create_topics(&cfg.kafka, &cfg.state)
         .await
         .unwrap();
     let mut small = cfg.clone();
     small.kafka.topics.results = format!("{prefix}.results-small");
     small.kafka.partitions = 2;
-    stepgate::kafka::create_topics(&small.kafka, Duration::from_secs(3600))
+    stepgate::kafka::create_topics(&small.kafka, &small.state)
         .await
         .unwrap();
     let dir = tempfile::tempdir().unwrap();
@@ -579,6 +579,26 @@ async fn topics_create_makes_an_equal_layout_and_is_idempotent() {
         );
         assert!(stdout.contains("(3 intent partitions)"), "{stdout}");
     }
+    // Steps are kept `state.retention` (7 days by default); operators'
+    // decisions, for the audit, forever unless `state.decisions_retention`.
+    use rdkafka::admin::{AdminClient, AdminOptions, ResourceSpecifier};
+    let admin: AdminClient<rdkafka::client::DefaultClientContext> = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .create()
+        .unwrap();
+    let retention = |topic: String| {
+        let admin = &admin;
+        async move {
+            let r = admin
+                .describe_configs(&[ResourceSpecifier::Topic(&topic)], &AdminOptions::new())
+                .await
+                .unwrap();
+            let c = r[0].as_ref().unwrap();
+            c.get("retention.ms").unwrap().value.clone().unwrap()
+        }
+    };
+    assert_eq!(retention(format!("{prefix}.commands")).await, "-1");
+    assert_eq!(retention(format!("{prefix}.results")).await, "604800000");
 }
 
 #[test]
@@ -873,7 +893,7 @@ async fn a_recreated_changelog_is_restored_from_its_start_not_trusted() {
         .unwrap();
     // Deletion completes in the background: create until the topic is new.
     let until = std::time::Instant::now() + Duration::from_secs(60);
-    while !stepgate::kafka::create_topics(&s.config.kafka, Duration::from_secs(86400))
+    while !stepgate::kafka::create_topics(&s.config.kafka, &s.config.state)
         .await
         .is_ok_and(|r| r.iter().any(|(t, new)| *t == changelog && *new))
     {

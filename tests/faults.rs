@@ -307,13 +307,19 @@ fn partition_lines(gates: &[Gate]) -> String {
             let lines: Vec<String> = log
                 .lines()
                 .map(strip_ansi)
-                .filter(|l| l.contains("partitions") || l.contains("gate "))
+                .filter(|l| {
+                    l.contains("partitions")
+                        || l.contains("gate ")
+                        || ((l.contains("WARN") || l.contains("ERROR"))
+                            && !l.contains("Connect to")
+                            && !l.contains("brokers are down"))
+                })
                 .collect();
             format!(
                 "--- {} (owns {:?})\n{}",
                 g.name,
                 g.owned(),
-                lines.join("\n")
+                lines[lines.len().saturating_sub(80)..].join("\n")
             )
         })
         .collect::<Vec<_>>()
@@ -911,7 +917,8 @@ async fn a_zombie_gate_is_fenced() {
                 && !gates[1].owned().is_empty()
         })
         .await,
-        "both gates own partitions"
+        "both gates own partitions:\n{}",
+        partition_lines(&gates)
     );
     let (zombie, other) = (0, 1);
     let moved = gates[zombie].owned();
@@ -926,7 +933,11 @@ async fn a_zombie_gate_is_fenced() {
     if !taken {
         gates[zombie].signal("-CONT");
     }
-    assert!(taken, "the other gate takes every partition");
+    assert!(
+        taken,
+        "the other gate takes every partition:\n{}",
+        partition_lines(&gates)
+    );
     let moved_after = stopped_at.elapsed();
     // Everything the zombie had taken in is settled by the other gate (its
     // in-flight calls in doubt or re-run with their key), and its open

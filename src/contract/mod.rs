@@ -20,6 +20,7 @@ pub use partition::{murmur2, partition_for};
 pub use texts::Texts;
 pub use validate::{
     Address, MAX_NESTING_DEPTH, Rejection, RejectionReason, nested_deeper_than, parse_intent,
+    valid_tool_name,
 };
 
 use chrono::{DateTime, SecondsFormat, Utc};
@@ -30,7 +31,7 @@ use std::fmt;
 
 /// Maximum length of a `workflow_id`, in bytes.
 pub const MAX_WORKFLOW_ID_BYTES: usize = 255;
-/// Header names of the HTTP tool protocol (DESIGN.md "Tools").
+/// Header names of the HTTP tool protocol (README "Tools").
 pub mod headers {
     /// The step's idempotency key (the header name is configurable per tool).
     pub const IDEMPOTENCY_KEY: &str = "Idempotency-Key";

@@ -299,11 +299,12 @@ fn check_workflow_id(s: &str) -> Result<(), String> {
     Ok(())
 }
 
-fn valid_tool_name(t: &str) -> bool {
-    !t.is_empty()
-        && t.chars().count() <= MAX_TOOL_NAME_CHARS
-        && t.chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | ':' | '-'))
+/// The one tool-name rule (intents and the config): 1 to 128 of
+/// `[A-Za-z0-9_.:-]` (ASCII, so characters and bytes count alike).
+pub fn valid_tool_name(t: &str) -> bool {
+    (1..=MAX_TOOL_NAME_CHARS).contains(&t.len())
+        && t.bytes()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'_' | b'.' | b':' | b'-'))
 }
 
 /// Best-effort: the step key of an intent that fails validation, if it can be read.
@@ -511,6 +512,17 @@ mod tests {
             v = json!({ "k": v });
         }
         v
+    }
+
+    #[test]
+    fn one_tool_name_rule() {
+        assert!(valid_tool_name("a"));
+        assert!(valid_tool_name("crm.create_ticket:v2-b"));
+        assert!(valid_tool_name(&"x".repeat(MAX_TOOL_NAME_CHARS)));
+        assert!(!valid_tool_name(&"x".repeat(MAX_TOOL_NAME_CHARS + 1)));
+        for bad in ["", "bad tool", "café", "a/b", "a\n"] {
+            assert!(!valid_tool_name(bad), "{bad:?}");
+        }
     }
 
     #[test]

@@ -322,11 +322,17 @@ impl GateCore {
                     }
                     _ => {
                         self.metrics.repeat(&step, true, rephrased);
-                        record.waiters.push(Waiter {
+                        let waiter = Waiter {
                             call_id: intent.call_id,
                             intent_ts_ms: input.timestamp_ms,
                             traceparent,
-                        });
+                        };
+                        if let Err(why) = record.add_waiter(waiter) {
+                            self.metrics.repeat_not_waiting(&step, why);
+                            if !rephrased {
+                                return Ok(());
+                            }
+                        }
                     }
                 }
                 batch.put_step(store, p, &record)?;

@@ -360,8 +360,12 @@ impl Session<'_> {
                 Err(e)
             }
         };
-        drop(producer);
-        drop(consumer);
+        // Off the async threads and bounded: a consumer's close waits for the
+        // group to let it go, and rust-rdkafka's drop polls for that without
+        // limit — a close that cannot complete (a member fenced mid-rebalance)
+        // would otherwise leave the gate silent, never restarting its session.
+        kafka::close_within("the gate's producers", producer, CLOSE_LIMIT).await;
+        kafka::close_within("the gate's consumer", consumer, CLOSE_LIMIT).await;
         result
     }
 
@@ -934,6 +938,9 @@ async fn wait_commit(
         None => std::future::pending().await,
     }
 }
+
+/// How long a failed session waits for its Kafka clients to close.
+const CLOSE_LIMIT: Duration = Duration::from_secs(10);
 
 /// How often deadlines, purges and the state gauges are looked at.
 const TICK: Duration = Duration::from_millis(100);

@@ -160,6 +160,35 @@ pub fn check_sizes(cfg: &KafkaConfig, max_intent_bytes: usize) -> Result<(), Kaf
     Ok(())
 }
 
+/// Refuse a config whose largest step record could not be written to the
+/// changelog: the first call's arguments and metadata (up to
+/// `max_intent_bytes`), its tool's answer and a late one (each up to the tool's
+/// `max_output_bytes`), the kept rephrased copies and waiting repeats (bounded,
+/// see [`crate::state::REPHRASED_BUDGET_BYTES`]) and the envelope. A record
+/// over the producer's limit would fail every batch that carried it.
+pub fn check_step_record_size(cfg: &crate::config::Config) -> Result<(), KafkaSetupError> {
+    let producer = producer_max_bytes(&cfg.kafka)?;
+    let fixed = cfg
+        .gate
+        .max_intent_bytes
+        .saturating_add(crate::state::REPHRASED_BUDGET_BYTES)
+        .saturating_add(crate::state::WAITERS_BUDGET_BYTES)
+        .saturating_add(RECORD_ENVELOPE_BYTES);
+    for (name, tool) in &cfg.tools {
+        let output = usize::try_from(tool.max_output_bytes).unwrap_or(usize::MAX);
+        let need = fixed.saturating_add(output.saturating_mul(2));
+        if need > producer {
+            return Err(KafkaSetupError::Sizes(format!(
+                "`tools.{name}.max_output_bytes` is {output}: a step record of this tool holds its answer twice at most (the first and a late one) beside the intent (`gate.max_intent_bytes` {}) and {} bytes of kept repeats and envelope, up to {need} bytes, over the producer's `message.max.bytes` of {producer}. Lower it to at most {}, or lower `gate.max_intent_bytes`.",
+                cfg.gate.max_intent_bytes,
+                fixed - cfg.gate.max_intent_bytes,
+                producer.saturating_sub(fixed) / 2
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// Refuse topics whose `max.message.bytes` is below what stepgate writes to
 /// them (`max_intent_bytes` + envelope; for the DLQ, a copy of the largest
 /// record the intents topic accepts). Topics that do not exist are left to
@@ -446,6 +475,20 @@ pub async fn wait_before_restart(
     }
 }
 
+/// Drop a Kafka client off the async threads, waiting at most `limit` for it
+/// to close; past that it is left to finish on its own thread (a successor
+/// with the same static member id fences it).
+pub async fn close_within<T: Send + 'static>(what: &str, client: T, limit: Duration) {
+    let closing = tokio::task::spawn_blocking(move || drop(client));
+    if tokio::time::timeout(limit, closing).await.is_err() {
+        tracing::warn!(
+            client = what,
+            ?limit,
+            "a Kafka client did not close in time: going on without waiting for it"
+        );
+    }
+}
+
 /// Run a blocking client call off the async threads.
 pub async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T, KafkaError> + Send + 'static,
@@ -539,11 +582,16 @@ pub fn check_layout(cfg: &KafkaConfig) -> Result<usize, KafkaSetupError> {
 /// Returns (topic, created?) pairs.
 pub async fn create_topics(
     cfg: &KafkaConfig,
-    retention: Duration,
+    state: &crate::config::StateConfig,
 ) -> Result<Vec<(String, bool)>, KafkaSetupError> {
     let admin: AdminClient<DefaultClientContext> = base_config(cfg).create()?;
     let t = &cfg.topics;
-    let retention_ms = retention.as_millis().max(1).to_string();
+    let retention_ms = state.retention.0.as_millis().max(1).to_string();
+    // Operators' decisions outlive the steps they settled: the audit shows them.
+    let decisions_ms = state
+        .decisions_retention
+        .as_ref()
+        .map_or_else(|| "-1".to_owned(), |d| d.0.as_millis().max(1).to_string());
     let (intents_max, others_max) = (
         INTENTS_MAX_MESSAGE_BYTES.to_string(),
         MESSAGE_MAX_BYTES.to_string(),
@@ -571,6 +619,8 @@ pub async fn create_topics(
             if *n == &t.changelog {
                 // Latest value per key; tombstones remove purged records.
                 topic.set("cleanup.policy", "compact")
+            } else if *n == &t.commands {
+                topic.set("retention.ms", &decisions_ms)
             } else {
                 // Kept at least as long as steps are remembered, so a late repeat
                 // and an audit can still be traced through them.
@@ -984,6 +1034,26 @@ mod tests {
         cfg.client.insert("message.max.bytes".into(), "lots".into());
         let e = check_sizes(&cfg, 1).unwrap_err().to_string();
         assert!(e.contains("must be a number of bytes, got `lots`"), "{e}");
+    }
+
+    #[test]
+    fn a_step_record_must_fit_the_producer_with_its_outputs() {
+        let load = |extra: &str| {
+            crate::config::Config::from_toml_str(
+                &format!(
+                    "[tools.t]\ncategory = \"keyed\"\nurl = \"http://127.0.0.1:1/t\"\n{extra}"
+                ),
+                Vec::new(),
+            )
+            .unwrap()
+        };
+        check_step_record_size(&load("")).unwrap();
+        check_step_record_size(&load("max_output_bytes = 1400000\n")).unwrap();
+        let e = check_step_record_size(&load("max_output_bytes = 2000000\n"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("`tools.t.max_output_bytes` is 2000000"), "{e}");
+        assert!(e.contains("Lower it to at most 1474560"), "{e}");
     }
 
     #[test]

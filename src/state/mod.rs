@@ -21,7 +21,10 @@
 
 mod record;
 
-pub use record::{FastEntry, OperatorEntry, Phase, RephrasedCall, StepRecord, Waiter, WorkflowEnd};
+pub use record::{
+    FastEntry, MAX_WAITERS, NotWaiting, OperatorEntry, Phase, REPHRASED_BUDGET_BYTES,
+    RephrasedCall, StepRecord, WAITERS_BUDGET_BYTES, Waiter, WorkflowEnd,
+};
 
 use crate::contract::{StepKey, codec};
 use rocksdb::{
@@ -101,9 +104,6 @@ const META: &str = "meta";
 /// A raw key-value pair.
 type Raw = (Vec<u8>, Vec<u8>);
 
-/// The block cache when none is configured (`state.block_cache_mib`).
-pub const DEFAULT_BLOCK_CACHE_BYTES: usize = 64 << 20;
-
 /// The RocksDB-backed state of one gate process.
 pub struct StateStore {
     db: DB,
@@ -111,7 +111,7 @@ pub struct StateStore {
 
 impl StateStore {
     pub fn open(path: &Path) -> Result<StateStore, StateError> {
-        StateStore::open_with_cache(path, DEFAULT_BLOCK_CACHE_BYTES)
+        StateStore::open_with_cache(path, crate::config::DEFAULT_BLOCK_CACHE_BYTES)
     }
 
     /// Open with a block cache of `cache_bytes`, shared by every column family.

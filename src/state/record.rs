@@ -5,7 +5,7 @@ use crate::contract::{Action, Outcome, StepKey, ToolResult};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-/// Where a step is in its lifecycle (DESIGN.md "Step lifecycle").
+/// Where a step is in its lifecycle (`docs/design.md` "Step lifecycle").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Phase {
@@ -102,6 +102,46 @@ pub struct OperatorEntry {
 /// At most this many rephrased repeats are kept per step (the count is exact).
 pub const MAX_REPHRASED_KEPT: usize = 16;
 
+/// Rephrased repeats' arguments are kept while all of them take at most this
+/// many bytes (as JSON); later ones are only counted. Like the limits below, it
+/// keeps a step record writable to the changelog whatever callers send: a
+/// record over the producer's limit would fail every batch that carries it.
+pub const REPHRASED_BUDGET_BYTES: usize = 64 * 1024;
+
+/// At most this many repeats (distinct `call_id`s) wait for one step's outcome.
+pub const MAX_WAITERS: usize = 256;
+
+/// ... taking at most this many bytes (`call_id`s and `traceparent`s).
+pub const WAITERS_BUDGET_BYTES: usize = 64 * 1024;
+
+/// Why a repeat of an in-flight step was not added to its waiters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NotWaiting {
+    /// Its `call_id` is already to be answered (the first call's, or a waiter's):
+    /// one answer per `call_id`.
+    AlreadyWaiting,
+    /// [`MAX_WAITERS`] or [`WAITERS_BUDGET_BYTES`] reached: the caller is not
+    /// answered with the outcome; asking again after it is answered from the record.
+    OverBudget,
+}
+
+impl NotWaiting {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            NotWaiting::AlreadyWaiting => "already_waiting",
+            NotWaiting::OverBudget => "over_budget",
+        }
+    }
+}
+
+fn waiter_bytes(w: &Waiter) -> usize {
+    w.call_id.as_ref().map_or(0, String::len) + w.traceparent.as_ref().map_or(0, String::len)
+}
+
+fn json_bytes(v: &Map<String, Value>) -> usize {
+    serde_json::to_vec(v).map_or(usize::MAX, |b| b.len())
+}
+
 /// The record of one step key.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StepRecord {
@@ -173,7 +213,14 @@ impl StepRecord {
         let rephrased = *arguments != self.arguments;
         if rephrased {
             self.rephrased_count += 1;
-            if self.rephrased.len() < MAX_REPHRASED_KEPT {
+            let kept: usize = self
+                .rephrased
+                .iter()
+                .map(|r| json_bytes(&r.arguments))
+                .sum();
+            if self.rephrased.len() < MAX_REPHRASED_KEPT
+                && kept.saturating_add(json_bytes(arguments)) <= REPHRASED_BUDGET_BYTES
+            {
                 self.rephrased.push(RephrasedCall {
                     call_id,
                     arguments: arguments.clone(),
@@ -182,6 +229,23 @@ impl StepRecord {
             }
         }
         rephrased
+    }
+
+    /// Add a repeat that waits for the outcome, within the budgets.
+    pub fn add_waiter(&mut self, w: Waiter) -> Result<(), NotWaiting> {
+        if w.call_id.is_some()
+            && (w.call_id == self.call_id || self.waiters.iter().any(|x| x.call_id == w.call_id))
+        {
+            return Err(NotWaiting::AlreadyWaiting);
+        }
+        let bytes: usize = self.waiters.iter().map(waiter_bytes).sum();
+        if self.waiters.len() >= MAX_WAITERS
+            || bytes.saturating_add(waiter_bytes(&w)) > WAITERS_BUDGET_BYTES
+        {
+            return Err(NotWaiting::OverBudget);
+        }
+        self.waiters.push(w);
+        Ok(())
     }
 }
 

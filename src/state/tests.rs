@@ -1,6 +1,6 @@
 use super::*;
 use crate::config::Category;
-use serde_json::Map;
+use serde_json::{Map, Value};
 
 fn step(i: u64) -> StepKey {
     StepKey {
@@ -301,5 +301,62 @@ fn a_full_record_round_trips_and_json_records_still_read() {
             .2
             .as_ref(),
         Some(&r)
+    );
+}
+
+/// A step record stays writable to the changelog whatever callers send: waiting
+/// repeats and rephrased copies are bounded, counts stay exact, and one
+/// `call_id` waits once.
+#[test]
+fn a_step_record_stays_within_its_budgets() {
+    let mut r = record(1, Phase::Started, 10_000);
+    r.call_id = Some("first".into());
+    let waiter = |id: String| Waiter {
+        call_id: Some(id),
+        intent_ts_ms: None,
+        traceparent: None,
+    };
+    assert_eq!(
+        r.add_waiter(waiter("first".into())),
+        Err(NotWaiting::AlreadyWaiting)
+    );
+    assert_eq!(r.add_waiter(waiter("w1".into())), Ok(()));
+    assert_eq!(
+        r.add_waiter(waiter("w1".into())),
+        Err(NotWaiting::AlreadyWaiting)
+    );
+    // Many small waiters: capped by count.
+    for i in 2..=MAX_WAITERS {
+        assert_eq!(r.add_waiter(waiter(format!("w{i}"))), Ok(()));
+    }
+    assert_eq!(
+        r.add_waiter(waiter("one more".into())),
+        Err(NotWaiting::OverBudget)
+    );
+    assert_eq!(r.waiters.len(), MAX_WAITERS);
+    // Few large ones: capped by bytes.
+    let mut big = record(2, Phase::Started, 10_000);
+    let kept = (0..100)
+        .filter(|i| {
+            big.add_waiter(waiter(format!("{i}{}", "x".repeat(10_000))))
+                .is_ok()
+        })
+        .count();
+    assert_eq!(kept, WAITERS_BUDGET_BYTES / 10_002);
+    // Rephrased copies: 40 KiB each, so one fits the budget; all are counted.
+    for i in 0..40 {
+        let mut a = Map::new();
+        a.insert("n".into(), Value::from(i));
+        a.insert("blob".into(), Value::from("y".repeat(40 * 1024)));
+        assert!(r.note_repeat(Some(format!("r{i}")), &a, 0));
+    }
+    assert_eq!(r.rephrased_count, 40);
+    assert_eq!(r.rephrased.len(), 1);
+    assert!(!r.note_repeat(None, &Map::new(), 0), "verbatim");
+    let encoded = crate::contract::codec::encode(&r);
+    assert!(
+        encoded.len() < REPHRASED_BUDGET_BYTES + WAITERS_BUDGET_BYTES + 16 * 1024,
+        "{} bytes",
+        encoded.len()
     );
 }

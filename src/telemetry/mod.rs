@@ -29,6 +29,7 @@ pub struct Metrics {
     fast_path_calls: IntCounterVec,
     repeats_answered: IntCounterVec,
     rephrased_retries: IntCounterVec,
+    repeats_not_waiting: IntCounterVec,
     rejected_inputs: IntCounterVec,
     results_published: IntCounterVec,
     invocations: IntCounterVec,
@@ -184,6 +185,12 @@ impl Metrics {
                 "Repeats whose arguments differ from the first call's.",
                 &["tool"],
             ),
+            repeats_not_waiting: counter_vec(
+                &r,
+                "stepgate_repeats_not_waiting_total",
+                "Repeats of an in-flight step not added to its waiters: already_waiting (its call_id will be answered once) or over_budget (too many waiting: asked again, it is answered from the record).",
+                &["why"],
+            ),
             rejected_inputs: counter_vec(
                 &r,
                 "stepgate_rejected_inputs_total",
@@ -320,6 +327,19 @@ impl Metrics {
                 .with_label_values(&[self.tool_label(&step.tool)])
                 .inc();
         }
+    }
+
+    pub fn repeat_not_waiting(
+        &self,
+        step: &crate::contract::StepKey,
+        why: crate::state::NotWaiting,
+    ) {
+        if why == crate::state::NotWaiting::OverBudget {
+            warn!(step = %step, "a repeat of an in-flight step is not kept waiting: the step has too many waiting callers (it is answered from the record when asked again)");
+        }
+        self.repeats_not_waiting
+            .with_label_values(&[why.as_str()])
+            .inc();
     }
 
     pub fn rejected(&self, reason: &str, message: &str, partition: i32, offset: i64) {

@@ -329,7 +329,7 @@ level = "info,rdkafka=warn"
         let config_path = dir.path().join("stepgate.toml");
         std::fs::write(&config_path, &toml).unwrap();
         let config = stepgate::config::Config::from_toml_str(&toml, Vec::new()).unwrap();
-        stepgate::kafka::create_topics(&config.kafka, Duration::from_secs(86400))
+        stepgate::kafka::create_topics(&config.kafka, &config.state)
             .await
             .unwrap();
         Stack {
@@ -586,6 +586,11 @@ impl TopicReader {
             .set("enable.auto.commit", "false")
             .set("isolation.level", "read_committed")
             .set("fetch.wait.max.ms", "20")
+            // After a broker's hard kill librdkafka may find its position
+            // invalid (leader epoch validation) and reset it: to the start,
+            // where the offsets below skip what was read — never past records
+            // (the default, `latest`, would lose answers stepgate wrote).
+            .set("auto.offset.reset", "earliest")
             .create()
             .unwrap();
         let md_consumer: BaseConsumer = ClientConfig::new()
@@ -609,12 +614,20 @@ impl TopicReader {
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let (r, s) = (records.clone(), stop.clone());
         tokio::spawn(async move {
+            // Per partition, the next offset not yet kept: a record read again
+            // after a position reset is skipped.
+            let mut next: HashMap<i32, i64> = HashMap::new();
             while !s.load(std::sync::atomic::Ordering::SeqCst) {
                 let Ok(Ok(m)) =
                     tokio::time::timeout(Duration::from_millis(200), consumer.recv()).await
                 else {
                     continue;
                 };
+                let n = next.entry(m.partition()).or_insert(0);
+                if m.offset() < *n {
+                    continue;
+                }
+                *n = m.offset() + 1;
                 let value = m
                     .payload()
                     .and_then(|p| serde_json::from_slice(p).ok())
