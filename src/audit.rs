@@ -148,6 +148,22 @@ pub struct Replayed {
     pub value: Vec<u8>,
 }
 
+/// `stepgate audit`: replay the intents, results and commands topics (from
+/// `query.since_ms`, or their beginning) and build the report. `progress` is
+/// told (topic, records read so far) now and then. Blocking.
+pub fn report(
+    cfg: &KafkaConfig,
+    query: &AuditQuery,
+    mut progress: impl FnMut(&str, usize),
+) -> Result<AuditReport, AuditError> {
+    let t = &cfg.topics;
+    let mut read = |topic: &str| replay_topic(cfg, topic, query.since_ms, |n| progress(topic, n));
+    let intents = read(&t.intents)?;
+    let results = read(&t.results)?;
+    let commands = read(&t.commands)?;
+    Ok(build(&intents, &results, &commands, query))
+}
+
 /// Read a topic from the beginning (or `since_ms`) to its end as of now.
 /// `progress` is told the number of records read so far, now and then.
 pub fn replay_topic(

@@ -19,15 +19,11 @@ pub struct Cli {
 pub enum Command {
     /// Run the gate (which invokes the tools of the steps it owns) until SIGTERM/SIGINT.
     Run {
-        /// The TOML config file.
-        #[arg(long, short, env = "STEPGATE_CONFIG")]
-        config: Option<PathBuf>,
+        #[command(flatten)]
+        deployment: Deployment,
         /// Kept for old scripts: `all` and `gate` are the same; `executor` is refused.
         #[arg(long, value_enum, default_value = "all", hide = true)]
         role: Role,
-        /// Overrides `kafka.brokers`.
-        #[arg(long)]
-        brokers: Option<String>,
         /// Overrides `kafka.instance_id` (unique per process).
         #[arg(long)]
         instance_id: Option<String>,
@@ -50,12 +46,8 @@ pub enum Command {
     /// Publish one intent and print its answer (Result v1 JSON). Exits 0 when the
     /// status is `ok`, 2 for `error`/`in_doubt`/`rejected`, 1 when no answer came.
     Call {
-        /// The config whose brokers and topics to use (defaults otherwise).
-        #[arg(long, short, env = "STEPGATE_CONFIG")]
-        config: Option<PathBuf>,
-        /// Overrides `kafka.brokers`.
-        #[arg(long)]
-        brokers: Option<String>,
+        #[command(flatten)]
+        deployment: Deployment,
         #[arg(long)]
         workflow: String,
         #[arg(long)]
@@ -76,11 +68,8 @@ pub enum Command {
     /// Report what agents did, replayed from the intents and results topics
     /// (read-only: live state is not touched).
     Audit {
-        #[arg(long, short, env = "STEPGATE_CONFIG")]
-        config: Option<PathBuf>,
-        /// Overrides `kafka.brokers`.
-        #[arg(long)]
-        brokers: Option<String>,
+        #[command(flatten)]
+        deployment: Deployment,
         /// Only this workflow.
         #[arg(long)]
         workflow: Option<String>,
@@ -134,8 +123,8 @@ pub enum Command {
     },
     /// Load and validate a config (file + STEPGATE_* environment), print it as TOML.
     CheckConfig {
-        #[arg(long, short, env = "STEPGATE_CONFIG")]
-        config: Option<PathBuf>,
+        #[command(flatten)]
+        deployment: Deployment,
     },
 }
 
@@ -144,15 +133,35 @@ pub enum TopicsCommand {
     /// Create the intents, results, dlq and internal topics with equal partition
     /// counts (existing topics are left as they are, then checked).
     Create {
-        #[arg(long, short, env = "STEPGATE_CONFIG")]
-        config: Option<PathBuf>,
+        #[command(flatten)]
+        deployment: Deployment,
         /// Overrides `kafka.partitions`.
         #[arg(long)]
         partitions: Option<i32>,
-        /// Overrides `kafka.brokers`.
-        #[arg(long)]
-        brokers: Option<String>,
     },
+}
+
+/// Which deployment a command talks to: its config file (defaults and
+/// `STEPGATE_*` variables otherwise) and an optional brokers override.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Deployment {
+    /// The TOML config file.
+    #[arg(long, short, env = "STEPGATE_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Overrides `kafka.brokers`.
+    #[arg(long)]
+    pub brokers: Option<String>,
+}
+
+impl Deployment {
+    /// The config from the file and the environment, `--brokers` applied.
+    pub fn load(&self) -> Result<crate::config::Config, crate::config::ConfigError> {
+        let mut cfg = crate::config::Config::load(self.config.as_deref(), std::env::vars())?;
+        if let Some(b) = &self.brokers {
+            cfg.kafka.brokers.clone_from(b);
+        }
+        Ok(cfg)
+    }
 }
 
 /// The step a decision is about.
@@ -190,11 +199,8 @@ pub struct Who {
 /// Which deployment, and how long to wait for the gate to apply a decision.
 #[derive(Debug, clap::Args)]
 pub struct Target {
-    #[arg(long, short, env = "STEPGATE_CONFIG")]
-    pub config: Option<PathBuf>,
-    /// Overrides `kafka.brokers`.
-    #[arg(long)]
-    pub brokers: Option<String>,
+    #[command(flatten)]
+    pub deployment: Deployment,
     /// How long to wait until a gate has applied the decision.
     #[arg(long, default_value = "30s")]
     pub wait: humantime::Duration,
@@ -208,11 +214,8 @@ pub enum StepsCommand {
         /// Print the records as JSON.
         #[arg(long)]
         json: bool,
-        #[arg(long, short, env = "STEPGATE_CONFIG")]
-        config: Option<PathBuf>,
-        /// Overrides `kafka.brokers`.
-        #[arg(long)]
-        brokers: Option<String>,
+        #[command(flatten)]
+        deployment: Deployment,
     },
 }
 
@@ -223,11 +226,8 @@ pub enum ApprovalsCommand {
         /// Print them as JSON.
         #[arg(long)]
         json: bool,
-        #[arg(long, short, env = "STEPGATE_CONFIG")]
-        config: Option<PathBuf>,
-        /// Overrides `kafka.brokers`.
-        #[arg(long)]
-        brokers: Option<String>,
+        #[command(flatten)]
+        deployment: Deployment,
     },
     /// Let a held call run.
     Approve {
@@ -255,14 +255,11 @@ pub enum StateCommand {
     /// recovery, or moving to a new disk). Never touches a running gate's state:
     /// `--path` must be a new, empty directory.
     Rebuild {
-        #[arg(long, short, env = "STEPGATE_CONFIG")]
-        config: Option<PathBuf>,
+        #[command(flatten)]
+        deployment: Deployment,
         /// Where to write the rebuilt state (default: `state.path`).
         #[arg(long)]
         path: Option<PathBuf>,
-        /// Overrides `kafka.brokers`.
-        #[arg(long)]
-        brokers: Option<String>,
     },
 }
 

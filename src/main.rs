@@ -2,11 +2,10 @@
 
 use anyhow::Context as _;
 use clap::Parser;
-use std::path::Path;
 use std::process::ExitCode;
 use stepgate::cli::{
-    ApprovalsCommand, AuditFormat, Cli, Command, StateCommand, StepsCommand, Target, TopicsCommand,
-    Who,
+    ApprovalsCommand, AuditFormat, Cli, Command, Deployment, StateCommand, StepsCommand, Target,
+    TopicsCommand, Who,
 };
 use stepgate::client::{Client, ClientOptions, StepCall};
 use stepgate::config::Config;
@@ -40,7 +39,7 @@ fn main() -> ExitCode {
 
 /// Send an operator's decision and print the step once a gate applied it.
 async fn decide(step: StepKey, action: Action, who: Who, target: Target) -> anyhow::Result<()> {
-    let cfg = load(target.config.as_deref(), target.brokers)?;
+    let cfg = load(&target.deployment)?;
     let by = who
         .by
         .or_else(|| std::env::var("USER").ok())
@@ -67,23 +66,18 @@ async fn decide(step: StepKey, action: Action, who: Who, target: Target) -> anyh
 }
 
 /// The config from file and environment, with `--brokers` applied when given.
-fn load(path: Option<&Path>, brokers: Option<String>) -> anyhow::Result<Config> {
-    let mut cfg = Config::load(path, std::env::vars()).context("loading the configuration")?;
-    if let Some(b) = brokers {
-        cfg.kafka.brokers = b;
-    }
-    Ok(cfg)
+fn load(d: &Deployment) -> anyhow::Result<Config> {
+    d.load().context("loading the configuration")
 }
 
 async fn execute(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Run {
-            config,
+            deployment,
             role,
-            brokers,
             instance_id,
         } => {
-            let mut cfg = load(config.as_deref(), brokers)?;
+            let mut cfg = load(&deployment)?;
             if let Some(i) = instance_id {
                 cfg.kafka.instance_id = i;
             }
@@ -100,12 +94,11 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
         Command::Topics {
             action:
                 TopicsCommand::Create {
-                    config,
+                    deployment,
                     partitions,
-                    brokers,
                 },
         } => {
-            let mut cfg = load(config.as_deref(), brokers)?;
+            let mut cfg = load(&deployment)?;
             if let Some(n) = partitions {
                 cfg.kafka.partitions = n;
             }
@@ -135,8 +128,7 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Call {
-            config,
-            brokers,
+            deployment,
             workflow,
             step,
             tool,
@@ -145,7 +137,7 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
             call_id,
             timeout,
         } => {
-            let cfg = load(config.as_deref(), brokers)?;
+            let cfg = load(&deployment)?;
             let arguments: serde_json::Value =
                 serde_json::from_str(&args).context("--args must be a JSON object")?;
             let mut call = StepCall::new(&workflow, step, &tool, arguments)?.attempt(attempt);
@@ -163,14 +155,13 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Audit {
-            config,
-            brokers,
+            deployment,
             workflow,
             since,
             format,
             out,
         } => {
-            let cfg = load(config.as_deref(), brokers)?;
+            let cfg = load(&deployment)?;
             let since_ms = since
                 .map(|s| {
                     chrono::DateTime::parse_from_rfc3339(&s)
@@ -179,24 +170,20 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
                 })
                 .transpose()?;
             let query = stepgate::audit::AuditQuery { workflow, since_ms };
-            let k = cfg.kafka.clone();
-            let report = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
-                let read = |topic: &str| {
-                    stepgate::audit::replay_topic(&k, topic, since_ms, |n| {
-                        eprint!("\rreading {topic}: {n} records");
-                    })
-                };
-                let intents = read(&k.topics.intents)?;
-                eprintln!();
-                let results = read(&k.topics.results)?;
-                eprintln!();
-                let commands = read(&k.topics.commands)?;
-                eprintln!();
-                Ok(stepgate::audit::build(
-                    &intents, &results, &commands, &query,
-                ))
+            let report = tokio::task::spawn_blocking(move || {
+                let mut last = String::new();
+                stepgate::audit::report(&cfg.kafka, &query, |topic, n| {
+                    if topic != last {
+                        if !last.is_empty() {
+                            eprintln!();
+                        }
+                        last = topic.to_owned();
+                    }
+                    eprint!("\rreading {topic}: {n} records");
+                })
             })
             .await??;
+            eprintln!();
             let text = match format {
                 AuditFormat::Text => stepgate::audit::render_text(&report),
                 AuditFormat::Json => serde_json::to_string_pretty(&report)? + "\n",
@@ -214,11 +201,10 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
                 StepsCommand::Show {
                     workflow_id,
                     json,
-                    config,
-                    brokers,
+                    deployment,
                 },
         } => {
-            let cfg = load(config.as_deref(), brokers)?;
+            let cfg = load(&deployment)?;
             let k = cfg.kafka.clone();
             let steps = tokio::task::spawn_blocking(move || {
                 stepgate::operator::workflow_steps(&k, &workflow_id)
@@ -250,12 +236,8 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
             decide(step.key(), action, who, target).await
         }
         Command::Approvals { action } => match action {
-            ApprovalsCommand::List {
-                json,
-                config,
-                brokers,
-            } => {
-                let cfg = load(config.as_deref(), brokers)?;
+            ApprovalsCommand::List { json, deployment } => {
+                let cfg = load(&deployment)?;
                 let k = cfg.kafka.clone();
                 let pending =
                     tokio::task::spawn_blocking(move || stepgate::operator::pending_approvals(&k))
@@ -280,14 +262,9 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
             }
         },
         Command::State {
-            action:
-                StateCommand::Rebuild {
-                    config,
-                    path,
-                    brokers,
-                },
+            action: StateCommand::Rebuild { deployment, path },
         } => {
-            let cfg = load(config.as_deref(), brokers)?;
+            let cfg = load(&deployment)?;
             let path = path.unwrap_or_else(|| cfg.state.path.clone());
             let report = tokio::task::spawn_blocking(move || {
                 stepgate::gate::rebuild_state(&cfg.kafka, &path, |p, n, records| {
@@ -303,8 +280,8 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
             );
             Ok(())
         }
-        Command::CheckConfig { config } => {
-            let mut cfg = load(config.as_deref(), None)?;
+        Command::CheckConfig { deployment } => {
+            let mut cfg = load(&deployment)?;
             stepgate::kafka::check_sizes(&cfg.kafka, cfg.gate.max_intent_bytes)?;
             stepgate::kafka::check_step_record_size(&cfg)?;
             // As `run` does: a tool header whose variable or file is missing fails.

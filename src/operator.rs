@@ -144,7 +144,7 @@ pub async fn decide(
     wait: Duration,
 ) -> Result<StepRecord, OperatorError> {
     let (c, wf) = (cfg.clone(), step.workflow_id.clone());
-    let found = blocking(move || workflow_steps(&c, &wf)).await?;
+    let found = kafka::blocking(move || workflow_steps(&c, &wf)).await?;
     let record =
         found
             .steps
@@ -182,19 +182,14 @@ pub async fn decide(
         .set("enable.idempotence", "true")
         .set("linger.ms", "0")
         .create()?;
-    let record = OutRecord {
-        topic: cfg.topics.commands.clone(),
-        partition: Some(partition),
-        key: Some(step.workflow_id.as_bytes().to_vec()),
-        payload: Some(serde_json::to_vec(&command).expect("commands serialise")),
-        headers: Vec::new(),
-    };
+    let record =
+        OutRecord::json_for_workflow(&cfg.topics.commands, partition, &step.workflow_id, &command);
     kafka::send_all(&producer, std::slice::from_ref(&record)).await?;
     drop(producer);
     let started = Instant::now();
     loop {
         let (c, wf) = (cfg.clone(), step.workflow_id.clone());
-        let steps = blocking(move || steps_in(&c, &wf, partition)).await?;
+        let steps = kafka::blocking(move || steps_in(&c, &wf, partition)).await?;
         if let Some(r) = steps
             .into_iter()
             .find(|r| r.step == step && r.operator_log.iter().any(|e| e.id == command.id))
@@ -209,14 +204,6 @@ pub async fn decide(
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
-}
-
-async fn blocking<T: Send + 'static>(
-    f: impl FnOnce() -> Result<T, OperatorError> + Send + 'static,
-) -> Result<T, OperatorError> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|_| OperatorError::Kafka(KafkaError::Canceled))?
 }
 
 /// A call waiting for approval.

@@ -408,12 +408,19 @@ impl Session<'_> {
             };
             match step {
                 Step::Rebalance(ev) => {
-                    // A revoke waits for the commit in flight: it either landed
-                    // (and is honoured) or is re-read by the next owner.
-                    if matches!(ev, RebalanceEvent::Revoked(_))
-                        && let Some(f) = in_flight.take()
-                    {
-                        self.land(core, f).await?;
+                    if let RebalanceEvent::Revoked(parts) = &ev {
+                        // A revoke waits for the commit in flight: it either
+                        // landed (and is honoured) or is re-read by the next owner.
+                        if let Some(f) = in_flight.take() {
+                            self.land(core, f).await?;
+                        }
+                        let all = self
+                            .assigned
+                            .iter()
+                            .all(|p| parts.iter().any(|(_, q)| q == p));
+                        if all && (!pending.is_empty() || core.has_outs()) {
+                            self.discard_open_batch(core, pending);
+                        }
                     }
                     let open = !pending.is_empty() || core.has_outs();
                     self.on_rebalance(core, consumer, ev, open).await?;
@@ -495,6 +502,23 @@ impl Session<'_> {
                 *in_flight = Some(f);
             }
         }
+    }
+
+    /// Every partition is revoked while a batch is open (the range assignor's
+    /// eager rebalances revoke all): nothing of the batch is durable, so drop
+    /// it and go on from what is committed, as a new owner would — librdkafka
+    /// reads a partition assigned again from its committed offset, and the
+    /// outcomes the batch held are decided again. The consumer stays: a new
+    /// one's static rejoin mid-rebalance would start another rebalance, and
+    /// under load two gates could keep each other rebalancing.
+    fn discard_open_batch(&mut self, core: &mut GateCore, pending: &mut Pending) {
+        let open = std::mem::replace(pending, Pending::on_top_of(None));
+        info!(
+            inputs = open.inputs,
+            "partitions revoked mid-batch: the open batch is dropped, its inputs are read again from the last commit"
+        );
+        self.backlog.extend(open.outcomes);
+        core.reset();
     }
 
     async fn on_input(
@@ -725,13 +749,12 @@ impl Session<'_> {
                         traceparent.as_deref(),
                     ));
                 }
-                Out::Approval { partition, event } => records.push(OutRecord {
-                    topic: t.approvals.clone(),
-                    partition: Some(partition),
-                    key: Some(event.step.workflow_id.as_bytes().to_vec()),
-                    payload: Some(serde_json::to_vec(&event).expect("approval events serialise")),
-                    headers: Vec::new(),
-                }),
+                Out::Approval { partition, event } => records.push(OutRecord::json_for_workflow(
+                    &t.approvals,
+                    partition,
+                    &event.step.workflow_id,
+                    &event,
+                )),
                 Out::Dlq {
                     key,
                     headers,
@@ -947,13 +970,12 @@ const TICK: Duration = Duration::from_millis(100);
 
 /// An outcome handed to the owner of its partition.
 fn progress_record(topic: &str, partition: i32, p: &Progress) -> OutRecord {
-    OutRecord {
-        topic: topic.to_owned(),
-        partition: Some(partition),
-        key: Some(p.step.workflow_id.as_bytes().to_vec()),
-        payload: Some(crate::contract::codec::encode(p)),
-        headers: Vec::new(),
-    }
+    OutRecord::for_workflow(
+        topic,
+        partition,
+        &p.step.workflow_id,
+        crate::contract::codec::encode(p),
+    )
 }
 
 /// How often the state-size gauges are refreshed (a few RocksDB property reads).
@@ -1103,15 +1125,14 @@ pub fn result_record(
     result: &ToolResult,
     traceparent: Option<&str>,
 ) -> OutRecord {
-    OutRecord {
-        topic: topic.to_owned(),
-        partition: Some(partition),
-        key: Some(result.workflow_id.as_bytes().to_vec()),
-        payload: Some(result.to_json()),
-        headers: traceparent
-            .map(|tp| vec![("traceparent".to_owned(), Some(tp.as_bytes().to_vec()))])
-            .unwrap_or_default(),
+    let mut r = OutRecord::for_workflow(topic, partition, &result.workflow_id, result.to_json());
+    if let Some(tp) = traceparent {
+        r.headers.push((
+            crate::contract::headers::TRACEPARENT.to_owned(),
+            Some(tp.as_bytes().to_vec()),
+        ));
     }
+    r
 }
 
 /// Fault injection for the crash tests: with

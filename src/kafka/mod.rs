@@ -490,12 +490,12 @@ pub async fn close_within<T: Send + 'static>(what: &str, client: T, limit: Durat
 }
 
 /// Run a blocking client call off the async threads.
-pub async fn blocking<T: Send + 'static>(
-    f: impl FnOnce() -> Result<T, KafkaError> + Send + 'static,
-) -> Result<T, KafkaError> {
+pub async fn blocking<T: Send + 'static, E: From<KafkaError> + Send + 'static>(
+    f: impl FnOnce() -> Result<T, E> + Send + 'static,
+) -> Result<T, E> {
     tokio::task::spawn_blocking(f)
         .await
-        .map_err(|_| KafkaError::Canceled)?
+        .map_err(|_| E::from(KafkaError::Canceled))?
 }
 
 /// Commit a transaction, retrying what librdkafka says is retriable.
@@ -674,6 +674,37 @@ pub struct OutRecord {
     /// None for a tombstone.
     pub payload: Option<Vec<u8>>,
     pub headers: Vec<(String, Option<Vec<u8>>)>,
+}
+
+impl OutRecord {
+    /// A record about a workflow's step: keyed by the workflow, to a given
+    /// partition (its intent's), no headers.
+    pub fn for_workflow(
+        topic: &str,
+        partition: i32,
+        workflow_id: &str,
+        payload: Vec<u8>,
+    ) -> OutRecord {
+        OutRecord {
+            topic: topic.to_owned(),
+            partition: Some(partition),
+            key: Some(workflow_id.as_bytes().to_vec()),
+            payload: Some(payload),
+            headers: Vec::new(),
+        }
+    }
+
+    /// [`OutRecord::for_workflow`] with a JSON payload. stepgate's messages
+    /// (string-keyed maps, no non-finite numbers) always serialise.
+    pub fn json_for_workflow(
+        topic: &str,
+        partition: i32,
+        workflow_id: &str,
+        value: &impl serde::Serialize,
+    ) -> OutRecord {
+        let payload = serde_json::to_vec(value).expect("stepgate's messages serialise to JSON");
+        OutRecord::for_workflow(topic, partition, workflow_id, payload)
+    }
 }
 
 /// Produce every record and wait for all deliveries (inside the caller's
