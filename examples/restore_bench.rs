@@ -2,7 +2,7 @@
 //!
 //! Loads N completed step records into the changelog of a fresh one-partition
 //! deployment on the broker at `KAFKA_BROKERS` (default 127.0.0.1:9092), then
-//! times [`stepgate::gate::restore_partition`] into an empty RocksDB, and prints
+//! times [`stepgate::state::restore_partition`] into an empty RocksDB, and prints
 //! records/s and the process's peak RSS.
 //!
 //! `cargo run --example restore_bench -- 1000000` (add `--release` for
@@ -72,7 +72,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let t = Instant::now();
     let kafka = config.kafka.clone();
     let applied =
-        tokio::task::block_in_place(|| stepgate::gate::restore_partition(&kafka, &fresh, 0))?
+        tokio::task::block_in_place(|| stepgate::state::restore_partition(&kafka, &fresh, 0))?
             .records;
     let took = t.elapsed().as_secs_f64();
     println!(

@@ -267,7 +267,7 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
             let cfg = load(&deployment)?;
             let path = path.unwrap_or_else(|| cfg.state.path.clone());
             let report = tokio::task::spawn_blocking(move || {
-                stepgate::gate::rebuild_state(&cfg.kafka, &path, |p, n, records| {
+                stepgate::state::rebuild_state(&cfg.kafka, &path, |p, n, records| {
                     eprintln!("partition {p}/{n}: {records} changelog records applied");
                 })
             })

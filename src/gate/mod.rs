@@ -25,7 +25,6 @@ use crate::telemetry::{Health, Metrics};
 use futures::FutureExt;
 use rdkafka::consumer::Consumer;
 use rdkafka::error::KafkaError;
-use rdkafka::message::Message;
 use rdkafka::producer::{FutureProducer, Producer};
 use rdkafka::{Offset, TopicPartitionList};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -47,8 +46,8 @@ pub enum GateError {
     Rebalanced,
     #[error("no partitions assigned for {0:?}: rejoining with a fresh consumer")]
     Unassigned(Duration),
-    #[error("restoring partition {partition} from the changelog did not finish within {limit:?}")]
-    RestoreTimeout { partition: i32, limit: Duration },
+    #[error("restore")]
+    Restore(#[from] crate::state::RestoreError),
     #[error("the commit task failed")]
     Join(#[from] tokio::task::JoinError),
     /// librdkafka stops a client for good on a fatal error (e.g. its static
@@ -694,7 +693,8 @@ impl Session<'_> {
         let store = self.store.clone();
         let cfg = self.config.kafka.clone();
         let restored =
-            tokio::task::spawn_blocking(move || restore_partition(&cfg, &store, p)).await??;
+            tokio::task::spawn_blocking(move || crate::state::restore_partition(&cfg, &store, p))
+                .await??;
         if restored.full {
             self.metrics.full_restore(p);
         }
@@ -980,143 +980,6 @@ fn progress_record(topic: &str, partition: i32, p: &Progress) -> OutRecord {
 
 /// How often the state-size gauges are refreshed (a few RocksDB property reads).
 const STATE_SIZE_EVERY: Duration = Duration::from_secs(5);
-
-/// How long a restore may take before the session gives up and retries.
-const RESTORE_LIMIT: Duration = Duration::from_secs(600);
-
-/// Bring a partition's local state up to its changelog's end (read_committed:
-/// only committed batches), from the offset the state last reflected — or
-/// from the start, over a wiped partition, when that is unknown or the topic
-/// is not the one it was read from. Blocking.
-pub fn restore_partition(
-    cfg: &crate::config::KafkaConfig,
-    store: &StateStore,
-    p: i32,
-) -> Result<Restored, GateError> {
-    let group = format!("{}-restore", cfg.gate_group);
-    let deadline = Instant::now() + RESTORE_LIMIT;
-    let mut from = store.changelog_next(p)?;
-    loop {
-        let full = from.is_none();
-        if full {
-            store.wipe_partition(p)?;
-        }
-        // Resuming, a position past the changelog's end means the changelog
-        // was recreated: what we hold is from another topic.
-        let consumer = match from {
-            Some(_) => kafka::resume_consumer(cfg, &group)?,
-            None => kafka::read_to_end_consumer(cfg, &group)?,
-        };
-        let mut tpl = TopicPartitionList::new();
-        tpl.add_partition_offset(
-            &cfg.topics.changelog,
-            p,
-            from.map_or(Offset::Beginning, Offset::Offset),
-        )?;
-        consumer.assign(&tpl)?;
-        drop(tpl);
-        let mut buf = Vec::with_capacity(10_000);
-        let mut n = 0;
-        let mut next = from.unwrap_or(0);
-        let end = kafka::read_to_end(&consumer, BTreeSet::from([p]), Some(deadline), |m| {
-            next = next.max(m.offset() + 1);
-            if let Some(k) = m.key() {
-                buf.push((k.to_vec(), m.payload().map(<[u8]>::to_vec)));
-            }
-            if buf.len() >= 10_000 {
-                n += store.apply_changelog(&buf)?;
-                buf.clear();
-            }
-            Ok::<_, StateError>(())
-        })?;
-        drop(consumer);
-        match end {
-            kafka::ReadEnd::Reached => {
-                n += store.apply_changelog(&buf)?;
-                store.finish_restore(p, Some(next))?;
-                return Ok(Restored { records: n, full });
-            }
-            kafka::ReadEnd::TimedOut => {
-                return Err(GateError::RestoreTimeout {
-                    partition: p,
-                    limit: RESTORE_LIMIT,
-                });
-            }
-            // Only a resume reads with an out-of-range error: once from the
-            // start, the loop ends.
-            kafka::ReadEnd::OutOfRange => {
-                warn!(
-                    partition = p,
-                    local = ?from,
-                    "the changelog does not hold the offset the local state reflects (recreated?): restoring from its start"
-                );
-                from = None;
-            }
-        }
-    }
-}
-
-/// What [`restore_partition`] did.
-#[derive(Debug, Clone, Copy)]
-pub struct Restored {
-    /// Changelog records applied.
-    pub records: usize,
-    /// Whether it started from the changelog's start (over a wiped partition).
-    pub full: bool,
-}
-
-/// What [`rebuild_state`] did.
-#[derive(Debug)]
-pub struct Rebuilt {
-    pub path: std::path::PathBuf,
-    pub partitions: usize,
-    pub records: usize,
-}
-
-#[derive(Debug, Error)]
-pub enum RebuildError {
-    #[error("`{0}` exists and is not empty: rebuild into a new directory")]
-    NotEmpty(std::path::PathBuf),
-    #[error("Kafka")]
-    Setup(#[from] kafka::KafkaSetupError),
-    #[error("Kafka")]
-    Kafka(#[from] KafkaError),
-    #[error("restore")]
-    Gate(#[from] GateError),
-    #[error("state")]
-    State(#[from] StateError),
-}
-
-/// Rebuild a whole gate state from the changelog into a new directory, each
-/// partition marked with the changelog offset it reflects, so a gate started on
-/// it only reads what was written since. Blocking; `progress` is told
-/// (partition, partitions, records) as each partition finishes.
-pub fn rebuild_state(
-    cfg: &crate::config::KafkaConfig,
-    path: &std::path::Path,
-    mut progress: impl FnMut(i32, usize, usize),
-) -> Result<Rebuilt, RebuildError> {
-    if path.exists()
-        && std::fs::read_dir(path)
-            .map(|mut d| d.next().is_some())
-            .unwrap_or(true)
-    {
-        return Err(RebuildError::NotEmpty(path.to_owned()));
-    }
-    let partitions = kafka::check_layout(cfg)?;
-    let store = StateStore::open(path)?;
-    let mut records = 0;
-    for p in 0..partitions as i32 {
-        let n = restore_partition(cfg, &store, p)?.records;
-        records += n;
-        progress(p, partitions, n);
-    }
-    Ok(Rebuilt {
-        path: path.to_owned(),
-        partitions,
-        records,
-    })
-}
 
 /// A Result v1 record: keyed by workflow id, in the intent's partition number.
 pub fn result_record(

@@ -20,10 +20,14 @@
 //! nor hold a history Kafka aborted.
 
 mod record;
+mod restore;
 
 pub use record::{
     FastEntry, MAX_WAITERS, NotWaiting, OperatorEntry, Phase, REPHRASED_BUDGET_BYTES,
     RephrasedCall, StepRecord, WAITERS_BUDGET_BYTES, Waiter, WorkflowEnd,
+};
+pub use restore::{
+    RebuildError, Rebuilt, RestoreError, Restored, rebuild_state, restore_partition,
 };
 
 use crate::contract::{StepKey, codec};

@@ -1,0 +1,161 @@
+//! Restore: a partition's local state brought up to its changelog's end, and
+//! a whole state rebuilt from the changelog (`stepgate state rebuild`). The
+//! changelog is the source of truth; RocksDB reflects it up to an offset kept
+//! per partition (`meta`), from which a restore resumes.
+
+use super::{StateError, StateStore};
+use crate::config::KafkaConfig;
+use crate::kafka;
+use rdkafka::consumer::Consumer;
+use rdkafka::error::KafkaError;
+use rdkafka::message::Message;
+use rdkafka::{Offset, TopicPartitionList};
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+use thiserror::Error;
+use tracing::warn;
+
+#[derive(Debug, Error)]
+pub enum RestoreError {
+    #[error("Kafka")]
+    Kafka(#[from] KafkaError),
+    #[error("state")]
+    State(#[from] StateError),
+    #[error("restoring partition {partition} from the changelog did not finish within {limit:?}")]
+    Timeout { partition: i32, limit: Duration },
+}
+
+/// How long a restore may take before the session gives up and retries.
+const RESTORE_LIMIT: Duration = Duration::from_secs(600);
+
+/// Bring a partition's local state up to its changelog's end (read_committed:
+/// only committed batches), from the offset the state last reflected — or
+/// from the start, over a wiped partition, when that is unknown or the topic
+/// is not the one it was read from. Blocking.
+pub fn restore_partition(
+    cfg: &KafkaConfig,
+    store: &StateStore,
+    p: i32,
+) -> Result<Restored, RestoreError> {
+    let group = format!("{}-restore", cfg.gate_group);
+    let deadline = Instant::now() + RESTORE_LIMIT;
+    let mut from = store.changelog_next(p)?;
+    loop {
+        let full = from.is_none();
+        if full {
+            store.wipe_partition(p)?;
+        }
+        // Resuming, a position past the changelog's end means the changelog
+        // was recreated: what we hold is from another topic.
+        let consumer = match from {
+            Some(_) => kafka::resume_consumer(cfg, &group)?,
+            None => kafka::read_to_end_consumer(cfg, &group)?,
+        };
+        let mut tpl = TopicPartitionList::new();
+        tpl.add_partition_offset(
+            &cfg.topics.changelog,
+            p,
+            from.map_or(Offset::Beginning, Offset::Offset),
+        )?;
+        consumer.assign(&tpl)?;
+        drop(tpl);
+        let mut buf = Vec::with_capacity(10_000);
+        let mut n = 0;
+        let mut next = from.unwrap_or(0);
+        let end = kafka::read_to_end(&consumer, BTreeSet::from([p]), Some(deadline), |m| {
+            next = next.max(m.offset() + 1);
+            if let Some(k) = m.key() {
+                buf.push((k.to_vec(), m.payload().map(<[u8]>::to_vec)));
+            }
+            if buf.len() >= 10_000 {
+                n += store.apply_changelog(&buf)?;
+                buf.clear();
+            }
+            Ok::<_, StateError>(())
+        })?;
+        drop(consumer);
+        match end {
+            kafka::ReadEnd::Reached => {
+                n += store.apply_changelog(&buf)?;
+                store.finish_restore(p, Some(next))?;
+                return Ok(Restored { records: n, full });
+            }
+            kafka::ReadEnd::TimedOut => {
+                return Err(RestoreError::Timeout {
+                    partition: p,
+                    limit: RESTORE_LIMIT,
+                });
+            }
+            // Only a resume reads with an out-of-range error: once from the
+            // start, the loop ends.
+            kafka::ReadEnd::OutOfRange => {
+                warn!(
+                    partition = p,
+                    local = ?from,
+                    "the changelog does not hold the offset the local state reflects (recreated?): restoring from its start"
+                );
+                from = None;
+            }
+        }
+    }
+}
+
+/// What [`restore_partition`] did.
+#[derive(Debug, Clone, Copy)]
+pub struct Restored {
+    /// Changelog records applied.
+    pub records: usize,
+    /// Whether it started from the changelog's start (over a wiped partition).
+    pub full: bool,
+}
+
+/// What [`rebuild_state`] did.
+#[derive(Debug)]
+pub struct Rebuilt {
+    pub path: std::path::PathBuf,
+    pub partitions: usize,
+    pub records: usize,
+}
+
+#[derive(Debug, Error)]
+pub enum RebuildError {
+    #[error("`{0}` exists and is not empty: rebuild into a new directory")]
+    NotEmpty(std::path::PathBuf),
+    #[error("Kafka")]
+    Setup(#[from] kafka::KafkaSetupError),
+    #[error("restore")]
+    Restore(#[from] RestoreError),
+    #[error("state")]
+    State(#[from] StateError),
+}
+
+/// Rebuild a whole gate state from the changelog into a new directory, each
+/// partition marked with the changelog offset it reflects, so a gate started on
+/// it only reads what was written since. Blocking; `progress` is told
+/// (partition, partitions, records) as each partition finishes.
+pub fn rebuild_state(
+    cfg: &KafkaConfig,
+    path: &std::path::Path,
+    mut progress: impl FnMut(i32, usize, usize),
+) -> Result<Rebuilt, RebuildError> {
+    if path.exists()
+        && std::fs::read_dir(path)
+            .map(|mut d| d.next().is_some())
+            .unwrap_or(true)
+    {
+        return Err(RebuildError::NotEmpty(path.to_owned()));
+    }
+    let partitions = kafka::check_layout(cfg)?;
+    let store = StateStore::open(path)?;
+    let mut records = 0;
+    for p in 0..partitions as i32 {
+        let n = restore_partition(cfg, &store, p)?.records;
+        records += n;
+        progress(p, partitions, n);
+    }
+    Ok(Rebuilt {
+        path: path.to_owned(),
+        partitions,
+        records,
+    })
+}
