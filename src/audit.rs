@@ -10,13 +10,11 @@
 use crate::config::KafkaConfig;
 use crate::contract::{Action, Command, StepKey, ToolResult};
 use crate::kafka;
-use rdkafka::consumer::Consumer;
 use rdkafka::error::KafkaError;
-use rdkafka::{Message, Offset, TopicPartitionList};
+use rdkafka::Message;
 use serde::Serialize;
 use serde_json::{Map, Value};
-use std::collections::{BTreeMap, BTreeSet};
-use std::time::Duration;
+use std::collections::BTreeMap;
 use thiserror::Error;
 
 #[derive(Debug, Error)]
@@ -173,25 +171,10 @@ pub fn replay_topic(
     mut progress: impl FnMut(usize),
 ) -> Result<Vec<Replayed>, AuditError> {
     let n = kafka::partition_counts(cfg, &[topic])?[0] as i32;
-    let consumer =
-        kafka::read_to_end_consumer(cfg, &format!("stepgate-audit-{}", std::process::id()))?;
-    let mut tpl = TopicPartitionList::new();
-    let mut open = BTreeSet::new();
-    for p in 0..n {
-        let (_, high) = consumer.fetch_watermarks(topic, p, Duration::from_secs(30))?;
-        if high > 0 {
-            open.insert(p);
-        }
-        let start = since_ms.map_or(Offset::Beginning, Offset::Offset);
-        tpl.add_partition_offset(topic, p, start)?;
-    }
-    if since_ms.is_some() {
-        tpl = consumer.offsets_for_times(tpl, Duration::from_secs(30))?;
-    }
-    consumer.assign(&tpl)?;
-    drop(tpl);
+    let partitions: Vec<i32> = (0..n).collect();
+    let group = format!("stepgate-audit-{}", std::process::id());
     let mut out = Vec::new();
-    let read = kafka::read_to_end(&consumer, open, None, |m| {
+    kafka::replay(cfg, &group, topic, &partitions, since_ms, None, |m| {
         out.push(Replayed {
             partition: m.partition(),
             offset: m.offset(),
@@ -201,10 +184,8 @@ pub fn replay_topic(
         if out.len() % 10_000 == 0 {
             progress(out.len());
         }
-        Ok::<_, std::convert::Infallible>(())
-    });
-    let Ok(_) = read;
-    drop(consumer);
+        Ok::<_, KafkaError>(())
+    })?;
     progress(out.len());
     Ok(out)
 }

@@ -12,11 +12,9 @@ use crate::config::KafkaConfig;
 use crate::contract::{Action, ApprovalEvent, ApprovalKind, Command, StepKey};
 use crate::kafka::{self, KafkaSetupError, OutRecord};
 use crate::state::{StepRecord, changelog_step};
-use rdkafka::consumer::Consumer;
 use rdkafka::error::KafkaError;
 use rdkafka::message::Message;
 use rdkafka::producer::FutureProducer;
-use rdkafka::{Offset, TopicPartitionList};
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -60,21 +58,12 @@ fn read_to_end(
     partitions: &[i32],
     mut f: impl FnMut(i32, Option<&[u8]>, Option<&[u8]>),
 ) -> Result<(), OperatorError> {
-    let consumer =
-        kafka::read_to_end_consumer(cfg, &format!("stepgate-operator-{}", std::process::id()))?;
-    let mut tpl = TopicPartitionList::new();
-    for p in partitions {
-        tpl.add_partition_offset(topic, *p, Offset::Beginning)?;
-    }
-    consumer.assign(&tpl)?;
-    drop(tpl);
-    let open = partitions.iter().copied().collect();
+    let group = format!("stepgate-operator-{}", std::process::id());
     let deadline = Instant::now() + READ_LIMIT;
-    let done = kafka::read_to_end(&consumer, open, Some(deadline), |m| {
+    let done = kafka::replay(cfg, &group, topic, partitions, None, Some(deadline), |m| {
         f(m.partition(), m.key(), m.payload());
-        Ok::<_, std::convert::Infallible>(())
-    })
-    .unwrap_or_else(|never| match never {});
+        Ok::<_, KafkaError>(())
+    })?;
     if done != kafka::ReadEnd::Reached {
         return Err(OperatorError::ReadTimeout {
             topic: topic.to_owned(),

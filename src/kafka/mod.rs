@@ -351,6 +351,42 @@ pub fn read_to_end<E>(
     Ok(ReadEnd::Reached)
 }
 
+/// Replay `partitions` of `topic` to their end as of now (read_committed),
+/// from their beginning or from the first record at or after `since_ms`,
+/// handing each record to `f`; partitions that are empty are not waited for.
+/// The consumer is of `group` and never commits. For the operator's and the
+/// audit's reads; a gate's restore resumes at an offset instead
+/// ([`resume_consumer`]). Blocking.
+pub fn replay<E: From<KafkaError>>(
+    cfg: &KafkaConfig,
+    group: &str,
+    topic: &str,
+    partitions: &[i32],
+    since_ms: Option<i64>,
+    deadline: Option<Instant>,
+    f: impl FnMut(&BorrowedMessage<'_>) -> Result<(), E>,
+) -> Result<ReadEnd, E> {
+    let consumer = read_to_end_consumer(cfg, group)?;
+    let mut tpl = rdkafka::TopicPartitionList::new();
+    let mut open = BTreeSet::new();
+    for &p in partitions {
+        let (_, high) = consumer.fetch_watermarks(topic, p, Duration::from_secs(30))?;
+        if high > 0 {
+            open.insert(p);
+        }
+        let start = since_ms.map_or(rdkafka::Offset::Beginning, rdkafka::Offset::Offset);
+        tpl.add_partition_offset(topic, p, start)?;
+    }
+    if since_ms.is_some() {
+        tpl = consumer.offsets_for_times(tpl, Duration::from_secs(30))?;
+    }
+    consumer.assign(&tpl)?;
+    drop(tpl);
+    let end = read_to_end(&consumer, open, deadline, f);
+    drop(consumer);
+    end
+}
+
 /// Rebalance events, signalled to the loop that owns the consumer (callbacks
 /// never do work themselves and never panic).
 #[derive(Debug)]
