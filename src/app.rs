@@ -100,7 +100,7 @@ pub async fn start(
     }
     // The `tool` label takes only configured names (bounded cardinality).
     let metrics = Arc::new(Metrics::with_tools(config.tool_names()));
-    let health = Arc::new(Health::new());
+    let health = Arc::new(Health::new(config.gate.stall_timeout.0));
     let http_addr = if config.http.listen.is_empty() {
         None
     } else {

@@ -10,8 +10,8 @@
 use crate::config::KafkaConfig;
 use crate::contract::{Action, Command, StepKey, ToolResult};
 use crate::kafka;
-use rdkafka::error::KafkaError;
 use rdkafka::Message;
+use rdkafka::error::KafkaError;
 use serde::Serialize;
 use serde_json::{Map, Value};
 use std::collections::BTreeMap;

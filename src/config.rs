@@ -247,6 +247,10 @@ pub struct GateConfig {
     /// elsewhere could run again. `false` accepts any partition — only for
     /// producers with a partitioner of their own that never changes.
     pub check_partition: bool,
+    /// `/healthz` fails when the gate's loop has made no progress for this
+    /// long (a stuck process is restarted by its orchestrator). Above the
+    /// longest legitimate wait: a commit retried through a broker outage.
+    pub stall_timeout: Dur,
 }
 
 impl Default for GateConfig {
@@ -258,6 +262,7 @@ impl Default for GateConfig {
             fast_path_timeout: None,
             max_intent_bytes: 1024 * 1024,
             check_partition: true,
+            stall_timeout: dur("5m"),
         }
     }
 }

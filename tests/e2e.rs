@@ -959,6 +959,38 @@ async fn a_fatally_fenced_consumer_is_replaced() {
     assert_eq!(s.tools.count("create_ticket"), 2);
 }
 
+/// A gate whose loop is stuck (here made to block for good by a test hook)
+/// fails `/healthz` once `gate.stall_timeout` passes, so an orchestrator
+/// restarts it; while its loop goes round, `/healthz` is ok.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stuck_gate_fails_healthz() {
+    let mut s = Stack::new(StackOptions {
+        gate: "stall_timeout = \"2s\"",
+        ..StackOptions::default()
+    })
+    .await;
+    s.spawn(&[], &[("STEPGATE_TEST_STALL_AFTER", "20")]);
+    s.wait_ready().await;
+    let healthz = || async {
+        reqwest::get(format!("http://{}/healthz", s.http))
+            .await
+            .unwrap()
+            .status()
+            .as_u16()
+    };
+    assert_eq!(healthz().await, 200, "{}", s.log_tail(40));
+    let until = std::time::Instant::now() + Duration::from_secs(60);
+    while healthz().await != 503 {
+        assert!(
+            std::time::Instant::now() < until,
+            "/healthz still ok 60 s in: {}",
+            s.log_tail(40)
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(s.log().contains("the gate's loop stops here for good"));
+}
+
 /// After a known workload, `/metrics` counts exactly what happened.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_count_a_known_workload_exactly() {

@@ -87,6 +87,7 @@ pub async fn run(
     let mut poison = Poison::default();
     let mut backoff = Duration::from_millis(250);
     loop {
+        health.beat();
         let mut session = Session {
             config: &config,
             store: &store,
@@ -392,6 +393,8 @@ impl Session<'_> {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let max_batch = self.config.gate.max_batch;
         loop {
+            self.health.beat();
+            stall_point::maybe_stall();
             let linger = self.linger.waiting();
             let step = tokio::select! {
                 biased;
@@ -692,9 +695,15 @@ impl Session<'_> {
         let started = Instant::now();
         let store = self.store.clone();
         let cfg = self.config.kafka.clone();
-        let restored =
-            tokio::task::spawn_blocking(move || crate::state::restore_partition(&cfg, &store, p))
-                .await??;
+        let mut restoring =
+            tokio::task::spawn_blocking(move || crate::state::restore_partition(&cfg, &store, p));
+        // A long restore is progress, not a stall.
+        let restored = loop {
+            tokio::select! {
+                r = &mut restoring => break r??,
+                _ = tokio::time::sleep(Duration::from_secs(1)) => self.health.beat(),
+            }
+        };
         if restored.full {
             self.metrics.full_restore(p);
         }
@@ -996,6 +1005,30 @@ pub fn result_record(
         ));
     }
     r
+}
+
+/// Fault injection for the liveness test: with `STEPGATE_TEST_STALL_AFTER=N`
+/// (seconds), the gate's loop blocks for good that long after it started —
+/// a stuck gate, to be seen by `/healthz`. Unset in production.
+mod stall_point {
+    use std::sync::OnceLock;
+    use std::time::{Duration, Instant};
+
+    pub fn maybe_stall() {
+        static AT: OnceLock<Option<Instant>> = OnceLock::new();
+        let at = AT.get_or_init(|| {
+            std::env::var("STEPGATE_TEST_STALL_AFTER")
+                .ok()
+                .and_then(|s| s.parse().ok())
+                .map(|s| Instant::now() + Duration::from_secs(s))
+        });
+        if at.is_some_and(|t| Instant::now() >= t) {
+            tracing::error!("STEPGATE_TEST_STALL_AFTER: the gate's loop stops here for good");
+            loop {
+                std::thread::park();
+            }
+        }
+    }
 }
 
 /// Fault injection for the crash tests: with

@@ -8,19 +8,37 @@ use axum::http::StatusCode;
 use axum::routing::get;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
-/// Readiness of this process's gate: consuming, with its partitions' state
-/// restored.
-#[derive(Debug, Default)]
+/// Readiness of this process's gate (consuming, with its partitions' state
+/// restored) and its liveness: the gate's loop beats as it goes; `/healthz`
+/// fails when it has not for `stall_after`, so an orchestrator restarts a
+/// process whose gate is stuck rather than leave its partitions unserved.
+#[derive(Debug)]
 pub struct Health {
     gate: AtomicBool,
+    started: Instant,
+    /// Milliseconds after `started` of the gate loop's last beat.
+    beat_ms: AtomicU64,
+    stall_after: Duration,
+}
+
+impl Default for Health {
+    fn default() -> Self {
+        Health::new(Duration::from_secs(300))
+    }
 }
 
 impl Health {
-    pub fn new() -> Self {
-        Health::default()
+    pub fn new(stall_after: Duration) -> Self {
+        Health {
+            gate: AtomicBool::new(false),
+            started: Instant::now(),
+            beat_ms: AtomicU64::new(0),
+            stall_after,
+        }
     }
 
     pub fn set_gate_ready(&self, ready: bool) {
@@ -29,6 +47,21 @@ impl Health {
 
     pub fn ready(&self) -> bool {
         self.gate.load(Ordering::SeqCst)
+    }
+
+    /// The gate made progress (its loop went round, or a restore is running).
+    pub fn beat(&self) {
+        let ms = self.started.elapsed().as_millis() as u64;
+        self.beat_ms.store(ms, Ordering::Relaxed);
+    }
+
+    /// How long since the last beat, when that is past `stall_after`.
+    pub fn stalled(&self) -> Option<Duration> {
+        let since = self
+            .started
+            .elapsed()
+            .saturating_sub(Duration::from_millis(self.beat_ms.load(Ordering::Relaxed)));
+        (since > self.stall_after).then_some(since)
     }
 }
 
@@ -39,27 +72,43 @@ struct AppState {
 }
 
 /// Serve until `shutdown`. Returns the bound address (port 0 picks one).
+/// The server runs on a thread and runtime of its own: a gate stuck in a
+/// blocking call occupies one of the main runtime's few workers, and
+/// `/healthz` must still answer that it is stuck.
 pub async fn serve(
     listen: SocketAddr,
     metrics: Arc<Metrics>,
     health: Arc<Health>,
     shutdown: CancellationToken,
 ) -> std::io::Result<SocketAddr> {
+    let listener = std::net::TcpListener::bind(listen)?;
+    listener.set_nonblocking(true)?;
+    let addr = listener.local_addr()?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
     let app = Router::new()
         .route("/metrics", get(metrics_handler))
-        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/healthz", get(health_handler))
         .route("/readyz", get(ready_handler))
         .with_state(AppState { metrics, health });
-    let listener = tokio::net::TcpListener::bind(listen).await?;
-    let addr = listener.local_addr()?;
-    tokio::spawn(async move {
-        let r = axum::serve(listener, app)
-            .with_graceful_shutdown(shutdown.cancelled_owned())
-            .await;
-        if let Err(e) = r {
-            tracing::error!(error = %e, "metrics server stopped");
-        }
-    });
+    std::thread::Builder::new()
+        .name("stepgate-http".into())
+        .spawn(move || {
+            runtime.block_on(async move {
+                let r = match tokio::net::TcpListener::from_std(listener) {
+                    Ok(l) => {
+                        axum::serve(l, app)
+                            .with_graceful_shutdown(shutdown.cancelled_owned())
+                            .await
+                    }
+                    Err(e) => Err(e),
+                };
+                if let Err(e) = r {
+                    tracing::error!(error = %e, "metrics server stopped");
+                }
+            })
+        })?;
     Ok(addr)
 }
 
@@ -73,6 +122,19 @@ async fn metrics_handler(
         )],
         s.metrics.render(),
     )
+}
+
+async fn health_handler(State(s): State<AppState>) -> (StatusCode, String) {
+    match s.health.stalled() {
+        None => (StatusCode::OK, "ok\n".into()),
+        Some(since) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!(
+                "stalled: the gate has made no progress for {} s\n",
+                since.as_secs()
+            ),
+        ),
+    }
 }
 
 async fn ready_handler(State(s): State<AppState>) -> (StatusCode, &'static str) {
