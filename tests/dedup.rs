@@ -1,0 +1,267 @@
+//! Deduplication by step key against a real Kafka broker (`KAFKA_BROKERS`,
+//! default 127.0.0.1:9092): rephrased retries, identical arguments at two steps,
+//! concurrent repeats, attempts, the partition a step lives in, reads.
+
+mod common;
+
+use common::*;
+use serde_json::json;
+use std::time::Duration;
+use stepgate::contract::Status;
+
+const WAIT: Duration = Duration::from_secs(30);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rephrased_retry_runs_once_and_gets_the_original_answer() {
+    let mut s = Stack::new(StackOptions::default()).await;
+    s.start().await;
+    let agent = s.agent();
+    let first = agent
+        .call(intent(
+            "order-1",
+            1,
+            "send_email",
+            json!({"to": "a@example.com", "subject": "Order confirmed"}),
+            "c1",
+        ))
+        .await;
+    let retry = agent
+        .call(intent(
+            "order-1",
+            1,
+            "send_email",
+            json!({"to": "a@example.com", "subject": "Your order is confirmed"}),
+            "c2",
+        ))
+        .await;
+    assert_eq!(first.status, Status::Ok);
+    assert!(!first.deduplicated && retry.deduplicated);
+    assert_eq!(retry.call_id.as_deref(), Some("c2"));
+    same_but_call_id(&first, &retry);
+    assert_eq!(s.tools.count("send_email"), 1, "the tool ran once");
+    assert_eq!(
+        s.tools.calls("send_email")[0].body["subject"],
+        "Order confirmed",
+        "the first call's arguments ran"
+    );
+    let m = s.metrics().await;
+    assert!(
+        m.contains(r#"stepgate_rephrased_retries_total{tool="send_email"} 1"#),
+        "{m}"
+    );
+    assert!(
+        m.contains(r#"stepgate_repeats_total{state="completed",tool="send_email"} 1"#),
+        "{m}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn identical_arguments_at_two_steps_run_twice() {
+    let mut s = Stack::new(StackOptions::default()).await;
+    s.start().await;
+    let agent = s.agent();
+    let a = agent
+        .call(intent(
+            "wf-t",
+            1,
+            "create_ticket",
+            json!({"title": "Printer broken"}),
+            "t1",
+        ))
+        .await;
+    let b = agent
+        .call(intent(
+            "wf-t",
+            2,
+            "create_ticket",
+            json!({"title": "Printer broken"}),
+            "t2",
+        ))
+        .await;
+    assert_eq!((a.status, b.status), (Status::Ok, Status::Ok));
+    assert!(!a.deduplicated && !b.deduplicated);
+    let calls = s.tools.calls("create_ticket");
+    assert_eq!(calls.len(), 2);
+    assert_ne!(calls[0].idempotency_key, calls[1].idempotency_key);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn five_concurrent_repeats_of_a_slow_step_run_once_and_all_are_answered() {
+    let mut s = Stack::new(StackOptions::default()).await;
+    s.tools.script(
+        "send_email",
+        vec![Reply::Delay(Duration::from_millis(1500))],
+    );
+    s.start().await;
+    let agent = s.agent();
+    for n in 0..5 {
+        agent
+            .send(&intent(
+                "wf-slow",
+                7,
+                "send_email",
+                json!({"subject": format!("try {n}")}),
+                &format!("r{n}"),
+            ))
+            .await;
+    }
+    let mut answers = Vec::new();
+    for n in 0..5 {
+        answers.push(agent.answer(&format!("r{n}"), WAIT).await);
+    }
+    assert_eq!(s.tools.count("send_email"), 1);
+    assert_eq!(
+        answers.iter().filter(|a| !a.deduplicated).count(),
+        1,
+        "exactly one caller caused the invocation"
+    );
+    for a in &answers[1..] {
+        same_but_call_id(&answers[0], a);
+    }
+    for n in 0..5 {
+        assert_eq!(
+            agent.answers(&format!("r{n}")).len(),
+            1,
+            "one answer per call"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn attempt_one_runs_again_with_its_own_key() {
+    let mut s = Stack::new(StackOptions::default()).await;
+    s.start().await;
+    let agent = s.agent();
+    agent
+        .call(intent(
+            "wf-a",
+            1,
+            "send_email",
+            json!({"subject": "x"}),
+            "a0",
+        ))
+        .await;
+    let mut again = intent("wf-a", 1, "send_email", json!({"subject": "x"}), "a1");
+    again["attempt"] = json!(1);
+    let r = agent.call(again).await;
+    assert!(!r.deduplicated);
+    assert_eq!(r.attempt, 1);
+    let calls = s.tools.calls("send_email");
+    assert_eq!(calls.len(), 2);
+    assert_ne!(calls[0].idempotency_key, calls[1].idempotency_key);
+    assert_eq!(calls[1].headers["stepgate-attempt"], "1");
+    assert_eq!(calls[1].headers["stepgate-workflow-id"], "wf-a");
+    assert_eq!(calls[1].headers["stepgate-step-index"], "1");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_intent_outside_its_workflows_partition_is_refused_in_the_partition_it_reached() {
+    let mut s = Stack::new(StackOptions::default()).await;
+    s.start().await;
+    let agent = s.agent();
+    let owner = stepgate::contract::partition_for("same-key", 4);
+    // One step published to every partition, as four clients with different
+    // partitioners would: only the workflow's own partition may run it.
+    for p in 0..4 {
+        let i = intent(
+            "same-key",
+            100,
+            "send_email",
+            json!({"q": p}),
+            &format!("p{p}"),
+        );
+        agent
+            .send_raw(
+                "same-key",
+                i.to_string().as_bytes(),
+                Some(p),
+                &[(
+                    "traceparent",
+                    "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+                )],
+            )
+            .await;
+    }
+    for p in 0..4 {
+        agent.answer(&format!("p{p}"), WAIT).await;
+        let (partition, r) = agent.answers(&format!("p{p}")).remove(0);
+        assert_eq!(partition, p, "answered in the partition the intent reached");
+        if p == owner {
+            assert_eq!(r.status, Status::Ok);
+        } else {
+            assert_eq!(r.status, Status::Rejected);
+            let e = r.error.unwrap();
+            assert_eq!(e.kind, "wrong_partition");
+            assert!(
+                e.message.contains("Nothing was performed")
+                    && e.message.contains(&format!("belong to partition {owner}")),
+                "{}",
+                e.message
+            );
+        }
+    }
+    assert_eq!(s.tools.count("send_email"), 1, "run once, in its partition");
+    let calls = s.tools.calls("send_email");
+    assert!(
+        calls
+            .iter()
+            .all(|c| c.headers.get("traceparent").map(String::as_str)
+                == Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"))
+    );
+    let results = agent.results.all();
+    assert!(
+        results
+            .iter()
+            .all(|r| r.headers.iter().any(|(k, _)| k == "traceparent")),
+        "traceparent reaches the result"
+    );
+    let dlq = s.reader("dlq").wait_for(3, WAIT).await;
+    assert!(dlq.iter().all(|r| r.value["reason"] == "wrong_partition"));
+}
+
+/// `gate.check_partition = false`: any partition is accepted (for producers
+/// with a stable partitioner of their own); answers go to the intent's partition.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_partition_check_answers_go_to_the_intents_partition_whatever_the_partitioner()
+{
+    let mut s = Stack::new(StackOptions {
+        gate: "check_partition = false",
+        ..StackOptions::default()
+    })
+    .await;
+    s.start().await;
+    let agent = s.agent();
+    for p in 0..4 {
+        let i = intent(
+            "same-key",
+            100 + p as u64,
+            "search",
+            json!({"q": p}),
+            &format!("p{p}"),
+        );
+        agent
+            .send_raw("same-key", i.to_string().as_bytes(), Some(p), &[])
+            .await;
+    }
+    for p in 0..4 {
+        agent.answer(&format!("p{p}"), WAIT).await;
+        let (partition, r) = agent.answers(&format!("p{p}")).remove(0);
+        assert_eq!(partition, p, "answered in the intent's partition");
+        assert_eq!(r.status, Status::Ok);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_only_repeats_are_rerun_not_recorded() {
+    let mut s = Stack::new(StackOptions::default()).await;
+    s.start().await;
+    let agent = s.agent();
+    let a = agent
+        .call(intent("wf-s", 1, "search", json!({"q": "x"}), "s1"))
+        .await;
+    let b = agent
+        .call(intent("wf-s", 1, "search", json!({"q": "x"}), "s2"))
+        .await;
+    assert!(!a.deduplicated && !b.deduplicated);
+    assert_eq!(s.tools.count("search"), 2);
+}

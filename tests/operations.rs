@@ -1,0 +1,592 @@
+//! Operating stepgate against a real Kafka broker (`KAFKA_BROKERS`, default
+//! 127.0.0.1:9092): bad input, retention, start-up checks, topics, config,
+//! metrics, state rebuild, audit.
+
+mod common;
+
+use common::*;
+use serde_json::json;
+use std::time::Duration;
+use stepgate::contract::Status;
+
+const WAIT: Duration = Duration::from_secs(30);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_goes_to_the_dlq_with_a_rejected_answer_and_the_gate_goes_on() {
+    let mut s = Stack::new(StackOptions {
+        gate: "max_intent_bytes = 2048",
+        ..StackOptions::default()
+    })
+    .await;
+    s.start().await;
+    let agent = s.agent();
+    let dlq = s.reader("dlq");
+    let big = "x".repeat(4000);
+    let cases: Vec<(Vec<u8>, &str, Option<&str>)> = vec![
+        (b"{not json".to_vec(), "malformed_json", None),
+        (b"[1,2,3]".to_vec(), "not_an_object", None),
+        (json!({"workflow_id": "wf-b", "step_index": 1, "tool": "send_email", "call_id": "b1"}).to_string().into_bytes(), "missing_field", Some("b1")),
+        (json!({"workflow_id": "wf-b", "step_index": "two", "tool": "send_email", "arguments": {}, "call_id": "b2"}).to_string().into_bytes(), "wrong_type", None),
+        (json!({"workflow_id": "wf-b", "step_index": 3, "tool": "send_email", "arguments": "hi", "call_id": "b3"}).to_string().into_bytes(), "wrong_type", Some("b3")),
+        (json!({"workflow_id": "wf-b", "step_index": 4, "tool": "send_mail", "arguments": {}, "call_id": "b4"}).to_string().into_bytes(), "unknown_tool", Some("b4")),
+        (json!({"workflow_id": "wf-b", "step_index": 5, "tool": "send_email", "arguments": {"body": big}, "call_id": "b5"}).to_string().into_bytes(), "oversized", Some("b5")),
+        (vec![0xff, 0xfe, 0x00], "malformed_json", None),
+    ];
+    for (payload, _, _) in &cases {
+        agent
+            .send_raw("wf-b", payload, None, &[("x-origin", "test")])
+            .await;
+    }
+    let ok = agent
+        .call(intent(
+            "wf-b",
+            9,
+            "send_email",
+            json!({"subject": "still works"}),
+            "b-ok",
+        ))
+        .await;
+    assert_eq!(ok.status, Status::Ok);
+    let records = dlq.wait_for(cases.len(), WAIT).await;
+    let reasons: Vec<&str> = records
+        .iter()
+        .map(|r| r.value["reason"].as_str().unwrap())
+        .collect();
+    assert_eq!(reasons, cases.iter().map(|c| c.1).collect::<Vec<_>>());
+    for r in &records {
+        assert_eq!(
+            r.key.as_deref(),
+            Some(b"wf-b".as_slice()),
+            "the original key is kept"
+        );
+        assert!(
+            r.headers
+                .iter()
+                .any(|(k, v)| k == "x-origin" && v == b"test"),
+            "the original headers are kept"
+        );
+        assert!(r.value["offset"].is_i64() && r.value["topic"] == s.topic("intents"));
+    }
+    assert_eq!(records[7].value["payload_encoding"], "base64");
+    for (_, reason, call_id) in &cases {
+        if let Some(id) = call_id {
+            let r = agent.answer(id, WAIT).await;
+            assert_eq!(r.status, Status::Rejected);
+            let e = r.error.unwrap();
+            assert_eq!(e.kind, *reason);
+            assert!(e.message.contains("nothing was performed"), "{}", e.message);
+        }
+    }
+    let b4 = agent.answer("b4", WAIT).await.error.unwrap().message;
+    assert!(b4.contains("`send_email`"), "lists the real tools: {b4}");
+    assert_eq!(s.tools.count("send_email"), 1, "only the valid intent ran");
+    let m = s.metrics().await;
+    assert!(
+        m.contains(r#"stepgate_rejected_inputs_total{reason="wrong_type"} 2"#),
+        "{m}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_expire_after_the_retention_and_until_then_answer_repeats() {
+    let mut s = Stack::new(StackOptions {
+        state: "retention = \"4s\"\npurge_interval = \"200ms\"",
+        ..StackOptions::default()
+    })
+    .await;
+    s.start().await;
+    let agent = s.agent();
+    agent
+        .call(intent("wf-r", 1, "create_ticket", json!({}), "e1"))
+        .await;
+    let r = agent
+        .call(intent("wf-r", 1, "create_ticket", json!({}), "e2"))
+        .await;
+    assert!(
+        r.deduplicated,
+        "within the retention: answered from the record"
+    );
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let m = s.metrics().await;
+    assert!(m.contains("stepgate_steps_purged_total 1"), "{m}");
+    let r = agent
+        .call(intent("wf-r", 1, "create_ticket", json!({}), "e3"))
+        .await;
+    assert!(!r.deduplicated, "after the retention the record is gone");
+    assert_eq!(s.tools.count("create_ticket"), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refuses_to_start_when_results_has_fewer_partitions_than_intents() {
+    let prefix = random_name("sgl");
+    let mut cfg = stepgate::config::Config::default();
+    cfg.kafka.brokers = brokers();
+    cfg.kafka.topics = stepgate::config::TopicsConfig::with_prefix(&prefix);
+    cfg.kafka.partitions = 4;
+    stepgate::kafka::create_topics(&cfg.kafka, &cfg.state)
+        .await
+        .unwrap();
+    let mut small = cfg.clone();
+    small.kafka.topics.results = format!("{prefix}.results-small");
+    small.kafka.partitions = 2;
+    stepgate::kafka::create_topics(&small.kafka, &small.state)
+        .await
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("c.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "[kafka]\nbrokers = \"{}\"\n[kafka.topics]\nintents = \"{prefix}.intents\"\nresults = \"{prefix}.results-small\"\ndlq = \"{prefix}.dlq\"\nprogress = \"{prefix}.progress\"\nchangelog = \"{prefix}.changelog\"\ncommands = \"{prefix}.commands\"\napprovals = \"{prefix}.approvals\"\n[state]\npath = \"{}\"\n[http]\nlisten = \"\"\n",
+            brokers(),
+            dir.path().join("s").display()
+        ),
+    )
+    .unwrap();
+    let out = std::process::Command::new(stepgate_bin())
+        .args(["run", "--config"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("has 2 partitions but") && err.contains("at least as many"),
+        "{err}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_removed_executor_role_is_refused_with_a_pointer() {
+    let s = Stack::new(StackOptions::default()).await;
+    let out = s.cli(&["run", "--role", "executor"]).await;
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("`--role executor` was removed") && err.contains("invokes the tools"),
+        "{err}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn topics_create_makes_an_equal_layout_and_is_idempotent() {
+    let prefix = random_name("sgc");
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("c.toml");
+    std::fs::write(
+        &path,
+        format!("[kafka]\nbrokers = \"{}\"\npartitions = 3\n[kafka.topics]\nintents = \"{prefix}.intents\"\nresults = \"{prefix}.results\"\ndlq = \"{prefix}.dlq\"\nprogress = \"{prefix}.progress\"\nchangelog = \"{prefix}.changelog\"\ncommands = \"{prefix}.commands\"\napprovals = \"{prefix}.approvals\"\n", brokers()),
+    )
+    .unwrap();
+    for expected in ["created", "exists"] {
+        let out = std::process::Command::new(stepgate_bin())
+            .args(["topics", "create", "--config"])
+            .arg(&path)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(
+            stdout.lines().filter(|l| l.starts_with(expected)).count(),
+            7,
+            "{stdout}"
+        );
+        assert!(stdout.contains("(3 intent partitions)"), "{stdout}");
+    }
+    // Steps are kept `state.retention` (7 days by default); operators'
+    // decisions, for the audit, forever unless `state.decisions_retention`.
+    use rdkafka::admin::{AdminClient, AdminOptions, ResourceSpecifier};
+    let admin: AdminClient<rdkafka::client::DefaultClientContext> = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .create()
+        .unwrap();
+    let retention = |topic: String| {
+        let admin = &admin;
+        async move {
+            let r = admin
+                .describe_configs(&[ResourceSpecifier::Topic(&topic)], &AdminOptions::new())
+                .await
+                .unwrap();
+            let c = r[0].as_ref().unwrap();
+            c.get("retention.ms").unwrap().value.clone().unwrap()
+        }
+    };
+    assert_eq!(retention(format!("{prefix}.commands")).await, "-1");
+    assert_eq!(retention(format!("{prefix}.results")).await, "604800000");
+}
+
+#[test]
+fn an_invalid_config_fails_at_start_naming_the_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("bad.toml");
+    std::fs::write(
+        &path,
+        "[tools.pay]\ncategory = \"keyed\"\nurl = \"not a url\"\n",
+    )
+    .unwrap();
+    let out = std::process::Command::new(stepgate_bin())
+        .args(["run", "--config"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("tools.pay.url"), "{err}");
+    let out = std::process::Command::new(stepgate_bin())
+        .args(["check-config", "--config"])
+        .arg(&path)
+        .env("STEPGATE_TOOLS_PAY_URL", "http://127.0.0.1:1/pay")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("http://127.0.0.1:1/pay"));
+}
+
+/// After a known workload, `/metrics` counts exactly what happened.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_count_a_known_workload_exactly() {
+    let mut s = Stack::new(StackOptions::default()).await;
+    s.tools.script(
+        "create_ticket",
+        vec![Reply::Delay(Duration::from_millis(1500))],
+    );
+    s.start().await;
+    let agent = s.agent();
+    agent
+        .call(intent(
+            "wf-m",
+            1,
+            "send_email",
+            json!({"subject": "a"}),
+            "m1",
+        ))
+        .await;
+    agent
+        .call(intent(
+            "wf-m",
+            1,
+            "send_email",
+            json!({"subject": "a, rephrased"}),
+            "m2",
+        ))
+        .await;
+    agent
+        .send(&intent("wf-m", 2, "create_ticket", json!({"t": 1}), "m3"))
+        .await;
+    agent
+        .send(&intent("wf-m", 2, "create_ticket", json!({"t": 1}), "m4"))
+        .await;
+    agent
+        .call(intent("wf-m", 3, "search", json!({"q": "x"}), "m5"))
+        .await;
+    agent.call(intent("wf-m", 4, "nope", json!({}), "m6")).await;
+    agent.send_raw("wf-m", b"{broken", None, &[]).await;
+    agent.answer("m3", WAIT).await;
+    agent.answer("m4", WAIT).await;
+    let s_ref = &s;
+    let mut m = std::collections::HashMap::new();
+    let start = std::time::Instant::now();
+    while start.elapsed() < WAIT {
+        m = parse_metrics(&s_ref.metrics().await);
+        let settled = m.get("stepgate_intents_received_total") == Some(&7.0)
+            && m.keys().any(|k| k.starts_with("stepgate_consumer_lag{"));
+        if settled {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let expect = [
+        ("stepgate_intents_received_total", 7.0),
+        (
+            r#"stepgate_steps_forwarded_total{category="keyed",tool="send_email"}"#,
+            1.0,
+        ),
+        (
+            r#"stepgate_steps_forwarded_total{category="unkeyed",tool="create_ticket"}"#,
+            1.0,
+        ),
+        (
+            r#"stepgate_repeats_total{state="completed",tool="send_email"}"#,
+            1.0,
+        ),
+        (
+            r#"stepgate_repeats_total{state="in_flight",tool="create_ticket"}"#,
+            1.0,
+        ),
+        (
+            r#"stepgate_rephrased_retries_total{tool="send_email"}"#,
+            1.0,
+        ),
+        (r#"stepgate_fast_path_calls_total{tool="search"}"#, 1.0),
+        (
+            r#"stepgate_rejected_inputs_total{reason="unknown_tool"}"#,
+            1.0,
+        ),
+        (
+            r#"stepgate_rejected_inputs_total{reason="malformed_json"}"#,
+            1.0,
+        ),
+        (
+            r#"stepgate_invocations_total{outcome="ok",tool="send_email"}"#,
+            1.0,
+        ),
+        (
+            r#"stepgate_invocations_total{outcome="ok",tool="create_ticket"}"#,
+            1.0,
+        ),
+        (
+            r#"stepgate_invocations_total{outcome="ok",tool="search"}"#,
+            1.0,
+        ),
+        (
+            r#"stepgate_results_total{deduplicated="false",status="ok"}"#,
+            3.0,
+        ),
+        (
+            r#"stepgate_results_total{deduplicated="true",status="ok"}"#,
+            2.0,
+        ),
+        (
+            r#"stepgate_results_total{deduplicated="false",status="rejected"}"#,
+            1.0,
+        ),
+        (
+            r#"stepgate_answer_latency_seconds_count{deduplicated="false"}"#,
+            4.0,
+        ),
+        (
+            r#"stepgate_answer_latency_seconds_count{deduplicated="true"}"#,
+            2.0,
+        ),
+        (
+            r#"stepgate_tool_latency_seconds_count{tool="create_ticket"}"#,
+            1.0,
+        ),
+    ];
+    for (k, v) in expect {
+        assert_eq!(m.get(k), Some(&v), "{k}\n{m:#?}");
+    }
+    assert!(
+        !m.contains_key(r#"stepgate_rephrased_retries_total{tool="create_ticket"}"#),
+        "identical repeat is not rephrased"
+    );
+    assert!(!m.contains_key(r#"stepgate_in_doubt_steps_total{tool="create_ticket"}"#));
+    assert!(
+        m.keys().any(|k| k.starts_with(&format!(
+            "stepgate_consumer_lag{{group=\"{}-gate\"",
+            s.prefix
+        ))),
+        "{m:#?}"
+    );
+    assert!(m["stepgate_commit_latency_seconds_count"] >= 1.0);
+    assert!(m["stepgate_state_write_seconds_count"] >= 1.0);
+    assert!(m["stepgate_state_write_seconds_sum"] <= m["stepgate_commit_latency_seconds_sum"]);
+    let health = reqwest::get(format!("http://{}/healthz", s.http))
+        .await
+        .unwrap();
+    assert!(health.status().is_success());
+}
+
+fn parse_metrics(text: &str) -> std::collections::HashMap<String, f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .filter_map(|l| {
+            let (k, v) = l.rsplit_once(' ')?;
+            Some((k.to_owned(), v.parse().ok()?))
+        })
+        .collect()
+}
+
+/// `stepgate state rebuild` reconstructs the state from the topics into a new
+/// directory; a gate started on it answers repeats as before, and finds every
+/// partition in sync (no restore needed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn state_rebuild_reconstructs_a_state_that_answers_the_same() {
+    let mut s = Stack::new(StackOptions::default()).await;
+    s.start().await;
+    let agent = s.agent();
+    let mut firsts = Vec::new();
+    for n in 0..6u64 {
+        firsts.push(
+            agent
+                .call(intent(
+                    &format!("wf-rb-{n}"),
+                    n,
+                    "create_ticket",
+                    json!({}),
+                    &format!("rb{n}"),
+                ))
+                .await,
+        );
+    }
+    s.terminate().await;
+    let rebuilt = s.dir.path().join("rebuilt");
+    let run = |path: &std::path::Path| {
+        std::process::Command::new(stepgate_bin())
+            .args(["state", "rebuild", "--config"])
+            .arg(&s.config_path)
+            .arg("--path")
+            .arg(path)
+            .output()
+            .unwrap()
+    };
+    let out = run(&rebuilt);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("rebuilt 4 partitions"), "{stdout}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("partition 3/4"),
+        "progress is shown"
+    );
+    let again = run(&rebuilt);
+    assert!(!again.status.success(), "never overwrites a state");
+    assert!(String::from_utf8_lossy(&again.stderr).contains("is not empty"));
+
+    let text = std::fs::read_to_string(&s.config_path).unwrap().replace(
+        &s.dir.path().join("state").display().to_string(),
+        &rebuilt.display().to_string(),
+    );
+    std::fs::write(&s.config_path, text).unwrap();
+    s.start().await;
+    for (n, first) in firsts.iter().enumerate() {
+        let r = agent
+            .call(intent(
+                &format!("wf-rb-{n}"),
+                n as u64,
+                "create_ticket",
+                json!({"r": 1}),
+                &format!("rb{n}-again"),
+            ))
+            .await;
+        same_but_call_id(first, &r);
+    }
+    assert_eq!(s.tools.count("create_ticket"), 6);
+    let m = s.metrics().await;
+    assert!(
+        m.contains("stepgate_state_full_restores_total 0"),
+        "the rebuilt state only reads what came after it: {m}"
+    );
+}
+
+/// `stepgate audit` over a known recorded workload.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn audit_reports_a_recorded_workload() {
+    let mut s = Stack::new(StackOptions::default()).await;
+    s.tools
+        .script("wire", vec![Reply::Delay(Duration::from_secs(3))]);
+    s.start().await;
+    let agent = s.agent();
+    let wf = "wf-audit";
+    agent
+        .call(intent(
+            wf,
+            1,
+            "send_email",
+            json!({"to": "a", "subject": "Order confirmed"}),
+            "a1",
+        ))
+        .await;
+    agent
+        .call(intent(
+            wf,
+            1,
+            "send_email",
+            json!({"to": "a", "subject": "Your order is confirmed"}),
+            "a2",
+        ))
+        .await;
+    agent
+        .call(intent(
+            wf,
+            2,
+            "create_ticket",
+            json!({"title": "Refund"}),
+            "a3",
+        ))
+        .await;
+    agent
+        .call(intent(
+            wf,
+            3,
+            "create_ticket",
+            json!({"title": "Refund"}),
+            "a4",
+        ))
+        .await;
+    let d = agent
+        .call(intent(wf, 4, "wire", json!({"eur": 5}), "a5"))
+        .await;
+    assert_eq!(d.status, Status::InDoubt);
+    agent
+        .call(intent("wf-other", 0, "create_ticket", json!({}), "o1"))
+        .await;
+    let audit = |format: &str| {
+        let out = std::process::Command::new(stepgate_bin())
+            .args(["audit", "--workflow", wf, "--format", format, "--config"])
+            .arg(&s.config_path)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let report: serde_json::Value = serde_json::from_str(&audit("json")).unwrap();
+    let sum = &report["summary"];
+    assert_eq!(
+        (
+            sum["workflows"].as_u64(),
+            sum["steps"].as_u64(),
+            sum["calls"].as_u64(),
+            sum["repeats"].as_u64()
+        ),
+        (Some(1), Some(4), Some(5), Some(1))
+    );
+    assert_eq!(
+        (
+            sum["rephrased"].as_u64(),
+            sum["in_doubt"].as_u64(),
+            sum["hash_collisions"].as_u64()
+        ),
+        (Some(1), Some(1), Some(1))
+    );
+    let change = &report["workflows"][0]["steps"][0]["calls"][1]["changes"][0];
+    assert_eq!(
+        (change["path"].as_str(), change["after"].as_str()),
+        (Some("subject"), Some("Your order is confirmed"))
+    );
+    let text = audit("text");
+    println!("{text}");
+    assert!(
+        text.contains(r#"rephrased subject: "Order confirmed" → "Your order is confirmed""#),
+        "{text}"
+    );
+    assert!(
+        text.contains("identical arguments to create_ticket at steps 2, 3"),
+        "{text}"
+    );
+    assert!(
+        text.contains("step 4 wire (attempt 0) → in_doubt"),
+        "{text}"
+    );
+    let html = audit("html");
+    assert!(
+        html.contains("<!doctype html>") && html.contains("in doubt: may have run"),
+        "{html}"
+    );
+    assert_eq!(s.tools.count("send_email"), 1, "the audit touched nothing");
+}

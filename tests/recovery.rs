@@ -1,0 +1,597 @@
+//! Recovery against a real Kafka broker (`KAFKA_BROKERS`, default 127.0.0.1:9092):
+//! kill -9, SIGTERM, lost disks and group offsets, partitions moving between
+//! gates, a recreated changelog, a fenced consumer, a stuck gate, unreadable
+//! records. The crash points of the one-pass protocol are in `one_pass.rs`.
+
+mod common;
+
+use common::*;
+use serde_json::json;
+use std::time::Duration;
+use stepgate::contract::Status;
+
+const WAIT: Duration = Duration::from_secs(30);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_kill_9_and_restart_repeats_are_answered_from_state() {
+    let mut s = Stack::new(StackOptions::default()).await;
+    s.start().await;
+    let agent = s.agent();
+    let first = agent
+        .call(intent(
+            "wf-k",
+            1,
+            "create_ticket",
+            json!({"title": "x"}),
+            "k1",
+        ))
+        .await;
+    s.kill();
+    s.start().await;
+    let repeat = agent
+        .call(intent(
+            "wf-k",
+            1,
+            "create_ticket",
+            json!({"title": "x, again"}),
+            "k2",
+        ))
+        .await;
+    assert!(repeat.deduplicated);
+    same_but_call_id(&first, &repeat);
+    assert_eq!(s.tools.count("create_ticket"), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unkeyed_call_cut_off_by_a_crash_is_in_doubt_and_not_rerun() {
+    let mut s = Stack::new(StackOptions::default()).await;
+    s.tools
+        .script("wire", vec![Reply::Delay(Duration::from_secs(60))]);
+    s.start().await;
+    let agent = s.agent();
+    agent
+        .send(&intent("wf-d", 3, "wire", json!({"amount": 120}), "d1"))
+        .await;
+    let tools = s.tools.clone();
+    eventually(WAIT, "the tool is invoked", || tools.count("wire") == 1).await;
+    s.kill();
+    s.start().await;
+    // deadline = timeout 2 s × 2 tries + 50 ms backoff + 1 s grace after `started` was read.
+    let r = agent.answer("d1", WAIT).await;
+    assert_eq!(r.status, Status::InDoubt, "{r:?}");
+    assert_eq!(r.error.as_ref().unwrap().kind, "executor_lost");
+    assert!(
+        r.error
+            .as_ref()
+            .unwrap()
+            .message
+            .contains("Do not call `wire` again")
+    );
+    let again = agent
+        .call(intent("wf-d", 3, "wire", json!({"amount": 120}), "d2"))
+        .await;
+    assert_eq!(again.status, Status::InDoubt);
+    assert!(again.deduplicated);
+    same_but_call_id(&r, &again);
+    assert_eq!(s.tools.count("wire"), 1, "never re-run blindly");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keyed_call_cut_off_by_a_crash_is_rerun_with_the_same_key() {
+    let mut s = Stack::new(StackOptions::default()).await;
+    s.tools.script(
+        "charge",
+        vec![Reply::Delay(Duration::from_secs(60)), Reply::Ok],
+    );
+    s.start().await;
+    let agent = s.agent();
+    agent
+        .send(&intent("wf-c", 2, "charge", json!({"cents": 999}), "ch1"))
+        .await;
+    let tools = s.tools.clone();
+    eventually(WAIT, "the tool is invoked", || tools.count("charge") == 1).await;
+    s.kill();
+    s.start().await;
+    let r = agent.answer("ch1", WAIT).await;
+    assert_eq!(r.status, Status::Ok, "{r:?}");
+    let calls = s.tools.calls("charge");
+    assert_eq!(calls.len(), 2);
+    assert_eq!(
+        calls[0].idempotency_key, calls[1].idempotency_key,
+        "the provider sees one operation"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_finishes_the_call_in_flight_and_commits_it() {
+    let mut s = Stack::new(StackOptions::default()).await;
+    s.tools
+        .script("create_ticket", vec![Reply::Delay(Duration::from_secs(2))]);
+    s.start().await;
+    let agent = s.agent();
+    agent
+        .send(&intent(
+            "wf-t",
+            1,
+            "create_ticket",
+            json!({"title": "x"}),
+            "g1",
+        ))
+        .await;
+    let tools = s.tools.clone();
+    eventually(WAIT, "the tool is invoked", || {
+        tools.count("create_ticket") == 1
+    })
+    .await;
+    let status = s.terminate().await;
+    assert!(status.success(), "clean exit: {status:?}\n{}", s.log());
+    s.start().await;
+    let r = agent.answer("g1", WAIT).await;
+    assert_eq!(
+        r.status,
+        Status::Ok,
+        "the drained outcome was committed: {r:?}"
+    );
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        s.tools.count("create_ticket"),
+        1,
+        "not re-run after the restart"
+    );
+}
+
+/// kill -9 in the middle of a stream of new steps and repeats: every call is
+/// answered exactly once, no unkeyed step runs twice, and repeats carry the
+/// original answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_mid_stream_loses_nothing_and_runs_nothing_twice() {
+    let mut s = Stack::new(StackOptions::default()).await;
+    s.tools.script(
+        "create_ticket",
+        vec![Reply::Delay(Duration::from_millis(20))],
+    );
+    s.start().await;
+    let agent = s.agent();
+    let steps: Vec<(String, u64)> = (0..120)
+        .map(|i| (format!("wf-m{}", i % 12), i / 12))
+        .collect();
+    let mut ids = Vec::new();
+    for (n, (wf, step)) in steps.iter().enumerate() {
+        let id = format!("m{n}");
+        agent
+            .send(&intent(wf, *step, "create_ticket", json!({"n": n}), &id))
+            .await;
+        ids.push((wf.clone(), *step, id));
+        if n == 60 {
+            s.kill();
+        }
+    }
+    s.start().await;
+    // Repeats of every step, rephrased, after the restart.
+    for (n, (wf, step)) in steps.iter().enumerate() {
+        let id = format!("m{n}-again");
+        agent
+            .send(&intent(
+                wf,
+                *step,
+                "create_ticket",
+                json!({"n": n, "rephrased": true}),
+                &id,
+            ))
+            .await;
+        ids.push((wf.clone(), *step, id));
+    }
+    for (_, _, id) in &ids {
+        agent.answer(id, Duration::from_secs(60)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let mut by_step = std::collections::HashMap::new();
+    for (wf, step, id) in &ids {
+        let answers = agent.answers(id);
+        assert_eq!(answers.len(), 1, "{id} answered exactly once");
+        by_step
+            .entry((wf.clone(), *step))
+            .or_insert_with(Vec::new)
+            .push(answers[0].1.clone());
+    }
+    for answers in by_step.values() {
+        assert_eq!(
+            answers.iter().filter(|a| !a.deduplicated).count(),
+            1,
+            "{answers:?}"
+        );
+        let first = answers.iter().find(|a| !a.deduplicated).unwrap();
+        for a in answers {
+            same_but_call_id(first, a);
+        }
+    }
+    let mut keys: Vec<String> = s
+        .tools
+        .calls("create_ticket")
+        .into_iter()
+        .map(|c| c.idempotency_key)
+        .collect();
+    let invoked = keys.len();
+    keys.sort();
+    keys.dedup();
+    assert_eq!(keys.len(), invoked, "no unkeyed step ran twice");
+    assert!(invoked <= steps.len());
+}
+
+/// A lost disk: the gate's RocksDB is deleted while it is down; on restart each
+/// partition is restored from the changelog and repeats are still answered from
+/// the record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_disk_is_restored_from_the_changelog() {
+    let mut s = Stack::new(StackOptions::default()).await;
+    s.start().await;
+    let agent = s.agent();
+    let mut firsts = Vec::new();
+    for n in 0..8u64 {
+        let wf = format!("wf-disk-{n}");
+        firsts.push(
+            agent
+                .call(intent(
+                    &wf,
+                    1,
+                    "create_ticket",
+                    json!({"n": n}),
+                    &format!("ld{n}"),
+                ))
+                .await,
+        );
+    }
+    s.kill();
+    std::fs::remove_dir_all(s.dir.path().join("state")).unwrap();
+    s.start().await;
+    for (n, first) in firsts.iter().enumerate() {
+        let wf = format!("wf-disk-{n}");
+        let again = agent
+            .call(intent(
+                &wf,
+                1,
+                "create_ticket",
+                json!({"n": n, "again": 1}),
+                &format!("ld{n}-r"),
+            ))
+            .await;
+        assert!(again.deduplicated, "{again:?}");
+        same_but_call_id(first, &again);
+    }
+    assert_eq!(s.tools.count("create_ticket"), 8, "nothing ran twice");
+    let m = s.metrics().await;
+    assert!(!m.contains("stepgate_state_full_restores_total 0"), "{m}");
+    assert!(
+        !m.contains("stepgate_state_restored_records_total 0"),
+        "records were restored: {m}"
+    );
+}
+
+/// Two gates in one group split the partitions; when one is killed its
+/// partitions move to the other, which restores them from the changelog, and
+/// deduplication holds across the move (and back again after a restart).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deduplication_holds_when_partitions_move_between_gates() {
+    let mut s = Stack::new(StackOptions {
+        session_timeout: "6s",
+        ..StackOptions::default()
+    })
+    .await;
+    let b_http = format!("127.0.0.1:{}", free_port());
+    let mut gate_b = s.spawn_other("gate-b", &b_http, &[]);
+    s.start().await;
+    let agent = s.agent();
+    let wfs: Vec<String> = (0..16).map(|n| format!("wf-move-{n}")).collect();
+    let mut firsts = Vec::new();
+    for (n, wf) in wfs.iter().enumerate() {
+        firsts.push(
+            agent
+                .call(intent(
+                    wf,
+                    1,
+                    "create_ticket",
+                    json!({"n": n}),
+                    &format!("mv{n}"),
+                ))
+                .await,
+        );
+    }
+    // Kill gate A: after the session timeout its partitions go to gate B.
+    s.kill();
+    for (n, wf) in wfs.iter().enumerate() {
+        let again = agent
+            .call(intent(
+                wf,
+                1,
+                "create_ticket",
+                json!({"n": n, "r": 1}),
+                &format!("mv{n}-b"),
+            ))
+            .await;
+        assert!(again.deduplicated, "{again:?}\n{}", s.other_log("gate-b"));
+        same_but_call_id(&firsts[n], &again);
+    }
+    assert!(
+        s.other_log("gate-b")
+            .contains("restored from the changelog"),
+        "{}",
+        s.other_log("gate-b")
+    );
+    // Gate A comes back: partitions are split again, A's stale state is replaced.
+    s.start().await;
+    for (n, wf) in wfs.iter().enumerate() {
+        let again = agent
+            .call(intent(
+                wf,
+                1,
+                "create_ticket",
+                json!({"n": n, "r": 2}),
+                &format!("mv{n}-a"),
+            ))
+            .await;
+        assert!(again.deduplicated);
+        same_but_call_id(&firsts[n], &again);
+    }
+    assert_eq!(
+        s.tools.count("create_ticket"),
+        wfs.len(),
+        "each step ran once across both moves"
+    );
+    gate_b.kill().unwrap();
+    gate_b.wait().unwrap();
+}
+
+/// Lost disk *and* lost group offsets (a new group id, or offsets expired while
+/// the group was idle): the changelog still restores the records.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_changelog_restores_state_even_when_group_offsets_are_gone() {
+    let mut s = Stack::new(StackOptions::default()).await;
+    s.start().await;
+    let agent = s.agent();
+    let first = agent
+        .call(intent("wf-og", 1, "create_ticket", json!({}), "og1"))
+        .await;
+    s.kill();
+    std::fs::remove_dir_all(s.dir.path().join("state")).unwrap();
+    let text = std::fs::read_to_string(&s.config_path).unwrap().replace(
+        &format!("gate_group = \"{}-gate\"", s.prefix),
+        &format!("gate_group = \"{}-gate2\"", s.prefix),
+    );
+    std::fs::write(&s.config_path, text).unwrap();
+    s.start().await;
+    let again = agent
+        .call(intent("wf-og", 1, "create_ticket", json!({"r": 1}), "og2"))
+        .await;
+    assert!(again.deduplicated);
+    same_but_call_id(&first, &again);
+    assert_eq!(s.tools.count("create_ticket"), 1);
+}
+
+/// A changelog deleted and recreated under a gate's local state: the state
+/// reflects an offset the new topic does not hold, so it is not trusted — the
+/// partition is restored from the new changelog's start (a position past the
+/// end is refused by the broker; no watermark query is involved).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recreated_changelog_is_restored_from_its_start_not_trusted() {
+    use rdkafka::admin::{AdminClient, AdminOptions};
+    use rdkafka::client::DefaultClientContext;
+    let mut s = Stack::new(StackOptions::default()).await;
+    s.start().await;
+    let agent = s.agent();
+    for n in 0..3 {
+        agent
+            .call(intent(
+                "wf-rc",
+                n,
+                "create_ticket",
+                json!({}),
+                &format!("rc{n}"),
+            ))
+            .await;
+    }
+    s.kill();
+    let admin: AdminClient<DefaultClientContext> = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .create()
+        .unwrap();
+    let changelog = s.topic("changelog");
+    let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
+    admin.delete_topics(&[&changelog], &opts).await.unwrap()[0]
+        .as_ref()
+        .unwrap();
+    // Deletion completes in the background: create until the topic is new.
+    let until = std::time::Instant::now() + Duration::from_secs(60);
+    while !stepgate::kafka::create_topics(&s.config.kafka, &s.config.state)
+        .await
+        .is_ok_and(|r| r.iter().any(|(t, new)| *t == changelog && *new))
+    {
+        assert!(
+            std::time::Instant::now() < until,
+            "the changelog was not recreated in 60 s"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    s.start().await;
+    let next = agent
+        .call(intent("wf-rc", 3, "create_ticket", json!({}), "rc3"))
+        .await;
+    assert_eq!(next.status, Status::Ok, "{}", s.log_tail(100));
+    assert!(
+        s.log()
+            .contains("the changelog does not hold the offset the local state reflects"),
+        "{}",
+        s.log_tail(100)
+    );
+}
+
+/// A fatal consumer error — here another consumer joining with the gate's
+/// static member id, which fences the gate's consumer for good — restarts the
+/// gate's session with a new consumer instead of leaving it deaf.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fatally_fenced_consumer_is_replaced() {
+    use rdkafka::consumer::{BaseConsumer, Consumer};
+    let mut s = Stack::new(StackOptions::default()).await;
+    s.start().await;
+    let agent = s.agent();
+    agent
+        .call(intent("wf-ff", 0, "create_ticket", json!({}), "ff0"))
+        .await;
+    let k = &s.config.kafka;
+    let usurper: BaseConsumer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", &k.brokers)
+        .set("group.id", &k.gate_group)
+        .set("group.instance.id", format!("{}-gate", k.instance_id))
+        .set("partition.assignment.strategy", "range")
+        .set("session.timeout.ms", "6000")
+        .set("enable.auto.commit", "false")
+        .create()
+        .unwrap();
+    usurper.subscribe(&[&k.topics.intents]).unwrap();
+    let until = std::time::Instant::now() + Duration::from_secs(60);
+    // librdkafka either raises a fatal error (the gate then starts a new
+    // consumer) or, seeing the fence on a heartbeat, rejoins by itself.
+    while !(s.log().contains("failed for good") || s.log().contains("fenced by other consumer")) {
+        assert!(
+            std::time::Instant::now() < until,
+            "the gate's consumer was not fenced: {}",
+            s.log_tail(60)
+        );
+        let _ = usurper.poll(Duration::from_millis(100));
+    }
+    drop(usurper);
+    // The gate's new consumer takes the member id back and answers again.
+    let next = agent
+        .call(intent("wf-ff", 1, "create_ticket", json!({}), "ff1"))
+        .await;
+    assert_eq!(next.status, Status::Ok, "{}", s.log_tail(60));
+    assert_eq!(s.tools.count("create_ticket"), 2);
+}
+
+/// A gate whose loop is stuck (here made to block for good by a test hook)
+/// fails `/healthz` once `gate.stall_timeout` passes, so an orchestrator
+/// restarts it; while its loop goes round, `/healthz` is ok.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stuck_gate_fails_healthz() {
+    let mut s = Stack::new(StackOptions {
+        gate: "stall_timeout = \"2s\"",
+        ..StackOptions::default()
+    })
+    .await;
+    s.spawn(&[], &[("STEPGATE_TEST_STALL_AFTER", "20")]);
+    s.wait_ready().await;
+    let healthz = || async {
+        reqwest::get(format!("http://{}/healthz", s.http))
+            .await
+            .unwrap()
+            .status()
+            .as_u16()
+    };
+    assert_eq!(healthz().await, 200, "{}", s.log_tail(40));
+    let until = std::time::Instant::now() + Duration::from_secs(60);
+    while healthz().await != 503 {
+        assert!(
+            std::time::Instant::now() < until,
+            "/healthz still ok 60 s in: {}",
+            s.log_tail(40)
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(s.log().contains("the gate's loop stops here for good"));
+}
+
+/// A step record no reader can decode (here: on the changelog, with a version
+/// byte no stepgate writes) wedged the partition: every session failed on the
+/// intent that read it and re-read the same intent. Now the restore keeps the
+/// record unindexed, the intent fails a few times and is then set aside —
+/// dead-lettered with the reason and answered `rejected`/`unprocessable` with a
+/// text that says whether the step ran is unknown — and the partition goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreadable_step_record_sets_its_intent_aside_and_the_partition_goes_on() {
+    use rdkafka::producer::{FutureProducer, FutureRecord};
+    let mut s = Stack::new(StackOptions::default()).await;
+    let wf = "wf-poison";
+    let p = stepgate::contract::partition_for(wf, 4);
+    // The changelog key of the step, as the gate writes it; a value no version reads.
+    let scratch = tempfile::tempdir().unwrap();
+    let store = stepgate::state::StateStore::open(scratch.path()).unwrap();
+    let mut b = stepgate::state::Batch::default();
+    let mut record = stepgate::state::StepRecord {
+        step: stepgate::contract::StepKey {
+            workflow_id: wf.into(),
+            step_index: 1,
+            tool: "send_email".into(),
+            attempt: 0,
+        },
+        category: stepgate::config::Category::Keyed,
+        phase: stepgate::state::Phase::Completed,
+        arguments: serde_json::Map::new(),
+        call_id: Some("old".into()),
+        metadata: None,
+        traceparent: None,
+        dispatch: 1,
+        intended_at_ms: 0,
+        started_at_ms: None,
+        deadline_ms: None,
+        result: None,
+        waiters: Vec::new(),
+        repeats: 0,
+        rephrased_count: 0,
+        rephrased: Vec::new(),
+        late_outcome: None,
+        expires_at_ms: i64::MAX / 2,
+        intent_ts_ms: None,
+        operator_log: Vec::new(),
+        partition: p,
+    };
+    record.partition = p;
+    b.put_step(&store, p, &record).unwrap();
+    let entry = b.changelog().into_iter().next().unwrap();
+    let producer: FutureProducer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .create()
+        .unwrap();
+    producer
+        .send(
+            FutureRecord::to(&s.topic("changelog"))
+                .partition(p)
+                .key(&entry.key)
+                .payload(&[0x7f_u8, 1, 2, 3][..]),
+            Duration::from_secs(10),
+        )
+        .await
+        .unwrap();
+    s.start().await;
+    let agent = s.agent();
+    let dlq = s.reader("dlq");
+    // Both in the step's partition, whatever the test client's partitioner.
+    for (step, id) in [(1, "p1"), (2, "p2")] {
+        let i = intent(wf, step, "send_email", json!({"subject": id}), id);
+        agent
+            .send_raw(wf, i.to_string().as_bytes(), Some(p), &[])
+            .await;
+    }
+    // The same partition goes on: a later step of the same workflow runs.
+    let next = agent.answer("p2", WAIT).await;
+    assert_eq!(next.status, Status::Ok, "{}", s.log());
+    let set_aside = agent.answer("p1", WAIT).await;
+    assert_eq!(set_aside.status, Status::Rejected);
+    let e = set_aside.error.unwrap();
+    assert_eq!(e.kind, "unprocessable");
+    assert!(
+        e.message.contains("cannot tell whether an earlier call"),
+        "{}",
+        e.message
+    );
+    let records = dlq.wait_for(1, WAIT).await;
+    assert_eq!(records[0].value["reason"], "unprocessable");
+    assert_eq!(records[0].value["offset"], 0);
+    assert_eq!(
+        s.tools.count("send_email"),
+        1,
+        "the set-aside call was not made"
+    );
+    assert!(
+        s.child.as_mut().unwrap().try_wait().unwrap().is_none(),
+        "still running"
+    );
+}
