@@ -329,9 +329,19 @@ level = "info,rdkafka=warn"
         let config_path = dir.path().join("stepgate.toml");
         std::fs::write(&config_path, &toml).unwrap();
         let config = stepgate::config::Config::from_toml_str(&toml, Vec::new()).unwrap();
-        stepgate::kafka::create_topics(&config.kafka, &config.state)
-            .await
-            .unwrap();
+        // A loaded broker sometimes refuses a CreateTopics for a moment
+        // (seen: "Metadata fetch error: Unknown broker error"): try again.
+        let until = Instant::now() + Duration::from_secs(60);
+        loop {
+            match stepgate::kafka::create_topics(&config.kafka, &config.state).await {
+                Ok(_) => break,
+                Err(e) if Instant::now() < until => {
+                    eprintln!("creating the test's topics failed, retrying: {e:?}");
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+                Err(e) => panic!("creating the test's topics: {e:?}"),
+            }
+        }
         Stack {
             prefix,
             dir,
