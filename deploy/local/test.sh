@@ -6,6 +6,13 @@ cd "$(dirname "$0")/../.."
 
 STEPGATE_NEED_KAFKA=1 bash deploy/local/deps.sh
 
+# The tests' topics are disposable (random names, a set per test). A broker
+# this script starts begins empty: a data dir that kept every run's topics grew
+# to 12 416 partitions and the broker ran out of heap (OutOfMemoryError) mid-run.
+# A broker already running (yours) is used as it is.
+if ! bash deploy/local/kafka.sh status >/dev/null 2>&1; then
+  bash deploy/local/kafka.sh stop --wipe
+fi
 bash deploy/local/kafka.sh start
 export KAFKA_BROKERS="127.0.0.1:${KAFKA_PORT:-9092}"
 if [[ "${STEPGATE_KEEP_KAFKA:-0}" != 1 ]]; then
