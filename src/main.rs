@@ -83,8 +83,7 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
             }
             cfg.validate()?;
             stepgate::telemetry::init_logging(&cfg.log);
-            stepgate::kafka::check_sizes(&cfg.kafka, cfg.gate.max_intent_bytes)?;
-            stepgate::kafka::check_step_record_size(&cfg)?;
+            stepgate::kafka::check_record_sizes(&cfg)?;
             stepgate::kafka::check_topic_sizes(&cfg.kafka, cfg.gate.max_intent_bytes).await?;
             let shutdown = shutdown_on_signals();
             stepgate::app::run(cfg, role, shutdown).await?;
@@ -110,8 +109,7 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
             let k = cfg.kafka.clone();
             let n =
                 tokio::task::spawn_blocking(move || stepgate::kafka::check_layout(&k)).await??;
-            stepgate::kafka::check_sizes(&cfg.kafka, cfg.gate.max_intent_bytes)?;
-            stepgate::kafka::check_step_record_size(&cfg)?;
+            stepgate::kafka::check_record_sizes(&cfg)?;
             stepgate::kafka::check_topic_sizes(&cfg.kafka, cfg.gate.max_intent_bytes).await?;
             println!("ok: every topic has a valid layout ({n} intent partitions)");
             Ok(())
@@ -282,8 +280,7 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
         }
         Command::CheckConfig { deployment } => {
             let mut cfg = load(&deployment)?;
-            stepgate::kafka::check_sizes(&cfg.kafka, cfg.gate.max_intent_bytes)?;
-            stepgate::kafka::check_step_record_size(&cfg)?;
+            stepgate::kafka::check_record_sizes(&cfg)?;
             // As `run` does: a tool header whose variable or file is missing fails.
             cfg.resolve_tool_headers(|var| std::env::var(var).ok())?;
             // Secrets (passwords, tokens, key material, header values) are printed redacted.

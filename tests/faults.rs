@@ -310,9 +310,7 @@ fn partition_lines(gates: &[Gate]) -> String {
                 .filter(|l| {
                     l.contains("partitions")
                         || l.contains("gate ")
-                        || ((l.contains("WARN") || l.contains("ERROR"))
-                            && !l.contains("Connect to")
-                            && !l.contains("brokers are down"))
+                        || ((l.contains("WARN") || l.contains("ERROR")) && !connection_noise(l))
                 })
                 .collect();
             format!(

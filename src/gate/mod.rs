@@ -772,7 +772,7 @@ impl Session<'_> {
                     topic: t.dlq.clone(),
                     partition: None,
                     key,
-                    payload: Some(serde_json::to_vec(&record).expect("DLQ records serialise")),
+                    payload: Some(record.to_json()),
                     headers,
                 }),
             }

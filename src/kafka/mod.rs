@@ -160,13 +160,15 @@ pub fn check_sizes(cfg: &KafkaConfig, max_intent_bytes: usize) -> Result<(), Kaf
     Ok(())
 }
 
-/// Refuse a config whose largest step record could not be written to the
-/// changelog: the first call's arguments and metadata (up to
-/// `max_intent_bytes`), its tool's answer and a late one (each up to the tool's
-/// `max_output_bytes`), the kept rephrased copies and waiting repeats (bounded,
-/// see [`crate::state::REPHRASED_BUDGET_BYTES`]) and the envelope. A record
-/// over the producer's limit would fail every batch that carried it.
-pub fn check_step_record_size(cfg: &crate::config::Config) -> Result<(), KafkaSetupError> {
+/// Refuse a config whose records could not be written: those derived from
+/// the largest intent ([`check_sizes`]), and the largest step record — the
+/// first call's arguments and metadata (up to `max_intent_bytes`), its tool's
+/// answer and a late one (each up to the tool's `max_output_bytes`), the kept
+/// rephrased copies and waiting repeats (bounded, see
+/// [`crate::state::REPHRASED_BUDGET_BYTES`]) and the envelope. A record over
+/// the producer's limit would fail every batch that carried it.
+pub fn check_record_sizes(cfg: &crate::config::Config) -> Result<(), KafkaSetupError> {
+    check_sizes(&cfg.kafka, cfg.gate.max_intent_bytes)?;
     let producer = producer_max_bytes(&cfg.kafka)?;
     let fixed = cfg
         .gate
@@ -1114,9 +1116,9 @@ mod tests {
             )
             .unwrap()
         };
-        check_step_record_size(&load("")).unwrap();
-        check_step_record_size(&load("max_output_bytes = 1400000\n")).unwrap();
-        let e = check_step_record_size(&load("max_output_bytes = 2000000\n"))
+        check_record_sizes(&load("")).unwrap();
+        check_record_sizes(&load("max_output_bytes = 1400000\n")).unwrap();
+        let e = check_record_sizes(&load("max_output_bytes = 2000000\n"))
             .unwrap_err()
             .to_string();
         assert!(e.contains("`tools.t.max_output_bytes` is 2000000"), "{e}");

@@ -213,14 +213,16 @@ impl StepRecord {
         let rephrased = *arguments != self.arguments;
         if rephrased {
             self.rephrased_count += 1;
-            let kept: usize = self
-                .rephrased
-                .iter()
-                .map(|r| json_bytes(&r.arguments))
-                .sum();
-            if self.rephrased.len() < MAX_REPHRASED_KEPT
-                && kept.saturating_add(json_bytes(arguments)) <= REPHRASED_BUDGET_BYTES
-            {
+            // Sized only while a copy could still be kept.
+            let fits = self.rephrased.len() < MAX_REPHRASED_KEPT && {
+                let kept: usize = self
+                    .rephrased
+                    .iter()
+                    .map(|r| json_bytes(&r.arguments))
+                    .sum();
+                kept.saturating_add(json_bytes(arguments)) <= REPHRASED_BUDGET_BYTES
+            };
+            if fits {
                 self.rephrased.push(RephrasedCall {
                     call_id,
                     arguments: arguments.clone(),

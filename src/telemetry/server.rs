@@ -25,12 +25,6 @@ pub struct Health {
     stall_after: Duration,
 }
 
-impl Default for Health {
-    fn default() -> Self {
-        Health::new(Duration::from_secs(300))
-    }
-}
-
 impl Health {
     pub fn new(stall_after: Duration) -> Self {
         Health {

@@ -521,17 +521,7 @@ level = "info,rdkafka=warn"
     /// lines: what a failing assertion can print whole.
     pub fn log_tail(&self, lines: usize) -> String {
         let log = self.log();
-        let kept: Vec<&str> = log
-            .lines()
-            .filter(|l| {
-                !(l.contains("librdkafka")
-                    && (l.contains("Connect to")
-                        || l.contains("Disconnected")
-                        || l.contains("Global error")
-                        || l.contains("brokers are down")))
-                    && !l.contains("consumer error (librdkafka retries by itself)")
-            })
-            .collect();
+        let kept: Vec<&str> = log.lines().filter(|l| !connection_noise(l)).collect();
         kept[kept.len().saturating_sub(lines)..].join("\n")
     }
 
@@ -569,6 +559,17 @@ impl Drop for Stack {
             let _ = c.wait();
         }
     }
+}
+
+/// A log line about a broker being away (librdkafka logs thousands during an
+/// outage): left out of what a failing assertion prints.
+pub fn connection_noise(line: &str) -> bool {
+    (line.contains("librdkafka")
+        && (line.contains("Connect to")
+            || line.contains("Disconnected")
+            || line.contains("Global error")
+            || line.contains("brokers are down")))
+        || line.contains("consumer error (librdkafka retries by itself)")
 }
 
 // ---------------------------------------------------------------- the agent
