@@ -100,28 +100,19 @@ fn record(i: usize) -> StepRecord {
         chrono::Utc::now(),
     );
     StepRecord {
-        step,
-        category: Category::Keyed,
-        phase: Phase::Completed,
-        arguments: serde_json::from_str(r#"{"to":"a@example.com","subject":"Order confirmed"}"#)
-            .expect("valid JSON"),
         call_id: Some(format!("call-{i}")),
-        metadata: None,
-        traceparent: None,
-        dispatch: 1,
-        intended_at_ms: 0,
         started_at_ms: Some(1),
-        deadline_ms: None,
         result: Some(result),
-        waiters: Vec::new(),
-        repeats: 0,
-        rephrased_count: 0,
-        rephrased: Vec::new(),
-        late_outcome: None,
-        expires_at_ms: i64::MAX / 2,
-        intent_ts_ms: None,
-        operator_log: Vec::new(),
-        partition: 0,
+        ..StepRecord::new(
+            step,
+            Category::Keyed,
+            Phase::Completed,
+            serde_json::from_str(r#"{"to":"a@example.com","subject":"Order confirmed"}"#)
+                .expect("valid JSON"),
+            0,
+            0,
+            i64::MAX / 2,
+        )
     }
 }
 

@@ -259,11 +259,12 @@ pub fn build(
                 decisions: Vec::new(),
             });
         let repeat = !entry.calls.is_empty();
+        let arguments = intent.arguments.to_map();
         let changes = match entry.calls.first() {
             Some(first) if repeat => diff(
                 "",
                 &Value::Object(first.arguments.clone()),
-                &Value::Object(intent.arguments.clone()),
+                &Value::Object(arguments.clone()),
             ),
             _ => Vec::new(),
         };
@@ -275,7 +276,7 @@ pub fn build(
             published_at_ms: i.timestamp_ms,
             partition: i.partition,
             offset: i.offset,
-            arguments: intent.arguments,
+            arguments,
             repeat,
             changes,
             status: answer.map(|(a, _)| a.status.as_str().to_owned()),

@@ -8,6 +8,11 @@
 //! - no lost intent: every call_id gets exactly one answer;
 //! - every repeat's answer identical to the first but for call_id/deduplicated.
 //!
+//! Effects are grouped by the step each invocation names (the tool's
+//! `stepgate-*` headers), so a step re-run under a new key, or two steps sharing
+//! one, fails the check. The last kill (every fifth in the long run) keeps its
+//! gate down until another gate was assigned partitions: restore runs under load.
+//!
 //! Short by default (runs in CI); `STEPGATE_CRASH_MATRIX=long` for the long run.
 //! `STEPGATE_CRASH_SEED=n` replays a schedule.
 
@@ -32,6 +37,31 @@ impl Rng {
     fn below(&mut self, n: u64) -> u64 {
         self.next() % n
     }
+}
+
+/// How long a killed gate stays down.
+enum Down {
+    For(Duration),
+    /// Until another gate took partitions over (its "partitions assigned"
+    /// count went past these, one per gate).
+    UntilMoved(Vec<usize>),
+}
+
+/// Each gate's "partitions assigned" log lines so far.
+fn assignments(s: &Stack, procs: &[Proc]) -> Vec<usize> {
+    procs
+        .iter()
+        .map(|p| s.other_log(p.name).matches("partitions assigned").count())
+        .collect()
+}
+
+/// Whether a gate other than `victim` was assigned partitions since `before`.
+fn taken_over(s: &Stack, procs: &[Proc], victim: usize, before: &[usize]) -> bool {
+    assignments(s, procs)
+        .iter()
+        .zip(before)
+        .enumerate()
+        .any(|(i, (now, then))| i != victim && now > then)
 }
 
 struct Proc {
@@ -109,7 +139,8 @@ async fn crash_matrix() {
         .map(|k| k * slot + slot / 4 + rng.below((slot / 2).max(1) as u64) as usize)
         .collect();
     let mut kills_done = 0;
-    let mut down: Option<(usize, Instant)> = None;
+    let mut moved = 0;
+    let mut down: Option<(usize, Instant, Down)> = None;
     let start = Instant::now();
     for n in 0..total_steps {
         let wf = format!("wf{}", n % workflows);
@@ -145,30 +176,40 @@ async fn crash_matrix() {
             agent.send(&i).await;
             calls.push((wf.clone(), step, tool, 1, id3));
         }
-        if let Some((victim, at)) = down
-            && (at.elapsed() > Duration::from_millis(500 + rng.below(1500))
-                || kill_at.get(kills_done) == Some(&n))
-        {
-            let p = &mut procs[victim];
-            p.child = Some(s.spawn_other(p.name, &p.http, &p.args));
-            down = None;
+        if let Some((victim, at, how)) = &down {
+            let back = match how {
+                Down::For(d) => at.elapsed() > *d || kill_at.get(kills_done) == Some(&n),
+                Down::UntilMoved(before) => taken_over(&s, &procs, *victim, before),
+            };
+            if back {
+                if matches!(how, Down::UntilMoved(_)) {
+                    moved += 1;
+                }
+                let p = &mut procs[*victim];
+                p.child = Some(s.spawn_other(p.name, &p.http, &p.args));
+                down = None;
+            }
         }
-        if kill_at.get(kills_done) == Some(&n) {
+        // A kill whose moment came while a gate is kept down waits for it.
+        if down.is_none() && kill_at.get(kills_done).is_some_and(|k| n >= *k) {
             let victim = rng.below(procs.len() as u64) as usize;
+            // The last kill (and every fifth in the long run) keeps the gate
+            // down until its partitions moved: the others restore them and
+            // serve them under load, and it restores them again when it is back.
+            let how = if kills_done + 1 == kills || (long && kills_done % 5 == 4) {
+                Down::UntilMoved(assignments(&s, &procs))
+            } else {
+                Down::For(Duration::from_millis(500 + rng.below(1500)))
+            };
             let mut c = procs[victim].child.take().unwrap();
             c.kill().unwrap();
             c.wait().unwrap();
             kills_done += 1;
-            down = Some((victim, Instant::now()));
+            down = Some((victim, Instant::now(), how));
         }
         // A steady pace, so that kills land among calls in flight.
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
-    if let Some((victim, _)) = down {
-        let p = &mut procs[victim];
-        p.child = Some(s.spawn_other(p.name, &p.http, &p.args));
-    }
-    // Rephrased repeats of a third of the steps, after everything.
     for n in (0..total_steps).step_by(3) {
         let (wf, step, tool, _, _) = calls
             .iter()
@@ -186,6 +227,19 @@ async fn crash_matrix() {
             ))
             .await;
         calls.push((wf, step, tool, 0, id));
+    }
+    if let Some((victim, _, how)) = down {
+        if let Down::UntilMoved(before) = how {
+            eventually(
+                Duration::from_secs(90),
+                "the killed gate's partitions moved",
+                || taken_over(&s, &procs, victim, &before),
+            )
+            .await;
+            moved += 1;
+        }
+        let p = &mut procs[victim];
+        p.child = Some(s.spawn_other(p.name, &p.http, &p.args));
     }
     let limit = Duration::from_secs(if long { 600 } else { 180 });
     eventually(limit, "every call answered", || {
@@ -239,40 +293,82 @@ async fn crash_matrix() {
             assert_eq!(firsts[0].status, Status::Ok, "{key:?}: {:?}", firsts[0]);
         }
     }
-    // Effects, from the tools' own records.
-    let mut per_key: HashMap<(String, String), usize> = HashMap::new();
+    // Effects, from the tools' own records, grouped by the step each
+    // invocation names (stepgate's headers), never by its key: a re-run under
+    // a second key, or two steps under one key, shows here.
+    let asked: std::collections::HashSet<(String, String, String, String)> = by_step
+        .keys()
+        .map(|(wf, step, tool, attempt)| {
+            (
+                tool.to_string(),
+                wf.clone(),
+                step.to_string(),
+                attempt.to_string(),
+            )
+        })
+        .collect();
+    let mut runs: HashMap<(String, String, String, String), Vec<String>> = HashMap::new();
     for tool in ["ticket", "charge"] {
         for c in s.tools.calls(tool) {
-            *per_key
-                .entry((tool.to_owned(), c.idempotency_key))
-                .or_default() += 1;
+            let h = |k: &str| c.headers.get(k).cloned().unwrap_or_default();
+            runs.entry((
+                tool.to_owned(),
+                h("stepgate-workflow-id"),
+                h("stepgate-step-index"),
+                h("stepgate-attempt"),
+            ))
+            .or_default()
+            .push(c.idempotency_key);
         }
     }
-    let unkeyed_dupes = per_key
+    let unasked: Vec<_> = runs.keys().filter(|k| !asked.contains(*k)).collect();
+    assert!(
+        unasked.is_empty(),
+        "invocations of steps nobody asked for: {unasked:?}"
+    );
+    let unkeyed_dupes = runs
         .iter()
-        .filter(|((t, _), n)| t == "ticket" && **n > 1)
+        .filter(|(k, v)| k.0 == "ticket" && v.len() > 1)
         .count();
-    let keyed_reruns: usize = per_key
+    let charged: Vec<_> = runs.iter().filter(|(k, _)| k.0 == "charge").collect();
+    let keyed_reruns: usize = charged.iter().map(|(_, v)| v.len() - 1).sum();
+    // What a provider that deduplicates by key performs: one effect per
+    // distinct key. One per step invoked, unless a step changed keys.
+    let keyed_effects = s.tools.effects("charge");
+    let split_steps: Vec<_> = charged
         .iter()
-        .filter(|((t, _), _)| t == "charge")
-        .map(|(_, n)| n - 1)
-        .sum();
-    let invocations: usize = per_key.values().sum();
-    let keyed_effects = per_key.keys().filter(|(t, _)| t == "charge").count();
-    let keyed_steps = by_step.keys().filter(|k| k.2 == "charge").count();
+        .filter(|(_, v)| v.iter().collect::<std::collections::HashSet<_>>().len() > 1)
+        .collect();
+    let distinct_keys: std::collections::HashSet<&String> =
+        charged.iter().flat_map(|(_, v)| v.iter()).collect();
+    let invocations: usize = runs.values().map(Vec::len).sum();
     println!(
-        "crash matrix: {} steps, {} calls, {kills_done} kills, {invocations} invocations, {in_doubt} in doubt, \
-         {keyed_reruns} keyed re-runs (same key), duplicate unkeyed invocations: {unkeyed_dupes}, \
-         duplicate keyed effects: {}, lost intents: 0, in {:.1} s",
+        "crash matrix: {} steps, {} calls, {kills_done} kills ({moved} kept down until their partitions moved), \
+         {invocations} invocations, {in_doubt} in doubt, {keyed_reruns} keyed re-runs (same key), \
+         duplicate unkeyed invocations: {unkeyed_dupes}, duplicate keyed effects: {}, lost intents: 0, in {:.1} s",
         by_step.len(),
         calls.len(),
-        keyed_effects.saturating_sub(keyed_steps),
+        keyed_effects - charged.len().min(keyed_effects),
         start.elapsed().as_secs_f64()
     );
     assert_eq!(unkeyed_dupes, 0, "an unkeyed tool ran twice for one step");
     assert!(
-        keyed_effects <= keyed_steps,
-        "a keyed step had two provider keys"
+        split_steps.is_empty(),
+        "keyed steps invoked under two keys (two effects): {split_steps:?}"
+    );
+    assert_eq!(
+        distinct_keys.len(),
+        charged.len(),
+        "two keyed steps shared one key (one of their effects was lost)"
+    );
+    assert_eq!(
+        keyed_effects,
+        charged.len(),
+        "one effect per keyed step invoked"
+    );
+    assert!(
+        moved >= 1,
+        "no kill kept a gate down until its partitions moved"
     );
     assert_eq!(kills_done, kills);
     for p in &mut procs {

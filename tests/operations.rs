@@ -96,9 +96,9 @@ async fn records_expire_after_the_retention_and_until_then_answer_repeats() {
     .await;
     s.start().await;
     let agent = s.agent();
-    agent
-        .call(intent("wf-r", 1, "create_ticket", json!({}), "e1"))
-        .await;
+    let first = intent("wf-r", 1, "create_ticket", json!({}), "e1");
+    let published_ms = chrono::Utc::now().timestamp_millis();
+    agent.call(first.clone()).await;
     let r = agent
         .call(intent("wf-r", 1, "create_ticket", json!({}), "e2"))
         .await;
@@ -106,9 +106,22 @@ async fn records_expire_after_the_retention_and_until_then_answer_repeats() {
         r.deduplicated,
         "within the retention: answered from the record"
     );
-    tokio::time::sleep(Duration::from_secs(5)).await;
-    let m = s.metrics().await;
-    assert!(m.contains("stepgate_steps_purged_total 1"), "{m}");
+    s.metrics_until("stepgate_steps_purged_total 1", WAIT).await;
+    // The first call read again with its old timestamp, as after lost group
+    // offsets: its record is purged, and it is older than the retention, so it
+    // is dead-lettered — not run again, not answered a second time.
+    let dlq = s.reader("dlq");
+    agent.send_at(&first, published_ms).await;
+    let d = dlq.wait_for(1, WAIT).await;
+    assert_eq!(d[0].value["reason"], "expired", "{:?}", d[0].value);
+    s.metrics_until(
+        r#"stepgate_rejected_inputs_total{reason="expired"} 1"#,
+        WAIT,
+    )
+    .await;
+    assert_eq!(agent.answers("e1").len(), 1, "e1 keeps its one answer");
+    assert_eq!(s.tools.count("create_ticket"), 1);
+    // A new publish of the step (a fresh timestamp) runs it again.
     let r = agent
         .call(intent("wf-r", 1, "create_ticket", json!({}), "e3"))
         .await;

@@ -516,32 +516,21 @@ async fn an_unreadable_step_record_sets_its_intent_aside_and_the_partition_goes_
     let store = stepgate::state::StateStore::open(scratch.path()).unwrap();
     let mut b = stepgate::state::Batch::default();
     let mut record = stepgate::state::StepRecord {
-        step: stepgate::contract::StepKey {
-            workflow_id: wf.into(),
-            step_index: 1,
-            tool: "send_email".into(),
-            attempt: 0,
-        },
-        category: stepgate::config::Category::Keyed,
-        phase: stepgate::state::Phase::Completed,
-        arguments: serde_json::Map::new(),
         call_id: Some("old".into()),
-        metadata: None,
-        traceparent: None,
-        dispatch: 1,
-        intended_at_ms: 0,
-        started_at_ms: None,
-        deadline_ms: None,
-        result: None,
-        waiters: Vec::new(),
-        repeats: 0,
-        rephrased_count: 0,
-        rephrased: Vec::new(),
-        late_outcome: None,
-        expires_at_ms: i64::MAX / 2,
-        intent_ts_ms: None,
-        operator_log: Vec::new(),
-        partition: p,
+        ..stepgate::state::StepRecord::new(
+            stepgate::contract::StepKey {
+                workflow_id: wf.into(),
+                step_index: 1,
+                tool: "send_email".into(),
+                attempt: 0,
+            },
+            stepgate::config::Category::Keyed,
+            stepgate::state::Phase::Completed,
+            stepgate::contract::Arguments::empty(),
+            p,
+            0,
+            i64::MAX / 2,
+        )
     };
     record.partition = p;
     b.put_step(&store, p, &record).unwrap();

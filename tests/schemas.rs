@@ -159,12 +159,13 @@ fn all_reasons() -> Vec<RejectionReason> {
         TooDeep,
         Unprocessable,
         WrongPartition,
+        Expired,
     ];
     for r in &all {
         match r {
             Oversized | MalformedJson | NotAnObject | MissingField | WrongType | InvalidValue
             | UnknownTool | WorkflowEnded | BadCommand | TooDeep | Unprocessable
-            | WrongPartition => {}
+            | WrongPartition | Expired => {}
         }
     }
     all

@@ -22,7 +22,7 @@
 //! # Ok(()) }
 //! ```
 
-use crate::contract::{Intent, StepKey, ToolResult};
+use crate::contract::{Arguments, Intent, StepKey, ToolResult};
 use rdkafka::consumer::{BaseConsumer, Consumer, StreamConsumer};
 use rdkafka::error::KafkaError;
 use rdkafka::producer::{FutureProducer, FutureRecord};
@@ -125,7 +125,7 @@ pub struct StepCall {
     pub workflow_id: String,
     pub step_index: u64,
     pub tool: String,
-    pub arguments: Map<String, Value>,
+    pub arguments: Arguments,
     pub attempt: u64,
     /// Set one to correlate with your own logs; one is generated otherwise.
     pub call_id: Option<String>,
@@ -140,9 +140,8 @@ impl StepCall {
         tool: &str,
         arguments: Value,
     ) -> Result<Self, ClientError> {
-        let Value::Object(arguments) = arguments else {
-            return Err(ClientError::ArgumentsNotAnObject(arguments));
-        };
+        let arguments =
+            Arguments::try_from(arguments).map_err(ClientError::ArgumentsNotAnObject)?;
         Ok(StepCall {
             workflow_id: workflow_id.to_owned(),
             step_index,

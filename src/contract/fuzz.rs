@@ -211,8 +211,20 @@ fn apply(mut bytes: Vec<u8>, mutations: &[Mutation]) -> Vec<u8> {
 fn check_intent(bytes: &[u8], max_bytes: usize) -> Result<(), TestCaseError> {
     match parse_intent(bytes, max_bytes, &tools()) {
         Ok(intent) => {
-            let args = Value::Object(intent.arguments.clone());
+            // The text sent to the tool is one JSON object, the byte scan
+            // of its depth agrees with the tree's, and the record keeps it.
+            let parsed = serde_json::from_str::<Value>(intent.arguments.as_str());
+            prop_assert!(
+                matches!(parsed, Ok(Value::Object(_))),
+                "arguments text: {:?}",
+                parsed
+            );
+            let args = intent.arguments.to_value();
             prop_assert!(!nested_deeper_than(&args, MAX_NESTING_DEPTH));
+            let stored: crate::contract::Arguments =
+                crate::contract::codec::decode(&crate::contract::codec::encode(&intent.arguments))
+                    .map_err(|e| TestCaseError::fail(e.to_string()))?;
+            prop_assert_eq!(stored.as_str(), intent.arguments.as_str());
             let mut stored = args;
             for _ in 0..32 {
                 stored = json!({ "record": stored });

@@ -6,6 +6,7 @@
 //! (in-process, gate → invoker).
 //! Partition ownership: [`partition_for`], the one canonical partitioner.
 
+mod arguments;
 pub mod codec;
 mod operator;
 mod partition;
@@ -15,6 +16,7 @@ mod validate;
 #[cfg(test)]
 mod fuzz;
 
+pub use arguments::{Arguments, text_deeper_than};
 pub use operator::{Action, ApprovalEvent, ApprovalKind, Command};
 pub use partition::{murmur2, partition_for};
 pub use texts::Texts;
@@ -93,7 +95,7 @@ pub struct Intent {
     pub tool: String,
     #[serde(default)]
     pub attempt: u64,
-    pub arguments: Map<String, Value>,
+    pub arguments: Arguments,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub call_id: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -231,7 +233,7 @@ impl Outcome {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Call {
     pub step: StepKey,
-    pub arguments: Map<String, Value>,
+    pub arguments: Arguments,
     /// 1 for the first run of a step; bumped when the gate runs it again.
     pub dispatch: u32,
     /// Set for fast-path calls (read-only / idempotent tools without a step log):

@@ -184,6 +184,18 @@ impl Texts {
         )
     }
 
+    /// An intent read after the state retention, its step without a record.
+    pub fn expired(tool: &str, workflow_id: &str, age: std::time::Duration) -> String {
+        format!(
+            "Nothing was performed: this call of `{tool}` (workflow `{workflow_id}`) was \
+             published {} ago, longer than stepgate keeps step records, and its step has no \
+             record: it may be an old call read again (the gate's consumer offsets were lost) \
+             whose record was already purged, so running it could repeat an action done long \
+             ago. If the call is still wanted, publish it again now.",
+            humantime::format_duration(std::time::Duration::from_secs(age.as_secs()))
+        )
+    }
+
     /// A new step of a workflow after a `last_step` tool ended it.
     pub fn workflow_ended(
         tool: &str,
@@ -329,6 +341,22 @@ mod golden {
             Texts::tool_failed_safe("search", 3, "HTTP 500"),
             "The tool `search` failed after 3 tries (HTTP 500). This tool is safe to run again: \
              make a new attempt of this step later, or continue without its result."
+        );
+    }
+
+    #[test]
+    fn expired() {
+        assert_eq!(
+            Texts::expired(
+                "send_email",
+                "order-7781",
+                std::time::Duration::from_millis(8 * 86_400_000 + 3_600_500)
+            ),
+            "Nothing was performed: this call of `send_email` (workflow `order-7781`) was \
+             published 8days 1h ago, longer than stepgate keeps step records, and its step has no \
+             record: it may be an old call read again (the gate's consumer offsets were lost) \
+             whose record was already purged, so running it could repeat an action done long \
+             ago. If the call is still wanted, publish it again now."
         );
     }
 

@@ -1,8 +1,13 @@
 //! Turning raw intent bytes into an [`Intent`], or a precise [`Rejection`].
 
-use super::{Intent, MAX_TOOL_NAME_CHARS, MAX_WORKFLOW_ID_BYTES, StepKey, Texts};
+use super::{
+    Arguments, Intent, MAX_TOOL_NAME_CHARS, MAX_WORKFLOW_ID_BYTES, StepKey, Texts, text_deeper_than,
+};
+use serde::de::IgnoredAny;
 use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
 use serde_json::{Map, Value};
+use std::collections::HashMap;
 
 /// Why an input was refused (the `reason` of a DLQ record, the `error.kind` of a
 /// `rejected` result).
@@ -27,6 +32,9 @@ pub enum RejectionReason {
     Unprocessable,
     /// Published to a partition other than its workflow's.
     WrongPartition,
+    /// Older than the state retention and its step has no record: it may be a
+    /// re-read (group offsets lost) of a call whose record was purged.
+    Expired,
 }
 
 impl RejectionReason {
@@ -44,6 +52,7 @@ impl RejectionReason {
             RejectionReason::TooDeep => "too_deep",
             RejectionReason::Unprocessable => "unprocessable",
             RejectionReason::WrongPartition => "wrong_partition",
+            RejectionReason::Expired => "expired",
         }
     }
 }
@@ -107,21 +116,42 @@ pub fn parse_intent(
             address,
         });
     }
-    let value: Value = serde_json::from_slice(bytes).map_err(|e| {
-        Rejection::new(
-            RejectionReason::MalformedJson,
-            format!("the intent is not valid JSON: {e}"),
-        )
-    })?;
-    let Value::Object(obj) = value else {
-        return Err(Rejection::new(
-            RejectionReason::NotAnObject,
-            format!(
-                "the intent must be a JSON object, got {}",
-                type_name(&value)
-            ),
-        ));
+    // The top level is read field by field, each as its raw text: `arguments`
+    // stays text (see [`Arguments`]), the other fields are small and parsed.
+    let fields: HashMap<String, &RawValue> = match serde_json::from_slice(bytes) {
+        Ok(f) => f,
+        Err(_) => {
+            return Err(match serde_json::from_slice::<Value>(bytes) {
+                Ok(value) => Rejection::new(
+                    RejectionReason::NotAnObject,
+                    format!(
+                        "the intent must be a JSON object, got {}",
+                        type_name(&value)
+                    ),
+                ),
+                Err(e) => Rejection::new(
+                    RejectionReason::MalformedJson,
+                    format!("the intent is not valid JSON: {e}"),
+                ),
+            });
+        }
     };
+    let mut obj = Map::new();
+    let mut raw_arguments = None;
+    for (name, raw) in fields {
+        if name == "arguments" {
+            raw_arguments = Some(raw);
+            continue;
+        }
+        // Valid JSON already; what can still fail is a number out of range.
+        let value = serde_json::from_str(raw.get()).map_err(|e| {
+            Rejection::new(
+                RejectionReason::MalformedJson,
+                format!("the intent is not valid JSON: {e}"),
+            )
+        })?;
+        obj.insert(name, value);
+    }
     let address = read_address(&obj);
     let tool_label = obj
         .get("tool")
@@ -189,21 +219,34 @@ pub fn parse_intent(
             Err((reason, problem)) => return Err(reject(reason, problem)),
         },
     };
-    let arguments = match obj.get("arguments") {
-        None | Some(Value::Null) => {
+    let arguments = match raw_arguments.map(RawValue::get) {
+        None | Some("null") => {
             return Err(reject(
                 RejectionReason::MissingField,
                 "the required field `arguments` is missing (a JSON object of the tool's arguments, `{}` when there are none)".into(),
             ));
         }
-        Some(Value::Object(m)) => m.clone(),
-        Some(other) => {
+        Some(text) if text.starts_with('{') => {
+            // Checked whole (numbers in range), without building the tree.
+            if let Err(e) = serde_json::from_str::<IgnoredAny>(text) {
+                return Err(Rejection::new(
+                    RejectionReason::MalformedJson,
+                    format!("the intent is not valid JSON: {e}"),
+                ));
+            }
+            Arguments::from_checked(text)
+        }
+        Some(text) => {
+            // Valid JSON: its first byte says what it is (no parse, however deep).
+            let got = match text.as_bytes()[0] {
+                b'[' => "an array",
+                b'"' => "a string",
+                b't' | b'f' => "a boolean",
+                _ => "a number",
+            };
             return Err(reject(
                 RejectionReason::WrongType,
-                format!(
-                    "`arguments` must be a JSON object of named arguments, got {}",
-                    type_name(other)
-                ),
+                format!("`arguments` must be a JSON object of named arguments, got {got}"),
             ));
         }
     };
@@ -227,19 +270,22 @@ pub fn parse_intent(
             ));
         }
     };
-    for (field, value) in [
-        ("arguments", Some(&arguments)),
-        ("metadata", metadata.as_ref()),
-    ] {
-        if let Some(m) = value
-            && object_deeper_than(m, MAX_NESTING_DEPTH)
-        {
-            return Err(Rejection {
-                reason: RejectionReason::TooDeep,
-                message: Texts::too_deep(&tool_label, field, MAX_NESTING_DEPTH),
-                address,
-            });
-        }
+    let too_deep = if text_deeper_than(arguments.as_str(), MAX_NESTING_DEPTH) {
+        Some("arguments")
+    } else if metadata
+        .as_ref()
+        .is_some_and(|m| object_deeper_than(m, MAX_NESTING_DEPTH))
+    {
+        Some("metadata")
+    } else {
+        None
+    };
+    if let Some(field) = too_deep {
+        return Err(Rejection {
+            reason: RejectionReason::TooDeep,
+            message: Texts::too_deep(&tool_label, field, MAX_NESTING_DEPTH),
+            address,
+        });
     }
     if known_tools.binary_search(&tool).is_err() {
         return Err(Rejection {
@@ -572,14 +618,26 @@ mod tests {
 
     #[test]
     fn beyond_serde_jsons_own_limit_is_malformed_not_a_panic() {
+        let deep = format!("{}{}", "[".repeat(200_000), "]".repeat(200_000));
         let text = format!(
-            r#"{{"workflow_id":"w","step_index":0,"tool":"search","arguments":{}{}}}"#,
-            "[".repeat(200_000),
-            "]".repeat(200_000)
+            r#"{{"workflow_id":"w","step_index":0,"tool":"search","arguments":{{}},"metadata":{deep}}}"#
         );
         let r = parse_intent(text.as_bytes(), 1 << 20, &tools()).unwrap_err();
         assert_eq!(r.reason, RejectionReason::MalformedJson);
         assert!(r.message.contains("recursion limit"), "{}", r.message);
+        // Arguments are never parsed into a tree: their depth is scanned, so
+        // any depth is the model-readable `too_deep`.
+        let text = format!(
+            r#"{{"workflow_id":"w","step_index":0,"tool":"search","arguments":{{"a":{deep}}}}}"#
+        );
+        let r = parse_intent(text.as_bytes(), 1 << 20, &tools()).unwrap_err();
+        assert_eq!(r.reason, RejectionReason::TooDeep);
+        // As deep, but not an object: named for what it is, without a parse.
+        let text =
+            format!(r#"{{"workflow_id":"w","step_index":0,"tool":"search","arguments":{deep}}}"#);
+        let r = parse_intent(text.as_bytes(), 1 << 20, &tools()).unwrap_err();
+        assert_eq!(r.reason, RejectionReason::WrongType);
+        assert!(r.message.contains("got an array"), "{}", r.message);
     }
 
     #[test]

@@ -77,6 +77,10 @@ pub struct GateCore {
     /// Per partition, the first intent offset not yet applied to the committed
     /// state; intents below it are re-read only to re-run fast-path calls.
     applied: HashMap<i32, i64>,
+    /// Per partition newly taken over, until when its deadlines wait (ms): the
+    /// outcomes handed over on `progress` while it was restored are read
+    /// first, so a long restore never turns a known outcome into doubt.
+    held: HashMap<i32, i64>,
 }
 
 fn ms(d: Duration) -> i64 {
@@ -108,6 +112,7 @@ impl GateCore {
             fast: BTreeMap::new(),
             running: HashMap::new(),
             applied: HashMap::new(),
+            held: HashMap::new(),
         }
     }
 
@@ -142,20 +147,26 @@ impl GateCore {
         self.immediate.clear();
         self.fast.clear();
         self.applied.clear();
+        self.held.clear();
     }
 
     /// Load a partition's pending deadlines after it was assigned and restored;
     /// `applied` is the first intent offset its committed state does not reflect.
+    /// Its deadlines wait `in_doubt_grace` from `now_ms`, while the outcomes
+    /// waiting on `progress` are read.
     pub fn load_partition(
         &mut self,
         store: &StateStore,
         partition: i32,
         applied: i64,
+        now_ms: i64,
     ) -> Result<(), StateError> {
         for (step, d) in store.deadlines(partition)? {
             self.due.insert((d, partition, step));
         }
         self.applied.insert(partition, applied);
+        self.held
+            .insert(partition, now_ms + ms(self.settings.in_doubt_grace));
         Ok(())
     }
 
@@ -164,6 +175,7 @@ impl GateCore {
         self.due.retain(|(_, p, _)| *p != partition);
         self.fast.retain(|(p, _), _| *p != partition);
         self.applied.remove(&partition);
+        self.held.remove(&partition);
     }
 
     /// A call of this process finished (whoever owns its partition now).
@@ -246,6 +258,22 @@ impl GateCore {
         } else {
             None
         };
+        // Older than the retention with no record: perhaps a re-read (lost
+        // group offsets) of a call whose record was purged. Not run, and not
+        // answered: its call_id may have had its answer long ago.
+        if existing.is_none()
+            && let Some(ts) = input.timestamp_ms
+            && now_ms.saturating_sub(ts) > ms(self.settings.retention)
+        {
+            let age = Duration::from_millis(now_ms.saturating_sub(ts).max(0) as u64);
+            let rejection = Rejection {
+                reason: RejectionReason::Expired,
+                message: Texts::expired(&step.tool, &step.workflow_id, age),
+                address: None,
+            };
+            self.reject(input, rejection, now_ms);
+            return Ok(());
+        }
         // A workflow ended by a `last_step` tool takes no new steps (repeats of
         // its recorded steps are still answered).
         if existing.is_none()
@@ -366,27 +394,19 @@ impl GateCore {
             Phase::Started
         };
         let mut record = StepRecord {
-            step: step.clone(),
-            category: tool.category,
-            phase,
-            arguments: intent.arguments.clone(),
             call_id: intent.call_id.clone(),
             metadata: intent.metadata.clone(),
             traceparent: traceparent.clone(),
-            dispatch: 1,
-            intended_at_ms: now_ms,
-            started_at_ms: None,
-            deadline_ms: None,
-            result: None,
-            waiters: Vec::new(),
-            repeats: 0,
-            rephrased_count: 0,
-            rephrased: Vec::new(),
-            late_outcome: None,
-            expires_at_ms: now_ms + ms(self.settings.retention),
             intent_ts_ms: input.timestamp_ms,
-            operator_log: Vec::new(),
-            partition: p,
+            ..StepRecord::new(
+                step.clone(),
+                tool.category,
+                phase,
+                intent.arguments.clone(),
+                p,
+                now_ms,
+                now_ms + ms(self.settings.retention),
+            )
         };
         if let Some(prev) = previous {
             record.dispatch = prev.dispatch + 1;
@@ -411,7 +431,7 @@ impl GateCore {
                 event: ApprovalEvent {
                     step,
                     event: ApprovalKind::Requested {
-                        arguments: intent.arguments,
+                        arguments: intent.arguments.to_map(),
                         call_id: intent.call_id,
                         metadata: intent.metadata,
                     },
@@ -784,11 +804,17 @@ impl GateCore {
         batch: &mut Batch,
         now_ms: i64,
     ) -> Result<(), StateError> {
+        self.held.retain(|_, until| *until > now_ms);
+        let mut waiting = Vec::new();
         while let Some((deadline, p, step)) = self.due.first().cloned() {
             if deadline > now_ms {
                 break;
             }
             self.due.pop_first();
+            if self.held.contains_key(&p) {
+                waiting.push((deadline, p, step));
+                continue;
+            }
             let Some(mut record) = batch.step(store, p, &step)? else {
                 continue;
             };
@@ -822,10 +848,12 @@ impl GateCore {
                 self.settle(store, batch, p, record, outcome, phase, now_ms)?;
             }
         }
+        self.due.extend(waiting);
         Ok(())
     }
 
-    /// Remove up to `limit` expired records of each partition.
+    /// Remove up to `limit` expired records of each partition (records this
+    /// batch or the one committing already removed are not counted twice).
     pub fn purge(
         &mut self,
         store: &StateStore,
@@ -833,10 +861,12 @@ impl GateCore {
         partitions: impl IntoIterator<Item = i32>,
         now_ms: i64,
         limit: usize,
-    ) -> Result<usize, StateError> {
-        let mut n = 0;
+    ) -> Result<Purged, StateError> {
+        let mut out = Purged::default();
         for p in partitions {
-            for (expires_at, step) in store.expired(p, now_ms, limit)? {
+            let expired = batch.expired(store, p, now_ms, limit)?;
+            out.more |= expired.len() >= limit;
+            for (expires_at, step) in expired {
                 match batch.step(store, p, &step)? {
                     Some(r) if r.expires_at_ms == expires_at => {
                         batch.delete_step(store, p, &step)?;
@@ -846,15 +876,25 @@ impl GateCore {
                         {
                             batch.delete_workflow_end(p, &step.workflow_id);
                         }
-                        n += 1;
+                        out.removed += 1;
                     }
                     _ => batch.delete_expiry(p, &step, expires_at),
                 }
             }
         }
-        self.metrics.purged(n);
-        Ok(n)
+        self.metrics.purged(out.removed);
+        Ok(out)
     }
+}
+
+/// What one purge round did.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Purged {
+    /// Step records removed.
+    pub removed: usize,
+    /// Some partition had more expired records than the round's limit: the
+    /// gate goes on at its next tick instead of waiting `purge_interval`.
+    pub more: bool,
 }
 
 #[cfg(test)]

@@ -236,6 +236,42 @@ impl StateStore {
         Ok(out)
     }
 
+    /// Up to `limit` step records of `partition` whose retention ended before
+    /// `now_ms`, oldest first, leaving out the index entries `skip` names.
+    /// Reads the index only as far as it needs: at millions of steps it is
+    /// never collected whole.
+    fn expired_where(
+        &self,
+        partition: i32,
+        now_ms: i64,
+        limit: usize,
+        skip: impl Fn(&[u8]) -> bool,
+    ) -> Result<Vec<(i64, StepKey)>, StateError> {
+        let mut out = Vec::new();
+        let prefix = partition.to_be_bytes();
+        let iter = self.db.iterator_cf(
+            self.cf(Cf::Expiry),
+            IteratorMode::From(&prefix, Direction::Forward),
+        );
+        for item in iter {
+            let (key, _) = item?;
+            if !key.starts_with(&prefix) || out.len() >= limit || key.len() < 12 {
+                break;
+            }
+            let at = i64::from_be_bytes(key[4..12].try_into().unwrap_or_default());
+            if at > now_ms {
+                break;
+            }
+            if skip(&key) {
+                continue;
+            }
+            if let Some(step) = decode_step_key(&key[12..]) {
+                out.push((at, step));
+            }
+        }
+        Ok(out)
+    }
+
     /// Up to `limit` step records of `partition` whose retention ended before `now_ms`.
     pub fn expired(
         &self,
@@ -243,18 +279,7 @@ impl StateStore {
         now_ms: i64,
         limit: usize,
     ) -> Result<Vec<(i64, StepKey)>, StateError> {
-        let mut out = Vec::new();
-        let prefix = partition.to_be_bytes();
-        for (key, _) in self.scan_prefix(Cf::Expiry, &prefix)? {
-            let at = i64::from_be_bytes(key[4..12].try_into().unwrap_or_default());
-            if at > now_ms || out.len() >= limit {
-                break;
-            }
-            if let Some(step) = decode_step_key(&key[12..]) {
-                out.push((at, step));
-            }
-        }
-        Ok(out)
+        self.expired_where(partition, now_ms, limit, |_| false)
     }
 
     /// Every step record of a workflow in a partition, in step order.
@@ -567,6 +592,26 @@ impl Batch {
         self.writes.insert((Cf::Steps, key.clone()), None);
         self.steps.insert(key, None);
         Ok(())
+    }
+
+    /// Up to `limit` expired step records of `partition` that neither this
+    /// batch nor the one below has already removed: a purge that goes on
+    /// before its last chunk is applied takes the next records, not the same.
+    pub fn expired(
+        &self,
+        store: &StateStore,
+        partition: i32,
+        now_ms: i64,
+        limit: usize,
+    ) -> Result<Vec<(i64, StepKey)>, StateError> {
+        store.expired_where(partition, now_ms, limit, |key| {
+            let k = (Cf::Expiry, key.to_vec());
+            matches!(self.writes.get(&k), Some(None))
+                || self
+                    .below
+                    .as_ref()
+                    .is_some_and(|b| matches!(b.writes.get(&k), Some(None)))
+        })
     }
 
     /// Drop a dangling expiry index entry.

@@ -1,7 +1,7 @@
 //! What the gate remembers about a step.
 
 use crate::config::Category;
-use crate::contract::{Action, Outcome, StepKey, ToolResult};
+use crate::contract::{Action, Arguments, Outcome, StepKey, ToolResult};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
@@ -79,7 +79,7 @@ pub struct Waiter {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RephrasedCall {
     pub call_id: Option<String>,
-    pub arguments: Map<String, Value>,
+    pub arguments: Arguments,
     pub at_ms: i64,
 }
 
@@ -138,10 +138,6 @@ fn waiter_bytes(w: &Waiter) -> usize {
     w.call_id.as_ref().map_or(0, String::len) + w.traceparent.as_ref().map_or(0, String::len)
 }
 
-fn json_bytes(v: &Map<String, Value>) -> usize {
-    serde_json::to_vec(v).map_or(usize::MAX, |b| b.len())
-}
-
 /// The record of one step key.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StepRecord {
@@ -149,7 +145,7 @@ pub struct StepRecord {
     pub category: Category,
     pub phase: Phase,
     /// The first call's arguments: what was executed.
-    pub arguments: Map<String, Value>,
+    pub arguments: Arguments,
     /// The first call's `call_id`.
     pub call_id: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -201,26 +197,58 @@ pub struct WorkflowEnd {
 }
 
 impl StepRecord {
+    /// A step's first record: dispatched once, no outcome, no repeats. Set
+    /// the rest with struct update syntax (`StepRecord { call_id, ..new }`).
+    pub fn new(
+        step: StepKey,
+        category: Category,
+        phase: Phase,
+        arguments: Arguments,
+        partition: i32,
+        at_ms: i64,
+        expires_at_ms: i64,
+    ) -> Self {
+        StepRecord {
+            step,
+            category,
+            phase,
+            arguments,
+            call_id: None,
+            metadata: None,
+            traceparent: None,
+            dispatch: 1,
+            intended_at_ms: at_ms,
+            started_at_ms: None,
+            deadline_ms: None,
+            result: None,
+            waiters: Vec::new(),
+            repeats: 0,
+            rephrased_count: 0,
+            rephrased: Vec::new(),
+            late_outcome: None,
+            expires_at_ms,
+            intent_ts_ms: None,
+            operator_log: Vec::new(),
+            partition,
+        }
+    }
+
     /// Count a repeat, keeping its arguments when the model rephrased them.
     /// Returns whether it was rephrased.
     pub fn note_repeat(
         &mut self,
         call_id: Option<String>,
-        arguments: &Map<String, Value>,
+        arguments: &Arguments,
         at_ms: i64,
     ) -> bool {
         self.repeats += 1;
-        let rephrased = *arguments != self.arguments;
+        let rephrased = !arguments.same_as(&self.arguments);
         if rephrased {
             self.rephrased_count += 1;
             // Sized only while a copy could still be kept.
             let fits = self.rephrased.len() < MAX_REPHRASED_KEPT && {
-                let kept: usize = self
-                    .rephrased
-                    .iter()
-                    .map(|r| json_bytes(&r.arguments))
-                    .sum();
-                kept.saturating_add(json_bytes(arguments)) <= REPHRASED_BUDGET_BYTES
+                let kept: usize = self.rephrased.iter().map(|r| r.arguments.len()).sum();
+                kept.saturating_add(arguments.len()) <= REPHRASED_BUDGET_BYTES
             };
             if fits {
                 self.rephrased.push(RephrasedCall {
@@ -256,7 +284,7 @@ impl StepRecord {
 pub struct FastEntry {
     pub step: StepKey,
     pub call_id: Option<String>,
-    pub arguments: Map<String, Value>,
+    pub arguments: Arguments,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub traceparent: Option<String>,
     pub dispatch: u32,

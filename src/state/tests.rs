@@ -1,5 +1,6 @@
 use super::*;
 use crate::config::Category;
+use crate::contract::Arguments;
 use serde_json::{Map, Value};
 
 fn step(i: u64) -> StepKey {
@@ -13,27 +14,16 @@ fn step(i: u64) -> StepKey {
 
 fn record(i: u64, phase: Phase, expires: i64) -> StepRecord {
     StepRecord {
-        step: step(i),
-        category: Category::Unkeyed,
-        phase,
-        arguments: Map::new(),
-        call_id: None,
-        metadata: None,
-        traceparent: None,
-        dispatch: 1,
-        intended_at_ms: 0,
-        started_at_ms: None,
         deadline_ms: Some(500),
-        result: None,
-        waiters: vec![],
-        repeats: 0,
-        rephrased_count: 0,
-        rephrased: vec![],
-        late_outcome: None,
-        expires_at_ms: expires,
-        intent_ts_ms: None,
-        operator_log: Vec::new(),
-        partition: 0,
+        ..StepRecord::new(
+            step(i),
+            Category::Unkeyed,
+            phase,
+            Arguments::empty(),
+            0,
+            0,
+            expires,
+        )
     }
 }
 
@@ -238,11 +228,10 @@ fn a_full_record_round_trips_and_json_records_still_read() {
     let dir = tempfile::tempdir().unwrap();
     let s = StateStore::open(dir.path()).unwrap();
     let mut r = record(7, Phase::InDoubt, 9_000);
-    r.arguments =
-        serde_json::json!({"to": "a@b.c", "n": [1, 2.5, null, {"deep": true}], "big": u64::MAX})
-            .as_object()
-            .cloned()
-            .unwrap();
+    r.arguments = Arguments::try_from(
+        serde_json::json!({"to": "a@b.c", "n": [1, 2.5, null, {"deep": true}], "big": u64::MAX}),
+    )
+    .unwrap();
     r.call_id = Some("c-1".into());
     r.metadata = Some(
         serde_json::json!({"m": "é\u{0000}"})
@@ -272,7 +261,7 @@ fn a_full_record_round_trips_and_json_records_still_read() {
     }];
     r.rephrased = vec![RephrasedCall {
         call_id: None,
-        arguments: Map::new(),
+        arguments: Arguments::empty(),
         at_ms: 3,
     }];
     r.operator_log = vec![OperatorEntry {
@@ -348,11 +337,14 @@ fn a_step_record_stays_within_its_budgets() {
         let mut a = Map::new();
         a.insert("n".into(), Value::from(i));
         a.insert("blob".into(), Value::from("y".repeat(40 * 1024)));
-        assert!(r.note_repeat(Some(format!("r{i}")), &a, 0));
+        assert!(r.note_repeat(Some(format!("r{i}")), &Arguments::from(a), 0));
     }
     assert_eq!(r.rephrased_count, 40);
     assert_eq!(r.rephrased.len(), 1);
-    assert!(!r.note_repeat(None, &Map::new(), 0), "verbatim");
+    assert!(
+        !r.note_repeat(None, &Arguments::from_checked("{ }"), 0),
+        "the same object, other spacing: verbatim"
+    );
     let encoded = crate::contract::codec::encode(&r);
     assert!(
         encoded.len() < REPHRASED_BUDGET_BYTES + WAITERS_BUDGET_BYTES + 16 * 1024,

@@ -231,10 +231,16 @@ impl ToolRegistry {
     async fn try_once(&self, tool: &ToolConfig, call: &Call, extra_headers: &HeaderMap) -> Try {
         let step = &call.step;
         let key = step.idempotency_key();
-        let mut body = serde_json::Value::Object(call.arguments.clone());
-        if let Some(path) = &tool.idempotency_field {
-            set_path(&mut body, path, serde_json::Value::String(key.clone()));
-        }
+        // The arguments as the intent carried them, byte for byte; parsed only
+        // when the key must be set inside the body.
+        let body = match &tool.idempotency_field {
+            None => call.arguments.as_str().to_owned(),
+            Some(path) => {
+                let mut body = call.arguments.to_value();
+                set_path(&mut body, path, serde_json::Value::String(key.clone()));
+                body.to_string()
+            }
+        };
         // The configured headers first; none of them is one of the protocol's
         // (config validation refuses those), so nothing below is doubled.
         let mut req = self
@@ -245,7 +251,8 @@ impl ToolRegistry {
             .header(tool.idempotency_header.as_str(), key)
             .header(headers::STEP_INDEX, step.step_index.to_string())
             .header(headers::ATTEMPT, step.attempt.to_string())
-            .json(&body);
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .body(body);
         match reqwest::header::HeaderValue::from_bytes(step.workflow_id.as_bytes()) {
             Ok(v) => req = req.header(headers::WORKFLOW_ID, v),
             Err(_) => req = req.header(headers::WORKFLOW_ID, percent_escape(&step.workflow_id)),

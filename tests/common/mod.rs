@@ -534,6 +534,22 @@ level = "info,rdkafka=warn"
             .unwrap()
     }
 
+    /// Wait until `/metrics` contains `text`; the last scrape.
+    pub async fn metrics_until(&self, text: &str, limit: Duration) -> String {
+        let start = Instant::now();
+        loop {
+            let m = self.metrics().await;
+            if m.contains(text) {
+                return m;
+            }
+            assert!(
+                start.elapsed() < limit,
+                "timed out after {limit:?} waiting for `{text}` in /metrics:\n{m}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
     pub fn agent(&self) -> Agent {
         Agent::new(
             &self.config.kafka.brokers,
@@ -557,6 +573,17 @@ impl Drop for Stack {
         if let Some(mut c) = self.child.take() {
             let _ = c.kill();
             let _ = c.wait();
+        }
+        // STEPGATE_TEST_KEEP_LOGS=<dir>: the processes' logs outlive the
+        // test's temporary directory (for a failure to be read whole).
+        if let Ok(keep) = std::env::var("STEPGATE_TEST_KEEP_LOGS") {
+            let to = PathBuf::from(keep).join(&self.prefix);
+            let _ = std::fs::create_dir_all(&to);
+            for e in std::fs::read_dir(self.dir.path()).into_iter().flatten().flatten() {
+                if e.path().extension().is_some_and(|x| x == "log") {
+                    let _ = std::fs::copy(e.path(), to.join(e.file_name()));
+                }
+            }
         }
     }
 }
@@ -726,6 +753,22 @@ impl Agent {
             }
             rec = rec.headers(h);
         }
+        self.producer
+            .send(rec, Duration::from_secs(10))
+            .await
+            .map_err(|(e, _)| e)
+            .unwrap();
+    }
+
+    /// Publish an intent with a given record timestamp (ms since the epoch),
+    /// as an old record re-read would carry.
+    pub async fn send_at(&self, intent: &Value, timestamp_ms: i64) {
+        let key = intent["workflow_id"].as_str().unwrap_or("none").to_owned();
+        let payload = intent.to_string();
+        let rec = FutureRecord::to(&self.intents)
+            .key(&key)
+            .payload(&payload)
+            .timestamp(timestamp_ms);
         self.producer
             .send(rec, Duration::from_secs(10))
             .await

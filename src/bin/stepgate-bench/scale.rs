@@ -308,29 +308,21 @@ fn record(step: StepKey, i: usize, at: chrono::DateTime<chrono::Utc>) -> StepRec
         at,
     );
     let arguments = serde_json::json!({"to": format!("{}@example.com", step.workflow_id), "subject": format!("Order {} confirmed", step.step_index)});
+    let at_ms = at.timestamp_millis();
     StepRecord {
-        step,
-        category: Category::Keyed,
-        phase: Phase::Completed,
-        arguments: arguments.as_object().cloned().unwrap_or_default(),
         call_id,
-        metadata: None,
-        traceparent: None,
-        dispatch: 1,
-        intended_at_ms: at.timestamp_millis(),
-        started_at_ms: Some(at.timestamp_millis()),
-        deadline_ms: None,
+        started_at_ms: Some(at_ms),
         result: Some(result),
-        waiters: Vec::new(),
-        repeats: 0,
-        rephrased_count: 0,
-        rephrased: Vec::new(),
-        late_outcome: None,
-        // Far beyond the run: nothing is purged while it is measured.
-        expires_at_ms: at.timestamp_millis() + 30 * 86_400_000,
-        intent_ts_ms: None,
-        operator_log: Vec::new(),
-        partition: 0,
+        ..StepRecord::new(
+            step,
+            Category::Keyed,
+            Phase::Completed,
+            stepgate::contract::Arguments::try_from(arguments).expect("an object"),
+            0,
+            at_ms,
+            // Far beyond the run: nothing is purged while it is measured.
+            at_ms + 30 * 86_400_000,
+        )
     }
 }
 

@@ -180,7 +180,7 @@ fn a_rephrased_repeat_in_flight_waits_and_gets_the_same_answer() {
     let rec = f.store.step(0, &call.step).unwrap().unwrap();
     assert_eq!((rec.repeats, rec.rephrased_count), (1, 1));
     assert_eq!(
-        rec.rephrased[0].arguments["subject"],
+        rec.rephrased[0].arguments.to_map()["subject"],
         "Your order is confirmed"
     );
 }
@@ -261,8 +261,33 @@ fn deadlines_survive_a_restart() {
     ));
     f.core.reset();
     assert!(f.tick(10_000).is_empty(), "nothing loaded yet");
-    f.core.load_partition(&f.store, 0, 0).unwrap();
-    assert_eq!(results(&f.tick(10_000))[0].status, Status::InDoubt);
+    f.core.load_partition(&f.store, 0, 0, 10_000).unwrap();
+    assert!(
+        f.tick(10_999).is_empty(),
+        "a partition taken over waits in_doubt_grace (1 s) for handed-over outcomes"
+    );
+    assert_eq!(results(&f.tick(11_001))[0].status, Status::InDoubt);
+}
+
+#[test]
+fn after_a_long_restore_an_outcome_waiting_on_progress_settles_its_step() {
+    let mut f = Fixture::new();
+    let call = call_of(&f.intent(
+        json!({"workflow_id": "wf", "step_index": 2, "tool": "wire", "arguments": {}, "call_id": "c1"}),
+        0,
+    ));
+    // Taken over long after its deadline (a long restore): its deadline is
+    // past, but the old owner's outcome waits on `progress`.
+    f.core.reset();
+    f.core.load_partition(&f.store, 0, 0, 60_000).unwrap();
+    assert!(f.tick(60_100).is_empty(), "held while progress is read");
+    let r = results(&f.progress(finished(&call, Outcome::Ok { output: json!(1) }), 60_200));
+    assert_eq!(r.len(), 1);
+    assert_eq!(r[0].status, Status::Ok, "the known outcome, not in_doubt");
+    assert!(
+        f.tick(70_000).is_empty(),
+        "settled: nothing left to declare"
+    );
 }
 
 #[test]
@@ -303,7 +328,7 @@ fn intents_re_read_below_the_applied_mark_only_rerun_reads() {
     // A restart: the committed offset stayed at the unanswered read, the
     // applied mark is past both intents.
     f.core.reset();
-    f.core.load_partition(&f.store, 0, f.offset + 1).unwrap();
+    f.core.load_partition(&f.store, 0, f.offset + 1, 0).unwrap();
     f.offset = read.fast_ref.unwrap() - 1;
     let outs = f.intent(q, 20);
     assert_eq!(
@@ -354,13 +379,16 @@ fn expired_records_are_purged_then_a_repeat_runs_again() {
         f.core
             .purge(&f.store, &mut b, [0], 10 + 3_600_000 - 1, 100)
             .unwrap(),
-        0
+        Purged::default()
     );
     assert_eq!(
         f.core
             .purge(&f.store, &mut b, [0], 10 + 3_600_000, 100)
             .unwrap(),
-        1
+        Purged {
+            removed: 1,
+            more: false
+        }
     );
     f.commit(b);
     assert!(f.store.step(0, &call.step).unwrap().is_none());
@@ -369,4 +397,106 @@ fn expired_records_are_purged_then_a_repeat_runs_again() {
             .iter()
             .any(|o| matches!(o, Out::Invoke { .. }))
     );
+}
+
+#[test]
+fn a_purge_backlog_is_taken_in_chunks_each_past_the_last() {
+    let mut f = Fixture::new();
+    let mut steps = Vec::new();
+    for i in 0..25 {
+        let intent = json!({"workflow_id": "wf", "step_index": i, "tool": "send_email",
+            "arguments": {"subject": "s"}, "call_id": format!("c{i}")});
+        let call = call_of(&f.intent(intent, 0));
+        f.outcome(&call, Outcome::Ok { output: json!(i) }, 10);
+        steps.push(call.step);
+    }
+    let later = 10 + 3_600_000;
+    // The second chunk is decided while the first still commits (stacked
+    // batches): it must take the next ten records, not find the same ten.
+    let mut first = Batch::default();
+    let r = f.core.purge(&f.store, &mut first, [0], later, 10).unwrap();
+    assert_eq!(
+        r,
+        Purged {
+            removed: 10,
+            more: true
+        }
+    );
+    let first = Arc::new(first);
+    let mut second = Batch::on_top_of(Some(first.clone()));
+    let r = f.core.purge(&f.store, &mut second, [0], later, 10).unwrap();
+    assert_eq!(
+        r,
+        Purged {
+            removed: 10,
+            more: true
+        }
+    );
+    f.store.apply(&first, &BTreeMap::new()).unwrap();
+    second.detach();
+    f.commit(second);
+    let mut third = Batch::default();
+    let r = f.core.purge(&f.store, &mut third, [0], later, 10).unwrap();
+    assert_eq!(
+        r,
+        Purged {
+            removed: 5,
+            more: false
+        }
+    );
+    f.commit(third);
+    for s in &steps {
+        assert!(f.store.step(0, s).unwrap().is_none(), "{s} was not purged");
+    }
+}
+
+#[test]
+fn an_intent_older_than_the_retention_without_a_record_is_not_run() {
+    let mut f = Fixture::new();
+    let hour = 3_600_000;
+    let now = 10 * hour;
+    // A settled step, then an old copy of another step re-read (as after lost
+    // group offsets, its record long purged): dead-lettered, not run, not answered.
+    let call = call_of(&f.intent(email("c1", "x"), now - 100));
+    f.outcome(&call, Outcome::Ok { output: json!(1) }, now - 50);
+    let mut input = f.input(
+        "intents",
+        json!({"workflow_id": "wf", "step_index": 2, "tool": "send_email",
+            "arguments": {"subject": "old"}, "call_id": "c-old"})
+        .to_string()
+        .into_bytes(),
+    );
+    input.timestamp_ms = Some(now - hour - 1);
+    let mut b = Batch::default();
+    f.core.on_intent(&f.store, &mut b, &input, now).unwrap();
+    f.commit(b);
+    let outs = f.outs();
+    assert_eq!(outs.len(), 1, "{outs:?}");
+    assert!(
+        matches!(&outs[0], Out::Dlq { record, .. } if record.reason == RejectionReason::Expired),
+        "{outs:?}"
+    );
+    // An old copy of a step that still has its record is answered from it, and
+    // a call one millisecond inside the retention runs.
+    let mut old_repeat = f.input("intents", email("c1-again", "x").to_string().into_bytes());
+    old_repeat.timestamp_ms = Some(now - hour - 1);
+    let mut b = Batch::default();
+    f.core
+        .on_intent(&f.store, &mut b, &old_repeat, now)
+        .unwrap();
+    f.commit(b);
+    let r = results(&f.outs());
+    assert!(r.len() == 1 && r[0].deduplicated, "{r:?}");
+    let mut fresh = f.input(
+        "intents",
+        json!({"workflow_id": "wf", "step_index": 3, "tool": "send_email",
+            "arguments": {}, "call_id": "c3"})
+        .to_string()
+        .into_bytes(),
+    );
+    fresh.timestamp_ms = Some(now - hour);
+    let mut b = Batch::default();
+    f.core.on_intent(&f.store, &mut b, &fresh, now).unwrap();
+    f.commit(b);
+    assert!(f.outs().iter().any(|o| matches!(o, Out::Invoke { .. })));
 }
