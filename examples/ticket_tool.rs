@@ -1,4 +1,4 @@
-//! A worked example of a tool written with [`stepgate::tool`]: an HTTP tool that
+//! A worked example of a tool written with [`stepgate::provider`]: an HTTP tool that
 //! creates support tickets in SQLite, where the ticket row and the step's key row
 //! commit in one transaction. A retry of the same step — even after a crash
 //! between the commit and the answer — gets the stored ticket, never a second one.
@@ -23,8 +23,8 @@ use axum::{Json, Router};
 use rusqlite::Connection;
 use serde::Deserialize;
 use std::sync::{Arc, Mutex};
-use stepgate::tool::sqlite::{Ledger, LedgerError};
-use stepgate::tool::{Answer, StepCall};
+use stepgate::provider::sqlite::{Ledger, LedgerError};
+use stepgate::provider::{Answer, StepHeaders};
 
 #[derive(Deserialize)]
 struct NewTicket {
@@ -37,7 +37,7 @@ type Db = Arc<Mutex<Connection>>;
 
 async fn create_ticket(
     State(db): State<Db>,
-    call: StepCall,
+    call: StepHeaders,
     Json(t): Json<NewTicket>,
 ) -> Result<Answer, (axum::http::StatusCode, String)> {
     let answer = tokio::task::spawn_blocking(move || {

@@ -708,6 +708,17 @@ impl ToolConfig {
         self.record || matches!(self.category, Category::Keyed | Category::Unkeyed)
     }
 
+    /// Whether each call waits for a person's approval before it runs (a
+    /// policy only `unkeyed` tools take).
+    pub fn awaits_approval(&self) -> bool {
+        self.category == Category::Unkeyed && self.policy == Policy::Approval
+    }
+
+    /// Whether a call of this tool ends its workflow (`last_step`).
+    pub fn ends_workflow(&self) -> bool {
+        self.category == Category::Unkeyed && self.policy == Policy::LastStep
+    }
+
     /// Backoff before try number `n` (1-based retries).
     pub fn backoff_before(&self, retry: u32) -> Duration {
         let base = self.backoff.0;

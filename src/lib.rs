@@ -21,8 +21,9 @@
 //! - [`demo`]: the zero-setup demo on an in-process Kafka mock.
 //! - [`client`]: the agent-side library: publish a step, await its answer.
 //! - [`operator`]: steps of a workflow, resolutions and approvals, for operators.
-//! - [`tool`]: for people who write tools: the step's key, and a ledger that
-//!   stores it with the effect in one database transaction.
+//! - [`provider`]: for people who write tools (the provider side of the
+//!   protocol): the step's headers and key, and a ledger that stores the key
+//!   with the effect in one database transaction.
 //! - [`cli`]: the command line.
 //!
 //! ## The path of a message
@@ -52,7 +53,7 @@ pub mod executor;
 pub mod gate;
 pub mod kafka;
 pub mod operator;
+pub mod provider;
 pub mod state;
 pub mod telemetry;
-pub mod tool;
 pub mod tools;

@@ -2,7 +2,7 @@
 //! writes, messages and invocations out. One [`GateCore`] serves every partition
 //! a gate owns.
 
-use crate::config::{Config, Policy, ToolConfig};
+use crate::config::{Config, ToolConfig};
 use crate::contract::{
     Action, Address, ApprovalEvent, ApprovalKind, Call, Command, DlqRecord, ErrorBody, Intent,
     Outcome, Progress, ProgressEvent, Rejection, RejectionReason, Status, StepKey, Texts,
@@ -386,8 +386,7 @@ impl GateCore {
         let p = input.partition;
         let step = intent.step_key();
         let traceparent = input.traceparent();
-        let awaits_approval =
-            tool.category == crate::config::Category::Unkeyed && tool.policy == Policy::Approval;
+        let awaits_approval = tool.awaits_approval();
         let phase = if awaits_approval {
             Phase::AwaitingApproval
         } else {
@@ -415,7 +414,7 @@ impl GateCore {
             record.rephrased = prev.rephrased;
             record.operator_log = prev.operator_log;
         }
-        if tool.category == crate::config::Category::Unkeyed && tool.policy == Policy::LastStep {
+        if tool.ends_workflow() {
             batch.put_workflow_end(
                 p,
                 &WorkflowEnd {

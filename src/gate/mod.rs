@@ -675,26 +675,53 @@ impl Session<'_> {
         if self.owned.contains_key(&p) {
             return Ok(());
         }
-        let topics = self.config.kafka.topics.clone();
-        let c = consumer.clone();
-        let (committed, meta) = kafka::blocking(move || {
-            let mut tpl = TopicPartitionList::new();
-            tpl.add_partition(&topics.intents, p);
-            let committed = c.committed_offsets(tpl, Duration::from_secs(30))?;
-            let i = committed.find_partition(&topics.intents, p);
-            // Nothing committed yet: from 0 — with auto.offset.reset=earliest
-            // that also covers a log whose start moved. (Not a watermark query:
-            // those were seen to time out for minutes after a broker restart.)
-            let off = i
-                .as_ref()
-                .and_then(|e| e.offset().to_raw())
-                .filter(|o| *o >= 0)
-                .unwrap_or(0);
-            let meta = i.map(|e| e.metadata().to_owned()).unwrap_or_default();
-            drop(committed);
-            Ok::<_, KafkaError>((off, meta))
-        })
-        .await?;
+        // The group's committed offset (with the applied mark in its
+        // metadata). A read_committed member's fetch waits while a transaction
+        // of the group is unsettled, which after a broker restart can take a
+        // while: asked again in place, the member keeps its place in the group
+        // (a new session would rejoin, re-init its producers and ask again);
+        // only a wait past COMMITTED_PATIENCE fails the session.
+        let asking = Instant::now();
+        let (committed, meta) = loop {
+            let topics = self.config.kafka.topics.clone();
+            let c = consumer.clone();
+            let fetched = kafka::blocking(move || {
+                let mut tpl = TopicPartitionList::new();
+                tpl.add_partition(&topics.intents, p);
+                let committed = c.committed_offsets(tpl, COMMITTED_ASK)?;
+                let i = committed.find_partition(&topics.intents, p);
+                // Nothing committed yet: from 0 — with auto.offset.reset=earliest
+                // that also covers a log whose start moved. (Not a watermark query:
+                // those were seen to time out for minutes after a broker restart.)
+                let off = i
+                    .as_ref()
+                    .and_then(|e| e.offset().to_raw())
+                    .filter(|o| *o >= 0)
+                    .unwrap_or(0);
+                let meta = i.map(|e| e.metadata().to_owned()).unwrap_or_default();
+                drop(committed);
+                Ok::<_, KafkaError>((off, meta))
+            })
+            .await;
+            match fetched {
+                Ok(v) => break v,
+                Err(e)
+                    if e.rdkafka_error_code()
+                        == Some(rdkafka::types::RDKafkaErrorCode::OperationTimedOut)
+                        && asking.elapsed() < COMMITTED_PATIENCE =>
+                {
+                    warn!(
+                        partition = p,
+                        error = %e,
+                        waited_s = asking.elapsed().as_secs(),
+                        "the group's committed offset of this partition is not available yet (the broker may still be settling a transaction after a restart): asking again"
+                    );
+                    self.health.beat();
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        };
         let applied = meta
             .strip_prefix(APPLIED_TAG)
             .and_then(|s| s.parse::<i64>().ok())
@@ -983,6 +1010,11 @@ const CLOSE_LIMIT: Duration = Duration::from_secs(10);
 
 /// How often deadlines, purges and the state gauges are looked at.
 const TICK: Duration = Duration::from_millis(100);
+
+/// One ask for a partition's committed offset, and how long to go on asking
+/// before the session is started over.
+const COMMITTED_ASK: Duration = Duration::from_secs(10);
+const COMMITTED_PATIENCE: Duration = Duration::from_secs(120);
 
 /// Expired records removed per partition per tick: up to 20 000 a second
 /// while a backlog lasts, in batches that stay small.

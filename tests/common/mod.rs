@@ -579,7 +579,11 @@ impl Drop for Stack {
         if let Ok(keep) = std::env::var("STEPGATE_TEST_KEEP_LOGS") {
             let to = PathBuf::from(keep).join(&self.prefix);
             let _ = std::fs::create_dir_all(&to);
-            for e in std::fs::read_dir(self.dir.path()).into_iter().flatten().flatten() {
+            for e in std::fs::read_dir(self.dir.path())
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
                 if e.path().extension().is_some_and(|x| x == "log") {
                     let _ = std::fs::copy(e.path(), to.join(e.file_name()));
                 }

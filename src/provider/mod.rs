@@ -2,15 +2,15 @@
 //! ledger that makes an effect and its answer one database transaction.
 //!
 //! stepgate sends every retry of a step with the same idempotency key
-//! ([`StepCall::idempotency_key`]). A tool that stores that key *in the same
+//! ([`StepHeaders::idempotency_key`]). A tool that stores that key *in the same
 //! transaction as its effect* can answer a retry from what it stored, without
 //! doing the effect twice — even when it crashed after committing the effect and
 //! before its answer left. That turns an `unkeyed` tool into a `keyed` one.
 //!
 //! ```no_run
 //! # #[cfg(feature = "sqlite")] {
-//! use stepgate::tool::{StepCall, sqlite::Ledger};
-//! # fn handle(conn: &mut rusqlite::Connection, call: &StepCall, title: &str)
+//! use stepgate::provider::{StepHeaders, sqlite::Ledger};
+//! # fn handle(conn: &mut rusqlite::Connection, call: &StepHeaders, title: &str)
 //! #     -> Result<(), Box<dyn std::error::Error>> {
 //! let answer = Ledger::once(conn, &call.idempotency_key, |tx| {
 //!     tx.execute("INSERT INTO tickets (title) VALUES (?1)", [title])?;
@@ -36,7 +36,7 @@ use axum::response::{IntoResponse, Response};
 
 /// The step a call belongs to, from the headers stepgate sends.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct StepCall {
+pub struct StepHeaders {
     /// Stable for every retry of the step; different for each `attempt`.
     pub idempotency_key: String,
     pub workflow_id: Option<String>,
@@ -57,16 +57,16 @@ impl IntoResponse for MissingKey {
     }
 }
 
-impl StepCall {
+impl StepHeaders {
     /// Read the step from request headers; `key_header` is the tool's
     /// configured `idempotency_header` (`Idempotency-Key` by default).
-    pub fn from_headers(h: &HeaderMap, key_header: &str) -> Result<StepCall, MissingKey> {
+    pub fn from_headers(h: &HeaderMap, key_header: &str) -> Result<StepHeaders, MissingKey> {
         let text = |name: &str| h.get(name).and_then(|v| v.to_str().ok());
         let idempotency_key = text(key_header)
             .filter(|k| !k.is_empty())
             .ok_or_else(|| MissingKey(key_header.to_owned()))?
             .to_owned();
-        Ok(StepCall {
+        Ok(StepHeaders {
             idempotency_key,
             workflow_id: text(headers::WORKFLOW_ID).map(str::to_owned),
             step_index: text(headers::STEP_INDEX).and_then(|v| v.parse().ok()),
@@ -77,11 +77,11 @@ impl StepCall {
 
 /// An axum extractor for handlers of tools called with the default
 /// `Idempotency-Key` header.
-impl<S: Send + Sync> FromRequestParts<S> for StepCall {
+impl<S: Send + Sync> FromRequestParts<S> for StepHeaders {
     type Rejection = MissingKey;
 
     async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
-        StepCall::from_headers(&parts.headers, headers::IDEMPOTENCY_KEY)
+        StepHeaders::from_headers(&parts.headers, headers::IDEMPOTENCY_KEY)
     }
 }
 
@@ -118,12 +118,12 @@ mod tests {
         h.insert(headers::WORKFLOW_ID, "order-1".parse().unwrap());
         h.insert(headers::STEP_INDEX, "3".parse().unwrap());
         h.insert(headers::ATTEMPT, "1".parse().unwrap());
-        let call = StepCall::from_headers(&h, "Idempotency-Key").unwrap();
+        let call = StepHeaders::from_headers(&h, "Idempotency-Key").unwrap();
         assert_eq!(call.idempotency_key, "sg1-abc");
         assert_eq!(call.workflow_id.as_deref(), Some("order-1"));
         assert_eq!((call.step_index, call.attempt), (Some(3), Some(1)));
         assert_eq!(
-            StepCall::from_headers(&h, "X-Request-Id"),
+            StepHeaders::from_headers(&h, "X-Request-Id"),
             Err(MissingKey("X-Request-Id".into()))
         );
     }
