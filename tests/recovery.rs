@@ -584,3 +584,32 @@ async fn an_unreadable_step_record_sets_its_intent_aside_and_the_partition_goes_
         "still running"
     );
 }
+
+/// A commit whose reply is lost (reported failed, landed all the same): the
+/// session starts over from what committed, where the step is `started` and
+/// was never invoked. It runs once, and its answer is its outcome — not
+/// `in_doubt` at the deadline, as a step that might have run would be.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_reported_failed_that_landed_runs_its_calls_once() {
+    let mut s = Stack::new(StackOptions::default()).await;
+    s.spawn(&[], &[("STEPGATE_TEST_LOSE_COMMIT_REPLY", "1")]);
+    s.wait_ready().await;
+    let agent = s.agent();
+    let r = agent
+        .call(intent("wf-lost", 1, "wire", json!({"amount": 5}), "l1"))
+        .await;
+    assert_eq!(r.status, Status::Ok, "{r:?}\n{}", s.log_tail(40));
+    assert_eq!(s.tools.count("wire"), 1, "invoked once");
+    assert!(
+        s.log()
+            .contains("its commit was reported failed but had landed"),
+        "the lost reply happened and was recovered from:\n{}",
+        s.log_tail(40)
+    );
+    let again = agent
+        .call(intent("wf-lost", 1, "wire", json!({"amount": 5}), "l2"))
+        .await;
+    assert!(again.deduplicated);
+    same_but_call_id(&r, &again);
+    assert_eq!(s.tools.count("wire"), 1);
+}

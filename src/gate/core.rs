@@ -77,6 +77,12 @@ pub struct GateCore {
     /// Per partition, the first intent offset not yet applied to the committed
     /// state; intents below it are re-read only to re-run fast-path calls.
     applied: HashMap<i32, i64>,
+    /// Calls of a batch whose commit reported an error: it may have committed
+    /// all the same (a lost reply). Kept across sessions; when the partition is
+    /// loaded again, a step whose record is `started` with the same dispatch
+    /// and is not running here was committed and never invoked: it is invoked
+    /// then, instead of being declared in doubt at its deadline.
+    unsure: Vec<(i32, Call)>,
     /// Per partition newly taken over, until when its deadlines wait (ms): the
     /// outcomes handed over on `progress` while it was restored are read
     /// first, so a long restore never turns a known outcome into doubt.
@@ -112,6 +118,7 @@ impl GateCore {
             fast: BTreeMap::new(),
             running: HashMap::new(),
             applied: HashMap::new(),
+            unsure: Vec::new(),
             held: HashMap::new(),
         }
     }
@@ -167,7 +174,31 @@ impl GateCore {
         self.applied.insert(partition, applied);
         self.held
             .insert(partition, now_ms + ms(self.settings.in_doubt_grace));
+        let (here, elsewhere): (Vec<_>, Vec<_>) = std::mem::take(&mut self.unsure)
+            .into_iter()
+            .partition(|(p, _)| *p == partition);
+        self.unsure = elsewhere;
+        for (p, call) in here {
+            let Some(record) = store.step(p, &call.step)? else {
+                continue;
+            };
+            let committed_not_run = record.phase == Phase::Started
+                && record.dispatch == call.dispatch
+                && !self.running.contains_key(&(p, call.step.clone()));
+            if committed_not_run {
+                tracing::info!(step = %call.step, "its commit was reported failed but had landed: invoking it now");
+                self.invoked(p, &call);
+                self.immediate.push((p, call));
+            }
+        }
         Ok(())
+    }
+
+    /// A batch's commit reported an error: its calls were not started, and
+    /// whether their `started` records committed is unknown until the
+    /// partition is loaded again.
+    pub fn commit_unknown(&mut self, calls: impl IntoIterator<Item = (i32, Call)>) {
+        self.unsure.extend(calls);
     }
 
     /// Forget a partition that moved away (its running calls still report).

@@ -846,6 +846,7 @@ impl Session<'_> {
         }
         let batch = Arc::new(pending.batch);
         let changelog = t.changelog.clone();
+        let starts_calls = !invokes.is_empty();
         let (producer, consumer) = (producer.next(), consumer.clone());
         let task = tokio::spawn(async move {
             producer.begin_transaction()?;
@@ -864,6 +865,7 @@ impl Session<'_> {
                 let t1 = Instant::now();
                 crash_point::before_commit();
                 kafka::commit_txn(&producer).await?;
+                crash_point::lose_commit_reply(starts_calls)?;
                 tracing::debug!(
                     records = records.len(),
                     send_us = (t1 - t0).as_micros() as u64,
@@ -917,6 +919,7 @@ impl Session<'_> {
             Ok(n) => n,
             Err(e) => {
                 self.backlog.extend(f.outcomes);
+                core.commit_unknown(f.invokes);
                 return Err(e);
             }
         };
@@ -1094,6 +1097,30 @@ mod crash_point {
             );
             std::process::abort();
         }
+    }
+
+    /// With `STEPGATE_TEST_LOSE_COMMIT_REPLY=N`: the N-th transaction that
+    /// starts calls commits, and is then reported failed, as when the commit's
+    /// reply is lost.
+    pub fn lose_commit_reply(starts_calls: bool) -> Result<(), super::GateError> {
+        static STARTING: AtomicU64 = AtomicU64::new(0);
+        let Some(n) = std::env::var("STEPGATE_TEST_LOSE_COMMIT_REPLY")
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok())
+        else {
+            return Ok(());
+        };
+        if starts_calls && STARTING.fetch_add(1, Ordering::SeqCst) + 1 == n {
+            tracing::warn!(
+                "STEPGATE_TEST_LOSE_COMMIT_REPLY={n}: a committed transaction is reported failed"
+            );
+            return Err(super::GateError::Kafka(
+                rdkafka::error::KafkaError::MessageProduction(
+                    rdkafka::types::RDKafkaErrorCode::RequestTimedOut,
+                ),
+            ));
+        }
+        Ok(())
     }
 }
 
