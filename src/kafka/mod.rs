@@ -924,6 +924,28 @@ mod tests {
     use rdkafka::producer::{BaseProducer, Producer};
     use std::ffi::c_void;
 
+    /// A client whose close never finishes (as a consumer whose group will not
+    /// let it go) holds the session at most `limit`: it is dropped on a
+    /// blocking thread and left there.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_client_that_never_closes_holds_the_caller_at_most_the_limit() {
+        struct NeverCloses(std::sync::mpsc::Receiver<()>);
+        impl Drop for NeverCloses {
+            fn drop(&mut self) {
+                let _ = self.0.recv();
+            }
+        }
+        let (release, stuck) = std::sync::mpsc::channel();
+        let started = std::time::Instant::now();
+        close_within("stuck", NeverCloses(stuck), Duration::from_millis(200)).await;
+        let waited = started.elapsed();
+        assert!(
+            waited >= Duration::from_millis(200) && waited < Duration::from_secs(5),
+            "{waited:?}"
+        );
+        drop(release);
+    }
+
     /// Produce one record with raw header names through librdkafka's C API:
     /// rdkafka's own `OwnedHeaders` only takes `&str` names.
     fn produce_raw(
