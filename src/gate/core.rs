@@ -199,6 +199,12 @@ impl GateCore {
     /// partition is loaded again.
     pub fn commit_unknown(&mut self, calls: impl IntoIterator<Item = (i32, Call)>) {
         self.unsure.extend(calls);
+        // Bounded: a partition that never comes back would keep its entries
+        // for good. The oldest go first; theirs is the old outcome (in doubt
+        // at the deadline).
+        if let Some(over) = self.unsure.len().checked_sub(MAX_UNSURE) {
+            self.unsure.drain(..over);
+        }
     }
 
     /// Forget a partition that moved away (its running calls still report).
@@ -916,6 +922,9 @@ impl GateCore {
         Ok(out)
     }
 }
+
+/// Calls of commits reported failed kept for a later look (see `GateCore::unsure`).
+const MAX_UNSURE: usize = 10_000;
 
 /// What one purge round did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]

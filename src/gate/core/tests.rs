@@ -500,3 +500,44 @@ fn an_intent_older_than_the_retention_without_a_record_is_not_run() {
     f.commit(b);
     assert!(f.outs().iter().any(|o| matches!(o, Out::Invoke { .. })));
 }
+
+#[test]
+fn a_call_whose_commit_was_reported_failed_runs_when_its_record_says_committed() {
+    let mut f = Fixture::new();
+    // The batch that started it committed (the fixture applies it) but was
+    // reported failed: the call was never handed to the invoker.
+    let call = call_of(&f.intent(
+        json!({"workflow_id": "wf", "step_index": 2, "tool": "wire", "arguments": {}, "call_id": "c1"}),
+        0,
+    ));
+    let other = Call {
+        step: StepKey {
+            step_index: 9,
+            ..call.step.clone()
+        },
+        ..call.clone()
+    };
+    f.core.commit_unknown([(0, call.clone()), (0, other)]);
+    f.core.reset();
+    f.core.load_partition(&f.store, 0, 0, 100).unwrap();
+    let started = f.core.take_immediate();
+    assert_eq!(
+        started,
+        vec![(0, call.clone())],
+        "only the step whose record committed"
+    );
+    assert!(f.core.unsure.is_empty());
+    // Running now: its deadline gives it time instead of declaring doubt.
+    assert!(results(&f.tick(60_000)).is_empty());
+    let r = results(&f.outcome(&call, Outcome::Ok { output: json!(1) }, 60_100));
+    assert_eq!(r[0].status, Status::Ok);
+}
+
+#[test]
+fn calls_kept_for_a_later_look_are_bounded() {
+    let mut f = Fixture::new();
+    let call = call_of(&f.intent(email("c1", "x"), 0));
+    f.core
+        .commit_unknown((0..MAX_UNSURE + 5).map(|_| (0, call.clone())));
+    assert_eq!(f.core.unsure.len(), MAX_UNSURE);
+}
