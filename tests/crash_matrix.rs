@@ -277,6 +277,7 @@ async fn crash_matrix() {
             .push(answers[0].clone());
     }
     let mut in_doubt = 0;
+    let mut in_doubt_steps = Vec::new();
     for (key, answers) in &by_step {
         let firsts: Vec<&ToolResult> = answers.iter().filter(|a| !a.deduplicated).collect();
         assert_eq!(
@@ -289,6 +290,7 @@ async fn crash_matrix() {
         }
         if firsts[0].status == Status::InDoubt {
             in_doubt += 1;
+            in_doubt_steps.push(key.clone());
         } else {
             assert_eq!(firsts[0].status, Status::Ok, "{key:?}: {:?}", firsts[0]);
         }
@@ -342,9 +344,23 @@ async fn crash_matrix() {
     let distinct_keys: std::collections::HashSet<&String> =
         charged.iter().flat_map(|(_, v)| v.iter()).collect();
     let invocations: usize = runs.values().map(Vec::len).sum();
+    // In doubt is honest when the call may have run; one never sent to the
+    // tool was doubt that a record could have avoided (printed, not failed:
+    // a kill between the `started` commit and the call is such a case).
+    let never_invoked = in_doubt_steps
+        .iter()
+        .filter(|(wf, step, tool, attempt)| {
+            !runs.contains_key(&(
+                tool.to_string(),
+                wf.clone(),
+                step.to_string(),
+                attempt.to_string(),
+            ))
+        })
+        .count();
     println!(
         "crash matrix: {} steps, {} calls, {kills_done} kills ({moved} kept down until their partitions moved), \
-         {invocations} invocations, {in_doubt} in doubt, {keyed_reruns} keyed re-runs (same key), \
+         {invocations} invocations, {in_doubt} in doubt ({never_invoked} of them never invoked), {keyed_reruns} keyed re-runs (same key), \
          duplicate unkeyed invocations: {unkeyed_dupes}, duplicate keyed effects: {}, lost intents: 0, in {:.1} s",
         by_step.len(),
         calls.len(),
