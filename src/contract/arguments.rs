@@ -36,12 +36,8 @@ impl Arguments {
     }
 
     /// Length of the JSON text in bytes.
-    pub fn len(&self) -> usize {
+    pub fn text_len(&self) -> usize {
         self.0.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.to_map().is_empty()
     }
 
     /// The arguments as a JSON object (parsed on each call: for the paths

@@ -1081,14 +1081,18 @@ mod stall_point {
 /// `STEPGATE_TEST_CRASH_BEFORE_COMMIT=N`, the process aborts when the N-th
 /// transaction has sent everything and is about to commit. Unset in production.
 mod crash_point {
+    use std::sync::OnceLock;
     use std::sync::atomic::{AtomicU64, Ordering};
-    static COMMITS: AtomicU64 = AtomicU64::new(0);
+
+    /// A test hook's N, read from the environment once (not on every commit).
+    fn hook(cell: &'static OnceLock<Option<u64>>, name: &str) -> Option<u64> {
+        *cell.get_or_init(|| std::env::var(name).ok().and_then(|v| v.parse().ok()))
+    }
 
     pub fn before_commit() {
-        let Some(n) = std::env::var("STEPGATE_TEST_CRASH_BEFORE_COMMIT")
-            .ok()
-            .and_then(|v| v.parse::<u64>().ok())
-        else {
+        static N: OnceLock<Option<u64>> = OnceLock::new();
+        static COMMITS: AtomicU64 = AtomicU64::new(0);
+        let Some(n) = hook(&N, "STEPGATE_TEST_CRASH_BEFORE_COMMIT") else {
             return;
         };
         if COMMITS.fetch_add(1, Ordering::SeqCst) + 1 == n {
@@ -1103,11 +1107,9 @@ mod crash_point {
     /// starts calls commits, and is then reported failed, as when the commit's
     /// reply is lost.
     pub fn lose_commit_reply(starts_calls: bool) -> Result<(), super::GateError> {
+        static N: OnceLock<Option<u64>> = OnceLock::new();
         static STARTING: AtomicU64 = AtomicU64::new(0);
-        let Some(n) = std::env::var("STEPGATE_TEST_LOSE_COMMIT_REPLY")
-            .ok()
-            .and_then(|v| v.parse::<u64>().ok())
-        else {
+        let Some(n) = hook(&N, "STEPGATE_TEST_LOSE_COMMIT_REPLY") else {
             return Ok(());
         };
         if starts_calls && STARTING.fetch_add(1, Ordering::SeqCst) + 1 == n {

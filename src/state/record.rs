@@ -247,8 +247,8 @@ impl StepRecord {
             self.rephrased_count += 1;
             // Sized only while a copy could still be kept.
             let fits = self.rephrased.len() < MAX_REPHRASED_KEPT && {
-                let kept: usize = self.rephrased.iter().map(|r| r.arguments.len()).sum();
-                kept.saturating_add(arguments.len()) <= REPHRASED_BUDGET_BYTES
+                let kept: usize = self.rephrased.iter().map(|r| r.arguments.text_len()).sum();
+                kept.saturating_add(arguments.text_len()) <= REPHRASED_BUDGET_BYTES
             };
             if fits {
                 self.rephrased.push(RephrasedCall {
