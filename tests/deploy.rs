@@ -65,6 +65,7 @@ fn kustomizations_reference_existing_files() {
         "deploy/k8s/base",
         "deploy/k8s/sidecar",
         "deploy/k8s/monitoring",
+        "deploy/k8s/config",
     ] {
         let k = yaml(&format!("{dir}/kustomization.yaml"));
         let mut refs: Vec<String> = k["resources"]
@@ -112,7 +113,7 @@ fn the_statefulset_probes_the_health_endpoints_on_the_configured_port() {
     );
     assert!(sts["spec"]["volumeClaimTemplates"][0]["metadata"]["name"].as_str() == Some("state"));
     // The cluster config loads, and serves metrics where the probes look.
-    let text = std::fs::read_to_string(root().join("deploy/k8s/base/stepgate.toml")).unwrap();
+    let text = std::fs::read_to_string(root().join("deploy/k8s/config/stepgate.toml")).unwrap();
     let cfg = stepgate::config::Config::from_toml_str(&text, Vec::new()).unwrap();
     assert!(cfg.http.listen.ends_with(":9464"));
     for path in [
@@ -248,5 +249,144 @@ fn docker_compose_config_validates_the_stack() {
     }
     panic!(
         "neither `docker compose` nor `docker-compose` is installed (deploy/local/test.sh installs docker-compose)"
+    );
+}
+
+/// `kubectl kustomize <dir>` (or `kustomize build`), as `kubectl apply -k`
+/// would render it: the documents it outputs.
+fn kustomize(dir: &str) -> Vec<Yaml> {
+    let path = root().join(dir);
+    let attempts: [&[&str]; 2] = [&["kubectl", "kustomize"], &["kustomize", "build"]];
+    for cmd in attempts {
+        let Ok(out) = std::process::Command::new(cmd[0])
+            .args(&cmd[1..])
+            .arg(&path)
+            .output()
+        else {
+            continue;
+        };
+        assert!(
+            out.status.success(),
+            "{} {dir}: {}",
+            cmd.join(" "),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let text = String::from_utf8(out.stdout).unwrap();
+        return serde_yaml_ng::Deserializer::from_str(&text)
+            .map(|d| serde::Deserialize::deserialize(d).unwrap())
+            .collect();
+    }
+    panic!(
+        "neither `kubectl` nor `kustomize` is installed (deploy/local/test.sh installs kustomize)"
+    );
+}
+
+fn of_kind<'a>(docs: &'a [Yaml], kind: &str) -> Vec<&'a Yaml> {
+    docs.iter()
+        .filter(|d| d["kind"].as_str() == Some(kind))
+        .collect()
+}
+
+/// The user the image runs as (the Dockerfile's `USER uid:gid`).
+fn image_uid() -> u64 {
+    let text = std::fs::read_to_string(root().join("Dockerfile")).unwrap();
+    let user = text
+        .lines()
+        .rev()
+        .find_map(|l| l.strip_prefix("USER "))
+        .expect("the Dockerfile sets USER");
+    user.split(':').next().unwrap().trim().parse().unwrap()
+}
+
+#[test]
+fn every_kubernetes_overlay_renders_with_its_namespace_config_and_a_writable_state_volume() {
+    let uid = image_uid();
+    for (dir, namespace, workload) in [
+        ("deploy/k8s/base", "stepgate", "StatefulSet"),
+        ("deploy/k8s/sidecar", "agents", "Deployment"),
+    ] {
+        let docs = kustomize(dir);
+        // The namespace is created, not assumed.
+        assert!(
+            of_kind(&docs, "Namespace")
+                .iter()
+                .any(|n| n["metadata"]["name"].as_str() == Some(namespace)),
+            "{dir}: no Namespace {namespace}"
+        );
+        // The generated config map is in that namespace and is the one mounted.
+        let cms = of_kind(&docs, "ConfigMap");
+        assert_eq!(cms.len(), 1, "{dir}");
+        let cm = cms[0];
+        assert_eq!(cm["metadata"]["namespace"].as_str(), Some(namespace));
+        let toml = cm["data"]["stepgate.toml"]
+            .as_str()
+            .expect("stepgate.toml in it");
+        stepgate::config::Config::from_toml_str(toml, Vec::new())
+            .unwrap_or_else(|e| panic!("{dir}: {e}"));
+        let w = of_kind(&docs, workload);
+        assert_eq!(w.len(), 1, "{dir}: one {workload}");
+        let pod = &w[0]["spec"]["template"]["spec"];
+        let volumes = pod["volumes"].as_sequence().unwrap();
+        assert!(
+            volumes
+                .iter()
+                .any(|v| v["configMap"]["name"] == cm["metadata"]["name"]),
+            "{dir}: the {workload} mounts {:?}",
+            cm["metadata"]["name"]
+        );
+        // The state volume is writable by the image's user.
+        let sc = &pod["securityContext"];
+        assert_eq!(sc["fsGroup"].as_u64(), Some(uid), "{dir}: fsGroup");
+        assert_eq!(sc["runAsUser"].as_u64(), Some(uid), "{dir}: runAsUser");
+        let gate = pod["containers"]
+            .as_sequence()
+            .unwrap()
+            .iter()
+            .find(|c| c["name"].as_str() == Some("stepgate"))
+            .expect("a stepgate container");
+        // A long restore is not a failed liveness probe.
+        assert_eq!(
+            gate["startupProbe"]["httpGet"]["path"].as_str(),
+            Some("/healthz"),
+            "{dir}"
+        );
+    }
+    // Standalone gates leave one at a time in a drain.
+    let base = kustomize("deploy/k8s/base");
+    let pdb = of_kind(&base, "PodDisruptionBudget");
+    assert_eq!(pdb.len(), 1);
+    assert_eq!(pdb[0]["spec"]["maxUnavailable"].as_u64(), Some(1));
+    // The monitoring overlay renders too.
+    let mon = kustomize("deploy/k8s/monitoring");
+    assert!(!of_kind(&mon, "PrometheusRule").is_empty());
+    assert!(!of_kind(&mon, "PodMonitor").is_empty());
+}
+
+#[test]
+fn the_compose_broker_is_reachable_from_the_host() {
+    let c = yaml("docker-compose.yml");
+    let kafka = &c["services"]["kafka"];
+    let env = &kafka["environment"];
+    let advertised = env["KAFKA_ADVERTISED_LISTENERS"].as_str().unwrap();
+    assert!(
+        advertised.contains("HOST://127.0.0.1:19092"),
+        "{advertised}"
+    );
+    assert!(
+        advertised.contains("PLAINTEXT://kafka:9092"),
+        "{advertised}"
+    );
+    let ports: Vec<&str> = kafka["ports"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .filter_map(|p| p.as_str())
+        .collect();
+    assert!(ports.contains(&"127.0.0.1:19092:19092"), "{ports:?}");
+    assert!(
+        env["KAFKA_LISTENER_SECURITY_PROTOCOL_MAP"]
+            .as_str()
+            .unwrap()
+            .contains("HOST:PLAINTEXT")
     );
 }

@@ -37,6 +37,20 @@ if [[ "${STEPGATE_NEED_KAFKA:-0}" == 1 ]] && ! python3 -c 'import confluent_kafk
     python3 -m pip install -q --break-system-packages confluent-kafka
 fi
 
+# tests/deploy.rs renders the Kubernetes overlays as `kubectl apply -k` would:
+# with kubectl's kustomize, or kustomize itself (a Go module) where kubectl is absent.
+if [[ "${STEPGATE_NEED_KAFKA:-0}" == 1 ]] && ! command -v kubectl >/dev/null 2>&1 &&
+  ! command -v kustomize >/dev/null 2>&1; then
+  go=$(command -v go || echo /usr/local/go/bin/go)
+  if [[ -x "$go" && $(id -u) == 0 ]]; then
+    echo "installing kustomize (go install sigs.k8s.io/kustomize/kustomize/v5@v5.5.0)"
+    GOBIN=/usr/local/bin "$go" install sigs.k8s.io/kustomize/kustomize/v5@v5.5.0
+  else
+    echo "missing: kubectl or kustomize (go install sigs.k8s.io/kustomize/kustomize/v5@v5.5.0)" >&2
+    exit 1
+  fi
+fi
+
 if ! command -v cargo >/dev/null 2>&1; then
   echo "Rust is not installed: install it with rustup (https://rustup.rs), then run this again." >&2
   exit 1
