@@ -390,3 +390,46 @@ fn the_compose_broker_is_reachable_from_the_host() {
             .contains("HOST:PLAINTEXT")
     );
 }
+
+#[test]
+fn every_scrape_config_names_the_job_the_down_alert_watches() {
+    let rules = yaml("deploy/prometheus/alerts.yaml");
+    let down = rules["groups"][0]["rules"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|r| r["alert"].as_str() == Some("StepgateDown"))
+        .expect("a StepgateDown alert");
+    let expr = down["expr"].as_str().unwrap();
+    let job = expr
+        .split("job=\"")
+        .nth(1)
+        .and_then(|s| s.split('"').next())
+        .expect("StepgateDown selects a job");
+    // Plain Prometheus (compose): the scrape job's name.
+    let prom = yaml("deploy/prometheus/prometheus.yml");
+    assert!(
+        prom["scrape_configs"]
+            .as_sequence()
+            .unwrap()
+            .iter()
+            .any(|c| c["job_name"].as_str() == Some(job)),
+        "no scrape job named {job}"
+    );
+    // The Prometheus Operator names a PodMonitor's job "<namespace>/<name>"
+    // unless it is relabelled: the alert would never fire.
+    let pm = yaml("deploy/k8s/monitoring/podmonitor.yaml");
+    for ep in pm["spec"]["podMetricsEndpoints"].as_sequence().unwrap() {
+        assert!(
+            ep["relabelings"]
+                .as_sequence()
+                .into_iter()
+                .flatten()
+                .any(|r| {
+                    r["targetLabel"].as_str() == Some("job")
+                        && r["replacement"].as_str() == Some(job)
+                }),
+            "the PodMonitor's endpoint does not set job={job}"
+        );
+    }
+}
