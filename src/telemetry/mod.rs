@@ -115,6 +115,20 @@ impl Metrics {
         .expect("metric names are valid");
         r.register(Box::new(answer_latency.clone()))
             .expect("registered once");
+        // The running version, as a constant 1 (joined on in queries and
+        // dashboards: which version is where during a rollout).
+        let build_info = prometheus::IntGaugeVec::new(
+            Opts::new(
+                "stepgate_build_info",
+                "The running stepgate's version (always 1).",
+            ),
+            &["version"],
+        )
+        .expect("metric names are valid");
+        build_info
+            .with_label_values(&[env!("CARGO_PKG_VERSION")])
+            .set(1);
+        r.register(Box::new(build_info)).expect("registered once");
         let consumer_lag = prometheus::IntGaugeVec::new(
             Opts::new(
                 "stepgate_consumer_lag",
@@ -369,6 +383,14 @@ impl Metrics {
             .set(lag);
     }
 
+    /// Forget the lag of a partition this process no longer consumes: its
+    /// last value would otherwise stay exported (and summed) forever.
+    pub fn forget_consumer_lag(&self, group: &str, topic: &str, partition: i32) {
+        let _ = self
+            .consumer_lag
+            .remove_label_values(&[group, topic, &partition.to_string()]);
+    }
+
     pub fn invoked(&self, step: &crate::contract::StepKey, outcome: &str, took: Duration) {
         tracing::debug!(step = %step, outcome, took_ms = took.as_millis() as u64, "tool invoked");
         self.invocations
@@ -570,6 +592,22 @@ mod tests {
         );
         // Without configured tools, every name is unknown.
         assert_eq!(Metrics::new().tool_label("send_email"), UNKNOWN_TOOL);
+    }
+
+    #[test]
+    fn the_build_is_exported_and_a_revoked_partitions_lag_is_forgotten() {
+        let m = Metrics::new();
+        let version = env!("CARGO_PKG_VERSION");
+        assert!(
+            m.render()
+                .contains(&format!(r#"stepgate_build_info{{version="{version}"}} 1"#))
+        );
+        m.consumer_lag("g", "t", 0, 5);
+        m.consumer_lag("g", "t", 1, 7);
+        m.forget_consumer_lag("g", "t", 0);
+        let out = m.render();
+        assert!(!out.contains(r#"partition="0""#), "{out}");
+        assert!(out.contains(r#"partition="1",topic="t"} 7"#), "{out}");
     }
 
     #[test]
