@@ -158,6 +158,11 @@ async fn an_approval_tool_waits_for_a_person_without_blocking_others() {
         step_of(&steps(&s, "pay-1").await, 0)["phase"],
         "awaiting_approval"
     );
+    s.metrics_until(
+        r#"stepgate_open_steps{phase="awaiting_approval"} 1"#,
+        Duration::from_secs(60),
+    )
+    .await;
 
     let ok = s
         .cli(&[
@@ -308,6 +313,12 @@ async fn an_operator_resolves_in_doubt_steps() {
         .await;
     assert_eq!(doubt2.status, Status::InDoubt);
     assert_eq!(s.tools.count("wire"), 2);
+    // The gauge the in-doubt alert watches stays up until a person acts.
+    s.metrics_until(
+        r#"stepgate_open_steps{phase="in_doubt"} 2"#,
+        Duration::from_secs(60),
+    )
+    .await;
 
     let text = s.cli(&["steps", "show", "res-1"]).await;
     assert!(text.status.success(), "{}", stderr(&text));
@@ -370,6 +381,11 @@ async fn an_operator_resolves_in_doubt_steps() {
     same_but_call_id(&rerun, &again);
     assert_eq!(s.tools.count("wire"), 3);
     assert_eq!(agent.answers("r1").len(), 1, "one final answer per call_id");
+    s.metrics_until(
+        r#"stepgate_open_steps{phase="in_doubt"} 0"#,
+        Duration::from_secs(60),
+    )
+    .await;
 
     // Who and when, for audit: the step records, and `stepgate audit`.
     let shown = steps(&s, "res-1").await;

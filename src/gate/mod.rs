@@ -472,6 +472,7 @@ impl Session<'_> {
                     if last_size.elapsed() >= STATE_SIZE_EVERY {
                         last_size = Instant::now();
                         self.metrics.state_size(&self.store.size());
+                        self.count_open_steps();
                     }
                 }
                 Step::Input(first) => {
@@ -662,6 +663,26 @@ impl Session<'_> {
             !self.assigned.is_empty() && self.assigned.iter().all(|p| self.owned.contains_key(p)),
         );
         Ok(())
+    }
+
+    /// Export how many steps of the owned partitions wait for a person (the
+    /// gauges the alerts watch: a counter's increase would clear while a step
+    /// is still unresolved).
+    fn count_open_steps(&self) {
+        let mut total = crate::state::OpenSteps::default();
+        for &p in self.owned.keys() {
+            match self.store.open_steps(p) {
+                Ok(n) => {
+                    total.in_doubt += n.in_doubt;
+                    total.awaiting_approval += n.awaiting_approval;
+                }
+                Err(e) => {
+                    warn!(partition = p, error = %e, "could not count the steps waiting for a person");
+                    return;
+                }
+            }
+        }
+        self.metrics.open_steps(total);
     }
 
     /// Before a partition's first input: bring its local state up to the

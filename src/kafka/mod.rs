@@ -459,7 +459,11 @@ impl ClientContext for RebalanceContext {
 impl ConsumerContext for RebalanceContext {
     fn pre_rebalance(&self, _c: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         if let Rebalance::Revoke(tpl) = rebalance {
-            let _ = self.tx.send(RebalanceEvent::Revoked(list(tpl)));
+            let parts = list(tpl);
+            for (topic, p) in &parts {
+                self.metrics.forget_consumer_lag(&self.group, topic, *p);
+            }
+            let _ = self.tx.send(RebalanceEvent::Revoked(parts));
         }
     }
 

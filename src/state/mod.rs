@@ -59,15 +59,19 @@ pub enum Cf {
     Fast,
     Expiry,
     Workflows,
+    /// Steps waiting for a person (in doubt, awaiting approval): what the
+    /// open-steps gauges count.
+    Attention,
 }
 
 impl Cf {
-    const ALL: [Cf; 5] = [
+    const ALL: [Cf; 6] = [
         Cf::Steps,
         Cf::Deadlines,
         Cf::Fast,
         Cf::Expiry,
         Cf::Workflows,
+        Cf::Attention,
     ];
 
     /// The first byte of a changelog key.
@@ -78,6 +82,7 @@ impl Cf {
             Cf::Fast => 3,
             Cf::Expiry => 4,
             Cf::Workflows => 5,
+            Cf::Attention => 6,
         }
     }
 
@@ -85,7 +90,7 @@ impl Cf {
     /// from the restored records instead (a step's every change would
     /// otherwise write two or three index records beside it).
     fn derived(self) -> bool {
-        matches!(self, Cf::Deadlines | Cf::Expiry)
+        matches!(self, Cf::Deadlines | Cf::Expiry | Cf::Attention)
     }
 
     fn from_tag(tag: u8) -> Option<Cf> {
@@ -99,11 +104,14 @@ impl Cf {
             Cf::Fast => "fast",
             Cf::Expiry => "expiry",
             Cf::Workflows => "workflows",
+            Cf::Attention => "attention",
         }
     }
 }
 
 const META: &str = "meta";
+/// Set in `meta` once the attention index covers every step record.
+const ATTENTION_INDEXED: &[u8] = b"attention-indexed";
 
 /// A raw key-value pair.
 type Raw = (Vec<u8>, Vec<u8>);
@@ -159,7 +167,9 @@ impl StateStore {
             .map(|c| ColumnFamilyDescriptor::new(c.name(), cf_opts(*c != Cf::Expiry)))
             .chain([ColumnFamilyDescriptor::new(META, cf_opts(true))]);
         let db = DB::open_cf_descriptors(&opts, path, cfs)?;
-        Ok(StateStore { db })
+        let store = StateStore { db };
+        store.index_attention_once()?;
+        Ok(store)
     }
 
     fn cf(&self, cf: Cf) -> &rocksdb::ColumnFamily {
@@ -221,6 +231,39 @@ impl StateStore {
         wo.set_sync(true);
         self.db.write_opt(wb, &wo)?;
         Ok(())
+    }
+
+    /// How many steps of `partition` wait for a person, from the attention
+    /// index (small: only such steps are in it).
+    pub fn open_steps(&self, partition: i32) -> Result<OpenSteps, StateError> {
+        let mut n = OpenSteps::default();
+        for (_, v) in self.scan_prefix(Cf::Attention, &partition.to_be_bytes())? {
+            match v.first() {
+                Some(&ATTENTION_IN_DOUBT) => n.in_doubt += 1,
+                Some(&ATTENTION_AWAITING_APPROVAL) => n.awaiting_approval += 1,
+                _ => {}
+            }
+        }
+        Ok(n)
+    }
+
+    /// A state written before the attention index existed gets it once, from
+    /// its step records.
+    fn index_attention_once(&self) -> Result<(), StateError> {
+        if self.db.get_cf(self.meta(), ATTENTION_INDEXED)?.is_some() {
+            return Ok(());
+        }
+        let mut wb = WriteBatch::default();
+        for item in self.db.iterator_cf(self.cf(Cf::Steps), IteratorMode::Start) {
+            let (key, value) = item?;
+            if let Ok(r) = decode::<Indexed>(Cf::Steps, &value)
+                && let Some(a) = attention_of(r.phase)
+            {
+                wb.put_cf(self.cf(Cf::Attention), &key, [a]);
+            }
+        }
+        wb.put_cf(self.meta(), ATTENTION_INDEXED, []);
+        self.write_synced(wb)
     }
 
     /// Started steps of a partition with their deadlines (ms since the epoch).
@@ -442,9 +485,13 @@ impl StateStore {
         if let Some(r) = &r {
             wb.put_cf(self.cf(Cf::Expiry), expiry_key(key, r.expires_at_ms), []);
         }
-        match r.and_then(|r| deadline_of(r.phase, r.deadline_ms)) {
+        match r.as_ref().and_then(|r| deadline_of(r.phase, r.deadline_ms)) {
             Some(d) => wb.put_cf(self.cf(Cf::Deadlines), key, encode_deadline(d)),
             None => wb.delete_cf(self.cf(Cf::Deadlines), key),
+        }
+        match r.and_then(|r| attention_of(r.phase)) {
+            Some(a) => wb.put_cf(self.cf(Cf::Attention), key, [a]),
+            None => wb.delete_cf(self.cf(Cf::Attention), key),
         }
         Ok(())
     }
@@ -565,6 +612,11 @@ impl Batch {
                 Some(Vec::new()),
             );
         }
+        let attention = attention_of(record.phase);
+        if old.as_ref().and_then(|o| attention_of(o.phase)) != attention {
+            self.writes
+                .insert((Cf::Attention, key.clone()), attention.map(|a| vec![a]));
+        }
         let deadline = deadline_of(record.phase, record.deadline_ms);
         if old.and_then(|o| deadline_of(o.phase, o.deadline_ms)) != deadline {
             self.writes
@@ -589,6 +641,7 @@ impl Batch {
                 .insert((Cf::Expiry, expiry_key(&key, old.expires_at_ms)), None);
         }
         self.writes.insert((Cf::Deadlines, key.clone()), None);
+        self.writes.insert((Cf::Attention, key.clone()), None);
         self.writes.insert((Cf::Steps, key.clone()), None);
         self.steps.insert(key, None);
         Ok(())
@@ -702,6 +755,25 @@ struct Indexed {
     #[serde(default)]
     deadline_ms: Option<i64>,
     expires_at_ms: i64,
+}
+
+/// A step's entry in the attention index: the phases a person must act on.
+fn attention_of(phase: Phase) -> Option<u8> {
+    match phase {
+        Phase::InDoubt => Some(ATTENTION_IN_DOUBT),
+        Phase::AwaitingApproval => Some(ATTENTION_AWAITING_APPROVAL),
+        _ => None,
+    }
+}
+
+const ATTENTION_IN_DOUBT: u8 = 0;
+const ATTENTION_AWAITING_APPROVAL: u8 = 1;
+
+/// Steps of a partition waiting for a person (see [`StateStore::open_steps`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct OpenSteps {
+    pub in_doubt: u64,
+    pub awaiting_approval: u64,
 }
 
 /// A step's entry in the deadlines index: only a started call awaits an

@@ -352,3 +352,72 @@ fn a_step_record_stays_within_its_budgets() {
         encoded.len()
     );
 }
+
+#[test]
+fn steps_waiting_for_a_person_are_counted_until_settled_and_after_a_restore() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = StateStore::open(dir.path()).unwrap();
+    let mut log = Vec::new();
+    let mut b = Batch::default();
+    b.put_step(&s, 1, &record(1, Phase::InDoubt, 1000)).unwrap();
+    b.put_step(&s, 1, &record(2, Phase::InDoubt, 1000)).unwrap();
+    b.put_step(&s, 1, &record(3, Phase::AwaitingApproval, 1000))
+        .unwrap();
+    b.put_step(&s, 1, &record(4, Phase::Started, 1000)).unwrap();
+    b.put_step(&s, 2, &record(5, Phase::InDoubt, 1000)).unwrap();
+    log.extend(b.changelog());
+    s.apply(&b, &at(1, 1)).unwrap();
+    let open = |i, a| OpenSteps {
+        in_doubt: i,
+        awaiting_approval: a,
+    };
+    assert_eq!(s.open_steps(1).unwrap(), open(2, 1));
+    assert_eq!(s.open_steps(2).unwrap(), open(1, 0), "per partition");
+
+    // An operator settles one in-doubt step, the approval is given (the call
+    // starts), and one in-doubt step expires.
+    let mut b = Batch::default();
+    b.put_step(&s, 1, &record(1, Phase::Completed, 1000))
+        .unwrap();
+    b.put_step(&s, 1, &record(3, Phase::Started, 1000)).unwrap();
+    b.delete_step(&s, 1, &step(2)).unwrap();
+    log.extend(b.changelog());
+    s.apply(&b, &at(1, 2)).unwrap();
+    assert_eq!(s.open_steps(1).unwrap(), open(0, 0));
+    assert_eq!(s.open_steps(2).unwrap(), open(1, 0));
+
+    // A new owner restores the count from the changelog.
+    let b_dir = tempfile::tempdir().unwrap();
+    let restored = StateStore::open(b_dir.path()).unwrap();
+    let records: Vec<_> = log.into_iter().map(|e| (e.key, e.value)).collect();
+    restored.apply_changelog(&records).unwrap();
+    assert_eq!(restored.open_steps(1).unwrap(), open(0, 0));
+    assert_eq!(restored.open_steps(2).unwrap(), open(1, 0));
+}
+
+#[test]
+fn a_state_written_before_the_attention_index_gets_it_at_open() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let s = StateStore::open(dir.path()).unwrap();
+        let mut b = Batch::default();
+        b.put_step(&s, 0, &record(1, Phase::InDoubt, 1000)).unwrap();
+        b.put_step(&s, 0, &record(2, Phase::AwaitingApproval, 1000))
+            .unwrap();
+        s.apply(&b, &at(0, 1)).unwrap();
+        // As an earlier version left it: no index, not marked indexed.
+        let mut wb = WriteBatch::default();
+        wb.delete_range_cf(s.cf(Cf::Attention), [0u8; 4], [1u8; 4]);
+        wb.delete_cf(s.meta(), ATTENTION_INDEXED);
+        s.db.write(wb).unwrap();
+        assert_eq!(s.open_steps(0).unwrap(), OpenSteps::default());
+    }
+    let s = StateStore::open(dir.path()).unwrap();
+    assert_eq!(
+        s.open_steps(0).unwrap(),
+        OpenSteps {
+            in_doubt: 1,
+            awaiting_approval: 1
+        }
+    );
+}

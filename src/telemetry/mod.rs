@@ -45,6 +45,7 @@ pub struct Metrics {
     tool_latency: HistogramVec,
     answer_latency: HistogramVec,
     consumer_lag: prometheus::IntGaugeVec,
+    open_steps: prometheus::IntGaugeVec,
     commit_latency: Histogram,
     state_write_latency: Histogram,
     state_records: IntGauge,
@@ -129,6 +130,19 @@ impl Metrics {
             .with_label_values(&[env!("CARGO_PKG_VERSION")])
             .set(1);
         r.register(Box::new(build_info)).expect("registered once");
+        let open_steps = prometheus::IntGaugeVec::new(
+            Opts::new(
+                "stepgate_open_steps",
+                "Steps waiting for a person in the partitions this process owns: phase=\"in_doubt\" (settle with `stepgate resolve`) or \"awaiting_approval\" (`stepgate approvals`).",
+            ),
+            &["phase"],
+        )
+        .expect("metric names are valid");
+        for phase in ["in_doubt", "awaiting_approval"] {
+            open_steps.with_label_values(&[phase]).set(0);
+        }
+        r.register(Box::new(open_steps.clone()))
+            .expect("registered once");
         let consumer_lag = prometheus::IntGaugeVec::new(
             Opts::new(
                 "stepgate_consumer_lag",
@@ -287,6 +301,7 @@ impl Metrics {
             tool_latency,
             answer_latency,
             consumer_lag,
+            open_steps,
             commit_latency,
             state_write_latency,
             registry: r,
@@ -484,6 +499,17 @@ impl Metrics {
 
     pub fn state_written(&self, took: Duration) {
         self.state_write_latency.observe(took.as_secs_f64());
+    }
+
+    /// Steps waiting for a person, over the partitions this process owns.
+    pub fn open_steps(&self, open: crate::state::OpenSteps) {
+        let g = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        self.open_steps
+            .with_label_values(&["in_doubt"])
+            .set(g(open.in_doubt));
+        self.open_steps
+            .with_label_values(&["awaiting_approval"])
+            .set(g(open.awaiting_approval));
     }
 
     pub fn state_size(&self, size: &crate::state::StateSize) {
