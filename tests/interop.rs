@@ -172,3 +172,47 @@ async fn the_rust_example_agent_runs() {
         "the original and the deliberate retry"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn intents_compressed_with_each_codec_a_client_may_use_are_answered() {
+    // Java clients are often configured with `compression.type=zstd`: a gate
+    // whose librdkafka lacked a codec could not read such a batch at all.
+    let mut s = Stack::new(StackOptions::default()).await;
+    s.start().await;
+    let agent = s.agent();
+    let codecs = ["zstd", "lz4", "snappy", "gzip"];
+    for (i, codec) in codecs.iter().enumerate() {
+        let line = format!(
+            r#"{{"workflow_id":"wf-z-{codec}","step_index":{i},"tool":"create_ticket","arguments":{{"title":"{codec}"}},"call_id":"z-{codec}"}}"#
+        );
+        let mut child = Command::new("kcat")
+            .args([
+                "-P",
+                "-b",
+                &s.config.kafka.brokers,
+                "-t",
+                &s.config.kafka.topics.intents,
+                "-k",
+                &format!("wf-z-{codec}"),
+                "-X",
+                "partitioner=murmur2_random",
+                "-z",
+                codec,
+            ])
+            .stdin(std::process::Stdio::piped())
+            .spawn()
+            .expect("kcat runs (deploy/local/test.sh installs it)");
+        use std::io::Write;
+        let mut stdin = child.stdin.take().unwrap();
+        writeln!(stdin, "{line}").unwrap();
+        drop(stdin);
+        assert!(child.wait().unwrap().success(), "kcat -z {codec}");
+    }
+    for codec in codecs {
+        let r = agent
+            .answer(&format!("z-{codec}"), Duration::from_secs(30))
+            .await;
+        assert_eq!(r.status, Status::Ok, "{codec}");
+    }
+    assert_eq!(s.tools.count("create_ticket"), codecs.len());
+}
