@@ -426,7 +426,8 @@ impl Session<'_> {
                         }
                     }
                     let open = !pending.is_empty() || core.has_outs();
-                    self.on_rebalance(core, consumer, ev, open).await?;
+                    self.on_rebalance(core, consumer, producer, ev, open)
+                        .await?;
                     if self.ever_assigned {
                         for f in std::mem::take(&mut self.backlog) {
                             self.on_finished(core, consumer, pending, f).await?;
@@ -616,6 +617,7 @@ impl Session<'_> {
         &mut self,
         core: &mut GateCore,
         consumer: &Arc<TxnConsumer>,
+        producer: &Producers,
         ev: RebalanceEvent,
         batch_open: bool,
     ) -> Result<(), GateError> {
@@ -626,15 +628,55 @@ impl Session<'_> {
                 // Partitions added to `intents` trigger a rebalance: re-read
                 // the count the partition check uses.
                 let k = self.config.kafka.clone();
-                let intents = k.topics.intents.clone();
-                match tokio::task::spawn_blocking(move || kafka::partition_counts(&k, &[&intents]))
-                    .await
-                {
+                let t = &k.topics;
+                let topics = [
+                    t.intents.clone(),
+                    t.results.clone(),
+                    t.approvals.clone(),
+                    t.dlq.clone(),
+                    t.progress.clone(),
+                    t.changelog.clone(),
+                ];
+                let names = topics.clone();
+                let counts = tokio::task::spawn_blocking(move || {
+                    let names: Vec<&str> = names.iter().map(String::as_str).collect();
+                    kafka::partition_counts(&k, &names)
+                })
+                .await;
+                match &counts {
                     Ok(Ok(n)) => core.set_intent_partitions(n[0] as i32),
                     Ok(Err(e)) => {
                         warn!(error = %e, "could not read the intents topic's partition count; keeping the last one")
                     }
                     Err(e) => warn!(error = %e, "partition count task failed"),
+                }
+                // Once per session, before the first committed-offset lookup:
+                // end what a broker crash may have left hanging for our
+                // transactional ids (see `kafka::end_hanging_transactions`).
+                if !self.ever_assigned
+                    && let (Ok(Ok(n)), Some(&p)) = (&counts, ps.iter().next())
+                {
+                    let written: Vec<(String, i32)> = topics[1..]
+                        .iter()
+                        .zip(&n[1..])
+                        .flat_map(|(t, &n)| (0..n as i32).map(move |q| (t.clone(), q)))
+                        .collect();
+                    let started = Instant::now();
+                    let ends = producer.all.iter().map(|pr| {
+                        kafka::end_hanging_transactions(pr, consumer, &written, (&topics[0], p))
+                    });
+                    for r in futures::future::join_all(ends).await {
+                        if let Err(e) = r {
+                            // Not fatal: if something did hang, the offset
+                            // lookup below waits, and a new session tries again.
+                            warn!(error = %e, "could not end hanging transactions of this gate's producers");
+                        }
+                    }
+                    info!(
+                        partitions = written.len(),
+                        ms = started.elapsed().as_millis() as u64,
+                        "ended any transaction a broker crash left hanging for this gate's producers"
+                    );
                 }
                 self.ever_assigned = true;
                 self.assigned.extend(ps.iter().copied());
@@ -735,7 +777,7 @@ impl Session<'_> {
                         partition = p,
                         error = %e,
                         waited_s = asking.elapsed().as_secs(),
-                        "the group's committed offset of this partition is not available yet (the broker may still be settling a transaction after a restart): asking again"
+                        "the group's committed offset of this partition is not available yet: a transaction of the group is still open (the broker settling one after a restart; or, past the transaction timeout, one left hanging by another process — docs/guarantees.md \"Faults and bad input\": kafka-transactions.sh find-hanging): asking again"
                     );
                     self.health.beat();
                     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -748,6 +790,12 @@ impl Session<'_> {
             .and_then(|s| s.parse::<i64>().ok())
             .map_or(committed, |a| a.max(committed));
         let started = Instant::now();
+        info!(
+            partition = p,
+            committed,
+            changelog_from = ?self.store.changelog_next(p).ok().flatten(),
+            "restoring the partition's state from the changelog"
+        );
         let store = self.store.clone();
         let cfg = self.config.kafka.clone();
         let mut restoring =
@@ -763,6 +811,13 @@ impl Session<'_> {
             self.metrics.full_restore(p);
         }
         let n = restored.records;
+        info!(
+            partition = p,
+            records = n,
+            full = restored.full,
+            ms = started.elapsed().as_millis() as u64,
+            "partition restored"
+        );
         if n > 0 {
             self.metrics.restored(p, n, started.elapsed());
             self.metrics.state_size(&self.store.size());

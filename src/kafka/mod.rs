@@ -310,6 +310,9 @@ fn reader_config(cfg: &KafkaConfig, group: &str, reset: &str) -> ClientConfig {
     c
 }
 
+/// How often a [`read_to_end`] that has not ended logs where it stands.
+const READ_REPORT_EVERY: Duration = Duration::from_secs(15);
+
 /// How a [`read_to_end`] ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ReadEnd {
@@ -334,7 +337,26 @@ pub fn read_to_end<E>(
     deadline: Option<Instant>,
     mut f: impl FnMut(&BorrowedMessage<'_>) -> Result<(), E>,
 ) -> Result<ReadEnd, E> {
+    let started = Instant::now();
+    let mut next_report = started + READ_REPORT_EVERY;
     while !open.is_empty() {
+        // A read that does not end says where it stands: after a broker
+        // restart it can wait on a transaction the broker has yet to settle.
+        if Instant::now() > next_report {
+            next_report += READ_REPORT_EVERY;
+            let at = consumer.position().map(|tpl| {
+                tpl.elements()
+                    .iter()
+                    .map(|e| format!("{}/{}@{:?}", e.topic(), e.partition(), e.offset()))
+                    .collect::<Vec<_>>()
+            });
+            tracing::warn!(
+                waiting_on = ?open,
+                position = ?at,
+                waited_s = started.elapsed().as_secs(),
+                "still reading to the end (read_committed: an unsettled transaction holds the end back)"
+            );
+        }
         match consumer.poll(Duration::from_millis(500)) {
             Some(Ok(m)) => f(&m)?,
             Some(Err(KafkaError::PartitionEOF(p))) => {
@@ -576,6 +598,59 @@ pub async fn abort_txn(producer: &FutureProducer) {
     {
         tracing::warn!(error = %e, "transaction abort failed");
     }
+}
+
+/// The key of the records [`end_hanging_transactions`] writes (and aborts).
+pub const HANGING_PROBE_KEY: &[u8] = b"stepgate:end-hanging-transaction";
+
+/// End any transaction the broker still holds open for this producer's
+/// transactional id in `partitions` and in the group's offsets (those of
+/// `offsets_partition`'s group), by writing to each and aborting.
+///
+/// Why: after a broker is SIGKILLed mid-transaction, the transaction
+/// coordinator can come back without the transaction (its id `Empty`), while
+/// the partitions it touched still hold it open — a *hanging* transaction
+/// (seen here: a changelog partition and `__consumer_offsets`). The partition's
+/// last stable offset then never moves (read_committed readers, agents
+/// included, see nothing past it) and the group's committed offsets are
+/// "unstable" forever, so the gate cannot even learn where to resume.
+/// `init_transactions` does not help (the coordinator thinks nothing is open);
+/// the abort marker of a transaction of the same producer id does: the
+/// partition ends every open transaction of that id. The records written are
+/// aborted, so no read_committed reader ever sees them.
+pub async fn end_hanging_transactions(
+    producer: &FutureProducer,
+    consumer: &Arc<TxnConsumer>,
+    partitions: &[(String, i32)],
+    offsets_partition: (&str, i32),
+) -> Result<(), KafkaError> {
+    use rdkafka::producer::FutureRecord;
+    producer.begin_transaction()?;
+    let wrote = async {
+        let mut deliveries = Vec::with_capacity(partitions.len());
+        for (topic, p) in partitions {
+            let rec: FutureRecord<'_, [u8], [u8]> =
+                FutureRecord::to(topic).partition(*p).key(HANGING_PROBE_KEY);
+            deliveries.push(producer.send_result(rec).map_err(|(e, _)| e)?);
+        }
+        for d in deliveries {
+            check_delivery(d.await)?;
+        }
+        // The offset is never committed: any value serves to put the group's
+        // offsets partition into the transaction.
+        let mut tpl = rdkafka::TopicPartitionList::new();
+        tpl.add_partition_offset(
+            offsets_partition.0,
+            offsets_partition.1,
+            rdkafka::Offset::Offset(0),
+        )?;
+        send_offsets(producer, consumer, tpl).await
+    }
+    .await;
+    let p = producer.clone();
+    let aborted =
+        blocking(move || p.abort_transaction(Timeout::After(Duration::from_secs(30)))).await;
+    wrote.and(aborted)
 }
 
 /// Partition counts of the topics, or an error naming the missing one.
