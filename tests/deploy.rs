@@ -433,3 +433,35 @@ fn every_scrape_config_names_the_job_the_down_alert_watches() {
         );
     }
 }
+
+#[test]
+fn promtool_checks_the_rules_and_each_alert_fires_and_clears_as_its_unit_test_says() {
+    let dir = root().join("deploy/prometheus");
+    for args in [
+        vec!["check", "rules", "alerts.yaml"],
+        vec!["test", "rules", "alerts.test.yaml"],
+    ] {
+        let out = std::process::Command::new("promtool")
+            .args(&args)
+            .current_dir(&dir)
+            .output()
+            .expect("promtool runs (deploy/local/test.sh installs it)");
+        assert!(
+            out.status.success(),
+            "promtool {}: {}{}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    // Every alert has a unit test.
+    let rules = yaml("deploy/prometheus/alerts.yaml");
+    let tests = std::fs::read_to_string(dir.join("alerts.test.yaml")).unwrap();
+    for r in rules["groups"][0]["rules"].as_sequence().unwrap() {
+        let name = r["alert"].as_str().unwrap();
+        assert!(
+            tests.contains(&format!("alertname: {name}")),
+            "no unit test for {name}"
+        );
+    }
+}

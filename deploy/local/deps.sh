@@ -51,6 +51,19 @@ if [[ "${STEPGATE_NEED_KAFKA:-0}" == 1 ]] && ! command -v kubectl >/dev/null 2>&
   fi
 fi
 
+# tests/deploy.rs checks the alert rules and runs their unit tests with
+# Prometheus' promtool (a Go module: ~10 min to build once).
+if [[ "${STEPGATE_NEED_KAFKA:-0}" == 1 ]] && ! command -v promtool >/dev/null 2>&1; then
+  go=$(command -v go || echo /usr/local/go/bin/go)
+  if [[ -x "$go" && $(id -u) == 0 ]]; then
+    echo "installing promtool (go install github.com/prometheus/prometheus/cmd/promtool@v0.316.0)"
+    GOBIN=/usr/local/bin "$go" install github.com/prometheus/prometheus/cmd/promtool@v0.316.0
+  else
+    echo "missing: promtool (go install github.com/prometheus/prometheus/cmd/promtool@v0.316.0)" >&2
+    exit 1
+  fi
+fi
+
 if ! command -v cargo >/dev/null 2>&1; then
   echo "Rust is not installed: install it with rustup (https://rustup.rs), then run this again." >&2
   exit 1
