@@ -1,6 +1,7 @@
 # Build: docker build -t stepgate .
 FROM rust:1-bookworm AS build
-RUN apt-get update && apt-get install -y --no-install-recommends libclang-dev cmake && rm -rf /var/lib/apt/lists/*
+# libsasl2 and libcurl: librdkafka's Kerberos (GSSAPI) and OIDC logins.
+RUN apt-get update && apt-get install -y --no-install-recommends libclang-dev cmake libsasl2-dev libcurl4-openssl-dev && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 # Dependencies first, in a layer of their own (RocksDB alone takes ~18 min to
 # build): a source edit then rebuilds only stepgate. Stub sources satisfy the
@@ -19,7 +20,7 @@ COPY examples ./examples
 RUN cargo build --release --locked --bin stepgate
 
 FROM debian:bookworm-slim
-RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates libssl3 && rm -rf /var/lib/apt/lists/*
+RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates libssl3 libsasl2-2 libsasl2-modules-gssapi-mit libcurl4 && rm -rf /var/lib/apt/lists/*
 COPY --from=build /src/target/release/stepgate /usr/local/bin/stepgate
 # The binary allocates with jemalloc (feature `jemalloc`), which returns freed
 # memory to the system; MALLOC_CONF tunes it (README "Performance").

@@ -9,6 +9,8 @@ command -v c++ >/dev/null 2>&1 || missing+=(build-essential)
 command -v make >/dev/null 2>&1 || missing+=(make)
 dpkg -s libssl-dev >/dev/null 2>&1 || missing+=(libssl-dev)       # librdkafka TLS, reqwest
 dpkg -s zlib1g-dev >/dev/null 2>&1 || missing+=(zlib1g-dev)
+dpkg -s libsasl2-dev >/dev/null 2>&1 || missing+=(libsasl2-dev)   # librdkafka GSSAPI (Kerberos)
+dpkg -s libcurl4-openssl-dev >/dev/null 2>&1 || missing+=(libcurl4-openssl-dev) # librdkafka OIDC
 command -v pkg-config >/dev/null 2>&1 || missing+=(pkg-config)
 if [[ "${STEPGATE_NEED_KAFKA:-0}" == 1 ]]; then
   command -v java >/dev/null 2>&1 || missing+=(openjdk-17-jre-headless)

@@ -1003,6 +1003,34 @@ mod tests {
     use rdkafka::producer::{BaseProducer, Producer};
     use std::ffi::c_void;
 
+    /// Production Kafkas ask for logins this build must speak: Kerberos
+    /// (GSSAPI) and OAUTHBEARER with OIDC token fetching. librdkafka refuses
+    /// to create a client configured for a mechanism it was built without.
+    #[test]
+    fn the_built_in_librdkafka_speaks_gssapi_and_oidc() {
+        let gssapi: Result<BaseProducer, _> = ClientConfig::new()
+            .set("bootstrap.servers", "127.0.0.1:1")
+            .set("security.protocol", "SASL_PLAINTEXT")
+            .set("sasl.mechanism", "GSSAPI")
+            // No Kerberos ticket is fetched in a test.
+            .set("sasl.kerberos.kinit.cmd", "true")
+            .create();
+        assert!(gssapi.is_ok(), "GSSAPI: {:?}", gssapi.err());
+        let oidc: Result<BaseProducer, _> = ClientConfig::new()
+            .set("bootstrap.servers", "127.0.0.1:1")
+            .set("security.protocol", "SASL_SSL")
+            .set("sasl.mechanism", "OAUTHBEARER")
+            .set("sasl.oauthbearer.method", "oidc")
+            .set("sasl.oauthbearer.client.id", "stepgate")
+            .set("sasl.oauthbearer.client.secret", "s")
+            .set(
+                "sasl.oauthbearer.token.endpoint.url",
+                "https://127.0.0.1:1/token",
+            )
+            .create();
+        assert!(oidc.is_ok(), "OIDC: {:?}", oidc.err());
+    }
+
     /// A client whose close never finishes (as a consumer whose group will not
     /// let it go) holds the session at most `limit`: it is dropped on a
     /// blocking thread and left there.
