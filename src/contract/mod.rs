@@ -33,7 +33,7 @@ use std::fmt;
 
 /// Maximum length of a `workflow_id`, in bytes.
 pub const MAX_WORKFLOW_ID_BYTES: usize = 255;
-/// Header names of the HTTP tool protocol (README "Tools").
+/// Header names of the HTTP tool protocol (`docs/tools.md`).
 pub mod headers {
     /// The step's idempotency key (the header name is configurable per tool).
     pub const IDEMPOTENCY_KEY: &str = "Idempotency-Key";
