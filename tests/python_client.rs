@@ -1,0 +1,98 @@
+//! The Python client package (`clients/python`), installed with pip as a user
+//! would, against the binary and a real broker.
+
+mod common;
+
+use common::*;
+use serde_json::Value;
+use std::process::Command;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_pip_installed_python_client_answers_a_rephrased_retry_once_and_runs_identical_steps() {
+    let site = tempfile::tempdir().unwrap();
+    let root = env!("CARGO_MANIFEST_DIR");
+    // A copy: pip's build writes into the source directory.
+    let src = tempfile::tempdir().unwrap();
+    assert!(
+        Command::new("cp")
+            .args([
+                "-r",
+                &format!("{root}/clients/python/."),
+                &src.path().display().to_string()
+            ])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let pip = Command::new("python3")
+        .args(["-m", "pip", "install", "-q", "--no-deps", "--target"])
+        .arg(site.path())
+        .arg(src.path())
+        .output()
+        .expect("python3 runs");
+    assert!(
+        pip.status.success(),
+        "pip install clients/python: {}",
+        String::from_utf8_lossy(&pip.stderr)
+    );
+
+    let mut s = Stack::new(StackOptions::default()).await;
+    s.start().await;
+    let t = &s.config.kafka.topics;
+    let out = Command::new("python3")
+        .arg(format!("{root}/tests/interop/python_client.py"))
+        .args([
+            &s.config.kafka.brokers,
+            &t.intents,
+            &t.results,
+            "create_ticket",
+        ])
+        .env("PYTHONPATH", site.path())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "python_client.py:\n{stdout}\n{}\n--- stepgate log ---\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        s.log()
+    );
+    let lines: Vec<Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+
+    // The same partitioner as the gate checks (murmur2 of workflow_id).
+    for (w, p) in lines[0]["partitions"].as_object().unwrap() {
+        assert_eq!(
+            p.as_i64().unwrap() as i32,
+            stepgate::contract::partition_for(w, 4),
+            "partition of {w:?}"
+        );
+    }
+
+    let r = &lines[1];
+    assert_eq!(r["first"]["status"], "ok");
+    assert_eq!(r["first"]["deduplicated"], false);
+    // The rephrased retry gets the first answer; only call_id and the flag differ.
+    assert_eq!(r["again"]["deduplicated"], true);
+    assert_eq!(r["again"]["call_id"], "model-call-1b");
+    assert_eq!(r["again"]["output"], r["first"]["output"]);
+    assert_eq!(r["again"]["status"], r["first"]["status"]);
+    for k in ["one", "two"] {
+        assert_eq!(r[k]["status"], "ok", "{k}");
+        assert_eq!(r[k]["deduplicated"], false, "{k}");
+    }
+    assert_eq!(r["one"]["step_index"], 1);
+    assert_eq!(r["two"]["step_index"], 2);
+    assert_eq!(r["next_step"], 3);
+    // Counted at the tool: the rephrased retry never ran it.
+    assert_eq!(s.tools.count("create_ticket"), 3);
+    let keys: std::collections::BTreeSet<String> = s
+        .tools
+        .calls("create_ticket")
+        .into_iter()
+        .map(|c| c.idempotency_key)
+        .collect();
+    assert_eq!(keys.len(), 3, "one key per step");
+}
