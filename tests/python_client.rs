@@ -86,13 +86,32 @@ async fn the_pip_installed_python_client_answers_a_rephrased_retry_once_and_runs
     assert_eq!(r["one"]["step_index"], 1);
     assert_eq!(r["two"]["step_index"], 2);
     assert_eq!(r["next_step"], 3);
-    // Counted at the tool: the rephrased retry never ran it.
-    assert_eq!(s.tools.count("create_ticket"), 3);
+    // The OpenAI Agents SDK adapter, as the SDK's runner calls a tool.
+    let a = &lines[2]["agents"];
+    assert!(a.is_object(), "openai-agents is installed (test.sh): {a}");
+    let output = |k: &str| -> Value { serde_json::from_str(a[k].as_str().unwrap()).unwrap() };
+    assert_eq!(output("first")["echo"]["title"], "Order confirmed");
+    assert!(
+        a["lost"].as_str().unwrap().starts_with("not answered yet"),
+        "{a}"
+    );
+    // The model's rephrased retry takes the unanswered step: the first call's result.
+    assert_eq!(output("retry")["echo"]["title"], "Refund issued");
+    assert_eq!(output("same_a")["echo"]["title"], "Same");
+    assert_eq!(output("same_b")["echo"]["title"], "Same");
+    assert_eq!(a["state"]["next_step"], 4, "{a}");
+    assert_eq!(
+        a["state"]["unanswered"]["create_ticket"],
+        serde_json::json!([])
+    );
+
+    // Counted at the tool: the rephrased retries never ran it.
+    assert_eq!(s.tools.count("create_ticket"), 3 + 4);
     let keys: std::collections::BTreeSet<String> = s
         .tools
         .calls("create_ticket")
         .into_iter()
         .map(|c| c.idempotency_key)
         .collect();
-    assert_eq!(keys.len(), 3, "one key per step");
+    assert_eq!(keys.len(), 3 + 4, "one key per step");
 }

@@ -22,3 +22,40 @@ with Client(brokers, intents=intents, results=results) as client:
     one = run.call(tool, {"title": "Same title"})
     two = run.call(tool, {"title": "Same title"})
     print(json.dumps({"first": first, "again": again, "one": one, "two": two, "next_step": run.next_step}))
+
+# The OpenAI Agents SDK adapter, driven as the SDK's runner drives a tool.
+try:
+    import asyncio
+
+    from agents.tool_context import ToolContext
+
+    from stepgate.openai_agents import StepgateRun, stepgate_tool
+except ImportError as e:
+    print(json.dumps({"agents": f"not installed: {e}"}))
+    sys.exit(0)
+
+
+async def agents_sdk():
+    with Client(brokers, intents=intents, results=results) as client:
+        t = stepgate_tool(client, tool, "Open a ticket.",
+                          {"type": "object", "properties": {"title": {"type": "string"}}})
+        run = StepgateRun("py-agents-1")
+
+        def ctx(call_id, args):
+            return ToolContext(context=run, tool_name=tool, tool_call_id=call_id, tool_arguments=args)
+
+        first = await t.on_invoke_tool(ctx("tc-1", '{"title": "Order confirmed"}'),
+                                       '{"title": "Order confirmed"}')
+        # A call whose answer is lost (no time to wait), then the model's rephrased retry.
+        quick = stepgate_tool(client, tool, "Open a ticket.", {"type": "object"}, timeout=0.0)
+        lost = await quick.on_invoke_tool(ctx("tc-2", '{"title": "Refund issued"}'),
+                                          '{"title": "Refund issued"}')
+        retry = await t.on_invoke_tool(ctx("tc-3", '{"title": "Your refund was issued"}'),
+                                       '{"title": "Your refund was issued"}')
+        same_a = await t.on_invoke_tool(ctx("tc-4", '{"title": "Same"}'), '{"title": "Same"}')
+        same_b = await t.on_invoke_tool(ctx("tc-5", '{"title": "Same"}'), '{"title": "Same"}')
+        print(json.dumps({"agents": {"first": first, "lost": lost, "retry": retry,
+                                     "same_a": same_a, "same_b": same_b, "state": run.state()}}))
+
+
+asyncio.run(agents_sdk())

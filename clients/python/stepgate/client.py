@@ -141,7 +141,14 @@ class Client:
                         )
                         self._producer.flush(10)
                         published = now
-                    msg = self._consumer.poll(0.1)
+                    found = self._waiting.get(call_id)
+                    if found is not None:
+                        return found
+                    if time.monotonic() >= deadline:
+                        raise StepgateTimeout(
+                            f"no answer for step {step_index} of {workflow_id} ({tool}) in {timeout} s"
+                        )
+                    msg = self._consumer.poll(min(0.1, max(0.0, deadline - time.monotonic())))
                     if msg is not None and not msg.error():
                         try:
                             answer = json.loads(msg.value())
@@ -149,13 +156,6 @@ class Client:
                             answer = None
                         if isinstance(answer, dict) and answer.get("call_id") in self._waiting:
                             self._waiting[answer["call_id"]] = answer
-                    found = self._waiting.get(call_id)
-                    if found is not None:
-                        return found
-                    if time.monotonic() > deadline:
-                        raise StepgateTimeout(
-                            f"no answer for step {step_index} of {workflow_id} ({tool}) in {timeout} s"
-                        )
             finally:
                 self._waiting.pop(call_id, None)
 
