@@ -105,13 +105,32 @@ async fn the_pip_installed_python_client_answers_a_rephrased_retry_once_and_runs
         serde_json::json!([])
     );
 
+    // The LangGraph adapter, through LangGraph's ToolNode: the step index read
+    // from the thread's messages.
+    let g = &lines[3]["langgraph"];
+    assert!(g.is_object(), "langgraph is installed (test.sh): {g}");
+    let out = |k: &str, i: usize| -> Value {
+        serde_json::from_str(g[k][i].as_str().unwrap()).unwrap_or(Value::Null)
+    };
+    assert_eq!(out("first", 0)["echo"]["title"], "Order confirmed", "{g}");
+    assert!(
+        g["lost"][0]
+            .as_str()
+            .unwrap()
+            .starts_with("not answered yet"),
+        "{g}"
+    );
+    assert_eq!(out("retry", 0)["echo"]["title"], "Refund issued", "{g}");
+    assert_eq!(out("same", 0)["echo"]["title"], "Same", "{g}");
+    assert_eq!(out("same", 1)["echo"]["title"], "Same", "{g}");
+
     // Counted at the tool: the rephrased retries never ran it.
-    assert_eq!(s.tools.count("create_ticket"), 3 + 4);
+    assert_eq!(s.tools.count("create_ticket"), 3 + 4 + 4);
     let keys: std::collections::BTreeSet<String> = s
         .tools
         .calls("create_ticket")
         .into_iter()
         .map(|c| c.idempotency_key)
         .collect();
-    assert_eq!(keys.len(), 3 + 4, "one key per step");
+    assert_eq!(keys.len(), 3 + 4 + 4, "one key per step");
 }

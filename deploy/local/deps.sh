@@ -39,11 +39,12 @@ if [[ "${STEPGATE_NEED_KAFKA:-0}" == 1 ]] && ! python3 -c 'import confluent_kafk
     python3 -m pip install -q --break-system-packages confluent-kafka
 fi
 
-# tests/python_client.rs drives the Python client's OpenAI Agents SDK adapter.
-if [[ "${STEPGATE_NEED_KAFKA:-0}" == 1 ]] && ! python3 -c 'import agents' 2>/dev/null; then
-  echo "installing the Python package openai-agents"
-  python3 -m pip install -q openai-agents 2>/dev/null ||
-    python3 -m pip install -q --break-system-packages openai-agents
+# tests/python_client.rs drives the Python client's OpenAI Agents SDK and
+# LangGraph adapters.
+if [[ "${STEPGATE_NEED_KAFKA:-0}" == 1 ]] && ! python3 -c 'import agents, langgraph' 2>/dev/null; then
+  echo "installing the Python packages openai-agents and langgraph"
+  python3 -m pip install -q openai-agents langgraph 2>/dev/null ||
+    python3 -m pip install -q --break-system-packages openai-agents langgraph
 fi
 
 # tests/deploy.rs renders the Kubernetes overlays as `kubectl apply -k` would:

@@ -59,3 +59,42 @@ async def agents_sdk():
 
 
 asyncio.run(agents_sdk())
+
+# The LangGraph adapter, through LangGraph's own ToolNode.
+try:
+    from langchain_core.messages import AIMessage
+    from langgraph.graph import END, START, MessagesState, StateGraph
+    from langgraph.prebuilt import ToolNode
+
+    from stepgate.langgraph import stepgate_tool as lg_tool
+except ImportError as e:
+    print(json.dumps({"langgraph": f"not installed: {e}"}))
+    sys.exit(0)
+
+with Client(brokers, intents=intents, results=results) as client:
+    props = {"title": {"type": "string"}}
+
+    def graph(tool_node):
+        g = StateGraph(MessagesState)
+        g.add_node("tools", tool_node)
+        g.add_edge(START, "tools")
+        g.add_edge("tools", END)
+        return g.compile()
+
+    node = graph(ToolNode([lg_tool(client, tool, "Open a ticket.", props)]))
+    quick = graph(ToolNode([lg_tool(client, tool, "Open a ticket.", props, timeout=0.0)]))
+    config = {"configurable": {"thread_id": "py-langgraph-1"}}
+    messages = []
+
+    def turn(g, calls):
+        messages.append(AIMessage(content="", tool_calls=[
+            {"id": i, "name": tool, "args": {"title": t}, "type": "tool_call"} for i, t in calls]))
+        out = g.invoke({"messages": list(messages)}, config)["messages"][len(messages):]
+        messages.extend(out)
+        return [m.content for m in out]
+
+    first = turn(node, [("lg-1", "Order confirmed")])
+    lost = turn(quick, [("lg-2", "Refund issued")])
+    retry = turn(node, [("lg-3", "Your refund was issued")])
+    same = turn(node, [("lg-4", "Same"), ("lg-5", "Same")])
+    print(json.dumps({"langgraph": {"first": first, "lost": lost, "retry": retry, "same": same}}))
