@@ -152,7 +152,7 @@ class Client:
                     if msg is not None and not msg.error():
                         try:
                             answer = json.loads(msg.value())
-                        except ValueError:
+                        except (TypeError, ValueError):  # a null value, or not JSON
                             answer = None
                         if isinstance(answer, dict) and answer.get("call_id") in self._waiting:
                             self._waiting[answer["call_id"]] = answer
