@@ -11,10 +11,11 @@
 use rdkafka::ClientConfig;
 use rdkafka::producer::FutureProducer;
 use std::time::Instant;
-use stepgate::config::{Category, Config, TopicsConfig};
+use stepgate::config::{Config, TopicsConfig};
 use stepgate::contract::{Outcome, StepKey, ToolResult};
 use stepgate::kafka::OutRecord;
 use stepgate::state::{Batch, Phase, StateStore, StepRecord};
+use stepgate::tools::Category;
 
 #[tokio::main(flavor = "multi_thread")]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {

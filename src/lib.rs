@@ -8,12 +8,15 @@
 //!   internal call/progress records), validation, and every text a model reads.
 //!   Mirrors `schemas/`; depends on nothing else of ours.
 //! - [`config`]: the TOML config with `STEPGATE_*` overrides and validation.
+//! - [`duration`], [`redact`]: leaf value types of the config — a duration as
+//!   written (`"10s"`), and what is a secret and how it is shown.
 //! - [`state`]: the only owner of RocksDB, a cache of the changelog topic: step
 //!   records, deadlines, retention, restore.
 //! - [`gate`]: intents → dedup → `started` committed → invoke, or answers from
 //!   the record; outcomes → answers. One transaction per batch, pipelined.
 //! - [`executor`]: the in-process invoker pool that runs the gate's calls.
-//! - [`tools`]: the tool registry and the HTTP tool protocol.
+//! - [`tools`]: what a tool is (`tools::tool`: category, policy, annotations,
+//!   its config), the tool registry and the HTTP tool protocol.
 //! - [`kafka`]: client configs, rebalance signalling, topics, transactions.
 //! - [`telemetry`]: typed events → logs + Prometheus; `/metrics`, health.
 //! - [`audit`]: reports of what agents did, replayed from the topics.
@@ -49,11 +52,13 @@ pub mod client;
 pub mod config;
 pub mod contract;
 pub mod demo;
+pub mod duration;
 pub mod executor;
 pub mod gate;
 pub mod kafka;
 pub mod operator;
 pub mod provider;
+pub mod redact;
 pub mod state;
 pub mod telemetry;
 pub mod tools;

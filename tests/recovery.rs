@@ -524,7 +524,7 @@ async fn an_unreadable_step_record_sets_its_intent_aside_and_the_partition_goes_
                 tool: "send_email".into(),
                 attempt: 0,
             },
-            stepgate::config::Category::Keyed,
+            stepgate::tools::Category::Keyed,
             stepgate::state::Phase::Completed,
             stepgate::contract::Arguments::empty(),
             p,

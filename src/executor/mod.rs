@@ -45,7 +45,10 @@ impl Invoker {
     ) -> (Invoker, mpsc::UnboundedReceiver<Finished>) {
         let (tx, rx) = mpsc::unbounded_channel();
         let invoker = Invoker {
-            tools: Arc::new(ToolRegistry::new(config)),
+            tools: Arc::new(ToolRegistry::new(
+                &config.tools,
+                config.executor.concurrency,
+            )),
             pool: Arc::new(Semaphore::new(config.executor.concurrency.max(1))),
             metrics,
             tx,

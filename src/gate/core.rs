@@ -2,7 +2,7 @@
 //! writes, messages and invocations out. One [`GateCore`] serves every partition
 //! a gate owns.
 
-use crate::config::{Config, ToolConfig};
+use crate::config::Config;
 use crate::contract::{
     Action, Address, ApprovalEvent, ApprovalKind, Call, Command, DlqRecord, ErrorBody, Intent,
     Outcome, Progress, ProgressEvent, Rejection, RejectionReason, Status, StepKey, Texts,
@@ -13,6 +13,7 @@ use crate::state::{
     Batch, FastEntry, OperatorEntry, Phase, StateError, StateStore, StepRecord, Waiter, WorkflowEnd,
 };
 use crate::telemetry::Metrics;
+use crate::tools::ToolConfig;
 use chrono::{DateTime, TimeZone, Utc};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;

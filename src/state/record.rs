@@ -1,7 +1,7 @@
 //! What the gate remembers about a step.
 
-use crate::config::Category;
 use crate::contract::{Action, Arguments, Outcome, StepKey, ToolResult};
+use crate::tools::Category;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 

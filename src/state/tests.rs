@@ -1,6 +1,6 @@
 use super::*;
-use crate::config::Category;
 use crate::contract::Arguments;
+use crate::tools::Category;
 use serde_json::{Map, Value};
 
 fn step(i: u64) -> StepKey {

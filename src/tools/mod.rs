@@ -14,7 +14,8 @@
 //! per registry; each try waits for one (at most `queue_timeout`) before its
 //! `timeout` starts.
 
-use crate::config::{Category, Config, ToolConfig};
+pub mod tool;
+
 use crate::contract::{Call, ErrorBody, Outcome, Texts, headers};
 use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
 use std::collections::BTreeMap;
@@ -22,6 +23,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use thiserror::Error;
 use tokio::sync::{Semaphore, SemaphorePermit};
+pub use tool::{Category, Policy, ToolAnnotations, ToolConfig};
 
 /// Idle connections kept per tool host (scheme, host and port): as many as
 /// calls can run at once (`executor.concurrency`), so a steady load reuses its
@@ -78,7 +80,9 @@ enum Capped {
 }
 
 impl ToolRegistry {
-    pub fn new(config: &Config) -> Self {
+    /// The registry of `tools`, with an HTTP client keeping up to
+    /// `concurrency` idle connections per host (`executor.concurrency`).
+    pub fn new(tools: &BTreeMap<String, ToolConfig>, concurrency: usize) -> Self {
         let http = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs(5))
             .user_agent(concat!("stepgate/", env!("CARGO_PKG_VERSION")))
@@ -86,32 +90,25 @@ impl ToolRegistry {
             // address; a 302/303 would turn into a GET whose answer looks like
             // the tool's output. The tool at the configured URL answers, or no one.
             .redirect(reqwest::redirect::Policy::none())
-            .pool_max_idle_per_host(
-                config
-                    .executor
-                    .concurrency
-                    .clamp(1, POOL_MAX_IDLE_PER_HOST_CAP),
-            )
+            .pool_max_idle_per_host(concurrency.clamp(1, POOL_MAX_IDLE_PER_HOST_CAP))
             .pool_idle_timeout(POOL_IDLE_TIMEOUT)
             .tcp_keepalive(TCP_KEEPALIVE)
             .build()
             .expect("the HTTP client builds with static settings");
-        let slots = config
-            .tools
+        let slots = tools
             .iter()
             .filter_map(|(name, t)| {
                 let n = t.max_concurrency?;
                 Some((name.clone(), Arc::new(Semaphore::new(n as usize))))
             })
             .collect();
-        let headers = config
-            .tools
+        let headers = tools
             .iter()
             .map(|(name, t)| (name.clone(), tool_headers(t)))
             .collect();
         ToolRegistry {
-            tools: config.tools.clone(),
-            names: config.tool_names(),
+            tools: tools.clone(),
+            names: tools.keys().cloned().collect(),
             http,
             slots,
             headers,
@@ -365,7 +362,7 @@ fn without_secrets(text: &str, secrets: &HeaderMap) -> String {
             std::iter::once(value).chain(value.split_whitespace().filter(|w| w.len() >= 8))
         {
             if !secret.is_empty() && out.contains(secret) {
-                out = out.replace(secret, crate::config::REDACTED);
+                out = out.replace(secret, crate::redact::REDACTED);
             }
         }
     }

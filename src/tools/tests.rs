@@ -1,5 +1,6 @@
 //! The HTTP tool protocol against a real local HTTP server.
 use super::*;
+use crate::config::Config;
 use crate::contract::StepKey;
 use axum::Router;
 use axum::http::{HeaderMap, StatusCode};
@@ -50,7 +51,7 @@ fn registry(category: &str, url: &str, timeout: &str) -> ToolRegistry {
         Vec::new(),
     )
     .unwrap();
-    ToolRegistry::new(&cfg)
+    ToolRegistry::new(&cfg.tools, cfg.executor.concurrency)
 }
 
 fn call() -> Call {
@@ -171,7 +172,9 @@ async fn the_provider_key_goes_where_the_provider_reads_it() {
         Vec::new(),
     )
     .unwrap();
-    let o = ToolRegistry::new(&cfg).invoke(&call()).await;
+    let o = ToolRegistry::new(&cfg.tools, cfg.executor.concurrency)
+        .invoke(&call())
+        .await;
     let key = call().step.idempotency_key();
     let Outcome::Ok { output } = o else {
         panic!("{o:?}")
@@ -191,7 +194,7 @@ fn registry_with(category: &str, url: &str, extra: &str) -> ToolRegistry {
         Vec::new(),
     )
     .unwrap();
-    ToolRegistry::new(&cfg)
+    ToolRegistry::new(&cfg.tools, cfg.executor.concurrency)
 }
 
 /// Serve `app` on 127.0.0.1, port 0; the app is built knowing its own address.
@@ -667,7 +670,7 @@ async fn configured_headers_arrive_on_every_call_from_env_and_file() {
     .unwrap();
     cfg.resolve_tool_headers(|var| (var == "PAY_TOKEN").then(|| "Bearer t-456".to_owned()))
         .unwrap();
-    let tools = ToolRegistry::new(&cfg);
+    let tools = ToolRegistry::new(&cfg.tools, cfg.executor.concurrency);
     for n in 1..=2 {
         let o = tools.invoke(&call()).await;
         assert_eq!(kind(&o).0, "ok", "{o:?}");
@@ -748,7 +751,9 @@ async fn a_refusal_quoting_the_credential_does_not_pass_it_on() {
     .unwrap();
     cfg.resolve_tool_headers(|_| Some("Bearer hunter2-token".into()))
         .unwrap();
-    let o = ToolRegistry::new(&cfg).invoke(&call()).await;
+    let o = ToolRegistry::new(&cfg.tools, cfg.executor.concurrency)
+        .invoke(&call())
+        .await;
     let Outcome::Error { error } = o else {
         panic!("{o:?}")
     };

@@ -13,9 +13,9 @@ use serde::Serialize;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use stepgate::config::Category;
 use stepgate::contract::{Outcome, StepKey, ToolResult};
 use stepgate::state::{Batch, Phase, StateStore, StepRecord};
+use stepgate::tools::Category;
 
 /// `stepgate_state_memory_bytes`, in MiB.
 #[derive(Debug, Clone, Default, Serialize)]
