@@ -24,6 +24,30 @@ fn python(s: &Stack, script: &str, args: &[&str]) -> String {
     stdout
 }
 
+/// Publish one line to the intents topic with kcat, keyed by `key`, with
+/// `extra` kcat arguments (partitioner, partition, compression).
+fn kcat_publish(s: &Stack, key: &str, extra: &[&str], line: &str) {
+    use std::io::Write;
+    let mut child = Command::new("kcat")
+        .args([
+            "-P",
+            "-b",
+            &s.config.kafka.brokers,
+            "-t",
+            &s.config.kafka.topics.intents,
+            "-k",
+            key,
+        ])
+        .args(extra)
+        .stdin(std::process::Stdio::piped())
+        .spawn()
+        .expect("kcat runs (deploy/local/test.sh installs it)");
+    let mut stdin = child.stdin.take().unwrap();
+    writeln!(stdin, "{line}").unwrap();
+    drop(stdin);
+    assert!(child.wait().unwrap().success(), "kcat {extra:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn python_confluent_kafka_publishes_the_schema_examples_and_reads_answers() {
     let mut s = Stack::new(StackOptions::default()).await;
@@ -89,25 +113,7 @@ async fn kcat_publishes_a_raw_intent_line_and_gets_its_answer_in_that_partition(
         ("kcat-wrong", vec!["-p", elsewhere_arg.as_str()]),
     ];
     for (id, extra) in &runs {
-        let mut child = Command::new("kcat")
-            .args([
-                "-P",
-                "-b",
-                &s.config.kafka.brokers,
-                "-t",
-                &s.config.kafka.topics.intents,
-                "-k",
-                "wf-kcat",
-            ])
-            .args(extra)
-            .stdin(std::process::Stdio::piped())
-            .spawn()
-            .expect("kcat runs (deploy/local/test.sh installs it)");
-        use std::io::Write;
-        let mut stdin = child.stdin.take().unwrap();
-        writeln!(stdin, "{}", line.replace("kcat-1", id)).unwrap();
-        drop(stdin);
-        assert!(child.wait().unwrap().success());
+        kcat_publish(&s, "wf-kcat", extra, &line.replace("kcat-1", id));
     }
     let r = agent.answer("kcat-ok", Duration::from_secs(30)).await;
     assert_eq!(r.status, Status::Ok);
@@ -185,28 +191,12 @@ async fn intents_compressed_with_each_codec_a_client_may_use_are_answered() {
         let line = format!(
             r#"{{"workflow_id":"wf-z-{codec}","step_index":{i},"tool":"create_ticket","arguments":{{"title":"{codec}"}},"call_id":"z-{codec}"}}"#
         );
-        let mut child = Command::new("kcat")
-            .args([
-                "-P",
-                "-b",
-                &s.config.kafka.brokers,
-                "-t",
-                &s.config.kafka.topics.intents,
-                "-k",
-                &format!("wf-z-{codec}"),
-                "-X",
-                "partitioner=murmur2_random",
-                "-z",
-                codec,
-            ])
-            .stdin(std::process::Stdio::piped())
-            .spawn()
-            .expect("kcat runs (deploy/local/test.sh installs it)");
-        use std::io::Write;
-        let mut stdin = child.stdin.take().unwrap();
-        writeln!(stdin, "{line}").unwrap();
-        drop(stdin);
-        assert!(child.wait().unwrap().success(), "kcat -z {codec}");
+        kcat_publish(
+            &s,
+            &format!("wf-z-{codec}"),
+            &["-X", "partitioner=murmur2_random", "-z", codec],
+            &line,
+        );
     }
     for codec in codecs {
         let r = agent
