@@ -5,19 +5,25 @@ RUN apt-get update && apt-get install -y --no-install-recommends libclang-dev cm
 WORKDIR /src
 # Dependencies first, in a layer of their own (RocksDB alone takes ~18 min to
 # build): a source edit then rebuilds only stepgate. Stub sources satisfy the
-# manifest (it names an example, ticket_tool); stepgate's own artefacts are
-# removed so the real sources below are built whatever their timestamps.
+# workspace's manifests (the root one names an example, ticket_tool); stepgate's
+# own artefacts are removed so the real sources below are built whatever their
+# timestamps.
 COPY Cargo.toml Cargo.lock ./
-RUN mkdir -p src examples \
+COPY crates/stepgate-client/Cargo.toml crates/stepgate-client/
+COPY crates/stepgate-bench/Cargo.toml crates/stepgate-bench/
+RUN mkdir -p src examples crates/stepgate-client/src crates/stepgate-bench/src \
     && echo 'fn main() {}' > src/main.rs && touch src/lib.rs \
     && echo 'fn main() {}' > examples/ticket_tool.rs \
-    && cargo build --release --locked --bin stepgate \
-    && rm -rf src examples target/release/.fingerprint/stepgate-* \
-        target/release/deps/stepgate-* target/release/deps/libstepgate-*
+    && touch crates/stepgate-client/src/lib.rs \
+    && echo 'fn main() {}' > crates/stepgate-bench/src/main.rs \
+    && cargo build --release --locked -p stepgate --bin stepgate \
+    && rm -rf src examples crates target/release/.fingerprint/stepgate-* \
+        target/release/deps/stepgate* target/release/deps/libstepgate*
 COPY src ./src
+COPY crates ./crates
 COPY schemas ./schemas
 COPY examples ./examples
-RUN cargo build --release --locked --bin stepgate
+RUN cargo build --release --locked -p stepgate --bin stepgate
 
 FROM debian:bookworm-slim
 RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates libssl3 libsasl2-2 libsasl2-modules-gssapi-mit libcurl4 && rm -rf /var/lib/apt/lists/*

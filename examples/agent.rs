@@ -7,7 +7,7 @@
 //! (two more arguments name other intents and results topics).
 
 use serde_json::json;
-use stepgate::client::{Client, ClientOptions, StepCall};
+use stepgate_client::{Client, ClientOptions, StepCall};
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {

@@ -50,7 +50,6 @@ pub mod audit;
 pub mod cli;
 pub mod client;
 pub mod config;
-pub mod contract;
 pub mod demo;
 pub mod duration;
 pub mod executor;
@@ -58,7 +57,10 @@ pub mod gate;
 pub mod kafka;
 pub mod operator;
 pub mod provider;
-pub mod redact;
 pub mod state;
 pub mod telemetry;
 pub mod tools;
+
+/// The wire contract and the secret redaction live in the `stepgate-client`
+/// crate, which agents depend on alone; here under their usual paths.
+pub use stepgate_client::{contract, redact};

@@ -7,7 +7,7 @@ use stepgate::cli::{
     ApprovalsCommand, AuditFormat, Cli, Command, Deployment, StateCommand, StepsCommand, Target,
     TopicsCommand, Who,
 };
-use stepgate::client::{Client, ClientOptions, StepCall};
+use stepgate::client::{Client, StepCall};
 use stepgate::config::Config;
 use stepgate::contract::{Action, StepKey};
 use tokio_util::sync::CancellationToken;
@@ -142,7 +142,7 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
             if let Some(id) = call_id {
                 call = call.call_id(&id);
             }
-            let mut options = ClientOptions::from_config(&cfg);
+            let mut options = stepgate::client::options_from_config(&cfg);
             options.timeout = timeout.into();
             let client = Client::new(options).await?;
             let answer = client.call(call).await?;

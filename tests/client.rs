@@ -9,7 +9,7 @@ use stepgate::client::{Client, ClientOptions, StepCall};
 use stepgate::contract::Status;
 
 fn options(s: &Stack) -> ClientOptions {
-    let mut o = ClientOptions::from_config(&s.config);
+    let mut o = stepgate::client::options_from_config(&s.config);
     o.timeout = Duration::from_secs(60);
     o
 }

@@ -56,7 +56,7 @@ def owner(workflow_id: str, partitions: int) -> int:
     return (murmur2(workflow_id.encode()) & 0x7FFFFFFF) % partitions
 
 
-# Reference values from Kafka's own Utils.murmur2 (see src/contract/partition.rs).
+# Reference values from Kafka's own Utils.murmur2 (see crates/stepgate-client/src/contract/partition.rs).
 assert murmur2(b"21") == (-973932308) & 0xFFFFFFFF
 assert owner("order-7781", 7) == 3 and owner("abcd", 7) == 5 and owner("", 4) == 1
 

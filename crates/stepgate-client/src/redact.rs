@@ -37,7 +37,7 @@ pub fn is_secret_property(name: &str) -> bool {
 /// values of query parameters named like credentials (`?api_key=redacted`).
 /// A string that is not a URL is returned as it is.
 pub fn redact_url(s: &str) -> String {
-    let Ok(mut url) = reqwest::Url::parse(s) else {
+    let Ok(mut url) = url::Url::parse(s) else {
         // Not a URL, but it may still look like one with credentials in it.
         return match (s.find("://"), s.rfind('@')) {
             (Some(scheme_end), Some(at)) if at > scheme_end => {

@@ -78,6 +78,31 @@ impl Texts {
         )
     }
 
+    /// An MCP tool answered with a result marked `isError`: it ran (or tried
+    /// to) and says what went wrong, so this answer is final for the step.
+    pub fn tool_reported_error(tool: &str, text: &str) -> String {
+        let text = if text.trim().is_empty() {
+            "(no text)".to_owned()
+        } else {
+            excerpt(text)
+        };
+        format!(
+            "The tool `{tool}` reported an error: {text}. Repeating this step returns this same \
+             answer; to try again with corrected arguments, make a new attempt of this step."
+        )
+    }
+
+    /// An MCP server refused the `tools/call` request itself (unknown tool,
+    /// invalid parameters): the tool did not run.
+    pub fn mcp_refused(tool: &str, code: i32, message: &str) -> String {
+        let message = excerpt(message);
+        format!(
+            "The tool `{tool}` refused the call (MCP error {code}: {message}) and did not perform \
+             the action. Repeating this step returns this same answer; to try again with \
+             corrected arguments, make a new attempt of this step."
+        )
+    }
+
     /// A read-only or idempotent tool kept failing; re-running it is safe.
     pub fn tool_failed_safe(tool: &str, tries: u32, detail: &str) -> String {
         format!(
@@ -279,6 +304,23 @@ mod golden {
              `search`, `send_email`. Call one of those instead, or continue without this tool."
         );
         assert!(Texts::unknown_tool("x", &[]).contains("Available tools: none."));
+    }
+
+    #[test]
+    fn mcp_tool_texts() {
+        assert_eq!(
+            Texts::tool_reported_error("create_ticket", "queue `OPS` does not exist"),
+            "The tool `create_ticket` reported an error: queue `OPS` does not exist. Repeating \
+             this step returns this same answer; to try again with corrected arguments, make a \
+             new attempt of this step."
+        );
+        assert!(Texts::tool_reported_error("t", " ").contains("an error: (no text)."));
+        assert_eq!(
+            Texts::mcp_refused("create_ticket", -32602, "missing `title`"),
+            "The tool `create_ticket` refused the call (MCP error -32602: missing `title`) and \
+             did not perform the action. Repeating this step returns this same answer; to try \
+             again with corrected arguments, make a new attempt of this step."
+        );
     }
 
     #[test]

@@ -11,16 +11,6 @@
 //! retry from this client and one from any Java or murmur2 client of the same
 //! step meet in one partition. The intents topic's partition count is read
 //! once, when the client connects.
-//!
-//! ```no_run
-//! # async fn demo() -> Result<(), stepgate::client::ClientError> {
-//! use stepgate::client::{Client, ClientOptions};
-//! let client = Client::new(ClientOptions::new("127.0.0.1:9092")).await?;
-//! let wf = client.workflow("order-7781");
-//! let answer = wf.call("send_email", serde_json::json!({"to": "a@example.com"})).await?;
-//! println!("{:?} {:?}", answer.status, answer.output);
-//! # Ok(()) }
-//! ```
 
 use crate::contract::{Arguments, Intent, StepKey, ToolResult};
 use rdkafka::consumer::{BaseConsumer, Consumer, StreamConsumer};
@@ -82,17 +72,6 @@ impl ClientOptions {
         }
     }
 
-    /// Brokers, topics and client properties of a stepgate config.
-    pub fn from_config(config: &crate::config::Config) -> Self {
-        ClientOptions {
-            brokers: config.kafka.brokers.clone(),
-            intents_topic: config.kafka.topics.intents.clone(),
-            results_topic: config.kafka.topics.results.clone(),
-            kafka: config.kafka.client.clone(),
-            ..ClientOptions::new(&config.kafka.brokers)
-        }
-    }
-
     fn kafka_config(&self) -> ClientConfig {
         let mut c = ClientConfig::new();
         c.set("bootstrap.servers", &self.brokers);
@@ -113,7 +92,7 @@ impl std::fmt::Debug for ClientOptions {
             .field("republish_after", &self.republish_after)
             .field(
                 "kafka",
-                &crate::config::redact_client_properties(&self.kafka),
+                &crate::redact::redact_client_properties(&self.kafka),
             )
             .finish()
     }
@@ -448,7 +427,7 @@ mod tests {
         let d = format!("{o:?}");
         assert!(!d.contains("hunter2"), "{d}");
         assert!(
-            d.contains("agent") && d.contains(crate::config::REDACTED),
+            d.contains("agent") && d.contains(crate::redact::REDACTED),
             "{d}"
         );
     }

@@ -270,13 +270,17 @@ async fn bench(
         "no stepgate binary at {} (cargo build --release, or --stepgate-bin)",
         stepgate.display()
     );
-    let run_id = format!(
-        "sgb{:x}",
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)?
-            .as_secs()
-            & 0xff_ffff
-    );
+    // bench.sh names the run, so that the durable peers' figures carry its id.
+    let run_id = match std::env::var("STEPGATE_BENCH_RUN_ID") {
+        Ok(id) if !id.is_empty() => id,
+        _ => format!(
+            "sgb{:x}",
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)?
+                .as_secs()
+                & 0xff_ffff
+        ),
+    };
     let work = common
         .work_dir
         .clone()
