@@ -65,6 +65,24 @@ pub enum Command {
         #[arg(long, default_value = "60s")]
         timeout: humantime::Duration,
     },
+    /// Serve the configured tools over MCP: each `tools/call` becomes a step
+    /// (its identity from the call's `_meta`, or from the MCP session). On
+    /// stdio by default (an MCP client starts it); Streamable HTTP at
+    /// `http://<listen>/mcp` with `--listen`.
+    Mcp {
+        #[command(flatten)]
+        deployment: Deployment,
+        /// Serve Streamable HTTP on this address (e.g. 127.0.0.1:9480) instead of stdio.
+        #[arg(long)]
+        listen: Option<String>,
+        /// A `Host` (or `host:port`) HTTP requests may name, besides the loopback
+        /// names; repeat for more (DNS-rebinding protection).
+        #[arg(long)]
+        allowed_host: Vec<String>,
+        /// How long one call waits for stepgate's answer.
+        #[arg(long, default_value = "120s")]
+        timeout: humantime::Duration,
+    },
     /// Report what agents did, replayed from the intents and results topics
     /// (read-only: live state is not touched).
     Audit {

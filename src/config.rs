@@ -415,11 +415,15 @@ impl Config {
                 ));
             }
             // The URL may carry credentials: echoed redacted, or not at all.
+            let url_key = match tool.mcp_tool {
+                Some(_) => format!("tools.{name}.mcp"),
+                None => format!("tools.{name}.url"),
+            };
             match reqwest::Url::parse(&tool.url) {
                 Ok(u) if matches!(u.scheme(), "http" | "https") && u.host().is_some() => {}
                 Ok(_) => {
                     return Err(invalid(
-                        &format!("tools.{name}.url"),
+                        &url_key,
                         &format!(
                             "must be an http(s) URL with a host, got `{}`",
                             redact_url(&tool.url)
@@ -428,7 +432,7 @@ impl Config {
                 }
                 Err(e) => {
                     return Err(invalid(
-                        &format!("tools.{name}.url"),
+                        &url_key,
                         &format!("must be an http(s) URL; what is configured is not a URL ({e})"),
                     ));
                 }
@@ -912,6 +916,39 @@ timeout = "5s"
         );
         let e = Config::from_toml_str("[tools.t]\nurl = \"http://h/t\"\n", env(&[])).unwrap_err();
         assert!(e.to_string().contains("needs `category`"), "{e}");
+    }
+
+    #[test]
+    fn a_tool_is_served_over_http_or_over_mcp() {
+        let c = Config::from_toml_str(
+            "[tools.a]\ncategory = \"keyed\"\nmcp = \"http://h/mcp\"\n\
+             [tools.b]\ncategory = \"keyed\"\nmcp = \"http://h/mcp\"\nmcp_tool = \"open\"\n\
+             description = \"Open one.\"\ninput_schema = { type = \"object\" }\n\
+             [tools.c]\ncategory = \"keyed\"\nurl = \"http://h/c\"\n",
+            env(&[]),
+        )
+        .unwrap();
+        assert_eq!(c.tools["a"].url, "http://h/mcp");
+        assert_eq!(c.tools["a"].mcp_name("a"), Some("a"));
+        assert_eq!(c.tools["b"].mcp_name("b"), Some("open"));
+        assert_eq!(c.tools["b"].description.as_deref(), Some("Open one."));
+        assert_eq!(
+            c.tools["b"].input_schema.as_ref().unwrap()["type"],
+            "object"
+        );
+        assert_eq!(c.tools["c"].mcp_name("c"), None);
+        for (toml, wanted) in [
+            ("url = \"http://h/x\"\nmcp = \"http://h/mcp\"", "not both"),
+            ("", "needs `url`"),
+            ("mcp = \"stdio:server\"", "tools.x.mcp"),
+        ] {
+            let e = Config::from_toml_str(
+                &format!("[tools.x]\ncategory = \"keyed\"\n{toml}\n"),
+                env(&[]),
+            )
+            .unwrap_err();
+            assert!(e.to_string().contains(wanted), "{toml}: {e}");
+        }
     }
 
     #[test]

@@ -55,6 +55,7 @@ pub mod duration;
 pub mod executor;
 pub mod gate;
 pub mod kafka;
+pub mod mcp;
 pub mod operator;
 pub mod provider;
 pub mod state;

@@ -152,6 +152,26 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
             }
             Ok(())
         }
+        Command::Mcp {
+            deployment,
+            listen,
+            allowed_host,
+            timeout,
+        } => {
+            let cfg = load(&deployment)?;
+            // To standard error: on stdio, standard output is the MCP session.
+            stepgate::telemetry::init_logging(&cfg.log);
+            let transport = match listen {
+                Some(listen) => stepgate::mcp::Transport::Http {
+                    listen,
+                    allowed_hosts: allowed_host,
+                },
+                None => stepgate::mcp::Transport::Stdio,
+            };
+            let front = stepgate::mcp::McpFront::connect(&cfg, timeout.into()).await?;
+            front.run(transport, shutdown_on_signals()).await?;
+            Ok(())
+        }
         Command::Audit {
             deployment,
             workflow,

@@ -40,11 +40,13 @@ if [[ "${STEPGATE_NEED_KAFKA:-0}" == 1 ]] && ! python3 -c 'import confluent_kafk
 fi
 
 # tests/python_client.rs drives the Python client's OpenAI Agents SDK and
-# LangGraph adapters.
-if [[ "${STEPGATE_NEED_KAFKA:-0}" == 1 ]] && ! python3 -c 'import agents, langgraph' 2>/dev/null; then
-  echo "installing the Python packages openai-agents and langgraph"
-  python3 -m pip install -q openai-agents langgraph 2>/dev/null ||
-    python3 -m pip install -q --break-system-packages openai-agents langgraph
+# LangGraph adapters; tests/mcp.rs drives `stepgate mcp` with the official MCP
+# SDK's client and puts a FastMCP server behind it as a tool.
+if [[ "${STEPGATE_NEED_KAFKA:-0}" == 1 ]] &&
+  ! python3 -c 'import agents, langgraph, mcp, fastmcp' 2>/dev/null; then
+  echo "installing the Python packages openai-agents, langgraph, mcp and fastmcp"
+  python3 -m pip install -q openai-agents langgraph mcp fastmcp 2>/dev/null ||
+    python3 -m pip install -q --break-system-packages openai-agents langgraph mcp fastmcp
 fi
 
 # tests/deploy.rs renders the Kubernetes overlays as `kubectl apply -k` would:

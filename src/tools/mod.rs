@@ -1,4 +1,5 @@
-//! Tools: the registry of configured tools and the HTTP tool protocol.
+//! Tools: the registry of configured tools and the HTTP tool protocol (tools
+//! served by an MCP server: [`mcp`]).
 //!
 //! `POST <url>` with the arguments as the JSON body and the headers
 //! `Idempotency-Key` (stable per step key), `Stepgate-Workflow-Id`,
@@ -14,6 +15,7 @@
 //! per registry; each try waits for one (at most `queue_timeout`) before its
 //! `timeout` starts.
 
+pub mod mcp;
 pub mod tool;
 
 use crate::contract::{Call, ErrorBody, Outcome, Texts, headers};
@@ -54,6 +56,8 @@ pub struct ToolRegistry {
     /// `Debug`); an error (naming the header, not a value) when one has no
     /// value, which [`crate::config::Config::resolve_tool_headers`] prevents.
     headers: BTreeMap<String, Result<HeaderMap, String>>,
+    /// Sessions with the MCP servers of tools served over MCP.
+    mcp: mcp::McpSessions,
 }
 
 /// How one HTTP try ended.
@@ -112,6 +116,7 @@ impl ToolRegistry {
             http,
             slots,
             headers,
+            mcp: mcp::McpSessions::default(),
         }
     }
 
@@ -174,7 +179,12 @@ impl ToolRegistry {
                 }
             };
             // The request's timeout starts only now, inside `try_once`.
-            match self.try_once(tool, call, extra_headers).await {
+            let tried = if tool.mcp_tool.is_some() {
+                mcp::try_once(&self.mcp, &self.http, tool, call, extra_headers).await
+            } else {
+                self.try_once(tool, call, extra_headers).await
+            };
+            match tried {
                 Try::Done(outcome) => return outcome,
                 Try::NotSent(detail) => last = detail,
                 Try::MaybeRan(detail) => {

@@ -118,8 +118,22 @@ pub struct ToolConfig {
     pub category: Category,
     /// For `unkeyed` tools: in doubt (default), approval, or last step.
     pub policy: Policy,
-    /// `http://…` or `https://…` endpoint receiving `POST` with the arguments.
+    /// `http://…` or `https://…` endpoint receiving `POST` with the arguments
+    /// or, for a tool served over MCP (`mcp = "…"` in the config), the MCP
+    /// server's Streamable HTTP endpoint.
     pub url: String,
+    /// Set for a tool served over MCP: its name at the MCP server (by default
+    /// the name it has here). Its calls are MCP `tools/call` requests instead of
+    /// a `POST` of the arguments.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mcp_tool: Option<String>,
+    /// What the tool does, for the agents and models that list it (`stepgate mcp`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub description: Option<String>,
+    /// The JSON Schema of its arguments, for `stepgate mcp`'s tool list (any
+    /// object when not given).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub input_schema: Option<serde_json::Map<String, serde_json::Value>>,
     /// Per-request timeout.
     pub timeout: Dur,
     /// Extra tries after a failure where retrying is allowed.
@@ -314,7 +328,16 @@ struct RawToolConfig {
     category: Option<Category>,
     #[serde(default)]
     policy: Option<Policy>,
-    url: String,
+    #[serde(default)]
+    url: Option<String>,
+    #[serde(default)]
+    mcp: Option<String>,
+    #[serde(default)]
+    mcp_tool: Option<String>,
+    #[serde(default)]
+    description: Option<String>,
+    #[serde(default)]
+    input_schema: Option<serde_json::Map<String, serde_json::Value>>,
     #[serde(default = "default_tool_timeout")]
     timeout: Dur,
     #[serde(default = "default_retries")]
@@ -353,10 +376,33 @@ impl TryFrom<RawToolConfig> for ToolConfig {
                 category.as_str()
             ));
         }
+        // `mcp = URL` names an MCP server; `url` with `mcp_tool` is the same
+        // thing as this struct serializes it.
+        let (url, mcp_tool) = match (r.url, r.mcp) {
+            (Some(_), Some(_)) => {
+                return Err(
+                    "give either `url` (a plain HTTP tool) or `mcp` (an MCP server's \
+                            endpoint), not both"
+                        .to_owned(),
+                );
+            }
+            (None, None) => {
+                return Err(
+                    "a tool needs `url` (a plain HTTP tool) or `mcp` (an MCP server's \
+                            Streamable HTTP endpoint)"
+                        .to_owned(),
+                );
+            }
+            (Some(url), None) => (url, r.mcp_tool),
+            (None, Some(url)) => (url, Some(r.mcp_tool.unwrap_or_default())),
+        };
         Ok(ToolConfig {
             category,
             policy: r.policy.unwrap_or_default(),
-            url: r.url,
+            url,
+            mcp_tool,
+            description: r.description,
+            input_schema: r.input_schema,
             timeout: r.timeout,
             retries: r.retries,
             backoff: r.backoff,
@@ -389,6 +435,14 @@ fn default_max_output_bytes() -> u64 {
 }
 
 impl ToolConfig {
+    /// For a tool served over MCP, its name at the MCP server (`name` is the
+    /// name it has in stepgate's config).
+    pub fn mcp_name<'a>(&'a self, name: &'a str) -> Option<&'a str> {
+        self.mcp_tool
+            .as_deref()
+            .map(|t| if t.is_empty() { name } else { t })
+    }
+
     /// Whether calls of this tool go through the durable step log.
     pub fn recorded(&self) -> bool {
         self.record || matches!(self.category, Category::Keyed | Category::Unkeyed)
@@ -462,6 +516,9 @@ impl std::fmt::Debug for ToolConfig {
             .field("category", &r.category)
             .field("policy", &r.policy)
             .field("url", &r.url)
+            .field("mcp_tool", &r.mcp_tool)
+            .field("description", &r.description)
+            .field("input_schema", &r.input_schema)
             .field("timeout", &r.timeout)
             .field("retries", &r.retries)
             .field("backoff", &r.backoff)

@@ -1,0 +1,222 @@
+//! The MCP tool protocol: a tool served by an existing MCP server (`mcp = "…"`
+//! in its config) is called with MCP `tools/call` over Streamable HTTP instead
+//! of a `POST` of its arguments, so the server gets stepgate's guarantees
+//! without changes.
+//!
+//! The step's idempotency key travels where MCP carries request metadata:
+//! `params._meta.idempotency_key` (with `traceparent` beside it when the intent
+//! had one). One MCP session per endpoint is opened on first use and shared by
+//! every call; a session that breaks is dropped and the next try opens another.
+//!
+//! How a try ends, in the terms of the HTTP protocol (see [`super`]): a result
+//! → `ok` (its `structuredContent`, else its content: one text block as JSON
+//! when it parses, otherwise as text); a result with `isError` → the definite
+//! error `tool_error` with the tool's text; a JSON-RPC refusal of the request
+//! (unknown tool, invalid params) → `tool_refused`, nothing performed; a session
+//! that cannot be opened → nothing sent, retried; a timeout, a broken
+//! connection or an internal error after the request went out → "may have
+//! run", retried with the same key unless the tool is `unkeyed`.
+
+use super::Try;
+use crate::contract::{Call, ErrorBody, Outcome, Texts};
+use crate::tools::ToolConfig;
+use reqwest::header::HeaderMap;
+use rmcp::model::{CallToolRequestParams, CallToolResult, ClientCapabilities, ClientConfig};
+use rmcp::model::{ContentBlock, ErrorCode, Implementation};
+use rmcp::service::{Peer, RoleClient, RunningService, ServiceError, ServiceExt};
+use rmcp::transport::StreamableHttpClientTransport;
+use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
+use serde_json::{Map, Value, json};
+use std::collections::HashMap;
+use std::sync::Arc;
+use tokio::sync::Mutex;
+
+/// The `_meta` field carrying the step's idempotency key.
+pub const META_IDEMPOTENCY_KEY: &str = "idempotency_key";
+
+type Session = RunningService<RoleClient, ClientConfig>;
+
+/// Open MCP sessions, one per endpoint URL; shared by the registry's clones.
+#[derive(Clone, Default)]
+pub(super) struct McpSessions {
+    sessions: Arc<Mutex<HashMap<String, Arc<Session>>>>,
+}
+
+impl McpSessions {
+    /// The endpoint's open session, or a new one. `Err` when none could be
+    /// opened: no call was sent.
+    async fn session(
+        &self,
+        http: &reqwest::Client,
+        tool: &ToolConfig,
+        headers: &HeaderMap,
+    ) -> Result<Peer<RoleClient>, String> {
+        let mut sessions = self.sessions.lock().await;
+        if let Some(s) = sessions.get(&tool.url) {
+            if !s.is_transport_closed() {
+                return Ok(s.peer().clone());
+            }
+            sessions.remove(&tool.url);
+        }
+        let custom = headers
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        let config = StreamableHttpClientTransportConfig::with_uri(tool.url.as_str())
+            .custom_headers(custom)
+            // The result travels whole, with its JSON-RPC envelope; the cap on
+            // the output itself is checked below.
+            .max_json_response_size(
+                (tool.max_output_bytes as usize)
+                    .saturating_mul(2)
+                    .max(65_536),
+            );
+        let transport = StreamableHttpClientTransport::with_client(http.clone(), config);
+        let client = ClientConfig::new(
+            ClientCapabilities::default(),
+            Implementation::new("stepgate", env!("CARGO_PKG_VERSION")),
+        );
+        let session = tokio::time::timeout(tool.timeout.0, client.serve(transport))
+            .await
+            .map_err(|_| {
+                format!(
+                    "no MCP session could be opened within {}",
+                    humantime::format_duration(tool.timeout.0)
+                )
+            })?
+            .map_err(|e| format!("no MCP session could be opened ({e})"))?;
+        let peer = session.peer().clone();
+        sessions.insert(tool.url.clone(), Arc::new(session));
+        Ok(peer)
+    }
+
+    /// Forget a session that failed, so that the next try opens a new one.
+    async fn drop_session(&self, url: &str) {
+        self.sessions.lock().await.remove(url);
+    }
+}
+
+/// One `tools/call` of an MCP tool.
+pub(super) async fn try_once(
+    sessions: &McpSessions,
+    http: &reqwest::Client,
+    tool: &ToolConfig,
+    call: &Call,
+    headers: &HeaderMap,
+) -> Try {
+    let step = &call.step;
+    let remote = tool.mcp_name(&step.tool).unwrap_or(&step.tool).to_owned();
+    let peer = match sessions.session(http, tool, headers).await {
+        Ok(peer) => peer,
+        Err(detail) => return Try::NotSent(detail),
+    };
+    let key = step.idempotency_key();
+    let mut arguments = match call.arguments.to_value() {
+        Value::Object(map) => map,
+        // Arguments are a JSON object by the contract; never reached.
+        other => Map::from_iter([("arguments".to_owned(), other)]),
+    };
+    if let Some(path) = &tool.idempotency_field {
+        let mut body = Value::Object(arguments);
+        super::set_path(&mut body, path, Value::String(key.clone()));
+        arguments = match body {
+            Value::Object(map) => map,
+            _ => unreachable!("set_path keeps an object an object"),
+        };
+    }
+    let mut meta = Map::new();
+    meta.insert(META_IDEMPOTENCY_KEY.to_owned(), Value::String(key));
+    if let Some(tp) = call
+        .traceparent
+        .as_deref()
+        .filter(|tp| crate::telemetry::is_valid_traceparent(tp))
+    {
+        meta.insert("traceparent".to_owned(), Value::String(tp.to_owned()));
+    }
+    let params: CallToolRequestParams = match serde_json::from_value(json!({
+        "name": remote,
+        "arguments": arguments,
+        "_meta": meta,
+    })) {
+        Ok(p) => p,
+        Err(e) => return Try::NotSent(format!("the MCP request could not be built ({e})")),
+    };
+    let answer = tokio::time::timeout(tool.timeout.0, peer.call_tool(params)).await;
+    match answer {
+        Err(_elapsed) => {
+            sessions.drop_session(&tool.url).await;
+            Try::MaybeRan(format!(
+                "no MCP answer within {}",
+                humantime::format_duration(tool.timeout.0)
+            ))
+        }
+        Ok(Ok(result)) => Try::Done(outcome(tool, &step.tool, result)),
+        Ok(Err(ServiceError::McpError(e))) if refused(e.code) => Try::Done(Outcome::Error {
+            error: ErrorBody {
+                kind: "tool_refused".into(),
+                message: Texts::mcp_refused(&step.tool, e.code.0, &e.message),
+            },
+        }),
+        Ok(Err(e)) => {
+            sessions.drop_session(&tool.url).await;
+            Try::MaybeRan(format!("MCP: {e}"))
+        }
+    }
+}
+
+/// JSON-RPC errors that say the request was refused before the tool ran.
+fn refused(code: ErrorCode) -> bool {
+    matches!(
+        code,
+        ErrorCode::METHOD_NOT_FOUND | ErrorCode::INVALID_PARAMS | ErrorCode::INVALID_REQUEST
+    ) || code == ErrorCode::PARSE_ERROR
+}
+
+/// An MCP tool result as a step outcome.
+fn outcome(tool: &ToolConfig, name: &str, result: CallToolResult) -> Outcome {
+    let text = || {
+        result
+            .content
+            .iter()
+            .filter_map(|c| match c {
+                ContentBlock::Text(t) => Some(t.text.as_str()),
+                _ => None,
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    if result.is_error == Some(true) {
+        return Outcome::Error {
+            error: ErrorBody {
+                kind: "tool_error".into(),
+                message: Texts::tool_reported_error(name, &text()),
+            },
+        };
+    }
+    let output = match (&result.structured_content, result.content.as_slice()) {
+        (Some(structured), _) => structured.clone(),
+        (None, [ContentBlock::Text(t)]) => {
+            serde_json::from_str(&t.text).unwrap_or_else(|_| Value::String(t.text.clone()))
+        }
+        (None, []) => Value::Null,
+        (None, blocks) => serde_json::to_value(blocks).unwrap_or(Value::Null),
+    };
+    let size = serde_json::to_vec(&output).map(|v| v.len()).unwrap_or(0) as u64;
+    if size > tool.max_output_bytes {
+        return Outcome::Error {
+            error: ErrorBody {
+                kind: "output_too_large".into(),
+                message: Texts::output_too_large(name, Some(size), tool.max_output_bytes),
+            },
+        };
+    }
+    if crate::contract::nested_deeper_than(&output, crate::contract::MAX_NESTING_DEPTH) {
+        return Outcome::Error {
+            error: ErrorBody {
+                kind: "output_too_deep".into(),
+                message: Texts::output_too_deep(name, crate::contract::MAX_NESTING_DEPTH),
+            },
+        };
+    }
+    Outcome::Ok { output }
+}

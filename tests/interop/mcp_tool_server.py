@@ -1,0 +1,48 @@
+"""An existing MCP tool server (FastMCP, Streamable HTTP) put behind stepgate by
+tests/mcp.rs. It counts where effects happen: every raw invocation of
+`create_ticket` is recorded with the idempotency key it carried in `_meta`, and
+a key seen before returns the ticket it already created (the deduplication a
+keyed provider does), so a test can tell a repeated invocation from a repeated
+effect. A title containing "slow" takes 3 s (a call whose answer a client gives
+up on). The record is rewritten to COUNTS_FILE (JSON) after every call.
+
+usage: mcp_tool_server.py PORT COUNTS_FILE
+"""
+import asyncio
+import json
+import os
+import sys
+
+from fastmcp import Context, FastMCP
+
+port, counts_file = int(sys.argv[1]), sys.argv[2]
+server = FastMCP("tickets")
+invocations = []  # the key of every raw invocation, in order
+tickets = {}  # key -> the ticket its first invocation created
+
+
+def save():
+    tmp = counts_file + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"invocations": invocations, "tickets": tickets}, f)
+    os.replace(tmp, counts_file)
+
+
+@server.tool
+async def create_ticket(title: str, ctx: Context) -> dict:
+    meta = ctx.request_context.meta or {}
+    key = meta.get("idempotency_key") if isinstance(meta, dict) else None
+    invocations.append(key)
+    if "slow" in title:
+        await asyncio.sleep(3)
+    if key is None or key not in tickets:
+        ticket = {"ticket": len(tickets) + 1, "title": title}
+        if key is None:
+            key = f"no-key-{len(invocations)}"
+        tickets[key] = ticket
+    save()
+    return tickets[key]
+
+
+save()
+server.run(transport="http", host="127.0.0.1", port=port, show_banner=False)
