@@ -11,14 +11,18 @@
 #
 # Env: KAFKA_BROKERS (default: the local broker deploy/local/kafka.sh starts),
 # CARGO_TARGET_DIR, BENCH_JSON (where the figures go as JSON; default
-# /tmp/stepgate-bench.json), PERF=1 (profile stepgate's flood with perf record).
+# /tmp/stepgate-bench.json), PERF=1 (profile stepgate's flood with perf record),
+# DURABLE=0 (skip the Restate/DBOS peers), DURABLE_JSON (their figures; default
+# /tmp/stepgate-durable.json), STEPGATE_BENCH_RUN_ID (the run's id).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 target="${CARGO_TARGET_DIR:-target}"
 
 args=()
+quick=0
 if [[ "${1:-}" == quick ]]; then
     shift
+    quick=1
     args+=(--intents 20000 --paced 5s --sequential 50 --scale-sizes 100000,1000000 --scale-intents 20000)
 fi
 
@@ -28,7 +32,7 @@ if [[ -z "${KAFKA_BROKERS:-}" ]]; then
 fi
 
 echo "bench.sh: building release binaries (the first build takes ~18 min on 2 cores)" >&2
-cargo build --release --quiet --bin stepgate --bin stepgate-bench
+cargo build --release --quiet -p stepgate --bin stepgate -p stepgate-bench
 
 if jar="$(bash benches/peers/build.sh)"; then
     args+=(--kstreams-jar "$jar")
@@ -40,4 +44,19 @@ if [[ "${PERF:-0}" == 1 ]] && command -v perf >/dev/null; then
     echo "bench.sh: profile of stepgate's flood → /tmp/stepgate-bench.perf.data (perf report -i …)" >&2
 fi
 
-exec "$target/release/stepgate-bench" all --fast-path --json "${BENCH_JSON:-/tmp/stepgate-bench.json}" "${args[@]}" "$@"
+export STEPGATE_BENCH_RUN_ID="${STEPGATE_BENCH_RUN_ID:-sgb$(printf '%x' $(( $(date +%s) & 0xffffff )))}"
+"$target/release/stepgate-bench" all --fast-path --json "${BENCH_JSON:-/tmp/stepgate-bench.json}" "${args[@]}" "$@"
+
+# The durable-execution engines (Restate, DBOS on PostgreSQL) beside stepgate,
+# and what each does with a call cut off by kill -9 (issue #17). DURABLE=0 skips.
+if [[ "${DURABLE:-1}" != 0 ]]; then
+    durable=(--sequential 200 --paced-rate 1000 --paced-seconds 10 --flood 5000)
+    if [[ "$quick" == 1 ]]; then
+        durable=(--sequential 50 --paced-rate 1000 --paced-seconds 3 --flood 2000)
+    fi
+    peers="$(bash benches/peers/durable/setup.sh)"
+    "$peers/venv/bin/python" benches/peers/durable/run.py --peers "$peers" \
+        --stepgate-bin "$target/release/stepgate" --brokers "$KAFKA_BROKERS" \
+        --run-id "$STEPGATE_BENCH_RUN_ID" "${durable[@]}" \
+        --json "${DURABLE_JSON:-/tmp/stepgate-durable.json}"
+fi

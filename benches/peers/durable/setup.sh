@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Installs the durable-execution peers of benches/peers/durable/run.py, as a new
+# user would, from the package registries: PostgreSQL (Debian's package, for
+# DBOS), a Python venv with dbos, restate-sdk, hypercorn and confluent-kafka, and
+# the Restate server (npm's @restatedev/restate-server, a prebuilt binary).
+# Prints the directory it installed into (peers.json there names the pieces).
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+repo="$(cd "$here/../../.." && pwd)"
+dir="${STEPGATE_PEERS_DIR:-$HOME/.cache/stepgate/durable-peers}"
+mkdir -p "$dir"
+
+if ! ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1; then
+  if [[ $(id -u) == 0 ]]; then
+    apt-get update -qq >&2
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null
+  else
+    echo "setup.sh: install PostgreSQL (sudo apt-get install postgresql)" >&2
+    exit 1
+  fi
+fi
+command -v npm >/dev/null || { echo "setup.sh: npm is needed (apt-get install npm)" >&2; exit 1; }
+
+if [[ ! -x "$dir/venv/bin/python" ]]; then
+  python3 -m venv "$dir/venv" >&2
+fi
+"$dir/venv/bin/pip" install -q "dbos==3.4.0" "restate-sdk==1.2.0" "hypercorn==0.18.0" confluent-kafka >&2
+if [[ ! -x "$dir/node/node_modules/@restatedev/restate-server-linux-x64/bin/restate-server" ]]; then
+  mkdir -p "$dir/node"
+  (cd "$dir/node" && npm install --silent --no-audit --no-fund "@restatedev/restate-server@1.7.12" >&2)
+fi
+server="$(find "$dir/node/node_modules/@restatedev" -path '*/bin/restate-server' -type f | head -1)"
+cat > "$dir/peers.json" <<JSON
+{"python": "$dir/venv/bin/python", "restate_server": "$server",
+ "stepgate_client": "$repo/clients/python"}
+JSON
+echo "$dir"
