@@ -392,7 +392,7 @@ impl Load {
             while !st.load(Ordering::SeqCst) {
                 let wf = wfs[n % wfs.len()].clone();
                 let step = (n / wfs.len()) as u64;
-                let tool = if (n + n / wfs.len()) % 2 == 0 {
+                let tool = if (n + n / wfs.len()).is_multiple_of(2) {
                     UNKEYED
                 } else {
                     KEYED

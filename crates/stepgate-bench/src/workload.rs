@@ -108,7 +108,7 @@ pub fn build(ns: &str, shape: &Shape, seed: u64) -> Vec<Spec> {
     let mut repeat = |j: usize| {
         nth_repeat += 1;
         let (workflow, step) = step_of(j);
-        let kind = if nth_repeat % 2 == 0 {
+        let kind = if nth_repeat.is_multiple_of(2) {
             Kind::Rephrased
         } else {
             Kind::Repeat
