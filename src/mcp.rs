@@ -231,22 +231,28 @@ impl McpFront {
         }
     }
 
-    /// The steps of the session a request came in, if it came in one.
-    fn session_steps(&self, ctx: &RequestContext<RoleServer>) -> Option<Arc<SessionSteps>> {
-        let id = match &self.stdio_session {
-            Some(id) => id.clone(),
-            None => ctx
-                .extensions
-                .get::<axum::http::request::Parts>()?
-                .headers
-                .get("mcp-session-id")?
-                .to_str()
-                .ok()?
-                .to_owned(),
-        };
+    /// The session a request came in, if it came in one: this process's on
+    /// stdio, the `Mcp-Session-Id` on HTTP.
+    fn session_id(&self, ctx: &RequestContext<RoleServer>) -> Option<String> {
+        match &self.stdio_session {
+            Some(id) => Some(id.clone()),
+            None => Some(
+                ctx.extensions
+                    .get::<axum::http::request::Parts>()?
+                    .headers
+                    .get("mcp-session-id")?
+                    .to_str()
+                    .ok()?
+                    .to_owned(),
+            ),
+        }
+    }
+
+    /// The steps of session `id`.
+    fn session_steps(&self, id: &str) -> Arc<SessionSteps> {
         let mut sessions = self.shared.sessions.lock().expect("sessions lock");
-        if let Some(steps) = sessions.by_id.get(&id) {
-            return Some(steps.clone());
+        if let Some(steps) = sessions.by_id.get(id) {
+            return steps.clone();
         }
         if sessions.order.len() >= MAX_SESSIONS
             && let Some(oldest) = sessions.order.pop_front()
@@ -254,9 +260,9 @@ impl McpFront {
             sessions.by_id.remove(&oldest);
         }
         let steps = Arc::new(SessionSteps::default());
-        sessions.by_id.insert(id.clone(), steps.clone());
-        sessions.order.push_back(id);
-        Some(steps)
+        sessions.by_id.insert(id.to_owned(), steps.clone());
+        sessions.order.push_back(id.to_owned());
+        steps
     }
 
     fn tool_list(&self) -> Value {
@@ -426,7 +432,7 @@ impl ServerHandler for McpFront {
         let (workflow_id, step_index, attempt) = match named {
             Some(step) => step,
             None => {
-                let Some(steps) = self.session_steps(&ctx) else {
+                let Some(session) = self.session_id(&ctx) else {
                     return error_result(format!(
                         "This call to `{tool}` was not performed: it came without an MCP session, \
                          so it needs its step in `_meta` (`workflow_id` and `step_index`). Call \
@@ -434,16 +440,8 @@ impl ServerHandler for McpFront {
                     ))
                     .map(Into::into);
                 };
+                let steps = self.session_steps(&session);
                 let step = steps.take(&tool);
-                let session = match &self.stdio_session {
-                    Some(id) => id.clone(),
-                    None => ctx
-                        .extensions
-                        .get::<axum::http::request::Parts>()
-                        .and_then(|p| p.headers.get("mcp-session-id")?.to_str().ok())
-                        .unwrap_or_default()
-                        .to_owned(),
-                };
                 pending = Some(Pending {
                     steps,
                     tool: tool.clone(),

@@ -35,14 +35,27 @@ use tokio::sync::Mutex;
 pub const META_IDEMPOTENCY_KEY: &str = "idempotency_key";
 
 type Session = RunningService<RoleClient, ClientConfig>;
+/// One endpoint's session, once opened.
+type Slot = Arc<Mutex<Option<Session>>>;
 
 /// Open MCP sessions, one per endpoint URL; shared by the registry's clones.
 #[derive(Clone, Default)]
 pub(super) struct McpSessions {
-    sessions: Arc<Mutex<HashMap<String, Arc<Session>>>>,
+    /// Locked only to find an endpoint's slot: a handshake holds that slot
+    /// alone, so an endpoint that is slow to answer delays no other.
+    slots: Arc<std::sync::Mutex<HashMap<String, Slot>>>,
 }
 
 impl McpSessions {
+    fn slot(&self, url: &str) -> Slot {
+        self.slots
+            .lock()
+            .expect("MCP sessions lock")
+            .entry(url.to_owned())
+            .or_default()
+            .clone()
+    }
+
     /// The endpoint's open session, or a new one. `Err` when none could be
     /// opened: no call was sent.
     async fn session(
@@ -51,12 +64,10 @@ impl McpSessions {
         tool: &ToolConfig,
         headers: &HeaderMap,
     ) -> Result<Peer<RoleClient>, String> {
-        let mut sessions = self.sessions.lock().await;
-        if let Some(s) = sessions.get(&tool.url) {
-            if !s.is_transport_closed() {
-                return Ok(s.peer().clone());
-            }
-            sessions.remove(&tool.url);
+        let slot = self.slot(&tool.url);
+        let mut open = slot.lock().await;
+        if let Some(s) = open.as_ref().filter(|s| !s.is_transport_closed()) {
+            return Ok(s.peer().clone());
         }
         let custom = headers
             .iter()
@@ -86,13 +97,13 @@ impl McpSessions {
             })?
             .map_err(|e| format!("no MCP session could be opened ({e})"))?;
         let peer = session.peer().clone();
-        sessions.insert(tool.url.clone(), Arc::new(session));
+        *open = Some(session);
         Ok(peer)
     }
 
     /// Forget a session that failed, so that the next try opens a new one.
     async fn drop_session(&self, url: &str) {
-        self.sessions.lock().await.remove(url);
+        *self.slot(url).lock().await = None;
     }
 }
 
@@ -168,8 +179,11 @@ pub(super) async fn try_once(
 fn refused(code: ErrorCode) -> bool {
     matches!(
         code,
-        ErrorCode::METHOD_NOT_FOUND | ErrorCode::INVALID_PARAMS | ErrorCode::INVALID_REQUEST
-    ) || code == ErrorCode::PARSE_ERROR
+        ErrorCode::METHOD_NOT_FOUND
+            | ErrorCode::INVALID_PARAMS
+            | ErrorCode::INVALID_REQUEST
+            | ErrorCode::PARSE_ERROR
+    )
 }
 
 /// An MCP tool result as a step outcome.
