@@ -9,10 +9,11 @@ usage: dbos_app.py PORT DATABASE_URL TOOL_URL
 """
 import json
 import sys
-import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from dbos import DBOS, SetWorkflowID
+
+import tool_client
 
 port, database_url, tool_url = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 DBOS(config={"name": "stepgate-peer", "system_database_url": database_url,
@@ -21,10 +22,7 @@ DBOS(config={"name": "stepgate-peer", "system_database_url": database_url,
 
 @DBOS.step(retries_allowed=False)
 def call_tool(arguments: dict, key: str) -> dict:
-    req = urllib.request.Request(tool_url, data=json.dumps(arguments).encode(), headers={
-        "Content-Type": "application/json", "Idempotency-Key": key})
-    with urllib.request.urlopen(req, timeout=60) as r:
-        return json.loads(r.read())
+    return tool_client.post(tool_url, arguments, key)
 
 
 @DBOS.workflow()

@@ -5,21 +5,18 @@ invoke it through Restate's ingress with the step key as the invocation's
 
 Served by hypercorn: TOOL_URL=… hypercorn --bind 127.0.0.1:PORT restate_service:app
 """
-import json
 import os
-import urllib.request
 
 import restate
+
+import tool_client
 
 TOOL_URL = os.environ["TOOL_URL"]
 tools = restate.Service("Tools")
 
 
 def post(arguments: dict, key: str) -> dict:
-    req = urllib.request.Request(TOOL_URL, data=json.dumps(arguments).encode(), headers={
-        "Content-Type": "application/json", "Idempotency-Key": key})
-    with urllib.request.urlopen(req, timeout=60) as r:
-        return json.loads(r.read())
+    return tool_client.post(TOOL_URL, arguments, key)
 
 
 @tools.handler()

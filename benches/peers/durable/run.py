@@ -34,7 +34,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.error
 import urllib.request
 import uuid
 
@@ -56,15 +55,21 @@ def free_port():
         return s.getsockname()[1]
 
 
-def wait_port(port, limit=60.0, what=""):
+def retry(attempt, what, limit=60.0, pause=0.1):
+    """`attempt()` until it raises no OSError (URLError is one), for `limit` seconds."""
     until = time.monotonic() + limit
-    while time.monotonic() < until:
+    while True:
         try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            return
+            return attempt()
         except OSError:
-            time.sleep(0.1)
-    raise RuntimeError(f"{what or port} did not start listening within {limit} s")
+            if time.monotonic() > until:
+                raise RuntimeError(f"{what}: not within {limit} s")
+            time.sleep(pause)
+
+
+def wait_port(port, limit=60.0, what=""):
+    retry(lambda: socket.create_connection(("127.0.0.1", port), timeout=0.5).close(),
+          f"{what or port} listening", limit)
 
 
 def http(method, url, body=None, headers=None, timeout=120.0):
@@ -214,16 +219,9 @@ class Restate:
         wait_port(self.admin, what="restate-server's admin API")
         wait_port(self.ingress, what="restate-server's ingress")
         self.start_service()
-        until = time.monotonic() + 60
-        while True:
-            try:
-                http("POST", f"http://127.0.0.1:{self.admin}/deployments",
-                     {"uri": f"http://127.0.0.1:{self.svc_port}", "force": True})
-                break
-            except (urllib.error.URLError, OSError):
-                if time.monotonic() > until:
-                    raise
-                time.sleep(0.5)
+        retry(lambda: http("POST", f"http://127.0.0.1:{self.admin}/deployments",
+                           {"uri": f"http://127.0.0.1:{self.svc_port}", "force": True}),
+              "registering the Restate service", pause=0.5)
 
     def start_service(self, port=None):
         self.svc_port = port or free_port()
@@ -310,15 +308,8 @@ retries = 0
     def start_runner(self):
         self.gate = spawn([self.binary, "run", "--config", self.config],
                           open(os.path.join(self.work, "stepgate.log"), "a"))
-        until = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(f"http://{self.metrics}/readyz", timeout=1).read()
-                return
-            except (urllib.error.URLError, OSError):
-                if time.monotonic() > until:
-                    raise RuntimeError("stepgate did not get ready")
-                time.sleep(0.2)
+        retry(lambda: urllib.request.urlopen(f"http://{self.metrics}/readyz", timeout=1).read(),
+              "stepgate ready", pause=0.2)
 
     def call(self, key, arguments, tool="keyed"):
         wf, step = key.rsplit("/", 1)
@@ -333,13 +324,6 @@ retries = 0
     def stop(self):
         kill9(self.gate)
         self.client.close()
-
-
-def output_of(system, answer):
-    """The tool's output inside a system's answer (stepgate answers Result v1)."""
-    if system.name == "stepgate":
-        return answer.get("output")
-    return answer
 
 
 def sequential(system, n):
@@ -421,9 +405,12 @@ def cut_off(system, tool, tool_kind):
     stats = tool.stats()
     invocations = sum(stats["invocations"].values())
     answer = got.get("answer")
-    status = answer.get("status", "ok") if isinstance(answer, dict) else None
-    if system.name != "stepgate" and answer is not None:
-        status = "ok"
+    if answer is None:
+        status = None
+    elif system.name == "stepgate":
+        status = answer["status"]  # a Result v1
+    else:
+        status = "ok"  # the engines return the tool's output
     says = system.name == "stepgate" and status == "in_doubt"
     effects = invocations if tool_kind == "unkeyed" else stats["effects"]
     check(answer is not None, f"{system.name}: no answer to the cut-off call ({tool_kind})")
