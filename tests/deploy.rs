@@ -255,6 +255,14 @@ fn docker_compose_config_validates_the_stack() {
 /// `kubectl kustomize <dir>` (or `kustomize build`), as `kubectl apply -k`
 /// would render it: the documents it outputs.
 fn kustomize(dir: &str) -> Vec<Yaml> {
+    let text = kustomize_text(dir);
+    serde_yaml_ng::Deserializer::from_str(&text)
+        .map(|d| serde::Deserialize::deserialize(d).unwrap())
+        .collect()
+}
+
+/// What `kubectl kustomize <dir>` (or `kustomize build`) outputs.
+fn kustomize_text(dir: &str) -> String {
     let path = root().join(dir);
     let attempts: [&[&str]; 2] = [&["kubectl", "kustomize"], &["kustomize", "build"]];
     for cmd in attempts {
@@ -271,10 +279,7 @@ fn kustomize(dir: &str) -> Vec<Yaml> {
             cmd.join(" "),
             String::from_utf8_lossy(&out.stderr)
         );
-        let text = String::from_utf8(out.stdout).unwrap();
-        return serde_yaml_ng::Deserializer::from_str(&text)
-            .map(|d| serde::Deserialize::deserialize(d).unwrap())
-            .collect();
+        return String::from_utf8(out.stdout).unwrap();
     }
     panic!(
         "neither `kubectl` nor `kustomize` is installed (deploy/local/test.sh installs kustomize)"
@@ -464,4 +469,124 @@ fn promtool_checks_the_rules_and_each_alert_fires_and_clears_as_its_unit_test_sa
             "no unit test for {name}"
         );
     }
+}
+
+/// The Kubernetes versions whose API schemas every overlay is validated
+/// against: the oldest and the newest that deploy/local/deps.sh's pinned
+/// kubernetes-validate ships.
+const KUBERNETES_VERSIONS: [&str; 2] = ["1.25.0", "1.37.0"];
+
+/// Where deploy/local/deps.sh writes the JSON schemas kubeconform reads
+/// (deploy/local/kubeconform-schemas.py): `kubernetes/` and `crds/`.
+fn k8s_schemas() -> PathBuf {
+    std::env::var_os("STEPGATE_K8S_SCHEMAS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/usr/local/share/stepgate/k8s-schemas"))
+}
+
+#[test]
+fn kubeconform_validates_every_overlay_strictly_against_the_kubernetes_and_operator_schemas() {
+    use std::io::Write;
+    let schemas = k8s_schemas();
+    assert!(
+        schemas.join("SOURCE").is_file(),
+        "no schemas in {} (deploy/local/test.sh writes them; STEPGATE_K8S_SCHEMAS moves them)",
+        schemas.display()
+    );
+    // Offline: only these locations, no default (remote) one. A kind with no
+    // schema in either is an error, not a skip.
+    let builtin = format!(
+        "{}/kubernetes/{{{{ .NormalizedKubernetesVersion }}}}-local{{{{ .StrictSuffix }}}}/{{{{ .ResourceKind }}}}{{{{ .KindSuffix }}}}.json",
+        schemas.display()
+    );
+    let crds = format!(
+        "{}/crds/{{{{ .ResourceKind }}}}{{{{ .KindSuffix }}}}.json",
+        schemas.display()
+    );
+    let mut overlays: Vec<String> = std::fs::read_dir(root().join("deploy/k8s"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.join("kustomization.yaml").is_file())
+        .map(|p| format!("deploy/k8s/{}", p.file_name().unwrap().to_str().unwrap()))
+        .collect();
+    overlays.sort();
+    for dir in [
+        "deploy/k8s/base",
+        "deploy/k8s/sidecar",
+        "deploy/k8s/monitoring",
+    ] {
+        assert!(overlays.iter().any(|o| o == dir), "{dir} is an overlay");
+    }
+    for dir in &overlays {
+        let rendered = kustomize_text(dir);
+        for version in KUBERNETES_VERSIONS {
+            let args = [
+                "-strict",
+                "-summary",
+                "-kubernetes-version",
+                version,
+                "-schema-location",
+                &builtin,
+                "-schema-location",
+                &crds,
+            ];
+            let mut child = std::process::Command::new("kubeconform")
+                .args(args)
+                .stdin(std::process::Stdio::piped())
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .expect("kubeconform runs (deploy/local/test.sh installs it)");
+            // A kubeconform that stops early fails the status check below.
+            let _ = child.stdin.take().unwrap().write_all(rendered.as_bytes());
+            let out = child.wait_with_output().unwrap();
+            assert!(
+                out.status.success(),
+                "kubeconform on {dir} (Kubernetes {version}): {}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    }
+}
+
+/// `go`, on PATH or where deploy/local/deps.sh looks for it.
+fn go() -> &'static str {
+    if std::process::Command::new("go")
+        .arg("version")
+        .output()
+        .is_ok()
+    {
+        "go"
+    } else {
+        "/usr/local/go/bin/go"
+    }
+}
+
+#[test]
+fn every_grafana_dashboard_matches_grafanas_dashboard_schema() {
+    let mut dashboards: Vec<String> = std::fs::read_dir(root().join("deploy/grafana"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "json"))
+        .map(|p| p.to_str().unwrap().to_owned())
+        .collect();
+    dashboards.sort();
+    assert!(!dashboards.is_empty());
+    // deploy/grafana/check: the Grafana Foundation SDK's strict decoding and
+    // constraints. Offline: deploy/local/test.sh fetched the SDK.
+    let out = std::process::Command::new(go())
+        .args(["run", "."])
+        .args(&dashboards)
+        .current_dir(root().join("deploy/grafana/check"))
+        .env("GOPROXY", "off")
+        .output()
+        .expect("go runs (deploy/local/deps.sh uses /usr/local/go/bin/go)");
+    assert!(
+        out.status.success(),
+        "deploy/grafana/check {}: {}{}",
+        dashboards.join(" "),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
 }

@@ -76,6 +76,62 @@ if [[ "${STEPGATE_NEED_KAFKA:-0}" == 1 ]] && ! command -v promtool >/dev/null 2>
   fi
 fi
 
+# tests/deploy.rs validates every overlay's rendered output with kubeconform
+# (a Go module) in strict mode, offline, against JSON schemas that
+# kubeconform-schemas.py writes to $STEPGATE_K8S_SCHEMAS: the Kubernetes API's,
+# from the PyPI package kubernetes-validate, and the Prometheus Operator CRDs'
+# (PodMonitor, PrometheusRule), from the operator's Go module. SOURCE in that
+# directory names the pinned versions it was written from.
+k8s_schemas=${STEPGATE_K8S_SCHEMAS:-/usr/local/share/stepgate/k8s-schemas}
+k8s_schemas_from="kubernetes-validate==1.37.0 github.com/prometheus-operator/prometheus-operator@v0.85.0"
+if [[ "${STEPGATE_NEED_KAFKA:-0}" == 1 ]] && ! command -v kubeconform >/dev/null 2>&1; then
+  go=$(command -v go || echo /usr/local/go/bin/go)
+  if [[ -x "$go" && $(id -u) == 0 ]]; then
+    echo "installing kubeconform (go install github.com/yannh/kubeconform/cmd/kubeconform@v0.8.0)"
+    GOBIN=/usr/local/bin "$go" install github.com/yannh/kubeconform/cmd/kubeconform@v0.8.0
+  else
+    echo "missing: kubeconform (go install github.com/yannh/kubeconform/cmd/kubeconform@v0.8.0)" >&2
+    exit 1
+  fi
+fi
+if [[ "${STEPGATE_NEED_KAFKA:-0}" == 1 ]] &&
+  [[ "$(cat "$k8s_schemas/SOURCE" 2>/dev/null)" != "$k8s_schemas_from" ]]; then
+  go=$(command -v go || echo /usr/local/go/bin/go)
+  if [[ -x "$go" && $(id -u) == 0 ]]; then
+    echo "writing the Kubernetes JSON schemas to $k8s_schemas ($k8s_schemas_from)"
+    if ! python3 -c 'from kubernetes_validate.version import __version__ as v; assert v == "1.37.0"' 2>/dev/null; then
+      python3 -m pip install -q kubernetes-validate==1.37.0 2>/dev/null ||
+        python3 -m pip install -q --break-system-packages kubernetes-validate==1.37.0
+    fi
+    operator=$("$go" mod download -json github.com/prometheus-operator/prometheus-operator@v0.85.0 |
+      python3 -c 'import json, sys; print(json.load(sys.stdin)["Dir"])')
+    rm -rf "$k8s_schemas"
+    python3 "$(dirname "${BASH_SOURCE[0]}")/kubeconform-schemas.py" "$k8s_schemas" \
+      "$operator/example/prometheus-operator-crd"
+    echo "$k8s_schemas_from" >"$k8s_schemas/SOURCE"
+  else
+    echo "missing: the Kubernetes JSON schemas in $k8s_schemas ($k8s_schemas_from; run this as root)" >&2
+    exit 1
+  fi
+fi
+
+# tests/deploy.rs validates the Grafana dashboard with deploy/grafana/check, a
+# Go program on the Grafana Foundation SDK (pinned in its go.mod), which the
+# test runs offline (GOPROXY=off): fetch the SDK and build it once here.
+if [[ "${STEPGATE_NEED_KAFKA:-0}" == 1 ]]; then
+  go=$(command -v go || echo /usr/local/go/bin/go)
+  check="$(dirname "${BASH_SOURCE[0]}")/../grafana/check"
+  if ! (cd "$check" && GOPROXY=off "$go" build -o /dev/null .) >/dev/null 2>&1; then
+    if [[ -x "$go" ]]; then
+      echo "fetching and building deploy/grafana/check (github.com/grafana/grafana-foundation-sdk/go)"
+      (cd "$check" && "$go" mod download && "$go" build -o /dev/null .)
+    else
+      echo "missing: go (deploy/grafana/check is a Go program)" >&2
+      exit 1
+    fi
+  fi
+fi
+
 if ! command -v cargo >/dev/null 2>&1; then
   echo "Rust is not installed: install it with rustup (https://rustup.rs), then run this again." >&2
   exit 1
