@@ -186,6 +186,10 @@ class Dbos:
     def call(self, key, arguments, tool="keyed"):
         return http("POST", f"http://127.0.0.1:{self.port}/call", arguments, {"Step-Key": key})
 
+    @staticmethod
+    def same_answer(again, first):
+        return again == first
+
     def pids(self):
         return descendants(self.pg.pid) + descendants(self.app.pid)
 
@@ -235,6 +239,10 @@ class Restate:
         return http("POST", f"http://127.0.0.1:{self.ingress}/Tools/call", arguments,
                     {"idempotency-key": key})
 
+    @staticmethod
+    def same_answer(again, first):
+        return again == first
+
     def pids(self):
         return descendants(self.server.pid) + descendants(self.svc.pid)
 
@@ -255,7 +263,8 @@ def peers_hypercorn(peers):
 
 class Stepgate:
     """`stepgate run` with the tool as `keyed` and as `unkeyed`, called through
-    stepgate's Python client (cut-off runs only: its loads are stepgate-bench's)."""
+    stepgate's Python client (the sequential mode and the cut-off runs; its loads
+    are stepgate-bench's, since the Python client makes one call at a time)."""
     name = "stepgate"
 
     def __init__(self, work, tool, peers, binary, brokers):
@@ -315,6 +324,15 @@ retries = 0
         wf, step = key.rsplit("/", 1)
         return self.client.call(wf, int(step), tool, arguments, timeout=120, republish_after=3)
 
+    @staticmethod
+    def same_answer(again, first):
+        """A repeat's Result v1 is the first one but for its own call_id and
+        `deduplicated: true`."""
+        def rest(r):
+            return {k: v for k, v in r.items() if k not in ("call_id", "deduplicated")}
+        return (again.get("deduplicated") is True and first.get("deduplicated") is False
+                and rest(again) == rest(first))
+
     def kill_runner(self):
         kill9(self.gate)
 
@@ -338,7 +356,8 @@ def sequential(system, n):
         t = time.perf_counter()
         again = system.call(k, {"title": f"Your order {k} is confirmed"})
         rep.append((time.perf_counter() - t) * 1000)
-        check(again == firsts[k], f"{system.name}: a repeat of {k} got {again}, first {firsts[k]}")
+        check(system.same_answer(again, firsts[k]),
+              f"{system.name}: a repeat of {k} got {again}, first {firsts[k]}")
     return {"new_p50": pct(new, .5), "new_p90": pct(new, .9), "new_p99": pct(new, .99),
             "repeat_p50": pct(rep, .5), "repeat_p90": pct(rep, .9), "repeat_p99": pct(rep, .99),
             "keys": keys}
@@ -456,14 +475,17 @@ def main():
                 system = Stepgate(sub, tool, peers, a.stepgate_bin, a.brokers)
             r = {"name": system.name}
             try:
+                # One Python caller, one call at a time, for all three (stepgate
+                # through its Python client); loads: the engines here, stepgate's
+                # from stepgate-bench (its Python client makes one call at a time).
+                tool.reset()
+                r["sequential"] = sequential(system, a.sequential)
+                stats = tool.stats()
+                check(all(n == 1 for n in stats["invocations"].values())
+                      and len(stats["invocations"]) == a.sequential,
+                      f"{system.name}: sequential invocations {len(stats['invocations'])} keys")
+                r["sequential"].pop("keys")
                 if name != "stepgate":
-                    tool.reset()
-                    r["sequential"] = sequential(system, a.sequential)
-                    stats = tool.stats()
-                    check(all(n == 1 for n in stats["invocations"].values())
-                          and len(stats["invocations"]) == a.sequential,
-                          f"{system.name}: sequential invocations {len(stats['invocations'])} keys")
-                    r["sequential"].pop("keys")
                     r["paced"] = load(system, a.paced_rate * a.paced_seconds, 256, a.paced_rate)
                     r["flood"] = load(system, a.flood, a.inflight)
                 r["cut_off"] = [cut_off(system, tool, kind) for kind in ("keyed", "unkeyed")]
