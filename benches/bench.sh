@@ -32,7 +32,8 @@ if [[ -z "${KAFKA_BROKERS:-}" ]]; then
 fi
 
 echo "bench.sh: building release binaries (the first build takes ~18 min on 2 cores)" >&2
-cargo build --release --quiet -p stepgate --bin stepgate -p stepgate-bench
+# `--bin` applies to every `-p` given: name both binaries.
+cargo build --release --quiet -p stepgate -p stepgate-bench --bin stepgate --bin stepgate-bench
 
 if jar="$(bash benches/peers/build.sh)"; then
     args+=(--kstreams-jar "$jar")
