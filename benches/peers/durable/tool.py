@@ -22,6 +22,10 @@ answers = {}  # key -> the first answer
 
 class Tool(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    # The headers and the body go out in two writes: with Nagle's algorithm the
+    # second waits for the ACK of the first, which a keep-alive client delays
+    # (~40 ms) — a stall of the tool server's, not of the system calling it.
+    disable_nagle_algorithm = True
 
     def reply(self, body):
         out = json.dumps(body).encode()
