@@ -49,31 +49,29 @@ if [[ "${STEPGATE_NEED_KAFKA:-0}" == 1 ]] &&
     python3 -m pip install -q --break-system-packages openai-agents langgraph mcp fastmcp
 fi
 
+# A Go tool the tests run, installed with `go install` (as root) when missing.
+go=$(command -v go || echo /usr/local/go/bin/go)
+go_install() { # what module@version
+  if [[ -x "$go" && $(id -u) == 0 ]]; then
+    echo "installing $1 (go install $2)"
+    GOBIN=/usr/local/bin "$go" install "$2"
+  else
+    echo "missing: $1 (go install $2)" >&2
+    exit 1
+  fi
+}
+
 # tests/deploy.rs renders the Kubernetes overlays as `kubectl apply -k` would:
 # with kubectl's kustomize, or kustomize itself (a Go module) where kubectl is absent.
 if [[ "${STEPGATE_NEED_KAFKA:-0}" == 1 ]] && ! command -v kubectl >/dev/null 2>&1 &&
   ! command -v kustomize >/dev/null 2>&1; then
-  go=$(command -v go || echo /usr/local/go/bin/go)
-  if [[ -x "$go" && $(id -u) == 0 ]]; then
-    echo "installing kustomize (go install sigs.k8s.io/kustomize/kustomize/v5@v5.5.0)"
-    GOBIN=/usr/local/bin "$go" install sigs.k8s.io/kustomize/kustomize/v5@v5.5.0
-  else
-    echo "missing: kubectl or kustomize (go install sigs.k8s.io/kustomize/kustomize/v5@v5.5.0)" >&2
-    exit 1
-  fi
+  go_install "kubectl or kustomize" sigs.k8s.io/kustomize/kustomize/v5@v5.5.0
 fi
 
 # tests/deploy.rs checks the alert rules and runs their unit tests with
 # Prometheus' promtool (a Go module: ~10 min to build once).
 if [[ "${STEPGATE_NEED_KAFKA:-0}" == 1 ]] && ! command -v promtool >/dev/null 2>&1; then
-  go=$(command -v go || echo /usr/local/go/bin/go)
-  if [[ -x "$go" && $(id -u) == 0 ]]; then
-    echo "installing promtool (go install github.com/prometheus/prometheus/cmd/promtool@v0.316.0)"
-    GOBIN=/usr/local/bin "$go" install github.com/prometheus/prometheus/cmd/promtool@v0.316.0
-  else
-    echo "missing: promtool (go install github.com/prometheus/prometheus/cmd/promtool@v0.316.0)" >&2
-    exit 1
-  fi
+  go_install promtool github.com/prometheus/prometheus/cmd/promtool@v0.316.0
 fi
 
 # tests/deploy.rs validates every overlay's rendered output with kubeconform
@@ -85,18 +83,10 @@ fi
 k8s_schemas=${STEPGATE_K8S_SCHEMAS:-/usr/local/share/stepgate/k8s-schemas}
 k8s_schemas_from="kubernetes-validate==1.37.0 github.com/prometheus-operator/prometheus-operator@v0.85.0"
 if [[ "${STEPGATE_NEED_KAFKA:-0}" == 1 ]] && ! command -v kubeconform >/dev/null 2>&1; then
-  go=$(command -v go || echo /usr/local/go/bin/go)
-  if [[ -x "$go" && $(id -u) == 0 ]]; then
-    echo "installing kubeconform (go install github.com/yannh/kubeconform/cmd/kubeconform@v0.8.0)"
-    GOBIN=/usr/local/bin "$go" install github.com/yannh/kubeconform/cmd/kubeconform@v0.8.0
-  else
-    echo "missing: kubeconform (go install github.com/yannh/kubeconform/cmd/kubeconform@v0.8.0)" >&2
-    exit 1
-  fi
+  go_install kubeconform github.com/yannh/kubeconform/cmd/kubeconform@v0.8.0
 fi
 if [[ "${STEPGATE_NEED_KAFKA:-0}" == 1 ]] &&
   [[ "$(cat "$k8s_schemas/SOURCE" 2>/dev/null)" != "$k8s_schemas_from" ]]; then
-  go=$(command -v go || echo /usr/local/go/bin/go)
   if [[ -x "$go" && $(id -u) == 0 ]]; then
     echo "writing the Kubernetes JSON schemas to $k8s_schemas ($k8s_schemas_from)"
     if ! python3 -c 'from kubernetes_validate.version import __version__ as v; assert v == "1.37.0"' 2>/dev/null; then
@@ -119,7 +109,6 @@ fi
 # Go program on the Grafana Foundation SDK (pinned in its go.mod), which the
 # test runs offline (GOPROXY=off): fetch the SDK and build it once here.
 if [[ "${STEPGATE_NEED_KAFKA:-0}" == 1 ]]; then
-  go=$(command -v go || echo /usr/local/go/bin/go)
   check="$(dirname "${BASH_SOURCE[0]}")/../grafana/check"
   if ! (cd "$check" && GOPROXY=off "$go" build -o /dev/null .) >/dev/null 2>&1; then
     if [[ -x "$go" ]]; then
