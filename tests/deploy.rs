@@ -451,13 +451,7 @@ fn promtool_checks_the_rules_and_each_alert_fires_and_clears_as_its_unit_test_sa
             .current_dir(&dir)
             .output()
             .expect("promtool runs (deploy/local/test.sh installs it)");
-        assert!(
-            out.status.success(),
-            "promtool {}: {}{}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
+        assert_succeeded(&out, &format!("promtool {}", args.join(" ")));
     }
     // Every alert has a unit test.
     let rules = yaml("deploy/prometheus/alerts.yaml");
@@ -540,11 +534,9 @@ fn kubeconform_validates_every_overlay_strictly_against_the_kubernetes_and_opera
             // A kubeconform that stops early fails the status check below.
             let _ = child.stdin.take().unwrap().write_all(rendered.as_bytes());
             let out = child.wait_with_output().unwrap();
-            assert!(
-                out.status.success(),
-                "kubeconform on {dir} (Kubernetes {version}): {}{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
+            assert_succeeded(
+                &out,
+                &format!("kubeconform on {dir} (Kubernetes {version})"),
             );
         }
     }
@@ -582,10 +574,17 @@ fn every_grafana_dashboard_matches_grafanas_dashboard_schema() {
         .env("GOPROXY", "off")
         .output()
         .expect("go runs (deploy/local/deps.sh uses /usr/local/go/bin/go)");
+    assert_succeeded(
+        &out,
+        &format!("deploy/grafana/check {}", dashboards.join(" ")),
+    );
+}
+
+/// A checker's run passed; else fail with what it said (stdout and stderr).
+fn assert_succeeded(out: &std::process::Output, what: &str) {
     assert!(
         out.status.success(),
-        "deploy/grafana/check {}: {}{}",
-        dashboards.join(" "),
+        "{what}: {}{}",
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
