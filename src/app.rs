@@ -46,6 +46,15 @@ pub enum AppError {
     Join(#[from] tokio::task::JoinError),
 }
 
+/// Refuse a deployment whose records could not be written: the step records
+/// and the records derived from the largest intent must fit the producer's
+/// `message.max.bytes` and the topics' `max.message.bytes`. `run` and
+/// `topics create` check before anything starts.
+pub async fn check_record_limits(cfg: &Config) -> Result<(), KafkaSetupError> {
+    crate::state::check_record_sizes(cfg)?;
+    kafka::check_topic_sizes(&cfg.kafka, cfg.gate.max_intent_bytes).await
+}
+
 /// A running stepgate, as started by [`start`].
 pub struct Running {
     /// Where `/metrics`, `/healthz` and `/readyz` are served, if enabled.

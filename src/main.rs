@@ -83,8 +83,7 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
             }
             cfg.validate()?;
             stepgate::telemetry::init_logging(&cfg.log);
-            stepgate::kafka::check_record_sizes(&cfg)?;
-            stepgate::kafka::check_topic_sizes(&cfg.kafka, cfg.gate.max_intent_bytes).await?;
+            stepgate::app::check_record_limits(&cfg).await?;
             let shutdown = shutdown_on_signals();
             stepgate::app::run(cfg, role, shutdown).await?;
             tracing::info!("stopped cleanly");
@@ -109,8 +108,7 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
             let k = cfg.kafka.clone();
             let n =
                 tokio::task::spawn_blocking(move || stepgate::kafka::check_layout(&k)).await??;
-            stepgate::kafka::check_record_sizes(&cfg)?;
-            stepgate::kafka::check_topic_sizes(&cfg.kafka, cfg.gate.max_intent_bytes).await?;
+            stepgate::app::check_record_limits(&cfg).await?;
             println!("ok: every topic has a valid layout ({n} intent partitions)");
             Ok(())
         }
@@ -300,7 +298,7 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
         }
         Command::CheckConfig { deployment } => {
             let mut cfg = load(&deployment)?;
-            stepgate::kafka::check_record_sizes(&cfg)?;
+            stepgate::state::check_record_sizes(&cfg)?;
             // As `run` does: a tool header whose variable or file is missing fails.
             cfg.resolve_tool_headers(|var| std::env::var(var).ok())?;
             // Secrets (passwords, tokens, key material, header values) are printed redacted.

@@ -10,7 +10,8 @@ use crate::contract::{
 };
 pub use crate::kafka::Input;
 use crate::state::{
-    Batch, FastEntry, OperatorEntry, Phase, StateError, StateStore, StepRecord, Waiter, WorkflowEnd,
+    Batch, FastEntry, NotWaiting, OperatorEntry, Phase, StateError, StateStore, StepRecord, Waiter,
+    WorkflowEnd,
 };
 use crate::telemetry::Metrics;
 use crate::tools::ToolConfig;
@@ -394,7 +395,10 @@ impl GateCore {
                             traceparent,
                         };
                         if let Err(why) = record.add_waiter(waiter) {
-                            self.metrics.repeat_not_waiting(&step, why);
+                            if why == NotWaiting::OverBudget {
+                                tracing::warn!(step = %step, "a repeat of an in-flight step is not kept waiting: the step has too many waiting callers (it is answered from the record when asked again)");
+                            }
+                            self.metrics.repeat_not_waiting(why.as_str());
                             if !rephrased {
                                 return Ok(());
                             }

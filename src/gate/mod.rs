@@ -472,7 +472,7 @@ impl Session<'_> {
                     }
                     if last_size.elapsed() >= STATE_SIZE_EVERY {
                         last_size = Instant::now();
-                        self.metrics.state_size(&self.store.size());
+                        self.report_state_size();
                         self.count_open_steps();
                     }
                 }
@@ -724,7 +724,14 @@ impl Session<'_> {
                 }
             }
         }
-        self.metrics.open_steps(total);
+        self.metrics
+            .open_steps(total.in_doubt, total.awaiting_approval);
+    }
+
+    fn report_state_size(&self) {
+        let size = self.store.size();
+        self.metrics
+            .state_size(size.steps, size.disk_bytes, &size.memory());
     }
 
     /// Before a partition's first input: bring its local state up to the
@@ -820,7 +827,7 @@ impl Session<'_> {
         );
         if n > 0 {
             self.metrics.restored(p, n, started.elapsed());
-            self.metrics.state_size(&self.store.size());
+            self.report_state_size();
         }
         core.load_partition(self.store, p, applied, now_ms())?;
         self.owned.insert(p, Owned { applied, committed });

@@ -160,37 +160,6 @@ pub fn check_sizes(cfg: &KafkaConfig, max_intent_bytes: usize) -> Result<(), Kaf
     Ok(())
 }
 
-/// Refuse a config whose records could not be written: those derived from
-/// the largest intent ([`check_sizes`]), and the largest step record — the
-/// first call's arguments and metadata (up to `max_intent_bytes`), its tool's
-/// answer and a late one (each up to the tool's `max_output_bytes`), the kept
-/// rephrased copies and waiting repeats (bounded, see
-/// [`crate::state::REPHRASED_BUDGET_BYTES`]) and the envelope. A record over
-/// the producer's limit would fail every batch that carried it.
-pub fn check_record_sizes(cfg: &crate::config::Config) -> Result<(), KafkaSetupError> {
-    check_sizes(&cfg.kafka, cfg.gate.max_intent_bytes)?;
-    let producer = producer_max_bytes(&cfg.kafka)?;
-    let fixed = cfg
-        .gate
-        .max_intent_bytes
-        .saturating_add(crate::state::REPHRASED_BUDGET_BYTES)
-        .saturating_add(crate::state::WAITERS_BUDGET_BYTES)
-        .saturating_add(RECORD_ENVELOPE_BYTES);
-    for (name, tool) in &cfg.tools {
-        let output = usize::try_from(tool.max_output_bytes).unwrap_or(usize::MAX);
-        let need = fixed.saturating_add(output.saturating_mul(2));
-        if need > producer {
-            return Err(KafkaSetupError::Sizes(format!(
-                "`tools.{name}.max_output_bytes` is {output}: a step record of this tool holds its answer twice at most (the first and a late one) beside the intent (`gate.max_intent_bytes` {}) and {} bytes of kept repeats and envelope, up to {need} bytes, over the producer's `message.max.bytes` of {producer}. Lower it to at most {}, or lower `gate.max_intent_bytes`.",
-                cfg.gate.max_intent_bytes,
-                fixed - cfg.gate.max_intent_bytes,
-                producer.saturating_sub(fixed) / 2
-            )));
-        }
-    }
-    Ok(())
-}
-
 /// Refuse topics whose `max.message.bytes` is below what stepgate writes to
 /// them (`max_intent_bytes` + envelope; for the DLQ, a copy of the largest
 /// record the intents topic accepts). Topics that do not exist are left to
@@ -927,16 +896,16 @@ pub struct Input {
 
 impl Input {
     /// The W3C `traceparent` header, when present and valid
-    /// ([`crate::telemetry::is_valid_traceparent`]). An invalid one is ignored
+    /// ([`crate::contract::headers::is_valid_traceparent`]). An invalid one is ignored
     /// here, where it enters: it is neither stored, nor sent to a tool (where
     /// it could fail the request), nor copied onto the result.
     pub fn traceparent(&self) -> Option<String> {
         self.headers
             .iter()
-            .find(|(k, _)| k.eq_ignore_ascii_case("traceparent"))
+            .find(|(k, _)| k.eq_ignore_ascii_case(crate::contract::headers::TRACEPARENT))
             .and_then(|(_, v)| v.as_ref())
             .and_then(|v| String::from_utf8(v.clone()).ok())
-            .filter(|tp| crate::telemetry::is_valid_traceparent(tp))
+            .filter(|tp| crate::contract::headers::is_valid_traceparent(tp))
     }
 }
 
@@ -1232,26 +1201,6 @@ mod tests {
         cfg.client.insert("message.max.bytes".into(), "lots".into());
         let e = check_sizes(&cfg, 1).unwrap_err().to_string();
         assert!(e.contains("must be a number of bytes, got `lots`"), "{e}");
-    }
-
-    #[test]
-    fn a_step_record_must_fit_the_producer_with_its_outputs() {
-        let load = |extra: &str| {
-            crate::config::Config::from_toml_str(
-                &format!(
-                    "[tools.t]\ncategory = \"keyed\"\nurl = \"http://127.0.0.1:1/t\"\n{extra}"
-                ),
-                Vec::new(),
-            )
-            .unwrap()
-        };
-        check_record_sizes(&load("")).unwrap();
-        check_record_sizes(&load("max_output_bytes = 1400000\n")).unwrap();
-        let e = check_record_sizes(&load("max_output_bytes = 2000000\n"))
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("`tools.t.max_output_bytes` is 2000000"), "{e}");
-        assert!(e.contains("Lower it to at most 1474560"), "{e}");
     }
 
     #[test]

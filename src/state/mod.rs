@@ -24,7 +24,7 @@ mod restore;
 
 pub use record::{
     FastEntry, MAX_WAITERS, NotWaiting, OperatorEntry, Phase, REPHRASED_BUDGET_BYTES,
-    RephrasedCall, StepRecord, WAITERS_BUDGET_BYTES, Waiter, WorkflowEnd,
+    RephrasedCall, StepRecord, WAITERS_BUDGET_BYTES, Waiter, WorkflowEnd, check_record_sizes,
 };
 pub use restore::{
     RebuildError, Rebuilt, RestoreError, Restored, rebuild_state, restore_partition,
@@ -403,6 +403,18 @@ pub struct StateSize {
     pub block_cache_pinned_bytes: u64,
 }
 
+impl StateSize {
+    /// Memory by where it is held, as the metrics label it.
+    pub fn memory(&self) -> [(&'static str, u64); 4] {
+        [
+            ("memtables", self.memtable_bytes),
+            ("table_readers", self.table_reader_bytes),
+            ("block_cache", self.block_cache_bytes),
+            ("block_cache_pinned", self.block_cache_pinned_bytes),
+        ]
+    }
+}
+
 /// One state change as written to the changelog topic: the key is the column
 /// family's tag byte followed by the state key; `None` is a tombstone.
 #[derive(Debug, Clone, PartialEq)]
@@ -473,12 +485,12 @@ impl StateStore {
         key: &[u8],
         value: Option<&[u8]>,
     ) -> Result<(), StateError> {
-        let r: Option<Indexed> = match value.map(|v| decode(Cf::Steps, v)).transpose() {
+        let r: Option<Indexed> = match value.map(codec::decode).transpose() {
             Ok(r) => r,
             // Kept as it is, unindexed: the restore goes on, and an input of
             // this step fails on it until the gate sets that input aside.
             Err(e) => {
-                tracing::error!(error = %crate::telemetry::error_chain(&e), "a step record on the changelog cannot be read; restored without its indexes");
+                tracing::error!(error = %e, "a step record on the changelog cannot be read; restored without its indexes");
                 None
             }
         };

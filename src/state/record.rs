@@ -1,6 +1,7 @@
 //! What the gate remembers about a step.
 
 use crate::contract::{Action, Arguments, Outcome, StepKey, ToolResult};
+use crate::kafka;
 use crate::tools::Category;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
@@ -113,6 +114,37 @@ pub const MAX_WAITERS: usize = 256;
 
 /// ... taking at most this many bytes (`call_id`s and `traceparent`s).
 pub const WAITERS_BUDGET_BYTES: usize = 64 * 1024;
+
+/// Refuse a config whose records could not be written: those derived from
+/// the largest intent ([`kafka::check_sizes`]), and the largest step record — the
+/// first call's arguments and metadata (up to `max_intent_bytes`), its tool's
+/// answer and a late one (each up to the tool's `max_output_bytes`), the kept
+/// rephrased copies and waiting repeats (bounded, see
+/// [`REPHRASED_BUDGET_BYTES`]) and the envelope. A record over
+/// the producer's limit would fail every batch that carried it.
+pub fn check_record_sizes(cfg: &crate::config::Config) -> Result<(), kafka::KafkaSetupError> {
+    kafka::check_sizes(&cfg.kafka, cfg.gate.max_intent_bytes)?;
+    let producer = kafka::producer_max_bytes(&cfg.kafka)?;
+    let fixed = cfg
+        .gate
+        .max_intent_bytes
+        .saturating_add(REPHRASED_BUDGET_BYTES)
+        .saturating_add(WAITERS_BUDGET_BYTES)
+        .saturating_add(kafka::RECORD_ENVELOPE_BYTES);
+    for (name, tool) in &cfg.tools {
+        let output = usize::try_from(tool.max_output_bytes).unwrap_or(usize::MAX);
+        let need = fixed.saturating_add(output.saturating_mul(2));
+        if need > producer {
+            return Err(kafka::KafkaSetupError::Sizes(format!(
+                "`tools.{name}.max_output_bytes` is {output}: a step record of this tool holds its answer twice at most (the first and a late one) beside the intent (`gate.max_intent_bytes` {}) and {} bytes of kept repeats and envelope, up to {need} bytes, over the producer's `message.max.bytes` of {producer}. Lower it to at most {}, or lower `gate.max_intent_bytes`.",
+                cfg.gate.max_intent_bytes,
+                fixed - cfg.gate.max_intent_bytes,
+                producer.saturating_sub(fixed) / 2
+            )));
+        }
+    }
+    Ok(())
+}
 
 /// Why a repeat of an in-flight step was not added to its waiters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -426,3 +426,21 @@ fn a_state_written_before_the_attention_index_gets_it_at_open() {
         }
     );
 }
+
+#[test]
+fn a_step_record_must_fit_the_producer_with_its_outputs() {
+    let load = |extra: &str| {
+        crate::config::Config::from_toml_str(
+            &format!("[tools.t]\ncategory = \"keyed\"\nurl = \"http://127.0.0.1:1/t\"\n{extra}"),
+            Vec::new(),
+        )
+        .unwrap()
+    };
+    check_record_sizes(&load("")).unwrap();
+    check_record_sizes(&load("max_output_bytes = 1400000\n")).unwrap();
+    let e = check_record_sizes(&load("max_output_bytes = 2000000\n"))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("`tools.t.max_output_bytes` is 2000000"), "{e}");
+    assert!(e.contains("Lower it to at most 1474560"), "{e}");
+}

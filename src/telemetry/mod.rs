@@ -358,17 +358,10 @@ impl Metrics {
         }
     }
 
-    pub fn repeat_not_waiting(
-        &self,
-        step: &crate::contract::StepKey,
-        why: crate::state::NotWaiting,
-    ) {
-        if why == crate::state::NotWaiting::OverBudget {
-            warn!(step = %step, "a repeat of an in-flight step is not kept waiting: the step has too many waiting callers (it is answered from the record when asked again)");
-        }
-        self.repeats_not_waiting
-            .with_label_values(&[why.as_str()])
-            .inc();
+    /// A repeat of an in-flight step not kept waiting for its answer, and why
+    /// (`already_waiting`, `over_budget`).
+    pub fn repeat_not_waiting(&self, why: &'static str) {
+        self.repeats_not_waiting.with_label_values(&[why]).inc();
     }
 
     pub fn rejected(&self, reason: &str, message: &str, partition: i32, offset: i64) {
@@ -502,27 +495,24 @@ impl Metrics {
     }
 
     /// Steps waiting for a person, over the partitions this process owns.
-    pub fn open_steps(&self, open: crate::state::OpenSteps) {
+    pub fn open_steps(&self, in_doubt: u64, awaiting_approval: u64) {
         let g = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
         self.open_steps
             .with_label_values(&["in_doubt"])
-            .set(g(open.in_doubt));
+            .set(g(in_doubt));
         self.open_steps
             .with_label_values(&["awaiting_approval"])
-            .set(g(open.awaiting_approval));
+            .set(g(awaiting_approval));
     }
 
-    pub fn state_size(&self, size: &crate::state::StateSize) {
+    /// The state's size: step records, bytes on disk, and memory by where it
+    /// is held (`memtables`, `block_cache`, …).
+    pub fn state_size(&self, steps: u64, disk_bytes: u64, memory: &[(&'static str, u64)]) {
         let g = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
-        self.state_records.set(g(size.steps));
-        self.state_disk_bytes.set(g(size.disk_bytes));
-        for (part, v) in [
-            ("memtables", size.memtable_bytes),
-            ("table_readers", size.table_reader_bytes),
-            ("block_cache", size.block_cache_bytes),
-            ("block_cache_pinned", size.block_cache_pinned_bytes),
-        ] {
-            self.state_memory.with_label_values(&[part]).set(g(v));
+        self.state_records.set(g(steps));
+        self.state_disk_bytes.set(g(disk_bytes));
+        for (part, v) in memory {
+            self.state_memory.with_label_values(&[part]).set(g(*v));
         }
     }
 }
@@ -541,29 +531,6 @@ pub fn init_logging(cfg: &crate::config::LogConfig) {
     } else {
         builder.try_init()
     };
-}
-
-/// Whether `tp` is a W3C `traceparent` worth carrying: version `00` exactly as
-/// `00-<32 hex>-<16 hex>-<2 hex>` (lowercase), or a later version (not `ff`)
-/// that starts that way (anything after must follow a `-`, in visible ASCII);
-/// the trace id and the parent id not all zeros. Anything else is dropped where
-/// it is read, so a bad header can neither fail a tool's request nor travel on.
-pub fn is_valid_traceparent(tp: &str) -> bool {
-    let b = tp.as_bytes();
-    let hex = |s: &[u8]| s.iter().all(|c| matches!(c, b'0'..=b'9' | b'a'..=b'f'));
-    let zeros = |s: &[u8]| s.iter().all(|&c| c == b'0');
-    if b.len() < 55 {
-        return false;
-    }
-    let (version, trace_id, parent_id, flags) = (&b[0..2], &b[3..35], &b[36..52], &b[53..55]);
-    let shape = b[2] == b'-' && b[35] == b'-' && b[52] == b'-';
-    let fields = hex(version) && hex(trace_id) && hex(parent_id) && hex(flags);
-    let rest_ok = match version {
-        b"00" => b.len() == 55,
-        b"ff" => false,
-        _ => b.len() == 55 || (b[55] == b'-' && b[56..].iter().all(|c| c.is_ascii_graphic())),
-    };
-    shape && fields && rest_ok && !zeros(trace_id) && !zeros(parent_id)
 }
 
 /// An error with its causes, `outer: inner: …`, for log lines.
@@ -634,36 +601,5 @@ mod tests {
         let out = m.render();
         assert!(!out.contains(r#"partition="0""#), "{out}");
         assert!(out.contains(r#"partition="1",topic="t"} 7"#), "{out}");
-    }
-
-    #[test]
-    fn traceparents_are_checked_as_w3c_says() {
-        for ok in [
-            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
-            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00",
-            // A later version may add fields after a dash.
-            "01-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01-extra",
-            "cc-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
-        ] {
-            assert!(is_valid_traceparent(ok), "{ok}");
-        }
-        for bad in [
-            "",
-            "00-abc-01",
-            // All-zero ids are invalid.
-            "00-00000000000000000000000000000000-b7ad6b7169203331-01",
-            "00-0af7651916cd43dd8448eb211c80319c-0000000000000000-01",
-            // Uppercase hex, a version 00 with more, version ff.
-            "00-0AF7651916CD43DD8448EB211C80319C-b7ad6b7169203331-01",
-            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01-x",
-            "ff-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
-            // Control characters or spaces (no valid header value).
-            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01\n",
-            "01-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01-a b",
-            "00_0af7651916cd43dd8448eb211c80319c_b7ad6b7169203331_01",
-            "00-0af7651916cd43dd8448eb211c80319g-b7ad6b7169203331-01",
-        ] {
-            assert!(!is_valid_traceparent(bad), "{bad:?}");
-        }
     }
 }

@@ -140,9 +140,12 @@ pub(super) async fn try_once(
     if let Some(tp) = call
         .traceparent
         .as_deref()
-        .filter(|tp| crate::telemetry::is_valid_traceparent(tp))
+        .filter(|tp| crate::contract::headers::is_valid_traceparent(tp))
     {
-        meta.insert("traceparent".to_owned(), Value::String(tp.to_owned()));
+        meta.insert(
+            crate::contract::headers::TRACEPARENT.to_owned(),
+            Value::String(tp.to_owned()),
+        );
     }
     let params: CallToolRequestParams = match serde_json::from_value(json!({
         "name": remote,

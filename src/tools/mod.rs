@@ -270,7 +270,7 @@ impl ToolRegistry {
         if let Some(tp) = call
             .traceparent
             .as_deref()
-            .filter(|tp| crate::telemetry::is_valid_traceparent(tp))
+            .filter(|tp| crate::contract::headers::is_valid_traceparent(tp))
         {
             req = req.header(headers::TRACEPARENT, tp);
         }

@@ -41,6 +41,29 @@ pub mod headers {
     pub const STEP_INDEX: &str = "Stepgate-Step-Index";
     pub const ATTEMPT: &str = "Stepgate-Attempt";
     pub const TRACEPARENT: &str = "traceparent";
+
+    /// Whether `tp` is a W3C `traceparent` worth carrying: version `00` exactly as
+    /// `00-<32 hex>-<16 hex>-<2 hex>` (lowercase), or a later version (not `ff`)
+    /// that starts that way (anything after must follow a `-`, in visible ASCII);
+    /// the trace id and the parent id not all zeros. Anything else is dropped where
+    /// it is read, so a bad header can neither fail a tool's request nor travel on.
+    pub fn is_valid_traceparent(tp: &str) -> bool {
+        let b = tp.as_bytes();
+        let hex = |s: &[u8]| s.iter().all(|c| matches!(c, b'0'..=b'9' | b'a'..=b'f'));
+        let zeros = |s: &[u8]| s.iter().all(|&c| c == b'0');
+        if b.len() < 55 {
+            return false;
+        }
+        let (version, trace_id, parent_id, flags) = (&b[0..2], &b[3..35], &b[36..52], &b[53..55]);
+        let shape = b[2] == b'-' && b[35] == b'-' && b[52] == b'-';
+        let fields = hex(version) && hex(trace_id) && hex(parent_id) && hex(flags);
+        let rest_ok = match version {
+            b"00" => b.len() == 55,
+            b"ff" => false,
+            _ => b.len() == 55 || (b[55] == b'-' && b[56..].iter().all(|c| c.is_ascii_graphic())),
+        };
+        shape && fields && rest_ok && !zeros(trace_id) && !zeros(parent_id)
+    }
 }
 
 /// Maximum length of a tool name.
@@ -531,5 +554,36 @@ mod tests {
         assert_eq!(d.message.len(), DLQ_MESSAGE_MAX_BYTES);
         assert_eq!(d.topic.len(), MAX_TOPIC_BYTES);
         assert!(d.to_json().len() <= DLQ_RECORD_MAX_BYTES);
+    }
+
+    #[test]
+    fn traceparents_are_checked_as_w3c_says() {
+        for ok in [
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00",
+            // A later version may add fields after a dash.
+            "01-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01-extra",
+            "cc-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        ] {
+            assert!(headers::is_valid_traceparent(ok), "{ok}");
+        }
+        for bad in [
+            "",
+            "00-abc-01",
+            // All-zero ids are invalid.
+            "00-00000000000000000000000000000000-b7ad6b7169203331-01",
+            "00-0af7651916cd43dd8448eb211c80319c-0000000000000000-01",
+            // Uppercase hex, a version 00 with more, version ff.
+            "00-0AF7651916CD43DD8448EB211C80319C-b7ad6b7169203331-01",
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01-x",
+            "ff-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            // Control characters or spaces (no valid header value).
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01\n",
+            "01-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01-a b",
+            "00_0af7651916cd43dd8448eb211c80319c_b7ad6b7169203331_01",
+            "00-0af7651916cd43dd8448eb211c80319g-b7ad6b7169203331-01",
+        ] {
+            assert!(!headers::is_valid_traceparent(bad), "{bad:?}");
+        }
     }
 }
