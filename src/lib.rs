@@ -23,6 +23,8 @@
 //! - [`app`]: one process's roles, started together and shut down together.
 //! - [`demo`]: the zero-setup demo on an in-process Kafka mock.
 //! - [`client`]: the agent-side library: publish a step, await its answer.
+//! - [`mcp`]: the MCP front (`stepgate mcp`): each `tools/call` a step,
+//!   through the [`client`].
 //! - [`operator`]: steps of a workflow, resolutions and approvals, for operators.
 //! - [`provider`]: for people who write tools (the provider side of the
 //!   protocol): the step's headers and key, and a ledger that stores the key
