@@ -107,6 +107,7 @@ async fn stepgate_rides_out_a_broker_restart() {
     })
     .await;
     broker.script("stop");
+    // The outage itself (not a wait for anything).
     tokio::time::sleep(Duration::from_secs(3)).await;
     broker.script("start");
 

@@ -225,7 +225,7 @@ async fn an_intent_outside_its_workflows_partition_is_refused_in_the_partition_i
 async fn without_the_partition_check_answers_go_to_the_intents_partition_whatever_the_partitioner()
 {
     let mut s = Stack::new(StackOptions {
-        gate: "check_partition = false",
+        configure: |c| c.gate.check_partition = false,
         ..StackOptions::default()
     })
     .await;

@@ -47,9 +47,8 @@ async fn mcp_clients_and_mcp_tools_get_one_invocation_per_step() {
     );
     wait_listening(tool_port, "the FastMCP tool server listens").await;
 
-    let extra: &'static str = Box::leak(
-        format!(
-            r#"
+    let tool_tables = format!(
+        r#"
 [tools.create_ticket]
 category = "keyed"
 mcp = "http://127.0.0.1:{tool_port}/mcp"
@@ -59,12 +58,10 @@ backoff = "50ms"
 description = "Open a support ticket."
 input_schema = {{ type = "object", properties = {{ title = {{ type = "string" }} }}, required = ["title"] }}
 "#
-        )
-        .into_boxed_str(),
     );
     let mut s = Stack::new(StackOptions {
         tools: vec![("search", "read_only", "5s")],
-        extra,
+        tool_tables,
         ..StackOptions::default()
     })
     .await;

@@ -14,7 +14,7 @@ const WAIT: Duration = Duration::from_secs(30);
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_goes_to_the_dlq_with_a_rejected_answer_and_the_gate_goes_on() {
     let mut s = Stack::new(StackOptions {
-        gate: "max_intent_bytes = 2048",
+        configure: |c| c.gate.max_intent_bytes = 2048,
         ..StackOptions::default()
     })
     .await;
@@ -90,7 +90,10 @@ async fn bad_input_goes_to_the_dlq_with_a_rejected_answer_and_the_gate_goes_on()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn records_expire_after_the_retention_and_until_then_answer_repeats() {
     let mut s = Stack::new(StackOptions {
-        state: "retention = \"4s\"\npurge_interval = \"200ms\"",
+        configure: |c| {
+            c.state.retention = dur("4s");
+            c.state.purge_interval = dur("200ms");
+        },
         ..StackOptions::default()
     })
     .await;
@@ -132,10 +135,8 @@ async fn records_expire_after_the_retention_and_until_then_answer_repeats() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refuses_to_start_when_results_has_fewer_partitions_than_intents() {
     let prefix = random_name("sgl");
-    let mut cfg = stepgate::config::Config::default();
-    cfg.kafka.brokers = brokers();
-    cfg.kafka.topics = stepgate::config::TopicsConfig::with_prefix(&prefix);
-    cfg.kafka.partitions = 4;
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = test_config(&prefix, dir.path().join("s"), "");
     stepgate::kafka::create_topics(&cfg.kafka, &cfg.state)
         .await
         .unwrap();
@@ -145,17 +146,8 @@ async fn refuses_to_start_when_results_has_fewer_partitions_than_intents() {
     stepgate::kafka::create_topics(&small.kafka, &small.state)
         .await
         .unwrap();
-    let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("c.toml");
-    std::fs::write(
-        &path,
-        format!(
-            "[kafka]\nbrokers = \"{}\"\n[kafka.topics]\nintents = \"{prefix}.intents\"\nresults = \"{prefix}.results-small\"\ndlq = \"{prefix}.dlq\"\nprogress = \"{prefix}.progress\"\nchangelog = \"{prefix}.changelog\"\ncommands = \"{prefix}.commands\"\napprovals = \"{prefix}.approvals\"\n[state]\npath = \"{}\"\n[http]\nlisten = \"\"\n",
-            brokers(),
-            dir.path().join("s").display()
-        ),
-    )
-    .unwrap();
+    write_config(&small, &path);
     let out = std::process::Command::new(stepgate_bin())
         .args(["run", "--config"])
         .arg(&path)
@@ -185,12 +177,10 @@ async fn the_removed_executor_role_is_refused_with_a_pointer() {
 async fn topics_create_makes_an_equal_layout_and_is_idempotent() {
     let prefix = random_name("sgc");
     let dir = tempfile::tempdir().unwrap();
+    let mut cfg = test_config(&prefix, dir.path().join("s"), "");
+    cfg.kafka.partitions = 3;
     let path = dir.path().join("c.toml");
-    std::fs::write(
-        &path,
-        format!("[kafka]\nbrokers = \"{}\"\npartitions = 3\n[kafka.topics]\nintents = \"{prefix}.intents\"\nresults = \"{prefix}.results\"\ndlq = \"{prefix}.dlq\"\nprogress = \"{prefix}.progress\"\nchangelog = \"{prefix}.changelog\"\ncommands = \"{prefix}.commands\"\napprovals = \"{prefix}.approvals\"\n", brokers()),
-    )
-    .unwrap();
+    write_config(&cfg, &path);
     for expected in ["created", "exists"] {
         let out = std::process::Command::new(stepgate_bin())
             .args(["topics", "create", "--config"])

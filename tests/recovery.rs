@@ -132,6 +132,7 @@ async fn sigterm_finishes_the_call_in_flight_and_commits_it() {
         Status::Ok,
         "the drained outcome was committed: {r:?}"
     );
+    // A window for a second invocation to show; passing never depends on it.
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert_eq!(
         s.tools.count("create_ticket"),
@@ -184,6 +185,7 @@ async fn kill_9_mid_stream_loses_nothing_and_runs_nothing_twice() {
     for (_, _, id) in &ids {
         agent.answer(id, Duration::from_secs(60)).await;
     }
+    // A window for late duplicate answers to show; passing never depends on it.
     tokio::time::sleep(Duration::from_secs(1)).await;
     let mut by_step = std::collections::HashMap::new();
     for (wf, step, id) in &ids {
@@ -473,7 +475,7 @@ async fn a_fatally_fenced_consumer_is_replaced() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stuck_gate_fails_healthz() {
     let mut s = Stack::new(StackOptions {
-        gate: "stall_timeout = \"2s\"",
+        configure: |c| c.gate.stall_timeout = dur("2s"),
         ..StackOptions::default()
     })
     .await;

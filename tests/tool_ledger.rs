@@ -121,15 +121,12 @@ async fn through_stepgate_a_crashed_keyed_tool_creates_one_ticket() {
     let db = dir.path().join("tickets.db");
     let port = free_port();
     let addr = format!("127.0.0.1:{port}");
-    let extra: &'static str = Box::leak(
-        format!(
-            "[tools.open_ticket]\ncategory = \"keyed\"\nurl = \"http://{addr}/create_ticket\"\n\
+    let tool_tables = format!(
+        "[tools.open_ticket]\ncategory = \"keyed\"\nurl = \"http://{addr}/create_ticket\"\n\
              timeout = \"2s\"\nretries = 20\nbackoff = \"100ms\"\n"
-        )
-        .into_boxed_str(),
     );
     let mut s = Stack::new(StackOptions {
-        extra,
+        tool_tables,
         ..StackOptions::default()
     })
     .await;

@@ -18,7 +18,12 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use stepgate::config::{
+    Config, ExecutorConfig, HttpConfig, KafkaConfig, LogConfig, StateConfig, ToolConfig,
+    TopicsConfig,
+};
 use stepgate::contract::ToolResult;
+use stepgate::duration::Dur;
 use tokio::sync::Notify;
 
 pub fn brokers() -> String {
@@ -201,25 +206,24 @@ pub struct Stack {
     pub http: String,
     pub tools: ToolServer,
     pub child: Option<Child>,
-    pub config: stepgate::config::Config,
+    pub config: Config,
     starts: u32,
 }
 
 pub struct StackOptions {
     /// Bootstrap servers (default: [`brokers`]).
     pub brokers: Option<String>,
+    /// Tools of the test's tool server: (name, category, timeout).
     pub tools: Vec<(&'static str, &'static str, &'static str)>,
     /// The consumer session timeout (how long a killed member keeps its partitions).
     pub session_timeout: &'static str,
     /// `gate.in_doubt_grace`.
     pub grace: &'static str,
-    /// Extra lines for the `[gate]` table.
-    pub gate: &'static str,
-    /// Extra lines for the `[state]` table.
-    pub state: &'static str,
-    /// Extra TOML appended at the end (e.g. `[tools.x]` tables with a policy;
-    /// `{tools}` is replaced by the tool server's base URL).
-    pub extra: &'static str,
+    /// More tools, as a user writes them: `[tools.x]` tables (with a policy, an
+    /// MCP endpoint, …); `{tools}` is replaced by the tool server's base URL.
+    pub tool_tables: String,
+    /// Any other change to the config before it is written.
+    pub configure: fn(&mut Config),
 }
 
 impl Default for StackOptions {
@@ -235,10 +239,50 @@ impl Default for StackOptions {
             brokers: None,
             session_timeout: "10s",
             grace: "1s",
-            gate: "",
-            state: "",
-            extra: "",
+            tool_tables: String::new(),
+            configure: |_| {},
         }
+    }
+}
+
+/// A duration as a config writes it (`"10s"`).
+pub fn dur(s: &str) -> Dur {
+    Dur(humantime::parse_duration(s).expect("a test's duration"))
+}
+
+/// Write a config where a `stepgate` command reads it.
+pub fn write_config(cfg: &Config, path: &std::path::Path) {
+    std::fs::write(path, toml::to_string(cfg).expect("a config serialises")).unwrap();
+}
+
+/// The config of a test deployment: its topics and groups under `prefix`,
+/// its state in `state`, its HTTP endpoints on `http`.
+pub fn test_config(prefix: &str, state: PathBuf, http: &str) -> Config {
+    Config {
+        kafka: KafkaConfig {
+            brokers: brokers(),
+            topics: TopicsConfig::with_prefix(prefix),
+            gate_group: format!("{prefix}-gate"),
+            instance_id: format!("{prefix}-0"),
+            transaction_timeout: dur("10s"),
+            ..KafkaConfig::default()
+        },
+        state: StateConfig {
+            path: state,
+            ..StateConfig::default()
+        },
+        executor: ExecutorConfig {
+            drain_timeout: dur("10s"),
+            ..ExecutorConfig::default()
+        },
+        http: HttpConfig {
+            listen: http.to_owned(),
+        },
+        log: LogConfig {
+            level: "info,rdkafka=warn".into(),
+            ..LogConfig::default()
+        },
+        ..Config::default()
     }
 }
 
@@ -281,54 +325,27 @@ impl Stack {
         let dir = tempfile::tempdir().unwrap();
         let tools = ToolServer::start().await;
         let http = format!("127.0.0.1:{}", free_port());
-        let mut toml = format!(
-            r#"
-[kafka]
-brokers = "{brokers}"
-gate_group = "{prefix}-gate"
-instance_id = "{prefix}-0"
-partitions = 4
-session_timeout = "{session_timeout}"
-transaction_timeout = "10s"
-[kafka.topics]
-intents = "{prefix}.intents"
-results = "{prefix}.results"
-dlq = "{prefix}.dlq"
-progress = "{prefix}.progress"
-changelog = "{prefix}.changelog"
-commands = "{prefix}.commands"
-approvals = "{prefix}.approvals"
-[state]
-path = "{state}"
-{state_extra}
-[gate]
-in_doubt_grace = "{grace}"
-{gate_extra}
-[executor]
-drain_timeout = "10s"
-[http]
-listen = "{http}"
-[log]
-level = "info,rdkafka=warn"
-"#,
-            brokers = opts.brokers.clone().unwrap_or_else(brokers),
-            state = dir.path().join("state").display(),
-            state_extra = opts.state,
-            session_timeout = opts.session_timeout,
-            grace = opts.grace,
-            gate_extra = opts.gate,
-        );
-        for (name, category, timeout) in &opts.tools {
-            toml.push_str(&format!(
-                "\n[tools.{name}]\ncategory = \"{category}\"\nurl = \"{}/{name}\"\ntimeout = \"{timeout}\"\nretries = 1\nbackoff = \"50ms\"\n",
-                tools.base
-            ));
+        let mut config = test_config(&prefix, dir.path().join("state"), &http);
+        if let Some(b) = &opts.brokers {
+            config.kafka.brokers = b.clone();
         }
-        toml.push('\n');
-        toml.push_str(&opts.extra.replace("{tools}", &tools.base));
+        config.kafka.session_timeout = dur(opts.session_timeout);
+        config.gate.in_doubt_grace = dur(opts.grace);
+        for (name, category, timeout) in &opts.tools {
+            let tool: ToolConfig = toml::from_str(&format!(
+                "category = \"{category}\"\nurl = \"{}/{name}\"\ntimeout = \"{timeout}\"\nretries = 1\nbackoff = \"50ms\"\n",
+                tools.base
+            ))
+            .expect("a test tool");
+            config.tools.insert((*name).to_owned(), tool);
+        }
+        let tables = opts.tool_tables.replace("{tools}", &tools.base);
+        let more = Config::from_toml_str(&tables, Vec::new()).expect("the test's tool tables");
+        config.tools.extend(more.tools);
+        (opts.configure)(&mut config);
+        config.validate().expect("the test's config is valid");
         let config_path = dir.path().join("stepgate.toml");
-        std::fs::write(&config_path, &toml).unwrap();
-        let config = stepgate::config::Config::from_toml_str(&toml, Vec::new()).unwrap();
+        write_config(&config, &config_path);
         // A loaded broker sometimes refuses a CreateTopics for a moment
         // (seen: "Metadata fetch error: Unknown broker error"): try again.
         let until = Instant::now() + Duration::from_secs(60);
@@ -464,27 +481,12 @@ level = "info,rdkafka=warn"
     /// A copy of the config for another process of the same deployment: its own
     /// instance id, state directory and HTTP address ("" for none).
     pub fn config_for(&self, name: &str, http: &str) -> PathBuf {
-        let text = std::fs::read_to_string(&self.config_path)
-            .unwrap()
-            .replace(
-                &format!("instance_id = \"{}-0\"", self.prefix),
-                &format!("instance_id = \"{}-{name}\"", self.prefix),
-            )
-            .replace(
-                &format!("listen = \"{}\"", self.http),
-                &format!("listen = \"{http}\""),
-            )
-            .replace(
-                &self.dir.path().join("state").display().to_string(),
-                &self
-                    .dir
-                    .path()
-                    .join(format!("state-{name}"))
-                    .display()
-                    .to_string(),
-            );
+        let mut cfg = self.config.clone();
+        cfg.kafka.instance_id = format!("{}-{name}", self.prefix);
+        cfg.http.listen = http.to_owned();
+        cfg.state.path = self.dir.path().join(format!("state-{name}"));
         let path = self.dir.path().join(format!("stepgate-{name}.toml"));
-        std::fs::write(&path, text).unwrap();
+        write_config(&cfg, &path);
         path
     }
 
