@@ -5,15 +5,15 @@
 //! test relies on it.
 
 use crate::app::{self, Role};
+use crate::client::{Client, ClientError, StepCall};
 use crate::config::Config;
 use crate::contract::{Status, ToolResult};
 use axum::Router;
 use axum::http::HeaderMap;
 use axum::routing::post;
-use rdkafka::consumer::{Consumer, StreamConsumer};
+use rdkafka::ClientConfig;
 use rdkafka::mocking::MockCluster;
 use rdkafka::producer::{FutureProducer, FutureRecord};
-use rdkafka::{ClientConfig, Message};
 use serde_json::{Value, json};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -31,8 +31,8 @@ pub enum DemoError {
     Config(#[from] crate::config::ConfigError),
     #[error("demo I/O")]
     Io(#[from] std::io::Error),
-    #[error("no answer for call `{0}` within 30 s")]
-    NoAnswer(String),
+    #[error("the demo's agent")]
+    Client(#[from] ClientError),
 }
 
 /// What the demo tools did, for the tour's commentary.
@@ -86,12 +86,10 @@ fn demo_tools(ledger: Arc<Mutex<Ledger>>) -> Router {
         .route("/search_orders", post(hit("search_orders")))
 }
 
-/// The scripted agent: publishes intents, waits for answers by call id.
+/// The scripted agent: stepgate's own [`Client`], with call ids the tour can
+/// print.
 struct Agent {
-    producer: FutureProducer,
-    consumer: StreamConsumer,
-    topic: String,
-    answers: HashMap<String, ToolResult>,
+    client: Client,
     next_call: u32,
 }
 
@@ -106,40 +104,10 @@ impl Agent {
     ) -> Result<ToolResult, DemoError> {
         self.next_call += 1;
         let call_id = format!("call_{:03}", self.next_call);
-        let intent = json!({"workflow_id": workflow, "step_index": step, "tool": tool,
-            "attempt": attempt, "arguments": args, "call_id": call_id});
-        self.send(workflow, intent.to_string().as_bytes()).await?;
-        self.await_answer(&call_id).await
-    }
-
-    async fn send(&self, key: &str, payload: &[u8]) -> Result<(), DemoError> {
-        self.producer
-            .send(
-                FutureRecord::to(&self.topic).key(key).payload(payload),
-                Duration::from_secs(5),
-            )
-            .await
-            .map_err(|(e, _)| e)?;
-        Ok(())
-    }
-
-    async fn await_answer(&mut self, call_id: &str) -> Result<ToolResult, DemoError> {
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-        loop {
-            if let Some(r) = self.answers.remove(call_id) {
-                return Ok(r);
-            }
-            let m = tokio::time::timeout_at(deadline, self.consumer.recv())
-                .await
-                .map_err(|_| DemoError::NoAnswer(call_id.to_owned()))??;
-            if let Some(r) = m
-                .payload()
-                .and_then(|p| serde_json::from_slice::<ToolResult>(p).ok())
-            {
-                let id = r.call_id.clone().unwrap_or_default();
-                self.answers.insert(id, r);
-            }
-        }
+        let call = StepCall::new(workflow, step, tool, args)?
+            .attempt(attempt)
+            .call_id(&call_id);
+        Ok(self.client.call(call).await?)
     }
 }
 
@@ -218,23 +186,10 @@ url = "http://{tools_addr}/search_orders"
         println!("metrics: http://{a}/metrics\n");
     }
 
-    let producer: FutureProducer = ClientConfig::new()
-        .set("bootstrap.servers", &brokers)
-        // The canonical partitioner (Java's), as every agent must use.
-        .set("partitioner", "murmur2_random")
-        .set("linger.ms", "0")
-        .create()?;
-    let consumer: StreamConsumer = ClientConfig::new()
-        .set("bootstrap.servers", &brokers)
-        .set("group.id", "demo-agent")
-        .set("auto.offset.reset", "earliest")
-        .create()?;
-    consumer.subscribe(&[&config.kafka.topics.results])?;
+    let mut options = crate::client::options_from_config(&config);
+    options.timeout = Duration::from_secs(30);
     let mut agent = Agent {
-        producer,
-        consumer,
-        topic: config.kafka.topics.intents.clone(),
-        answers: HashMap::new(),
+        client: Client::new(options).await?,
         next_call: 0,
     };
     let count = |name: &'static str| {
@@ -358,7 +313,20 @@ url = "http://{tools_addr}/search_orders"
         .call("order-7781", 5, "send_mail", 0, json!({}))
         .await?;
     show("typo", &b);
-    agent.send("order-7781", b"{not json").await?;
+    // Not through the client (it writes only valid intents): a producer of
+    // garbage.
+    let garbage: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", &brokers)
+        .create()?;
+    garbage
+        .send(
+            FutureRecord::to(&config.kafka.topics.intents)
+                .key("order-7781")
+                .payload("{not json"),
+            Duration::from_secs(5),
+        )
+        .await
+        .map_err(|(e, _)| e)?;
     println!(
         "    (and a malformed record went to the dead-letter topic `{}`)\n",
         config.kafka.topics.dlq
