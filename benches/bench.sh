@@ -5,7 +5,7 @@
 # inline and calling the HTTP tool, on one workload; the sequential mode, one
 # call at a time; then stepgate with 1 M and 10 M step records in its state).
 #
-#   benches/bench.sh                 # full size (~15-20 min on 2 cores, release build warm)
+#   benches/bench.sh                 # full size (~25 min on 2 cores, release build warm; ~14 with DURABLE=0)
 #   benches/bench.sh quick           # small sizes (~4 min), to check the setup
 #   benches/bench.sh [quick] --intents 50000 ...   # any stepgate-bench option
 #
