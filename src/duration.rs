@@ -31,7 +31,8 @@ impl From<Dur> for Duration {
     }
 }
 
-/// A built-in duration (panics on a malformed literal).
-pub(crate) fn dur(s: &str) -> Dur {
+/// A duration literal known to be valid: a built-in default, or one a test
+/// or a program writes (panics on a malformed one).
+pub fn dur(s: &str) -> Dur {
     Dur(humantime::parse_duration(s).expect("built-in durations are valid"))
 }

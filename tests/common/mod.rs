@@ -23,7 +23,7 @@ use stepgate::config::{
     TopicsConfig,
 };
 use stepgate::contract::ToolResult;
-use stepgate::duration::Dur;
+pub use stepgate::duration::dur;
 use tokio::sync::Notify;
 
 pub fn brokers() -> String {
@@ -243,11 +243,6 @@ impl Default for StackOptions {
             configure: |_| {},
         }
     }
-}
-
-/// A duration as a config writes it (`"10s"`).
-pub fn dur(s: &str) -> Dur {
-    Dur(humantime::parse_duration(s).expect("a test's duration"))
 }
 
 /// Write a config where a `stepgate` command reads it.
