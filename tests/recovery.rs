@@ -615,3 +615,54 @@ async fn a_commit_reported_failed_that_landed_runs_its_calls_once() {
     same_but_call_id(&r, &again);
     assert_eq!(s.tools.count("wire"), 1);
 }
+
+/// A transaction the broker acknowledged and then lost — a commit marker lost
+/// when a single broker is SIGKILLed mid-commit (`deploy/local/repro/
+/// hanging-transaction.sh`), which the next session's end of hanging
+/// transactions turns into an abort. Here it is aborted where it would commit
+/// and reported committed, and the session then fails as when the broker went
+/// away. The next session reads back the gate's last commits and writes again
+/// what a reader does not see: the answer arrives once, and the tool ran once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_the_broker_acknowledged_and_lost_is_written_again() {
+    let mut s = Stack::new(StackOptions::default()).await;
+    s.spawn(&[], &[("STEPGATE_TEST_LOSE_COMMIT_MARKER", "1")]);
+    s.wait_ready().await;
+    let agent = s.agent();
+    let r = agent
+        .call(intent("wf-marker", 1, "wire", json!({"amount": 7}), "m1"))
+        .await;
+    assert_eq!(r.status, Status::Ok, "{r:?}\n{}", s.log_tail(40));
+    assert!(!r.deduplicated, "the first answer, not a repeat's: {r:?}");
+    let log = s.log();
+    assert!(
+        log.contains("a transaction is aborted and reported committed"),
+        "the hook fired:\n{}",
+        s.log_tail(40)
+    );
+    assert!(
+        log.contains("lost its commit marker: writing its records again"),
+        "the lost answer was written again:\n{}",
+        s.log_tail(40)
+    );
+    let m = s.metrics().await;
+    assert!(
+        !m.contains("stepgate_lost_commit_records_rewritten_total 0"),
+        "{m}"
+    );
+    // A later step of the same partition is answered after anything written
+    // for the first (read in order): by then a second answer would show.
+    let again = agent
+        .call(intent(
+            "wf-marker",
+            1,
+            "wire",
+            json!({"amount": 7, "note": "retry"}),
+            "m2",
+        ))
+        .await;
+    assert!(again.deduplicated, "{again:?}");
+    same_but_call_id(&r, &again);
+    assert_eq!(agent.answers("m1").len(), 1, "one answer per call_id");
+    assert_eq!(s.tools.count("wire"), 1, "the tool ran once");
+}

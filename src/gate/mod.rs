@@ -13,6 +13,7 @@
 //! session restarts from what Kafka committed.
 
 mod core;
+mod lost;
 
 pub use self::core::{GateCore, GateSettings, Input, Out};
 
@@ -85,6 +86,7 @@ pub async fn run(
     // Outcomes received but not yet committed, carried into the next session.
     let mut carry: Vec<Finished> = Vec::new();
     let mut poison = Poison::default();
+    let mut last_commits = lost::LastCommits::default();
     let mut backoff = Duration::from_millis(250);
     loop {
         health.beat();
@@ -100,6 +102,7 @@ pub async fn run(
             backlog: std::mem::take(&mut carry),
             linger: Linger::default(),
             poison: &mut poison,
+            last_commits: &mut last_commits,
         };
         let result = session.run(&mut core, &mut outcomes, &shutdown).await;
         carry.append(&mut session.backlog);
@@ -135,6 +138,8 @@ struct Session<'a> {
     backlog: Vec<Finished>,
     linger: Linger,
     poison: &'a mut Poison,
+    /// The producers' last acknowledged transactions, checked by the next session.
+    last_commits: &'a mut lost::LastCommits,
 }
 
 /// Inputs whose processing failed on a record stepgate cannot read, counted
@@ -294,17 +299,32 @@ impl Producers {
         })
     }
 
-    /// The producer of the next batch.
-    fn next(&mut self) -> FutureProducer {
+    /// The producer of the next batch, and which of them it is.
+    fn next(&mut self) -> (usize, FutureProducer) {
         self.turn = (self.turn + 1) % self.all.len();
-        self.all[self.turn].clone()
+        (self.turn, self.all[self.turn].clone())
     }
+}
+
+/// What a batch's commit task reports once the broker acknowledged it.
+struct Landed {
+    /// Per partition, the changelog offset after its last record.
+    changelog_next: BTreeMap<i32, i64>,
+    /// Where each record landed (partition, offset), in order.
+    landed: Vec<(i32, i64)>,
+    /// A test hook aborted it instead (see `crash_point::lose_commit_marker`).
+    marker_lost: bool,
 }
 
 /// A batch whose transaction is being committed.
 struct InFlight {
-    task: JoinHandle<Result<BTreeMap<i32, i64>, GateError>>,
+    task: JoinHandle<Result<Landed, GateError>>,
     batch: Arc<Batch>,
+    /// Its records and input offsets, kept once it commits (`lost`).
+    records: Arc<Vec<OutRecord>>,
+    input_offsets: Vec<lost::InputOffset>,
+    /// Which of the producers commits it.
+    slot: usize,
     invokes: Vec<(i32, Call)>,
     results: Vec<(String, bool, Option<i64>)>,
     outcomes: Vec<Finished>,
@@ -677,6 +697,17 @@ impl Session<'_> {
                         ms = started.elapsed().as_millis() as u64,
                         "ended any transaction a broker crash left hanging for this gate's producers"
                     );
+                    // Then what a broker may have lost of what it acknowledged.
+                    lost::mend(
+                        &self.config.kafka,
+                        self.config.state.retention.0,
+                        self.last_commits,
+                        &producer.all[0],
+                        consumer,
+                        &ps,
+                        self.metrics,
+                    )
+                    .await?;
                 }
                 self.ever_assigned = true;
                 self.assigned.extend(ps.iter().copied());
@@ -909,6 +940,7 @@ impl Session<'_> {
         // committed offset may move now that a fast-path call was answered.
         let mut offsets = BTreeMap::new();
         let mut tpl = TopicPartitionList::new();
+        let mut input_offsets = Vec::new();
         for (p, o) in &self.owned {
             let applied = pending
                 .intents_next
@@ -919,19 +951,36 @@ impl Session<'_> {
             if commit == o.committed && applied == o.applied && !touched.contains(p) {
                 continue;
             }
+            let metadata = format!("{APPLIED_TAG}{applied}");
             let mut e = tpl.add_partition(&t.intents, *p);
             e.set_offset(Offset::Offset(commit))?;
-            e.set_metadata(format!("{APPLIED_TAG}{applied}"));
+            e.set_metadata(metadata.clone());
             offsets.insert(*p, (applied, commit));
+            input_offsets.push(lost::InputOffset {
+                topic: t.intents.clone(),
+                partition: *p,
+                offset: commit,
+                metadata,
+            });
         }
         for ((topic, p), next) in &pending.others_next {
             tpl.add_partition_offset(topic, *p, Offset::Offset(*next))?;
+            input_offsets.push(lost::InputOffset {
+                topic: topic.clone(),
+                partition: *p,
+                offset: *next,
+                metadata: String::new(),
+            });
         }
         let batch = Arc::new(pending.batch);
         let changelog = t.changelog.clone();
         let starts_calls = !invokes.is_empty();
-        let (producer, consumer) = (producer.next(), consumer.clone());
+        let answers = !results.is_empty();
+        let records = Arc::new(records);
+        let (slot, producer) = producer.next();
+        let (consumer, sent_records) = (consumer.clone(), records.clone());
         let task = tokio::spawn(async move {
+            let records = sent_records;
             producer.begin_transaction()?;
             let sent = async {
                 let t0 = Instant::now();
@@ -947,7 +996,12 @@ impl Session<'_> {
                 let (landed, ()) = (landed?, offsets?);
                 let t1 = Instant::now();
                 crash_point::before_commit();
-                kafka::commit_txn(&producer).await?;
+                let marker_lost = crash_point::lose_commit_marker(answers);
+                if marker_lost {
+                    kafka::abort_txn(&producer).await;
+                } else {
+                    kafka::commit_txn(&producer).await?;
+                }
                 crash_point::lose_commit_reply(starts_calls)?;
                 tracing::debug!(
                     records = records.len(),
@@ -958,13 +1012,17 @@ impl Session<'_> {
                 // Where the changelog records landed: the local state will
                 // reflect each partition's changelog up to there.
                 let mut next = BTreeMap::new();
-                for (r, (p, o)) in records.iter().zip(landed) {
+                for (r, &(p, o)) in records.iter().zip(&landed) {
                     if r.topic == changelog {
                         let n = next.entry(p).or_insert(o + 1);
                         *n = (*n).max(o + 1);
                     }
                 }
-                Ok::<_, GateError>(next)
+                Ok::<_, GateError>(Landed {
+                    changelog_next: next,
+                    landed,
+                    marker_lost,
+                })
             }
             .await;
             if sent.is_err() {
@@ -975,6 +1033,9 @@ impl Session<'_> {
         Ok(InFlight {
             task,
             batch,
+            records,
+            input_offsets,
+            slot,
             invokes,
             results,
             outcomes: pending.outcomes,
@@ -996,10 +1057,10 @@ impl Session<'_> {
         &mut self,
         core: &mut GateCore,
         f: InFlight,
-        r: Result<BTreeMap<i32, i64>, GateError>,
+        r: Result<Landed, GateError>,
     ) -> Result<(), GateError> {
-        let next = match r {
-            Ok(n) => n,
+        let landed = match r {
+            Ok(l) => l,
             Err(e) => {
                 self.backlog.extend(f.outcomes);
                 core.commit_unknown(f.invokes);
@@ -1007,7 +1068,16 @@ impl Session<'_> {
             }
         };
         let t = Instant::now();
-        self.store.apply(&f.batch, &next)?;
+        self.store.apply(&f.batch, &landed.changelog_next)?;
+        self.last_commits.record(
+            f.slot,
+            lost::Committed {
+                records: f.records,
+                landed: landed.landed,
+                offsets: f.input_offsets,
+                at: Instant::now(),
+            },
+        );
         self.metrics.state_written(t.elapsed());
         for (p, (applied, committed)) in f.offsets {
             if let Some(o) = self.owned.get_mut(&p) {
@@ -1027,6 +1097,9 @@ impl Session<'_> {
                 .result_published(status, *deduplicated, latency);
         }
         self.metrics.committed(f.started.elapsed());
+        if landed.marker_lost {
+            return Err(crash_point::session_lost());
+        }
         Ok(())
     }
 
@@ -1073,7 +1146,7 @@ impl Session<'_> {
 /// What woke the gate's loop.
 enum Step {
     Rebalance(RebalanceEvent),
-    Committed(Result<BTreeMap<i32, i64>, GateError>),
+    Committed(Result<Landed, GateError>),
     Outcome(Finished),
     /// The wait for the calls a batch started is over.
     Lingered,
@@ -1084,7 +1157,7 @@ enum Step {
 /// Resolves when the commit in flight returns; never without one.
 async fn wait_commit(
     f: &mut Option<InFlight>,
-) -> Result<Result<BTreeMap<i32, i64>, GateError>, tokio::task::JoinError> {
+) -> Result<Result<Landed, GateError>, tokio::task::JoinError> {
     match f {
         Some(f) => (&mut f.task).await,
         None => std::future::pending().await,
@@ -1206,6 +1279,34 @@ mod crash_point {
             ));
         }
         Ok(())
+    }
+
+    /// With `STEPGATE_TEST_LOSE_COMMIT_MARKER=N`: the N-th transaction that
+    /// publishes answers is aborted where it would commit, and reported
+    /// committed; the session then fails. That is where a broker that lost
+    /// an acknowledged transaction's commit marker leaves the gate once the
+    /// next session has ended the hanging transaction (by aborting it).
+    pub fn lose_commit_marker(answers: bool) -> bool {
+        static N: OnceLock<Option<u64>> = OnceLock::new();
+        static ANSWERING: AtomicU64 = AtomicU64::new(0);
+        let Some(n) = hook(&N, "STEPGATE_TEST_LOSE_COMMIT_MARKER") else {
+            return false;
+        };
+        let hit = answers && ANSWERING.fetch_add(1, Ordering::SeqCst) + 1 == n;
+        if hit {
+            tracing::warn!(
+                "STEPGATE_TEST_LOSE_COMMIT_MARKER={n}: a transaction is aborted and reported committed"
+            );
+        }
+        hit
+    }
+
+    /// The error a session fails with after [`lose_commit_marker`], as when
+    /// the broker went away.
+    pub fn session_lost() -> super::GateError {
+        super::GateError::Kafka(rdkafka::error::KafkaError::MessageProduction(
+            rdkafka::types::RDKafkaErrorCode::BrokerTransportFailure,
+        ))
     }
 }
 

@@ -10,7 +10,7 @@ use rdkafka::error::KafkaError;
 use rdkafka::message::BorrowedMessage;
 use rdkafka::producer::{FutureProducer, Producer};
 use rdkafka::util::Timeout;
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use thiserror::Error;
@@ -378,6 +378,36 @@ pub fn replay<E: From<KafkaError>>(
     let end = read_to_end(&consumer, open, deadline, f);
     drop(consumer);
     end
+}
+
+/// The offsets of the records a read_committed reader sees in each of
+/// `starts`' partitions of `topic`, from the given offset to the end as of now;
+/// `None` if the deadline passed first. The consumer is of `group` and never
+/// commits. Blocking.
+pub fn visible_offsets(
+    cfg: &KafkaConfig,
+    group: &str,
+    topic: &str,
+    starts: &BTreeMap<i32, i64>,
+    deadline: Instant,
+) -> Result<Option<BTreeMap<i32, BTreeSet<i64>>>, KafkaError> {
+    use rdkafka::message::Message;
+    let consumer = read_to_end_consumer(cfg, group)?;
+    let mut tpl = rdkafka::TopicPartitionList::new();
+    for (&p, &o) in starts {
+        tpl.add_partition_offset(topic, p, rdkafka::Offset::Offset(o))?;
+    }
+    consumer.assign(&tpl)?;
+    drop(tpl);
+    let mut seen: BTreeMap<i32, BTreeSet<i64>> =
+        starts.keys().map(|&p| (p, BTreeSet::new())).collect();
+    let open = starts.keys().copied().collect();
+    let end = read_to_end(&consumer, open, Some(deadline), |m| {
+        seen.entry(m.partition()).or_default().insert(m.offset());
+        Ok::<_, KafkaError>(())
+    })?;
+    drop(consumer);
+    Ok((end == ReadEnd::Reached).then_some(seen))
 }
 
 /// Rebalance events, signalled to the loop that owns the consumer (callbacks

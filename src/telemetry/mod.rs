@@ -42,6 +42,7 @@ pub struct Metrics {
     full_restores: IntCounter,
     outcomes_handed_over: IntCounter,
     restored_records: IntCounter,
+    lost_commit_records: IntCounter,
     tool_latency: HistogramVec,
     answer_latency: HistogramVec,
     consumer_lag: prometheus::IntGaugeVec,
@@ -282,6 +283,11 @@ impl Metrics {
                 "stepgate_outcomes_handed_over_total",
                 "Outcomes of calls whose partition moved to another gate while they ran, handed to it through `progress`.",
             ),
+            lost_commit_records: counter(
+                &r,
+                "stepgate_lost_commit_records_rewritten_total",
+                "Records of transactions the broker acknowledged and then lost (a commit marker lost in a broker crash), written again by the gate.",
+            ),
             restored_records: counter(
                 &r,
                 "stepgate_state_restored_records_total",
@@ -484,6 +490,10 @@ impl Metrics {
             "partition state restored from the changelog"
         );
         self.restored_records.inc_by(records as u64);
+    }
+
+    pub fn lost_commit_rewritten(&self, records: usize) {
+        self.lost_commit_records.inc_by(records as u64);
     }
 
     pub fn committed(&self, took: Duration) {

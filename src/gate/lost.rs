@@ -1,0 +1,342 @@
+//! Transactions a broker acknowledged and then lost.
+//!
+//! A single broker SIGKILLed mid-commit can come back with a transaction it
+//! acknowledged but without the commit marker on some of its partitions (seen
+//! with librdkafka alone: `deploy/local/repro/hanging-transaction.sh`). The next
+//! session ends such a hanging transaction by aborting it
+//! ([`kafka::end_hanging_transactions`]: librdkafka cannot ask the coordinator
+//! which way it went), so that batch's answers, step records and offsets would
+//! be gone while the local state, applied once the commit returned, holds them:
+//! answers never delivered, intents read again.
+//!
+//! So each producer's last acknowledged transaction is kept (its records are
+//! the batch's own, shared, not copied), and the next session of the process,
+//! after ending hanging transactions and before its first offset lookup, reads
+//! back what a read_committed reader sees of it in the partitions it still
+//! owns. What is not there is written again, with the offsets, in one
+//! transaction; a partition something else was written to since is left alone
+//! (and logged): its later records may build on the lost ones.
+
+use super::GateError;
+use crate::config::KafkaConfig;
+use crate::kafka::{self, OutRecord, TxnConsumer};
+use crate::telemetry::Metrics;
+use rdkafka::consumer::Consumer;
+use rdkafka::producer::{FutureProducer, Producer};
+use rdkafka::{Offset, TopicPartitionList};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tracing::{info, warn};
+
+/// How long reading back the last commits may take before the check gives up
+/// (the session then goes on as before: nothing is written again).
+const READ_BACK_LIMIT: Duration = Duration::from_secs(30);
+
+/// An input offset a transaction committed for the group.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct InputOffset {
+    pub topic: String,
+    pub partition: i32,
+    pub offset: i64,
+    pub metadata: String,
+}
+
+/// A transaction the broker reported committed.
+pub(super) struct Committed {
+    pub records: Arc<Vec<OutRecord>>,
+    /// Where each record landed (partition, offset), in order.
+    pub landed: Vec<(i32, i64)>,
+    pub offsets: Vec<InputOffset>,
+    pub at: Instant,
+}
+
+/// Each of the gate's producers' last committed transaction, kept across the
+/// process's sessions.
+#[derive(Default)]
+pub(super) struct LastCommits {
+    slots: [Option<(u64, Committed)>; 2],
+    seq: u64,
+}
+
+impl LastCommits {
+    pub fn record(&mut self, slot: usize, c: Committed) {
+        self.seq += 1;
+        self.slots[slot] = Some((self.seq, c));
+    }
+
+    /// Oldest first; those older than `max_age` are dropped (their records
+    /// may be gone with the topics' retention, which is no loss).
+    fn take(&mut self, max_age: Duration) -> Vec<Committed> {
+        let mut v: Vec<_> = self.slots.iter_mut().filter_map(Option::take).collect();
+        v.sort_by_key(|(seq, _)| *seq);
+        v.into_iter()
+            .map(|(_, c)| c)
+            .filter(|c| c.at.elapsed() <= max_age)
+            .collect()
+    }
+
+    fn put_back(&mut self, commits: Vec<Committed>) {
+        for (slot, c) in commits.into_iter().enumerate().take(2) {
+            self.record(slot, c);
+        }
+    }
+}
+
+/// What a read_committed reader sees now.
+struct Seen {
+    /// Per (topic, partition): offsets of the visible records from the
+    /// commits' first offset there to the end.
+    records: BTreeMap<(String, i32), BTreeSet<i64>>,
+    /// The group's committed offsets (None: the lookup failed).
+    offsets: Option<BTreeMap<(String, i32), i64>>,
+}
+
+/// What to write again.
+#[derive(Debug, Default)]
+struct Rewrite {
+    records: Vec<OutRecord>,
+    offsets: Vec<InputOffset>,
+    /// Partitions with lost records that something else was written to since.
+    overtaken: Vec<(String, i32)>,
+}
+
+impl Rewrite {
+    fn is_empty(&self) -> bool {
+        self.records.is_empty() && self.offsets.is_empty()
+    }
+}
+
+/// Whether a (topic, partition) the commits wrote is still this gate's to
+/// mend: the partitions of a step's topics are its intent's partition number;
+/// dead letters carry no step partition and are mended wherever they went.
+fn ours(topic: &str, partition: i32, owned: &BTreeSet<i32>, dlq: &str) -> bool {
+    topic == dlq || owned.contains(&partition)
+}
+
+/// The first offset the commits wrote in each partition still ours.
+fn starts(commits: &[Committed], owned: &BTreeSet<i32>, dlq: &str) -> BTreeMap<(String, i32), i64> {
+    let mut starts = BTreeMap::new();
+    for c in commits {
+        for (r, &(p, o)) in c.records.iter().zip(&c.landed) {
+            if ours(&r.topic, p, owned, dlq) {
+                let s = starts.entry((r.topic.clone(), p)).or_insert(o);
+                *s = (*s).min(o);
+            }
+        }
+    }
+    starts
+}
+
+/// The records and offsets of `commits` a reader does not see, as they are to
+/// be written again (`seen` holds only the partitions still ours). A changelog record a later one of the same key replaces
+/// is not written again (compaction keeps the last by offset).
+fn plan(commits: &[Committed], seen: &Seen, owned: &BTreeSet<i32>, changelog: &str) -> Rewrite {
+    let mut written: BTreeMap<(String, i32), BTreeSet<i64>> = BTreeMap::new();
+    let mut last_of_key: HashMap<(i32, &[u8]), (usize, usize)> = HashMap::new();
+    for (ci, c) in commits.iter().enumerate() {
+        for (ri, (r, &(p, o))) in c.records.iter().zip(&c.landed).enumerate() {
+            written.entry((r.topic.clone(), p)).or_default().insert(o);
+            if r.topic == changelog
+                && let Some(k) = &r.key
+            {
+                last_of_key.insert((p, k.as_slice()), (ci, ri));
+            }
+        }
+    }
+    let mut rewrite = Rewrite::default();
+    for (tp, visible) in &seen.records {
+        let lost = written.get(tp).is_some_and(|w| !w.is_subset(visible));
+        if lost && visible.iter().any(|o| !written[tp].contains(o)) {
+            rewrite.overtaken.push(tp.clone());
+        }
+    }
+    for (ci, c) in commits.iter().enumerate() {
+        for (ri, (r, &(p, o))) in c.records.iter().zip(&c.landed).enumerate() {
+            let tp = (r.topic.clone(), p);
+            let Some(visible) = seen.records.get(&tp) else {
+                continue;
+            };
+            if visible.contains(&o) || rewrite.overtaken.contains(&tp) {
+                continue;
+            }
+            if r.topic == changelog
+                && let Some(k) = &r.key
+                && last_of_key.get(&(p, k.as_slice())) != Some(&(ci, ri))
+            {
+                continue;
+            }
+            rewrite.records.push(OutRecord {
+                partition: Some(p),
+                ..r.clone()
+            });
+        }
+    }
+    if let Some(committed) = &seen.offsets {
+        let mut last: BTreeMap<(String, i32), &InputOffset> = BTreeMap::new();
+        for o in commits.iter().flat_map(|c| &c.offsets) {
+            if owned.contains(&o.partition) {
+                last.insert((o.topic.clone(), o.partition), o);
+            }
+        }
+        for (tp, o) in last {
+            if committed.get(&tp).is_none_or(|c| *c < o.offset) {
+                rewrite.offsets.push(o.clone());
+            }
+        }
+    }
+    rewrite
+}
+
+/// Read back this process's last commits and write again what a broker lost
+/// of them in the partitions `owned` (see the module's text). Errors end the
+/// session; the commits are then checked again by the next.
+pub(super) async fn mend(
+    cfg: &KafkaConfig,
+    retention: Duration,
+    last: &mut LastCommits,
+    producer: &FutureProducer,
+    consumer: &Arc<TxnConsumer>,
+    owned: &BTreeSet<i32>,
+    metrics: &Metrics,
+) -> Result<(), GateError> {
+    let commits = last.take(retention / 2);
+    if commits.is_empty() {
+        return Ok(());
+    }
+    let started = Instant::now();
+    let Some(seen) = read_back(cfg, &commits, consumer, owned).await? else {
+        warn!(
+            limit_s = READ_BACK_LIMIT.as_secs(),
+            "could not read back this gate's last commits in time: not checked for what a broker may have lost of them"
+        );
+        return Ok(());
+    };
+    let t = &cfg.topics;
+    let rewrite = plan(&commits, &seen, owned, &t.changelog);
+    for (topic, partition) in &rewrite.overtaken {
+        warn!(
+            topic,
+            partition,
+            "records of a transaction the broker acknowledged are missing, and other records were written after them: not written again (docs/guarantees.md \"Faults and bad input\")"
+        );
+    }
+    if rewrite.is_empty() {
+        info!(
+            ms = started.elapsed().as_millis() as u64,
+            "this gate's last commits read back whole"
+        );
+        return Ok(());
+    }
+    warn!(
+        records = rewrite.records.len(),
+        offsets = rewrite.offsets.len(),
+        "a transaction the broker acknowledged lost its commit marker: writing its records again"
+    );
+    match write_again(producer, consumer, &rewrite).await {
+        Ok(landed) => {
+            metrics.lost_commit_rewritten(rewrite.records.len());
+            info!(
+                records = rewrite.records.len(),
+                ms = started.elapsed().as_millis() as u64,
+                "wrote again what the broker lost"
+            );
+            last.record(
+                0,
+                Committed {
+                    records: Arc::new(rewrite.records),
+                    landed,
+                    offsets: rewrite.offsets,
+                    at: Instant::now(),
+                },
+            );
+            Ok(())
+        }
+        Err(e) => {
+            last.put_back(commits);
+            Err(e)
+        }
+    }
+}
+
+async fn read_back(
+    cfg: &KafkaConfig,
+    commits: &[Committed],
+    consumer: &Arc<TxnConsumer>,
+    owned: &BTreeSet<i32>,
+) -> Result<Option<Seen>, GateError> {
+    let mut by_topic: BTreeMap<String, BTreeMap<i32, i64>> = BTreeMap::new();
+    for ((topic, p), o) in starts(commits, owned, &cfg.topics.dlq) {
+        by_topic.entry(topic).or_default().insert(p, o);
+    }
+    let mut tpl = TopicPartitionList::new();
+    for o in commits.iter().flat_map(|c| &c.offsets) {
+        if owned.contains(&o.partition) && tpl.find_partition(&o.topic, o.partition).is_none() {
+            tpl.add_partition(&o.topic, o.partition);
+        }
+    }
+    let (cfg, consumer) = (cfg.clone(), consumer.clone());
+    let seen = tokio::task::spawn_blocking(move || {
+        let deadline = Instant::now() + READ_BACK_LIMIT;
+        let group = format!("{}-read-back", cfg.gate_group);
+        let mut records = BTreeMap::new();
+        for (topic, starts) in &by_topic {
+            let Some(seen) = kafka::visible_offsets(&cfg, &group, topic, starts, deadline)? else {
+                return Ok(None);
+            };
+            records.extend(seen.into_iter().map(|(p, s)| ((topic.clone(), p), s)));
+        }
+        let offsets = if tpl.count() == 0 {
+            Some(BTreeMap::new())
+        } else {
+            match consumer.committed_offsets(tpl, Duration::from_secs(10)) {
+                Ok(c) => Some(
+                    c.elements()
+                        .iter()
+                        .filter_map(|e| match e.offset() {
+                            Offset::Offset(o) => Some(((e.topic().to_owned(), e.partition()), o)),
+                            _ => None,
+                        })
+                        .collect(),
+                ),
+                Err(e) => {
+                    warn!(error = %e, "could not look up the group's committed offsets: offsets not checked");
+                    None
+                }
+            }
+        };
+        Ok::<_, rdkafka::error::KafkaError>(Some(Seen { records, offsets }))
+    })
+    .await??;
+    Ok(seen)
+}
+
+async fn write_again(
+    producer: &FutureProducer,
+    consumer: &Arc<TxnConsumer>,
+    rewrite: &Rewrite,
+) -> Result<Vec<(i32, i64)>, GateError> {
+    producer.begin_transaction()?;
+    let sent = async {
+        let landed = kafka::send_all(producer, &rewrite.records).await?;
+        if !rewrite.offsets.is_empty() {
+            let mut tpl = TopicPartitionList::new();
+            for o in &rewrite.offsets {
+                let mut e = tpl.add_partition(&o.topic, o.partition);
+                e.set_offset(Offset::Offset(o.offset))?;
+                e.set_metadata(o.metadata.clone());
+            }
+            kafka::send_offsets(producer, consumer, tpl).await?;
+        }
+        kafka::commit_txn(producer).await?;
+        Ok::<_, GateError>(landed)
+    }
+    .await;
+    if sent.is_err() {
+        kafka::abort_txn(producer).await;
+    }
+    sent
+}
+
+#[cfg(test)]
+mod tests;
