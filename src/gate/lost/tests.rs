@@ -197,28 +197,25 @@ fn offsets_are_left_alone_when_they_could_not_be_looked_up() {
     assert!(plan(&c, &s, &owned(&[0]), CHANGELOG).is_empty());
 }
 
+/// The first input offset of each commit taken.
+fn taken_offsets(last: &mut LastCommits, max_age: Duration) -> Vec<i64> {
+    last.take(max_age)
+        .iter()
+        .map(|c| c.offsets[0].offset)
+        .collect()
+}
+
 #[test]
 fn the_last_commits_are_taken_oldest_first_and_put_back() {
+    let minute = Duration::from_secs(60);
     let mut last = LastCommits::default();
     last.record(1, commit(vec![], vec![("intents", 0, 1)]));
     last.record(0, commit(vec![], vec![("intents", 0, 2)]));
-    let taken = last.take(Duration::from_secs(60));
-    assert_eq!(
-        taken
-            .iter()
-            .map(|c| c.offsets[0].offset)
-            .collect::<Vec<_>>(),
-        [1, 2]
-    );
-    assert!(last.take(Duration::from_secs(60)).is_empty());
+    let taken = last.take(minute);
+    assert_eq!(taken.len(), 2);
+    assert!(last.take(minute).is_empty());
     last.put_back(taken);
-    assert_eq!(
-        last.take(Duration::from_secs(60))
-            .iter()
-            .map(|c| c.offsets[0].offset)
-            .collect::<Vec<_>>(),
-        [1, 2]
-    );
+    assert_eq!(taken_offsets(&mut last, minute), [1, 2]);
 }
 
 #[test]
@@ -228,12 +225,5 @@ fn commits_older_than_the_age_limit_are_not_checked() {
     old.at = Instant::now() - Duration::from_secs(120);
     last.record(0, old);
     last.record(1, commit(vec![], vec![("intents", 0, 2)]));
-    let taken = last.take(Duration::from_secs(60));
-    assert_eq!(
-        taken
-            .iter()
-            .map(|c| c.offsets[0].offset)
-            .collect::<Vec<_>>(),
-        [2]
-    );
+    assert_eq!(taken_offsets(&mut last, Duration::from_secs(60)), [2]);
 }
