@@ -205,12 +205,19 @@ pub(super) async fn mend(
         return Ok(());
     }
     let started = Instant::now();
-    let Some(seen) = read_back(cfg, &commits, consumer, owned).await? else {
-        warn!(
-            limit_s = READ_BACK_LIMIT.as_secs(),
-            "could not read back this gate's last commits in time: not checked for what a broker may have lost of them"
-        );
-        return Ok(());
+    let seen = match read_back(cfg, &commits, consumer, owned).await {
+        Ok(Some(seen)) => seen,
+        Ok(None) => {
+            warn!(
+                limit_s = READ_BACK_LIMIT.as_secs(),
+                "could not read back this gate's last commits in time: not checked for what a broker may have lost of them"
+            );
+            return Ok(());
+        }
+        Err(e) => {
+            last.put_back(commits);
+            return Err(e);
+        }
     };
     let t = &cfg.topics;
     let rewrite = plan(&commits, &seen, owned, &t.changelog);

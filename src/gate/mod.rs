@@ -1069,6 +1069,7 @@ impl Session<'_> {
         };
         let t = Instant::now();
         self.store.apply(&f.batch, &landed.changelog_next)?;
+        self.metrics.state_written(t.elapsed());
         self.last_commits.record(
             f.slot,
             lost::Committed {
@@ -1078,7 +1079,6 @@ impl Session<'_> {
                 at: Instant::now(),
             },
         );
-        self.metrics.state_written(t.elapsed());
         for (p, (applied, committed)) in f.offsets {
             if let Some(o) = self.owned.get_mut(&p) {
                 o.applied = applied;
