@@ -22,6 +22,7 @@ use crate::config::KafkaConfig;
 use crate::kafka::{self, OutRecord, TxnConsumer};
 use crate::telemetry::Metrics;
 use rdkafka::consumer::Consumer;
+use rdkafka::error::KafkaError;
 use rdkafka::producer::{FutureProducer, Producer};
 use rdkafka::{Offset, TopicPartitionList};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -39,7 +40,22 @@ pub(super) struct InputOffset {
     pub topic: String,
     pub partition: i32,
     pub offset: i64,
-    pub metadata: String,
+    pub metadata: Option<String>,
+}
+
+impl InputOffset {
+    /// The offsets as a transaction sends them.
+    pub fn list(offsets: &[InputOffset]) -> Result<TopicPartitionList, KafkaError> {
+        let mut tpl = TopicPartitionList::new();
+        for o in offsets {
+            let mut e = tpl.add_partition(&o.topic, o.partition);
+            e.set_offset(Offset::Offset(o.offset))?;
+            if let Some(m) = &o.metadata {
+                e.set_metadata(m.clone());
+            }
+        }
+        Ok(tpl)
+    }
 }
 
 /// A transaction the broker reported committed.
@@ -98,7 +114,7 @@ struct Rewrite {
     records: Vec<OutRecord>,
     offsets: Vec<InputOffset>,
     /// Partitions with lost records that something else was written to since.
-    overtaken: Vec<(String, i32)>,
+    overtaken: BTreeSet<(String, i32)>,
 }
 
 impl Rewrite {
@@ -129,8 +145,9 @@ fn starts(commits: &[Committed], owned: &BTreeSet<i32>, dlq: &str) -> BTreeMap<(
 }
 
 /// The records and offsets of `commits` a reader does not see, as they are to
-/// be written again (`seen` holds only the partitions still ours). A changelog record a later one of the same key replaces
-/// is not written again (compaction keeps the last by offset).
+/// be written again (`seen` holds only the partitions still ours). A changelog
+/// record a later one of the same key replaces is not written again
+/// (compaction keeps the last by offset).
 fn plan(commits: &[Committed], seen: &Seen, owned: &BTreeSet<i32>, changelog: &str) -> Rewrite {
     let mut written: BTreeMap<(String, i32), BTreeSet<i64>> = BTreeMap::new();
     let mut last_of_key: HashMap<(i32, &[u8]), (usize, usize)> = HashMap::new();
@@ -146,9 +163,11 @@ fn plan(commits: &[Committed], seen: &Seen, owned: &BTreeSet<i32>, changelog: &s
     }
     let mut rewrite = Rewrite::default();
     for (tp, visible) in &seen.records {
-        let lost = written.get(tp).is_some_and(|w| !w.is_subset(visible));
-        if lost && visible.iter().any(|o| !written[tp].contains(o)) {
-            rewrite.overtaken.push(tp.clone());
+        if let Some(w) = written.get(tp)
+            && !w.is_subset(visible)
+            && !visible.is_subset(w)
+        {
+            rewrite.overtaken.insert(tp.clone());
         }
     }
     for (ci, c) in commits.iter().enumerate() {
@@ -312,7 +331,7 @@ async fn read_back(
                 }
             }
         };
-        Ok::<_, rdkafka::error::KafkaError>(Some(Seen { records, offsets }))
+        Ok::<_, KafkaError>(Some(Seen { records, offsets }))
     })
     .await??;
     Ok(seen)
@@ -327,12 +346,7 @@ async fn write_again(
     let sent = async {
         let landed = kafka::send_all(producer, &rewrite.records).await?;
         if !rewrite.offsets.is_empty() {
-            let mut tpl = TopicPartitionList::new();
-            for o in &rewrite.offsets {
-                let mut e = tpl.add_partition(&o.topic, o.partition);
-                e.set_offset(Offset::Offset(o.offset))?;
-                e.set_metadata(o.metadata.clone());
-            }
+            let tpl = InputOffset::list(&rewrite.offsets)?;
             kafka::send_offsets(producer, consumer, tpl).await?;
         }
         kafka::commit_txn(producer).await?;

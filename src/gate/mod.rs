@@ -24,10 +24,10 @@ use crate::kafka::{self, OutRecord, RebalanceContext, RebalanceEvent, TxnConsume
 use crate::state::{Batch, StateError, StateStore};
 use crate::telemetry::{Health, Metrics};
 use futures::FutureExt;
+use rdkafka::TopicPartitionList;
 use rdkafka::consumer::Consumer;
 use rdkafka::error::KafkaError;
 use rdkafka::producer::{FutureProducer, Producer};
-use rdkafka::{Offset, TopicPartitionList};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -939,7 +939,6 @@ impl Session<'_> {
         // for (so a fenced member's transaction cannot commit), and any whose
         // committed offset may move now that a fast-path call was answered.
         let mut offsets = BTreeMap::new();
-        let mut tpl = TopicPartitionList::new();
         let mut input_offsets = Vec::new();
         for (p, o) in &self.owned {
             let applied = pending
@@ -951,27 +950,23 @@ impl Session<'_> {
             if commit == o.committed && applied == o.applied && !touched.contains(p) {
                 continue;
             }
-            let metadata = format!("{APPLIED_TAG}{applied}");
-            let mut e = tpl.add_partition(&t.intents, *p);
-            e.set_offset(Offset::Offset(commit))?;
-            e.set_metadata(metadata.clone());
             offsets.insert(*p, (applied, commit));
             input_offsets.push(lost::InputOffset {
                 topic: t.intents.clone(),
                 partition: *p,
                 offset: commit,
-                metadata,
+                metadata: Some(format!("{APPLIED_TAG}{applied}")),
             });
         }
         for ((topic, p), next) in &pending.others_next {
-            tpl.add_partition_offset(topic, *p, Offset::Offset(*next))?;
             input_offsets.push(lost::InputOffset {
                 topic: topic.clone(),
                 partition: *p,
                 offset: *next,
-                metadata: String::new(),
+                metadata: None,
             });
         }
+        let tpl = lost::InputOffset::list(&input_offsets)?;
         let batch = Arc::new(pending.batch);
         let changelog = t.changelog.clone();
         let starts_calls = !invokes.is_empty();
