@@ -7,11 +7,11 @@ use common::*;
 use serde_json::Value;
 use std::process::Command;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_pip_installed_python_client_answers_a_rephrased_retry_once_and_runs_identical_steps() {
+/// The package pip-installed into a fresh directory (from a copy: pip's
+/// build writes into the source directory), as a user installs it.
+fn pip_install() -> tempfile::TempDir {
     let site = tempfile::tempdir().unwrap();
     let root = env!("CARGO_MANIFEST_DIR");
-    // A copy: pip's build writes into the source directory.
     let src = tempfile::tempdir().unwrap();
     assert!(
         Command::new("cp")
@@ -35,7 +35,37 @@ async fn the_pip_installed_python_client_answers_a_rephrased_retry_once_and_runs
         "pip install clients/python: {}",
         String::from_utf8_lossy(&pip.stderr)
     );
+    site
+}
 
+/// The package's own pytest suite (`clients/python/tests`), on the installed
+/// package, against the real broker and this build's binary: it starts its
+/// own `stepgate run`s with topics of their own.
+#[test]
+fn the_python_package_s_own_pytest_suite_passes_against_the_real_broker() {
+    let site = pip_install();
+    let root = env!("CARGO_MANIFEST_DIR");
+    let out = Command::new("python3")
+        .args(["-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE"])
+        .arg(format!("{root}/clients/python/tests"))
+        .env("PYTHONPATH", site.path())
+        .env("STEPGATE_BIN", stepgate_bin())
+        .env("KAFKA_BROKERS", brokers())
+        .env("PYTEST_STEPGATE_CLIENT_SITE", site.path())
+        .output()
+        .expect("python3 runs");
+    assert!(
+        out.status.success(),
+        "pytest clients/python/tests:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_pip_installed_python_client_answers_a_rephrased_retry_once_and_runs_identical_steps() {
+    let site = pip_install();
+    let root = env!("CARGO_MANIFEST_DIR");
     let mut s = Stack::new(StackOptions::default()).await;
     s.start().await;
     let t = &s.config.kafka.topics;

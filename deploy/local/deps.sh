@@ -49,6 +49,14 @@ if [[ "${STEPGATE_NEED_KAFKA:-0}" == 1 ]] &&
     python3 -m pip install -q --break-system-packages openai-agents langgraph mcp fastmcp
 fi
 
+# tests/python_client.rs runs the Python client's own pytest suite
+# (clients/python/tests).
+if [[ "${STEPGATE_NEED_KAFKA:-0}" == 1 ]] && ! python3 -c 'import pytest' 2>/dev/null; then
+  echo "installing the Python package pytest"
+  python3 -m pip install -q pytest 2>/dev/null ||
+    python3 -m pip install -q --break-system-packages pytest
+fi
+
 # A Go tool the tests run, installed with `go install` (as root) when missing.
 go=$(command -v go || echo /usr/local/go/bin/go)
 go_install() { # what module@version

@@ -7,7 +7,7 @@ Prints one JSON line per check for tests/python_client.rs.
 import json
 import sys
 
-from stepgate import Client, partition_for
+from stepgate_client import Client, partition_for
 
 brokers, intents, results, tool = sys.argv[1:5]
 print(json.dumps({"partitions": {w: partition_for(w, 4) for w in
@@ -21,7 +21,8 @@ with Client(brokers, intents=intents, results=results) as client:
     # Two legitimately identical steps: both run.
     one = run.call(tool, {"title": "Same title"})
     two = run.call(tool, {"title": "Same title"})
-    print(json.dumps({"first": first, "again": again, "one": one, "two": two, "next_step": run.next_step}))
+    print(json.dumps({"first": first.to_dict(), "again": again.to_dict(), "one": one.to_dict(),
+                      "two": two.to_dict(), "next_step": run.next_step}))
 
 # The OpenAI Agents SDK adapter, driven as the SDK's runner drives a tool.
 try:
@@ -29,7 +30,7 @@ try:
 
     from agents.tool_context import ToolContext
 
-    from stepgate.openai_agents import StepgateRun, stepgate_tool
+    from stepgate_client.openai_agents import StepgateRun, stepgate_tool
 except ImportError as e:
     print(json.dumps({"agents": f"not installed: {e}"}))
     sys.exit(0)
@@ -66,7 +67,7 @@ try:
     from langgraph.graph import END, START, MessagesState, StateGraph
     from langgraph.prebuilt import ToolNode
 
-    from stepgate.langgraph import stepgate_tool as lg_tool
+    from stepgate_client.langgraph import stepgate_tool as lg_tool
 except ImportError as e:
     print(json.dumps({"langgraph": f"not installed: {e}"}))
     sys.exit(0)

@@ -311,7 +311,7 @@ retries = 0
                        stdout=subprocess.DEVNULL)
         self.start_runner()
         sys.path.insert(0, peers["stepgate_client"])
-        from stepgate import Client  # the package from clients/python
+        from stepgate_client import Client  # the package from clients/python
         self.client = Client(brokers, intents=f"{prefix}.intents", results=f"{prefix}.results")
 
     def start_runner(self):
@@ -322,7 +322,8 @@ retries = 0
 
     def call(self, key, arguments, tool="keyed"):
         wf, step = key.rsplit("/", 1)
-        return self.client.call(wf, int(step), tool, arguments, timeout=120, republish_after=3)
+        return self.client.call(wf, int(step), tool, arguments, timeout=120,
+                                republish_after=3).to_dict()
 
     @staticmethod
     def same_answer(again, first):

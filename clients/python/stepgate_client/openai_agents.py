@@ -1,8 +1,8 @@
 """OpenAI Agents SDK adapter: function tools whose calls go through stepgate.
 
     from agents import Agent, Runner
-    from stepgate import Client
-    from stepgate.openai_agents import StepgateRun, stepgate_tool
+    from stepgate_client import Client
+    from stepgate_client.openai_agents import StepgateRun, stepgate_tool
 
     client = Client("127.0.0.1:9092")
     create_ticket = stepgate_tool(client, "create_ticket", "Open a support ticket.",
@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 from agents import FunctionTool
 from agents.tool_context import ToolContext
 
-from .client import Client, StepgateTimeout
+from .answer import Answer, answer_text
+from .client import AsyncClient, Client, StepgateTimeout
 
 
 class StepgateRun:
@@ -64,16 +65,16 @@ class StepgateRun:
         return cls(state["workflow_id"], state["next_step"], state.get("unanswered"))
 
 
-def answer_text(answer: dict) -> str:
-    """stepgate's answer as the tool's output for the model."""
-    if answer.get("status") == "ok":
-        return json.dumps(answer.get("output"))
-    error = answer.get("error") or {}
-    return f"{answer.get('status')}: {error.get('message', '')}"
+async def call_async(client: Union[Client, AsyncClient], *args: Any, **kw: Any) -> Answer:
+    """A call on either client from a coroutine: awaited on an `AsyncClient`,
+    on a worker thread on a `Client`."""
+    if isinstance(client, AsyncClient):
+        return await client.call(*args, **kw)
+    return await asyncio.to_thread(client.call, *args, **kw)
 
 
 def stepgate_tool(
-    client: Client,
+    client: Union[Client, AsyncClient],
     name: str,
     description: str,
     params_json_schema: Dict[str, Any],
@@ -88,8 +89,8 @@ def stepgate_tool(
         arguments = json.loads(input_json or "{}")
         step = run.take_step(name)
         try:
-            answer = await asyncio.to_thread(
-                client.call, run.workflow_id, step, name, arguments,
+            answer = await call_async(
+                client, run.workflow_id, step, name, arguments,
                 call_id=ctx.tool_call_id, timeout=timeout,
             )
         except StepgateTimeout:

@@ -1,8 +1,8 @@
 """LangGraph adapter: a tool for `ToolNode` whose calls go through stepgate.
 
     from langgraph.prebuilt import ToolNode
-    from stepgate import Client
-    from stepgate.langgraph import stepgate_tool
+    from stepgate_client import Client
+    from stepgate_client.langgraph import stepgate_tool
 
     client = Client("127.0.0.1:9092")
     create_ticket = stepgate_tool(client, "create_ticket", "Open a support ticket.",
@@ -29,7 +29,7 @@ from langgraph.prebuilt import InjectedState
 from pydantic import create_model
 
 from .client import Client, StepgateTimeout
-from .openai_agents import answer_text
+from .answer import answer_text
 
 NOT_ANSWERED = "not answered yet:"
 

@@ -1,0 +1,43 @@
+"""The Python client of stepgate: publish a tool call as an intent, get its one answer.
+
+A call is identified by where it came from — its step key (workflow_id,
+step_index, tool, attempt) — never by its arguments: a retry the model
+rephrased is the same step and gets the first answer back.
+
+Distributed on PyPI as `stepgate-client`; imported as `stepgate_client` (the
+PyPI name `stepgate` belongs to an unrelated project, and a distinct import name
+keeps the two from overwriting each other's files if both get installed).
+"""
+
+from ._version import __version__
+from .answer import Answer, AnswerError, ResultV1, Status
+from .client import (
+    AsyncClient,
+    AsyncWorkflow,
+    Client,
+    StepgateClosed,
+    StepgateError,
+    StepgatePublishError,
+    StepgateTimeout,
+    Workflow,
+    murmur2,
+    partition_for,
+)
+
+__all__ = [
+    "Answer",
+    "AnswerError",
+    "AsyncClient",
+    "AsyncWorkflow",
+    "Client",
+    "ResultV1",
+    "Status",
+    "StepgateClosed",
+    "StepgateError",
+    "StepgatePublishError",
+    "StepgateTimeout",
+    "Workflow",
+    "__version__",
+    "murmur2",
+    "partition_for",
+]

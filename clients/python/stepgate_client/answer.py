@@ -1,0 +1,106 @@
+"""stepgate's answers, typed: the Result v1 record (schemas/result.v1.json)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Dict, Mapping, Optional
+
+if sys.version_info >= (3, 11):
+    from typing import Literal, NotRequired, TypedDict
+else:  # pragma: no cover - older interpreters
+    from typing_extensions import Literal, NotRequired, TypedDict
+
+#: The statuses of Result v1. A newer stepgate may add one: `Answer.status` is
+#: then that string as sent.
+Status = Literal["ok", "error", "in_doubt", "rejected"]
+
+
+class ErrorV1(TypedDict):
+    kind: str
+    message: str
+
+
+class ResultV1(TypedDict):
+    """A Result v1 record as it is on the wire (JSON)."""
+
+    workflow_id: str
+    step_index: int
+    tool: str
+    attempt: int
+    call_id: Optional[str]
+    status: str
+    deduplicated: bool
+    completed_at: str
+    output: NotRequired[Any]
+    error: NotRequired[ErrorV1]
+
+
+@dataclass(frozen=True)
+class AnswerError:
+    """Why a call did not succeed. `message` is written for a model to act on."""
+
+    kind: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Answer:
+    """The one answer of a step (Result v1).
+
+    `output` is the tool's answer when `status == "ok"`; `error` is set for every
+    other status. `deduplicated` is False only for the call that ran the tool.
+    `to_dict()` gives the record exactly as stepgate wrote it.
+    """
+
+    workflow_id: str
+    step_index: int
+    tool: str
+    attempt: int
+    call_id: Optional[str]
+    status: str
+    deduplicated: bool
+    completed_at: str
+    output: Any = None
+    error: Optional[AnswerError] = None
+    raw: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The Result v1 record as received (a copy)."""
+        return dict(self.raw)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Answer":
+        err = d.get("error")
+        error = None
+        if isinstance(err, Mapping):
+            error = AnswerError(kind=str(err.get("kind", "")), message=str(err.get("message", "")))
+        return cls(
+            workflow_id=str(d.get("workflow_id", "")),
+            step_index=int(d.get("step_index", 0) or 0),
+            tool=str(d.get("tool", "")),
+            attempt=int(d.get("attempt", 0) or 0),
+            call_id=d.get("call_id"),
+            status=str(d.get("status", "")),
+            deduplicated=bool(d.get("deduplicated", False)),
+            completed_at=str(d.get("completed_at", "")),
+            output=d.get("output"),
+            error=error,
+            raw=dict(d),
+        )
+
+
+def answer_text(answer: "Answer | Mapping[str, Any]") -> str:
+    """stepgate's answer as a tool's output for a model: the output's JSON when
+    ok, else the status and stepgate's model-readable message."""
+    if not isinstance(answer, Answer):
+        answer = Answer.from_dict(answer)
+    if answer.ok:
+        return json.dumps(answer.output)
+    message = answer.error.message if answer.error else ""
+    return f"{answer.status}: {message}"
