@@ -75,10 +75,19 @@ pub enum Command {
         /// Serve Streamable HTTP on this address (e.g. 127.0.0.1:9480) instead of stdio.
         #[arg(long)]
         listen: Option<String>,
-        /// A `Host` (or `host:port`) HTTP requests may name, besides the loopback
-        /// names; repeat for more (DNS-rebinding protection).
+        /// A `Host` (or `host:port`) HTTP requests may name; repeat for more
+        /// (DNS-rebinding protection). The loopback names are allowed only
+        /// when listening on loopback. Adds to `mcp.allowed_hosts`.
         #[arg(long)]
         allowed_host: Vec<String>,
+        /// A browser origin allowed to call (e.g. https://app.example.com);
+        /// a request with any other `Origin` gets 403. Adds to `mcp.allowed_origins`.
+        #[arg(long)]
+        allowed_origin: Vec<String>,
+        /// Serve on an address beyond loopback with no `[mcp.auth]` configured
+        /// (only behind something else that authorizes every request).
+        #[arg(long)]
+        insecure_no_auth: bool,
         /// How long one call waits for stepgate's answer.
         #[arg(long, default_value = "120s")]
         timeout: humantime::Duration,

@@ -52,6 +52,8 @@ pub struct Config {
     pub executor: ExecutorConfig,
     pub http: HttpConfig,
     pub log: LogConfig,
+    /// `stepgate mcp` over HTTP: who may call, what, and in which workflows.
+    pub mcp: McpConfig,
     /// Tools by name.
     pub tools: BTreeMap<String, ToolConfig>,
 }
@@ -300,6 +302,270 @@ impl Default for LogConfig {
     }
 }
 
+/// `stepgate mcp` over HTTP (`--listen`): an OAuth 2.1 resource server in
+/// front of the tools. Unused on stdio, where the host that starts the process
+/// is its only client.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct McpConfig {
+    /// The front's URL as clients dial it, e.g. `"https://mcp.example.com/mcp"`:
+    /// the audience tokens must be issued for (RFC 8707) and the `resource` of
+    /// its metadata (RFC 9728). Default: `http://<listen address>/mcp`.
+    pub resource: Option<String>,
+    /// `Host` names (or `host:port`) requests may carry, besides those given
+    /// with `--allowed-host`. The loopback names are allowed only when the front
+    /// listens on a loopback address, and only from a loopback peer.
+    pub allowed_hosts: Vec<String>,
+    /// Browser origins allowed to call, e.g. `"https://app.example.com"` (`:*`
+    /// for any port). A request with any other `Origin` gets 403; one without
+    /// `Origin` (not from a browser) is not affected.
+    pub allowed_origins: Vec<String>,
+    /// The largest request body in bytes; larger gets 413.
+    pub max_request_bytes: u64,
+    /// Open MCP sessions per principal: opening one more closes its oldest.
+    pub max_sessions_per_principal: u32,
+    /// Requests per second a principal may make, sustained (429 beyond).
+    pub requests_per_second: u32,
+    /// Requests a principal may make at once above the sustained rate.
+    pub burst: u32,
+    pub auth: McpAuthConfig,
+}
+
+impl Default for McpConfig {
+    fn default() -> Self {
+        McpConfig {
+            resource: None,
+            allowed_hosts: Vec::new(),
+            allowed_origins: Vec::new(),
+            max_request_bytes: 1024 * 1024,
+            max_sessions_per_principal: 16,
+            requests_per_second: 20,
+            burst: 40,
+            auth: McpAuthConfig::default(),
+        }
+    }
+}
+
+/// Who may call `stepgate mcp`: bearer JWTs of an OAuth authorization server
+/// (`issuer` and `jwks_url`), static tokens (`[[mcp.auth.tokens]]`), or both.
+/// With neither, the front serves only on a loopback address (unless
+/// `--insecure-no-auth`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct McpAuthConfig {
+    /// The authorization server's issuer identifier: tokens' `iss` must be
+    /// exactly this, and the metadata names it in `authorization_servers`.
+    pub issuer: Option<String>,
+    /// Where the issuer publishes its signing keys (a JWK Set); fetched at
+    /// start, every `jwks_refresh`, and when a token names an unknown key.
+    pub jwks_url: Option<String>,
+    /// How often the JWK Set is fetched again.
+    pub jwks_refresh: Dur,
+    /// JWS algorithms accepted (asymmetric only: RS*, PS*, ES256, ES384, EdDSA).
+    pub algorithms: Vec<String>,
+    /// Clock skew allowed on `exp` and `nbf`.
+    pub leeway: Dur,
+    /// The token claim that names the principal's workflow namespace: it may
+    /// name only workflows `<value>/…` in `_meta`.
+    pub namespace_claim: String,
+    /// Scope → the tools it lets a principal list and call (`"*"`: every tool).
+    pub scopes: BTreeMap<String, Vec<String>>,
+    /// Static bearer tokens, the simple mode.
+    pub tokens: Vec<McpStaticToken>,
+}
+
+impl Default for McpAuthConfig {
+    fn default() -> Self {
+        McpAuthConfig {
+            issuer: None,
+            jwks_url: None,
+            jwks_refresh: dur("10m"),
+            algorithms: ["RS256", "ES256"].map(String::from).to_vec(),
+            leeway: dur("30s"),
+            namespace_claim: "sub".into(),
+            scopes: BTreeMap::new(),
+            tokens: Vec::new(),
+        }
+    }
+}
+
+impl McpAuthConfig {
+    /// Whether any authorization is configured.
+    pub fn enabled(&self) -> bool {
+        self.issuer.is_some() || !self.tokens.is_empty()
+    }
+}
+
+/// One static bearer token: a principal with its scopes and namespace.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct McpStaticToken {
+    /// The principal's name (logs, limits, the intent's metadata).
+    pub name: String,
+    /// `"env:NAME"` or `"file:/path"` (a literal works, but keeps the secret in
+    /// the config file).
+    pub token: HeaderSpec,
+    /// Scopes of `[mcp.auth.scopes]` this token has.
+    pub scopes: Vec<String>,
+    /// The workflow ids it may name start with this. Default `"<name>/"`; `""`
+    /// is every workflow.
+    pub namespace: Option<String>,
+}
+
+impl McpStaticToken {
+    /// The workflow-id prefix this token may name.
+    pub fn namespace(&self) -> String {
+        self.namespace
+            .clone()
+            .unwrap_or_else(|| format!("{}/", self.name))
+    }
+}
+
+/// The JWS algorithms `[mcp.auth] algorithms` may name: asymmetric only (a
+/// shared secret would let any resource server mint tokens).
+pub const MCP_JWT_ALGORITHMS: [&str; 9] = [
+    "RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "ES256", "ES384", "EdDSA",
+];
+
+impl McpConfig {
+    fn validate(&self, tools: &BTreeMap<String, ToolConfig>) -> Result<(), ConfigError> {
+        let invalid = |field: &str, message: String| ConfigError::Invalid {
+            field: field.to_owned(),
+            message,
+        };
+        if let Some(r) = &self.resource {
+            match reqwest::Url::parse(r) {
+                Ok(u)
+                    if matches!(u.scheme(), "http" | "https")
+                        && u.host().is_some()
+                        && u.fragment().is_none() => {}
+                _ => {
+                    return Err(invalid(
+                        "mcp.resource",
+                        format!(
+                            "must be the front's http(s) URL without a fragment, e.g. \"https://mcp.example.com/mcp\"; got `{r}`"
+                        ),
+                    ));
+                }
+            }
+        }
+        for (field, n) in [
+            ("mcp.max_request_bytes", self.max_request_bytes),
+            (
+                "mcp.max_sessions_per_principal",
+                self.max_sessions_per_principal.into(),
+            ),
+            ("mcp.requests_per_second", self.requests_per_second.into()),
+            ("mcp.burst", self.burst.into()),
+        ] {
+            if n == 0 {
+                return Err(invalid(field, "must be at least 1".into()));
+            }
+        }
+        let a = &self.auth;
+        match (&a.issuer, &a.jwks_url) {
+            (Some(_), None) | (None, Some(_)) => {
+                return Err(invalid(
+                    "mcp.auth",
+                    "`issuer` and `jwks_url` go together: the issuer's tokens are checked against its keys".into(),
+                ));
+            }
+            (Some(_), Some(url)) => {
+                if !reqwest::Url::parse(url).is_ok_and(|u| matches!(u.scheme(), "http" | "https")) {
+                    return Err(invalid(
+                        "mcp.auth.jwks_url",
+                        format!("must be an http(s) URL, got `{}`", redact_url(url)),
+                    ));
+                }
+                if a.namespace_claim.trim().is_empty() {
+                    return Err(invalid(
+                        "mcp.auth.namespace_claim",
+                        "must name a claim, e.g. \"sub\"".into(),
+                    ));
+                }
+            }
+            (None, None) => {}
+        }
+        if a.algorithms.is_empty() {
+            return Err(invalid(
+                "mcp.auth.algorithms",
+                "must name at least one algorithm".into(),
+            ));
+        }
+        for alg in &a.algorithms {
+            if !MCP_JWT_ALGORITHMS.contains(&alg.as_str()) {
+                return Err(invalid(
+                    "mcp.auth.algorithms",
+                    format!("`{alg}` is not accepted; the algorithms are {MCP_JWT_ALGORITHMS:?}"),
+                ));
+            }
+        }
+        if a.enabled() && a.scopes.is_empty() {
+            return Err(invalid(
+                "mcp.auth.scopes",
+                "must map at least one scope to the tools it grants, e.g. `search = [\"search\"]` (`\"*\"` for every tool)".into(),
+            ));
+        }
+        for (scope, granted) in &a.scopes {
+            for tool in granted {
+                if tool != "*" && !tools.contains_key(tool) {
+                    return Err(invalid(
+                        &format!("mcp.auth.scopes.{scope}"),
+                        format!("names `{tool}`, which is not a configured tool"),
+                    ));
+                }
+            }
+        }
+        for (i, t) in a.tokens.iter().enumerate() {
+            let field = format!("mcp.auth.tokens[{i}]");
+            if t.name.trim().is_empty() {
+                return Err(invalid(&field, "needs a `name`".into()));
+            }
+            if a.tokens[..i].iter().any(|o| o.name == t.name) {
+                return Err(invalid(
+                    &field,
+                    format!("the name `{}` is used twice", t.name),
+                ));
+            }
+            if let Some(s) = t.scopes.iter().find(|s| !a.scopes.contains_key(*s)) {
+                return Err(invalid(
+                    &field,
+                    format!("has scope `{s}`, which `[mcp.auth.scopes]` does not define"),
+                ));
+            }
+            if t.namespace
+                .as_ref()
+                .is_some_and(|n| !n.is_empty() && !n.ends_with('/'))
+            {
+                return Err(invalid(&field, "a `namespace` ends with `/` (e.g. \"support/\"), or is \"\" for every workflow".into()));
+            }
+            match &t.token.source {
+                HeaderSource::Env(v) if v.is_empty() => {
+                    return Err(invalid(&field, "`env:` needs a variable name".into()));
+                }
+                HeaderSource::File(p) if p.as_os_str().is_empty() => {
+                    return Err(invalid(&field, "`file:` needs a path".into()));
+                }
+                HeaderSource::Literal(v) if v.trim().len() < 16 => {
+                    return Err(invalid(&field, "the token must be at least 16 characters (or \"env:NAME\", \"file:/path\")".into()));
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// The same with static tokens' literal values redacted.
+    pub fn redacted(&self) -> McpConfig {
+        let mut c = self.clone();
+        for t in &mut c.auth.tokens {
+            // Its source (`env:…`, `file:…`), or REDACTED for a literal.
+            t.token = HeaderSpec::parse(&t.token.shown());
+        }
+        c
+    }
+}
+
 impl Config {
     /// Read a TOML file (or defaults when `path` is None), apply `STEPGATE_*`
     /// overrides from `env`, and validate.
@@ -538,6 +804,7 @@ impl Config {
                 }
             }
         }
+        self.mcp.validate(&self.tools)?;
         Ok(())
     }
 
@@ -572,6 +839,7 @@ impl Config {
     pub fn redacted(&self) -> Config {
         Config {
             kafka: self.kafka.redacted(),
+            mcp: self.mcp.redacted(),
             tools: self
                 .tools
                 .iter()

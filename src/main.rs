@@ -154,6 +154,8 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
             deployment,
             listen,
             allowed_host,
+            allowed_origin,
+            insecure_no_auth,
             timeout,
         } => {
             let cfg = load(&deployment)?;
@@ -163,6 +165,8 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
                 Some(listen) => stepgate::mcp::Transport::Http {
                     listen,
                     allowed_hosts: allowed_host,
+                    allowed_origins: allowed_origin,
+                    insecure_no_auth,
                 },
                 None => stepgate::mcp::Transport::Stdio,
             };

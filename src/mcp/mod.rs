@@ -17,11 +17,22 @@
 //! retry that comes from another session (a reconnected client), nor one made
 //! after a different call of the same tool. Stateless HTTP requests (protocol
 //! 2026-07-28 has no sessions) must carry the step in `_meta`.
+//!
+//! **Who may call.** Over HTTP the front is an OAuth 2.1 resource server
+//! ([`auth`], [`http`]): each request's bearer token names a principal, which
+//! lists and calls only the tools its scopes grant and names only workflows in
+//! its namespace (`<namespace>…`); its session-named workflows are
+//! `<namespace>mcp-<session id>`. On stdio the host that started the process is
+//! its one client.
+
+pub mod auth;
+pub mod http;
 
 use crate::client::{Client, ClientError, StepCall};
-use crate::config::Config;
+use crate::config::{Config, McpConfig};
 use crate::contract::{Status, ToolResult};
 use crate::tools::{Category, ToolConfig};
+use auth::Principal;
 use rmcp::model::{
     CallToolRequestParams, CallToolResponse, CallToolResult, ListToolsResult,
     PaginatedRequestParams, ServerCapabilities, ServerConfig,
@@ -57,6 +68,24 @@ pub enum McpFrontError {
     Serve(#[source] std::io::Error),
     #[error("the MCP session on stdio")]
     Stdio(#[source] Box<dyn std::error::Error + Send + Sync>),
+    #[error(
+        "refusing to serve MCP on {addr} without authorization: anyone who can reach it could \
+         run every tool. Configure `[mcp.auth]` (an OAuth issuer, or static tokens), listen on a \
+         loopback address, or pass --insecure-no-auth if something in front of it authorizes"
+    )]
+    Unprotected { addr: String },
+    #[error(
+        "serving MCP on {addr}, which is not a loopback address, needs the host names clients \
+         use: --allowed-host NAME or `mcp.allowed_hosts` (the `Host` header is checked)"
+    )]
+    NoAllowedHosts { addr: String },
+    #[error(
+        "`mcp.resource` must be set to the URL clients use (e.g. \"https://mcp.example.com/mcp\") \
+         when serving on {addr} with an OAuth issuer: tokens are checked to be issued for it"
+    )]
+    NoResource { addr: String },
+    #[error("MCP authorization")]
+    Auth(#[from] auth::AuthSetupError),
 }
 
 /// Where `stepgate mcp` serves.
@@ -65,11 +94,15 @@ pub enum Transport {
     /// One session on standard input and output (an MCP client starts
     /// `stepgate mcp` as its subprocess).
     Stdio,
-    /// Streamable HTTP at `http://<listen>/mcp`; requests must name one of
-    /// `allowed_hosts` in their `Host` header (DNS-rebinding protection).
+    /// Streamable HTTP at `http://<listen>/mcp`, behind the checks of
+    /// [`http`]. `allowed_hosts` and `allowed_origins` add to the config's.
     Http {
         listen: String,
         allowed_hosts: Vec<String>,
+        allowed_origins: Vec<String>,
+        /// Serve beyond loopback without authorization (something in front
+        /// of the front authorizes).
+        insecure_no_auth: bool,
     },
 }
 
@@ -77,6 +110,8 @@ pub enum Transport {
 struct Shared {
     client: Client,
     tools: BTreeMap<String, ToolConfig>,
+    /// `[mcp]`: authorization and limits of the HTTP front.
+    config: McpConfig,
     /// Steps by session id, for calls without a step in `_meta`.
     sessions: Mutex<Sessions>,
 }
@@ -99,26 +134,64 @@ struct StepState {
     next: u64,
     /// Steps whose answer the client never received, by tool, oldest first.
     unanswered: HashMap<String, VecDeque<u64>>,
+    /// Calls in flight, by tool: (call, step, the request's cancellation).
+    in_flight: HashMap<String, Vec<(u64, u64, CancellationToken)>>,
+    calls: u64,
 }
 
 impl SessionSteps {
-    /// The step of the session's next call of `tool`: an unanswered one first.
-    fn take(&self, tool: &str) -> u64 {
+    /// The step of the session's next call of `tool` (its request cancelled
+    /// by `cancel`): an unanswered one first, then one whose call the client
+    /// has cancelled (rmcp cancels before it hands over the next request, so
+    /// the retry that follows a cancellation finds it even while that call is
+    /// still winding up). Returns (call, step).
+    fn take(&self, tool: &str, cancel: &CancellationToken) -> (u64, u64) {
         let mut s = self.state.lock().expect("session steps lock");
-        if let Some(step) = s.unanswered.get_mut(tool).and_then(VecDeque::pop_front) {
-            return step;
-        }
-        let step = s.next;
-        s.next += 1;
-        step
-    }
-
-    fn leave_unanswered(&self, tool: &str, step: u64) {
-        let mut s = self.state.lock().expect("session steps lock");
-        s.unanswered
+        let cancelled = s.in_flight.get_mut(tool).and_then(|calls| {
+            let i = calls.iter().position(|(_, _, c)| c.is_cancelled())?;
+            Some(calls.remove(i).1)
+        });
+        let step = match s.unanswered.get_mut(tool).and_then(VecDeque::pop_front) {
+            Some(step) => {
+                if let Some(other) = cancelled {
+                    s.unanswered
+                        .entry(tool.to_owned())
+                        .or_default()
+                        .push_back(other);
+                }
+                step
+            }
+            None => cancelled.unwrap_or_else(|| {
+                s.next += 1;
+                s.next - 1
+            }),
+        };
+        s.calls += 1;
+        let call = s.calls;
+        s.in_flight
             .entry(tool.to_owned())
             .or_default()
-            .push_back(step);
+            .push((call, step, cancel.clone()));
+        (call, step)
+    }
+
+    /// Call `call` of `tool` ended; a `lost` answer leaves its step for the
+    /// next call of the tool, unless a retry has taken it already.
+    fn finish(&self, tool: &str, call: u64, lost: bool) {
+        let mut s = self.state.lock().expect("session steps lock");
+        let Some(calls) = s.in_flight.get_mut(tool) else {
+            return;
+        };
+        let Some(i) = calls.iter().position(|(c, _, _)| *c == call) else {
+            return;
+        };
+        let (_, step, _) = calls.remove(i);
+        if lost {
+            s.unanswered
+                .entry(tool.to_owned())
+                .or_default()
+                .push_back(step);
+        }
     }
 }
 
@@ -128,20 +201,21 @@ impl SessionSteps {
 struct Pending {
     steps: Arc<SessionSteps>,
     tool: String,
-    step: u64,
+    call: u64,
     answered: bool,
 }
 
 impl Pending {
     fn answered(mut self) {
         self.answered = true;
+        self.steps.finish(&self.tool, self.call, false);
     }
 }
 
 impl Drop for Pending {
     fn drop(&mut self) {
         if !self.answered {
-            self.steps.leave_unanswered(&self.tool, self.step);
+            self.steps.finish(&self.tool, self.call, true);
         }
     }
 }
@@ -166,6 +240,7 @@ impl McpFront {
             shared: Arc::new(Shared {
                 client,
                 tools: config.tools.clone(),
+                config: config.mcp.clone(),
                 sessions: Mutex::new(Sessions::default()),
             }),
             stdio_session: None,
@@ -202,33 +277,152 @@ impl McpFront {
             Transport::Http {
                 listen,
                 allowed_hosts,
+                allowed_origins,
+                insecure_no_auth,
             } => {
-                use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
-                use rmcp::transport::{StreamableHttpServerConfig, StreamableHttpService};
-                let mut config = StreamableHttpServerConfig::default()
-                    .with_cancellation_token(stop.child_token());
-                config.allowed_hosts.extend(allowed_hosts);
-                let front = self;
-                let service: StreamableHttpService<McpFront, LocalSessionManager> =
-                    StreamableHttpService::new(
-                        move || Ok(front.clone()),
-                        Default::default(),
-                        config,
-                    );
-                let router = axum::Router::new().nest_service("/mcp", service);
-                let listener = tokio::net::TcpListener::bind(&listen)
-                    .await
-                    .map_err(|source| McpFrontError::Listen {
-                        addr: listen.clone(),
-                        source,
-                    })?;
-                tracing::info!(addr = %listen, "stepgate mcp serving Streamable HTTP at /mcp");
-                axum::serve(listener, router)
-                    .with_graceful_shutdown(async move { stop.cancelled_owned().await })
-                    .await
-                    .map_err(McpFrontError::Serve)
+                self.serve_http(
+                    &listen,
+                    allowed_hosts,
+                    allowed_origins,
+                    insecure_no_auth,
+                    stop,
+                )
+                .await
             }
         }
+    }
+
+    async fn serve_http(
+        self,
+        listen: &str,
+        mut allowed_hosts: Vec<String>,
+        mut allowed_origins: Vec<String>,
+        insecure_no_auth: bool,
+        stop: CancellationToken,
+    ) -> Result<(), McpFrontError> {
+        use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
+        use rmcp::transport::{StreamableHttpServerConfig, StreamableHttpService};
+        let cfg = self.shared.config.clone();
+        let listen_error = |source| McpFrontError::Listen {
+            addr: listen.to_owned(),
+            source,
+        };
+        // Refused before anything is bound: serving beyond loopback without
+        // authorization, or without the host names to check.
+        let addrs: Vec<std::net::SocketAddr> = tokio::net::lookup_host(listen)
+            .await
+            .map_err(listen_error)?
+            .collect();
+        let loopback = !addrs.is_empty() && addrs.iter().all(|a| a.ip().is_loopback());
+        let addr = listen.to_owned();
+        allowed_hosts.extend(cfg.allowed_hosts.iter().cloned());
+        allowed_origins.extend(cfg.allowed_origins.iter().cloned());
+        if !loopback && !cfg.auth.enabled() && !insecure_no_auth {
+            return Err(McpFrontError::Unprotected { addr });
+        }
+        if !loopback && allowed_hosts.is_empty() {
+            return Err(McpFrontError::NoAllowedHosts { addr });
+        }
+        if !loopback && cfg.auth.issuer.is_some() && cfg.resource.is_none() {
+            return Err(McpFrontError::NoResource { addr });
+        }
+        let listener = tokio::net::TcpListener::bind(listen)
+            .await
+            .map_err(listen_error)?;
+        let local = listener.local_addr().map_err(listen_error)?;
+        let resource = cfg
+            .resource
+            .clone()
+            .unwrap_or_else(|| format!("http://{local}/mcp"));
+        let authorizer = auth::Authorizer::new(&cfg.auth, &resource, &|k| std::env::var(k).ok())?;
+        if let Some(a) = &authorizer {
+            a.warm_up().await;
+        }
+        let metadata_url = http::metadata_url(&resource);
+        let mut metadata = json!({
+            "resource": resource,
+            "bearer_methods_supported": ["header"],
+            "resource_name": "stepgate",
+        });
+        if let Some(a) = &authorizer {
+            metadata["scopes_supported"] = json!(a.scopes_supported());
+        }
+        if let Some(issuer) = cfg.auth.issuer.as_ref().filter(|_| authorizer.is_some()) {
+            metadata["authorization_servers"] = json!([issuer]);
+        }
+        // rmcp checks Host and Origin too, with the same lists (the guard's
+        // checks are stricter and come first).
+        let mut rmcp_hosts = allowed_hosts.clone();
+        if loopback {
+            rmcp_hosts.extend(http::LOOPBACK_HOSTS.map(String::from));
+        }
+        let config = StreamableHttpServerConfig::default()
+            .with_cancellation_token(stop.child_token())
+            .with_allowed_hosts(rmcp_hosts)
+            .with_allowed_origins(allowed_origins.clone())
+            .enforce_origin_validation()
+            .with_max_request_body_bytes(
+                usize::try_from(cfg.max_request_bytes).unwrap_or(usize::MAX),
+            );
+        let session_manager = Arc::new(LocalSessionManager::default());
+        let guard = Arc::new(http::Guard {
+            authorizer,
+            tools: self.shared.tools.keys().cloned().collect(),
+            allowed_hosts: allowed_hosts
+                .iter()
+                .map(|h| h.to_ascii_lowercase())
+                .collect(),
+            loopback,
+            allowed_origins,
+            max_body: usize::try_from(cfg.max_request_bytes).unwrap_or(usize::MAX),
+            max_sessions: cfg.max_sessions_per_principal as usize,
+            limiter: http::Guard::limiter(cfg.requests_per_second, cfg.burst),
+            sessions: Mutex::new(http::SessionOwners::default()),
+            session_manager: session_manager.clone(),
+            metadata_url,
+            metadata,
+        });
+        let front = self;
+        let service: StreamableHttpService<McpFront, LocalSessionManager> =
+            StreamableHttpService::new(move || Ok(front.clone()), session_manager, config);
+        let mcp = axum::Router::new().nest_service("/mcp", service).layer(
+            axum::middleware::from_fn_with_state(guard.clone(), http::guard),
+        );
+        let well_known = axum::Router::new()
+            .route(
+                "/.well-known/oauth-protected-resource",
+                axum::routing::get(http::protected_resource_metadata),
+            )
+            .route(
+                "/.well-known/oauth-protected-resource/{*resource}",
+                axum::routing::get(http::protected_resource_metadata),
+            )
+            .with_state(guard.clone());
+        let router = mcp.merge(well_known);
+        // Idle principals' rate-limit state is dropped now and then.
+        let limits = guard.clone();
+        let sweep_stop = stop.clone();
+        tokio::spawn(async move {
+            let mut every = tokio::time::interval(Duration::from_secs(60));
+            loop {
+                tokio::select! {
+                    _ = every.tick() => limits.limiter.retain_recent(),
+                    _ = sweep_stop.cancelled() => return,
+                }
+            }
+        });
+        tracing::info!(
+            addr = %local,
+            authorization = if guard.authorizer.is_some() { "bearer tokens" } else { "none" },
+            "stepgate mcp serving Streamable HTTP at /mcp"
+        );
+        axum::serve(
+            listener,
+            router.into_make_service_with_connect_info::<std::net::SocketAddr>(),
+        )
+        .with_graceful_shutdown(async move { stop.cancelled_owned().await })
+        .await
+        .map_err(McpFrontError::Serve)
     }
 
     /// The session a request came in, if it came in one: this process's on
@@ -248,6 +442,19 @@ impl McpFront {
         }
     }
 
+    /// Who sent a request: on stdio, the host that started this process;
+    /// over HTTP, the principal [`http::guard`] found for it (none: refused).
+    fn principal(&self, ctx: &RequestContext<RoleServer>) -> Option<Arc<Principal>> {
+        if self.stdio_session.is_some() {
+            return Some(Arc::new(Principal::anonymous()));
+        }
+        ctx.extensions
+            .get::<axum::http::request::Parts>()?
+            .extensions
+            .get::<Arc<Principal>>()
+            .cloned()
+    }
+
     /// The steps of session `id`.
     fn session_steps(&self, id: &str) -> Arc<SessionSteps> {
         let mut sessions = self.shared.sessions.lock().expect("sessions lock");
@@ -265,11 +472,13 @@ impl McpFront {
         steps
     }
 
-    fn tool_list(&self) -> Value {
+    /// The tools `principal` may call.
+    fn tool_list(&self, principal: &Principal) -> Value {
         let tools: Vec<Value> = self
             .shared
             .tools
             .iter()
+            .filter(|(name, _)| principal.may_call(name))
             .map(|(name, t)| {
                 let description = t.description.clone().unwrap_or_else(|| {
                     format!(
@@ -393,9 +602,15 @@ impl ServerHandler for McpFront {
     async fn list_tools(
         &self,
         _request: Option<PaginatedRequestParams>,
-        _ctx: RequestContext<RoleServer>,
+        ctx: RequestContext<RoleServer>,
     ) -> Result<ListToolsResult, McpError> {
-        serde_json::from_value(self.tool_list())
+        let Some(principal) = self.principal(&ctx) else {
+            return Err(McpError::invalid_request(
+                "the request is not authorized",
+                None,
+            ));
+        };
+        serde_json::from_value(self.tool_list(&principal))
             .map_err(|e| McpError::internal_error(format!("the tool list: {e}"), None))
     }
 
@@ -405,8 +620,19 @@ impl ServerHandler for McpFront {
         ctx: RequestContext<RoleServer>,
     ) -> Result<CallToolResponse, McpError> {
         let tool = request.name.to_string();
-        if !self.shared.tools.contains_key(&tool) {
-            let known: Vec<&String> = self.shared.tools.keys().collect();
+        let Some(principal) = self.principal(&ctx) else {
+            return Err(McpError::invalid_request(
+                "the request is not authorized",
+                None,
+            ));
+        };
+        if !self.shared.tools.contains_key(&tool) || !principal.may_call(&tool) {
+            let known: Vec<&String> = self
+                .shared
+                .tools
+                .keys()
+                .filter(|t| principal.may_call(t))
+                .collect();
             return Err(McpError::invalid_params(
                 format!("there is no tool named `{tool}`; the tools are {known:?}"),
                 None,
@@ -428,6 +654,20 @@ impl ServerHandler for McpFront {
                 .map(Into::into);
             }
         };
+        if let Some((workflow_id, _, _)) = &named
+            && !principal.may_name(workflow_id)
+        {
+            // Decided before anything is asked of stepgate, and the same
+            // whether that workflow exists or not: nothing about it is told.
+            tracing::info!(principal = %principal.name, tool, "a call naming a workflow outside its namespace refused");
+            return error_result(format!(
+                "This call to `{tool}` was not performed: `_meta.workflow_id` must start with \
+                 `{}`, the namespace of the workflows this caller may name. Call the tool again \
+                 with a workflow id in it.",
+                principal.namespace
+            ))
+            .map(Into::into);
+        }
         let mut pending = None;
         let (workflow_id, step_index, attempt) = match named {
             Some(step) => step,
@@ -441,14 +681,14 @@ impl ServerHandler for McpFront {
                     .map(Into::into);
                 };
                 let steps = self.session_steps(&session);
-                let step = steps.take(&tool);
+                let (call, step) = steps.take(&tool, &ctx.ct);
                 pending = Some(Pending {
                     steps,
                     tool: tool.clone(),
-                    step,
+                    call,
                     answered: false,
                 });
-                (format!("mcp-{session}"), step, 0)
+                (format!("{}mcp-{session}", principal.namespace), step, 0)
             }
         };
         let call = StepCall::new(&workflow_id, step_index, &tool, arguments)
@@ -488,6 +728,67 @@ impl ServerHandler for McpFront {
 mod tests {
     use super::*;
 
+    const TOOLS: &str = r#"
+[tools.search]
+category = "read_only"
+url = "http://127.0.0.1:1/search"
+"#;
+
+    #[test]
+    fn the_mcp_section_is_checked_when_loaded() {
+        let load = |mcp: &str| Config::from_toml_str(&format!("{TOOLS}\n{mcp}"), Vec::new());
+        let ok = load(
+            r#"
+[mcp.auth]
+issuer = "https://auth.example.com"
+jwks_url = "https://auth.example.com/jwks"
+[mcp.auth.scopes]
+s = ["search"]
+[[mcp.auth.tokens]]
+name = "bot"
+token = "a-literal-token-of-some-length"
+scopes = ["s"]
+"#,
+        )
+        .unwrap();
+        assert!(ok.mcp.auth.enabled());
+        // A literal token is not shown by check-config.
+        let shown = toml::to_string(&ok.redacted()).unwrap();
+        assert!(!shown.contains("a-literal-token"), "{shown}");
+        for (bad, field) in [
+            ("[mcp.auth]\nissuer = \"https://a.example\"", "`mcp.auth`"),
+            (
+                "[mcp.auth]\nissuer = \"https://a\"\njwks_url = \"https://a/k\"",
+                "mcp.auth.scopes",
+            ),
+            (
+                "[mcp.auth.scopes]\ns = [\"send_email\"]",
+                "mcp.auth.scopes.s",
+            ),
+            (
+                "[mcp.auth]\nalgorithms = [\"HS256\"]",
+                "mcp.auth.algorithms",
+            ),
+            (
+                "[mcp.auth.scopes]\ns = [\"*\"]\n[[mcp.auth.tokens]]\nname = \"b\"\ntoken = \"env:T\"\nscopes = [\"x\"]",
+                "mcp.auth.tokens[0]",
+            ),
+            (
+                "[mcp.auth.scopes]\ns = [\"*\"]\n[[mcp.auth.tokens]]\nname = \"b\"\ntoken = \"short\"\nscopes = [\"s\"]",
+                "mcp.auth.tokens[0]",
+            ),
+            (
+                "[mcp.auth.scopes]\ns = [\"*\"]\n[[mcp.auth.tokens]]\nname = \"b\"\ntoken = \"env:T\"\nscopes = [\"s\"]\nnamespace = \"b\"",
+                "mcp.auth.tokens[0]",
+            ),
+            ("[mcp]\nresource = \"mcp.example.com\"", "mcp.resource"),
+            ("[mcp]\nmax_request_bytes = 0", "mcp.max_request_bytes"),
+        ] {
+            let e = load(bad).expect_err(bad).to_string();
+            assert!(e.contains(field), "{bad}: {e}");
+        }
+    }
+
     #[test]
     fn a_step_in_meta_is_read_and_checked() {
         let meta = |v: Value| v.as_object().cloned();
@@ -521,25 +822,49 @@ mod tests {
     #[test]
     fn a_lost_answer_leaves_its_step_for_the_next_call_of_the_tool() {
         let steps = Arc::new(SessionSteps::default());
-        assert_eq!(steps.take("send_email"), 0);
-        let lost = Pending {
+        let pending = |tool: &str, call: u64| Pending {
             steps: steps.clone(),
-            tool: "send_email".into(),
-            step: 0,
+            tool: tool.into(),
+            call,
             answered: false,
         };
-        drop(lost);
+        let live = CancellationToken::new();
+        let (call, step) = steps.take("send_email", &live);
+        assert_eq!(step, 0);
+        drop(pending("send_email", call));
         // Another tool does not take it; the same tool's next call does.
-        assert_eq!(steps.take("search"), 1);
-        assert_eq!(steps.take("send_email"), 0);
-        let kept = Pending {
+        assert_eq!(steps.take("search", &live).1, 1);
+        let (call, step) = steps.take("send_email", &live);
+        assert_eq!(step, 0);
+        pending("send_email", call).answered();
+        assert_eq!(steps.take("send_email", &live).1, 2);
+    }
+
+    #[test]
+    fn a_retry_takes_the_step_of_a_call_cancelled_but_not_yet_wound_up() {
+        let steps = Arc::new(SessionSteps::default());
+        let first = CancellationToken::new();
+        let (lost_call, step) = steps.take("refund", &first);
+        assert_eq!(step, 0);
+        // The client cancels; its retry comes before the call has wound up.
+        first.cancel();
+        let (retry_call, retry_step) = steps.take("refund", &CancellationToken::new());
+        assert_eq!(retry_step, 0);
+        // The cancelled call winding up does not leave the step again.
+        drop(Pending {
             steps: steps.clone(),
-            tool: "send_email".into(),
-            step: 0,
+            tool: "refund".into(),
+            call: lost_call,
             answered: false,
-        };
-        kept.answered();
-        assert_eq!(steps.take("send_email"), 2);
+        });
+        Pending {
+            steps: steps.clone(),
+            tool: "refund".into(),
+            call: retry_call,
+            answered: false,
+        }
+        .answered();
+        assert_eq!(steps.take("refund", &CancellationToken::new()).1, 1);
     }
 
     #[test]

@@ -1,0 +1,620 @@
+//! `stepgate mcp --listen`: Streamable HTTP at `/mcp`, behind the checks the
+//! MCP specification asks of an HTTP server, in this order:
+//! 1. `Host` is one of the configured names; the loopback names only when the
+//!    front listens on loopback and only from a loopback peer (a client that
+//!    sends `Host: localhost` from elsewhere is refused) — 403.
+//! 2. `Origin`, when present, is one of the allowed origins — 403.
+//! 3. A bearer token that names a [`Principal`] — 401 with a challenge that
+//!    points at the Protected Resource Metadata (RFC 9728), served at
+//!    `/.well-known/oauth-protected-resource` (and under `/mcp`).
+//! 4. The principal's request rate — 429.
+//! 5. The body's size — 413; and a `tools/call` of a tool the principal's
+//!    scopes do not grant — 403 `insufficient_scope`.
+//! 6. An `Mcp-Session-Id` belongs to the principal that opened it (another's
+//!    is answered as unknown, 404); a principal's sessions are capped, its
+//!    oldest closed beyond the cap.
+
+use super::auth::{AuthError, Authorizer, Principal};
+use axum::body::{Body, Bytes};
+use axum::extract::{ConnectInfo, Request, State};
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use governor::clock::Clock;
+use governor::{DefaultKeyedRateLimiter, Quota};
+use rmcp::transport::streamable_http_server::session::SessionManager;
+use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
+use serde_json::{Value, json};
+use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::num::NonZeroU32;
+use std::sync::{Arc, Mutex};
+
+/// The loopback names, allowed in `Host` only on a loopback listener.
+pub const LOOPBACK_HOSTS: [&str; 3] = ["localhost", "127.0.0.1", "::1"];
+
+/// What the checks in front of `/mcp` need; one per front.
+pub struct Guard {
+    pub authorizer: Option<Authorizer>,
+    /// The configured tools (a call of another is the handler's to refuse).
+    pub tools: BTreeSet<String>,
+    /// `host` or `host:port`, lower case.
+    pub allowed_hosts: Vec<String>,
+    /// Whether the front listens on a loopback address.
+    pub loopback: bool,
+    pub allowed_origins: Vec<String>,
+    pub max_body: usize,
+    pub max_sessions: usize,
+    pub limiter: DefaultKeyedRateLimiter<String>,
+    pub sessions: Mutex<SessionOwners>,
+    pub session_manager: Arc<LocalSessionManager>,
+    /// The Protected Resource Metadata's URL, for challenges.
+    pub metadata_url: String,
+    /// The Protected Resource Metadata document.
+    pub metadata: Value,
+}
+
+impl Guard {
+    pub fn limiter(requests_per_second: u32, burst: u32) -> DefaultKeyedRateLimiter<String> {
+        let rate = NonZeroU32::new(requests_per_second).unwrap_or(NonZeroU32::MIN);
+        let burst = NonZeroU32::new(burst).unwrap_or(rate);
+        DefaultKeyedRateLimiter::keyed(Quota::per_second(rate).allow_burst(burst))
+    }
+}
+
+/// Which principal opened each session, and each principal's, oldest first.
+#[derive(Default)]
+pub struct SessionOwners {
+    owner: HashMap<String, String>,
+    by_principal: HashMap<String, VecDeque<String>>,
+}
+
+/// The metadata document's URL for `resource` (RFC 9728 §3.1: the well-known
+/// path inserted between the authority and the resource's path).
+pub fn metadata_url(resource: &str) -> String {
+    match reqwest::Url::parse(resource) {
+        Ok(u) => {
+            let path = u.path().trim_end_matches('/');
+            format!(
+                "{}/.well-known/oauth-protected-resource{path}",
+                u.origin().ascii_serialization()
+            )
+        }
+        Err(_) => resource.to_owned(),
+    }
+}
+
+/// `GET /.well-known/oauth-protected-resource[/…]`.
+pub async fn protected_resource_metadata(State(guard): State<Arc<Guard>>) -> Response {
+    (
+        [(header::CACHE_CONTROL, "max-age=300")],
+        axum::Json(guard.metadata.clone()),
+    )
+        .into_response()
+}
+
+/// The checks before the body: Host, Origin, the token, the rate, the
+/// session's owner. The principal and the request's session, or the refusal.
+async fn admit(
+    g: &Guard,
+    parts: &axum::http::request::Parts,
+) -> Result<(Principal, Option<String>), Response> {
+    let peer = parts
+        .extensions
+        .get::<ConnectInfo<SocketAddr>>()
+        .map(|c| c.0);
+    if let Err(why) = host_allowed(g, &parts.headers, &parts.uri, peer) {
+        tracing::warn!(?peer, why, "MCP request refused: Host");
+        return Err(plain(StatusCode::FORBIDDEN, &format!("Forbidden: {why}")));
+    }
+    if let Some(origin) = parts.headers.get(header::ORIGIN)
+        && !origin_allowed(origin, &g.allowed_origins)
+    {
+        tracing::warn!(?peer, ?origin, "MCP request refused: Origin");
+        return Err(plain(
+            StatusCode::FORBIDDEN,
+            "Forbidden: Origin is not allowed",
+        ));
+    }
+    let principal = match &g.authorizer {
+        None => Principal::anonymous(),
+        Some(auth) => {
+            let authorization = parts
+                .headers
+                .get(header::AUTHORIZATION)
+                .and_then(|v| v.to_str().ok());
+            auth.authorize(authorization)
+                .await
+                .map_err(|e| unauthorized(g, &e))?
+        }
+    };
+    let key = principal.key();
+    if let Err(not_until) = g.limiter.check_key(&key) {
+        let wait = not_until.wait_time_from(g.limiter.clock().now());
+        let mut r = plain(
+            StatusCode::TOO_MANY_REQUESTS,
+            "Too Many Requests: this caller's request rate is limited",
+        );
+        r.headers_mut().insert(
+            header::RETRY_AFTER,
+            HeaderValue::from(wait.as_secs().max(1)),
+        );
+        return Err(r);
+    }
+    let session = parts
+        .headers
+        .get("mcp-session-id")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    if let Some(id) = &session {
+        let sessions = g.sessions.lock().expect("session owners lock");
+        if sessions.owner.get(id).is_some_and(|owner| *owner != key) {
+            // Answered as rmcp answers a session it does not know.
+            return Err(plain(StatusCode::NOT_FOUND, "Not Found: Session not found"));
+        }
+    }
+    Ok((principal, session))
+}
+
+/// `response`, once the request's body is read and dropped (at most `limit`
+/// bytes, for at most [`DRAIN_TIME`]); if it could not be, the connection is
+/// closed after the response.
+async fn after_draining(body: Body, limit: usize, mut response: Response) -> Response {
+    use futures::StreamExt as _;
+    let mut stream = body.into_data_stream();
+    let deadline = tokio::time::Instant::now() + DRAIN_TIME;
+    let mut seen = 0usize;
+    let drained = loop {
+        match tokio::time::timeout_at(deadline, stream.next()).await {
+            Ok(Some(Ok(chunk))) => {
+                seen += chunk.len();
+                if seen > limit {
+                    break false;
+                }
+            }
+            Ok(None) => break true,
+            Ok(Some(Err(_))) | Err(_) => break false,
+        }
+    };
+    if !drained {
+        response
+            .headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    }
+    response
+}
+
+/// The checks in front of `/mcp` (see the module's doc).
+pub async fn guard(State(g): State<Arc<Guard>>, request: Request, next: Next) -> Response {
+    let (parts, body) = request.into_parts();
+    let (principal, session) = match admit(&g, &parts).await {
+        Ok(admitted) => admitted,
+        // The body is read (and dropped) before the refusal, so that a
+        // client which sends all of it before reading the answer reads it.
+        Err(refusal) => return after_draining(body, g.max_body, refusal).await,
+    };
+    let key = principal.key();
+    let mut parts = parts;
+    let method = parts.method.clone();
+    let body = if method == Method::POST {
+        let length = parts
+            .headers
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+        let bytes = match read_capped(body, g.max_body, length).await {
+            ReadBody::Read(bytes) => bytes,
+            ReadBody::TooLarge => return too_large_response(g.max_body),
+            ReadBody::Broken => {
+                return plain(
+                    StatusCode::BAD_REQUEST,
+                    "Bad Request: the body could not be read",
+                );
+            }
+        };
+        if let Some(tool) = forbidden_tool(&bytes, &g.tools, &principal) {
+            return insufficient_scope(&g, &tool);
+        }
+        Body::from(bytes)
+    } else {
+        body
+    };
+    parts.extensions.insert(Arc::new(principal));
+    let response = next.run(Request::from_parts(parts, body)).await;
+    let opened = response
+        .headers()
+        .get("mcp-session-id")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    let closed = method == Method::DELETE && response.status().is_success();
+    track_sessions(&g, &key, session.as_deref(), opened, closed).await;
+    response
+}
+
+/// Records a session the response opened (closing the principal's oldest
+/// beyond the cap), or forgets one a DELETE closed.
+async fn track_sessions(
+    g: &Guard,
+    key: &str,
+    session: Option<&str>,
+    opened: Option<String>,
+    closed: bool,
+) {
+    if let Some(id) = session {
+        if closed {
+            let mut s = g.sessions.lock().expect("session owners lock");
+            s.owner.remove(id);
+            if let Some(list) = s.by_principal.get_mut(key) {
+                list.retain(|x| x != id);
+            }
+        }
+        return;
+    }
+    let Some(opened) = opened else {
+        return;
+    };
+    let mine = {
+        let mut s = g.sessions.lock().expect("session owners lock");
+        s.owner.insert(opened.clone(), key.to_owned());
+        let list = s.by_principal.entry(key.to_owned()).or_default();
+        list.push_back(opened);
+        list.clone()
+    };
+    if mine.len() <= g.max_sessions {
+        return;
+    }
+    // Over the cap: forget the sessions rmcp has closed (idle), then close the
+    // oldest still open.
+    let mut live = VecDeque::new();
+    for id in mine {
+        let arc: Arc<str> = Arc::from(id.as_str());
+        if g.session_manager.has_session(&arc).await.unwrap_or(false) {
+            live.push_back(id);
+        }
+    }
+    let mut closing = Vec::new();
+    while live.len() > g.max_sessions {
+        if let Some(oldest) = live.pop_front() {
+            closing.push(oldest);
+        }
+    }
+    {
+        let mut s = g.sessions.lock().expect("session owners lock");
+        let known: Vec<String> = s.by_principal.get(key).cloned().unwrap_or_default().into();
+        for id in known.iter().filter(|id| !live.contains(id)) {
+            s.owner.remove(id);
+        }
+        s.by_principal.insert(key.to_owned(), live);
+    }
+    for id in closing {
+        tracing::info!(
+            principal = key,
+            "closing the oldest MCP session of a principal at its cap"
+        );
+        let _ = g
+            .session_manager
+            .close_session(&Arc::from(id.as_str()))
+            .await;
+    }
+}
+
+/// A request body as read by [`read_capped`].
+enum ReadBody {
+    Read(Bytes),
+    /// Larger than the cap (what came beyond it was read and dropped).
+    TooLarge,
+    Broken,
+}
+
+/// The most of an oversized body read (and dropped) before answering 413, so
+/// that a client which sends its whole body before reading the answer (most
+/// do) reads the 413 rather than a reset connection; beyond it, or past
+/// [`DRAIN_TIME`], the connection is closed.
+const DRAIN_LIMIT: u64 = 16 * 1024 * 1024;
+const DRAIN_TIME: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// The body, if it is at most `max` bytes; otherwise [`ReadBody::TooLarge`],
+/// having read no more than [`DRAIN_LIMIT`] and kept no more than `max`.
+async fn read_capped(body: Body, max: usize, length: Option<u64>) -> ReadBody {
+    use futures::StreamExt as _;
+    let too_large = length.is_some_and(|n| n > max as u64);
+    if length.is_some_and(|n| n > DRAIN_LIMIT) {
+        return ReadBody::TooLarge;
+    }
+    let mut stream = body.into_data_stream();
+    let mut kept = Vec::new();
+    let mut seen: u64 = 0;
+    let deadline = tokio::time::Instant::now() + DRAIN_TIME;
+    loop {
+        match tokio::time::timeout_at(deadline, stream.next()).await {
+            Ok(Some(Ok(chunk))) => {
+                seen += chunk.len() as u64;
+                if too_large || seen > max as u64 {
+                    kept = Vec::new();
+                    if seen > DRAIN_LIMIT {
+                        return ReadBody::TooLarge;
+                    }
+                } else {
+                    kept.extend_from_slice(&chunk);
+                }
+            }
+            Ok(None) => break,
+            Ok(Some(Err(_))) => return ReadBody::Broken,
+            Err(_) if too_large || seen > max as u64 => return ReadBody::TooLarge,
+            Err(_) => return ReadBody::Broken,
+        }
+    }
+    if too_large || seen > max as u64 {
+        ReadBody::TooLarge
+    } else {
+        ReadBody::Read(Bytes::from(kept))
+    }
+}
+
+/// A `tools/call` (or one in a batch) of a configured tool `principal` may
+/// not call.
+fn forbidden_tool(body: &Bytes, tools: &BTreeSet<String>, principal: &Principal) -> Option<String> {
+    let value: Value = serde_json::from_slice(body).ok()?;
+    let messages: Vec<&Value> = match &value {
+        Value::Array(a) => a.iter().collect(),
+        v => vec![v],
+    };
+    messages.into_iter().find_map(|m| {
+        if m.get("method")?.as_str()? != "tools/call" {
+            return None;
+        }
+        let name = m.get("params")?.get("name")?.as_str()?;
+        (tools.contains(name) && !principal.may_call(name)).then(|| name.to_owned())
+    })
+}
+
+/// Whether `Host` (or the URI's authority) is allowed, from `peer`.
+fn host_allowed(
+    g: &Guard,
+    headers: &HeaderMap,
+    uri: &axum::http::Uri,
+    peer: Option<SocketAddr>,
+) -> Result<(), &'static str> {
+    let raw = match headers.get(header::HOST) {
+        Some(h) => h.to_str().map_err(|_| "the Host header is not text")?,
+        None => uri
+            .authority()
+            .map(|a| a.as_str())
+            .ok_or("the request names no Host")?,
+    };
+    let authority =
+        axum::http::uri::Authority::try_from(raw).map_err(|_| "the Host header is malformed")?;
+    let host = authority
+        .host()
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .to_ascii_lowercase();
+    let port = authority.port_u16();
+    if LOOPBACK_HOSTS.contains(&host.as_str()) {
+        // Only a loopback client reaches a loopback listener; on any other, a
+        // loopback name is what a rebinding page or a spoofing client sends.
+        let peer_loopback = peer.is_some_and(|p| p.ip().is_loopback());
+        let configured = g.allowed_hosts.iter().any(|a| host_matches(a, &host, port));
+        return if peer_loopback && (g.loopback || configured) {
+            Ok(())
+        } else {
+            Err("a loopback Host from a client that is not on loopback")
+        };
+    }
+    if g.allowed_hosts.iter().any(|a| host_matches(a, &host, port)) {
+        Ok(())
+    } else {
+        Err("the Host header names a host this server does not serve")
+    }
+}
+
+fn host_matches(allowed: &str, host: &str, port: Option<u16>) -> bool {
+    let Ok(a) = axum::http::uri::Authority::try_from(allowed) else {
+        return false;
+    };
+    let a_host = a
+        .host()
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .to_ascii_lowercase();
+    a_host == host && a.port_u16().is_none_or(|p| Some(p) == port)
+}
+
+/// Whether an `Origin` value is one of `allowed` (`scheme://host[:port]`,
+/// the port `*` for any; without a port, the scheme's default).
+fn origin_allowed(origin: &HeaderValue, allowed: &[String]) -> bool {
+    let Ok(origin) = origin.to_str() else {
+        return false;
+    };
+    if origin == "null" {
+        return allowed.iter().any(|a| a == "null");
+    }
+    let Some((scheme, host, port)) = split_origin(origin) else {
+        return false;
+    };
+    let Some(port) = port.or_else(|| default_port(&scheme)) else {
+        return false;
+    };
+    allowed.iter().any(|a| {
+        let Some((a_scheme, a_host, a_port)) = split_origin(&a.replace(":*", "")) else {
+            return false;
+        };
+        let any_port = a.ends_with(":*");
+        a_scheme == scheme
+            && a_host == host
+            && (any_port || a_port.or_else(|| default_port(&a_scheme)) == Some(port))
+    })
+}
+
+/// `scheme://host[:port]` → its parts, lower case.
+fn split_origin(s: &str) -> Option<(String, String, Option<u16>)> {
+    let (scheme, rest) = s.split_once("://")?;
+    let authority = axum::http::uri::Authority::try_from(rest.trim_end_matches('/')).ok()?;
+    if authority.as_str().contains('@') {
+        return None;
+    }
+    Some((
+        scheme.to_ascii_lowercase(),
+        authority
+            .host()
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .to_ascii_lowercase(),
+        authority.port_u16(),
+    ))
+}
+
+fn default_port(scheme: &str) -> Option<u16> {
+    match scheme {
+        "http" => Some(80),
+        "https" => Some(443),
+        _ => None,
+    }
+}
+
+fn plain(status: StatusCode, text: &str) -> Response {
+    (status, text.to_owned()).into_response()
+}
+
+fn too_large_response(max: usize) -> Response {
+    let mut r = plain(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        &format!("Payload Too Large: a request body may be at most {max} bytes"),
+    );
+    // What is left of the body, if anything, is not read.
+    r.headers_mut()
+        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    r
+}
+
+/// A `WWW-Authenticate` parameter's quoted value (RFC 9110 quoted-string).
+fn quoted(s: &str) -> String {
+    let escaped: String = s
+        .chars()
+        .filter(|c| !c.is_control())
+        .flat_map(|c| match c {
+            '"' | '\\' => vec!['\\', c],
+            c => vec![c],
+        })
+        .collect();
+    format!("\"{escaped}\"")
+}
+
+fn challenge(status: StatusCode, params: &[(&str, &str)], body: Value) -> Response {
+    let value = params
+        .iter()
+        .map(|(k, v)| format!("{k}={}", quoted(v)))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let mut r = (status, axum::Json(body)).into_response();
+    if let Ok(v) = HeaderValue::from_str(&format!("Bearer {value}")) {
+        r.headers_mut().insert(header::WWW_AUTHENTICATE, v);
+    }
+    r
+}
+
+fn unauthorized(g: &Guard, e: &AuthError) -> Response {
+    let meta = g.metadata_url.as_str();
+    match e {
+        AuthError::Missing => challenge(
+            StatusCode::UNAUTHORIZED,
+            &[("resource_metadata", meta)],
+            json!({"error": "unauthorized", "error_description": e.to_string()}),
+        ),
+        AuthError::InvalidToken(why) => challenge(
+            StatusCode::UNAUTHORIZED,
+            &[
+                ("error", "invalid_token"),
+                ("error_description", why),
+                ("resource_metadata", meta),
+            ],
+            json!({"error": "invalid_token", "error_description": why}),
+        ),
+        AuthError::KeysUnavailable(_) => {
+            tracing::warn!(error = %e, "MCP request not checked");
+            plain(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "Service Unavailable: the authorization server's keys cannot be fetched",
+            )
+        }
+    }
+}
+
+fn insufficient_scope(g: &Guard, tool: &str) -> Response {
+    let scopes = g
+        .authorizer
+        .as_ref()
+        .map(|a| a.scopes_granting(tool).join(" "))
+        .unwrap_or_default();
+    let why = format!("calling `{tool}` needs one of the scopes: {scopes}");
+    challenge(
+        StatusCode::FORBIDDEN,
+        &[
+            ("error", "insufficient_scope"),
+            ("scope", &scopes),
+            ("error_description", &why),
+            ("resource_metadata", &g.metadata_url),
+        ],
+        json!({"error": "insufficient_scope", "error_description": why}),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_metadata_url_inserts_the_well_known_path() {
+        assert_eq!(
+            metadata_url("https://mcp.example.com/mcp"),
+            "https://mcp.example.com/.well-known/oauth-protected-resource/mcp"
+        );
+        assert_eq!(
+            metadata_url("http://127.0.0.1:9480/"),
+            "http://127.0.0.1:9480/.well-known/oauth-protected-resource"
+        );
+    }
+
+    #[test]
+    fn origins_match_by_scheme_host_and_port() {
+        let allowed = vec![
+            "https://app.example.com".to_owned(),
+            "http://localhost:*".to_owned(),
+        ];
+        let ok = |o: &str| origin_allowed(&HeaderValue::from_str(o).unwrap(), &allowed);
+        assert!(ok("https://app.example.com"));
+        assert!(ok("https://app.example.com:443"));
+        assert!(ok("http://localhost:5173"));
+        assert!(!ok("https://app.example.com:8443"));
+        assert!(!ok("http://app.example.com"));
+        assert!(!ok("https://evil.example"));
+        assert!(!ok("https://app.example.com.evil.example"));
+        assert!(!ok("null"));
+        assert!(!ok("garbage"));
+    }
+
+    #[test]
+    fn host_patterns_name_a_host_and_maybe_a_port() {
+        assert!(host_matches(
+            "mcp.example.com",
+            "mcp.example.com",
+            Some(8443)
+        ));
+        assert!(host_matches(
+            "mcp.example.com:443",
+            "mcp.example.com",
+            Some(443)
+        ));
+        assert!(!host_matches(
+            "mcp.example.com:443",
+            "mcp.example.com",
+            None
+        ));
+        assert!(!host_matches("mcp.example.com", "example.com", None));
+        assert!(host_matches("[::1]", "::1", Some(1)));
+    }
+
+    #[test]
+    fn a_challenge_value_is_quoted() {
+        assert_eq!(quoted(r#"a "b" \c"#), r#""a \"b\" \\c""#);
+    }
+}
