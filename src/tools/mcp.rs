@@ -6,7 +6,11 @@
 //! The step's idempotency key travels where MCP carries request metadata:
 //! `params._meta.idempotency_key` (with `traceparent` beside it when the intent
 //! had one). One MCP session per endpoint is opened on first use and shared by
-//! every call; a session that breaks is dropped and the next try opens another.
+//! every call. A call that times out gives up its own request only (rmcp sends
+//! `notifications/cancelled` for it): the session and the calls running on it
+//! go on. A session whose transport broke is no longer handed out, and the
+//! next try opens another; the calls still running on it keep it until they
+//! end, so no call is cut off by another's failure.
 //!
 //! How a try ends, in the terms of the HTTP protocol (see [`super`]): a result
 //! → `ok` (its `structuredContent`, else its content: one text block as JSON
@@ -23,7 +27,7 @@ use crate::tools::ToolConfig;
 use reqwest::header::HeaderMap;
 use rmcp::model::{CallToolRequestParams, CallToolResult, ClientCapabilities, ClientConfig};
 use rmcp::model::{ContentBlock, ErrorCode, Implementation};
-use rmcp::service::{Peer, RoleClient, RunningService, ServiceError, ServiceExt};
+use rmcp::service::{RoleClient, RunningService, ServiceError, ServiceExt};
 use rmcp::transport::StreamableHttpClientTransport;
 use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
 use serde_json::{Map, Value, json};
@@ -35,8 +39,9 @@ use tokio::sync::Mutex;
 pub const META_IDEMPOTENCY_KEY: &str = "idempotency_key";
 
 type Session = RunningService<RoleClient, ClientConfig>;
-/// One endpoint's session, once opened.
-type Slot = Arc<Mutex<Option<Session>>>;
+/// One endpoint's session, once opened. Each call holds it while its request
+/// runs: a session taken out of its slot is closed when its last call ends.
+type Slot = Arc<Mutex<Option<Arc<Session>>>>;
 
 /// Open MCP sessions, one per endpoint URL; shared by the registry's clones.
 #[derive(Clone, Default)]
@@ -63,11 +68,11 @@ impl McpSessions {
         http: &reqwest::Client,
         tool: &ToolConfig,
         headers: &HeaderMap,
-    ) -> Result<Peer<RoleClient>, String> {
+    ) -> Result<Arc<Session>, String> {
         let slot = self.slot(&tool.url);
         let mut open = slot.lock().await;
         if let Some(s) = open.as_ref().filter(|s| !s.is_transport_closed()) {
-            return Ok(s.peer().clone());
+            return Ok(s.clone());
         }
         let custom = headers
             .iter()
@@ -96,15 +101,30 @@ impl McpSessions {
                 )
             })?
             .map_err(|e| format!("no MCP session could be opened ({e})"))?;
-        let peer = session.peer().clone();
-        *open = Some(session);
-        Ok(peer)
+        let session = Arc::new(session);
+        *open = Some(session.clone());
+        Ok(session)
     }
 
-    /// Forget a session that failed, so that the next try opens a new one.
-    async fn drop_session(&self, url: &str) {
-        *self.slot(url).lock().await = None;
+    /// Stop handing out `broken` (its transport failed), so that the next try
+    /// opens a new session; the calls still running on it keep it until they
+    /// end. A session another call already replaced is left as it is.
+    async fn retire(&self, url: &str, broken: &Arc<Session>) {
+        let slot = self.slot(url);
+        let mut open = slot.lock().await;
+        if open.as_ref().is_some_and(|s| Arc::ptr_eq(s, broken)) {
+            *open = None;
+        }
     }
+}
+
+/// Whether a request failed because the session's transport did (rather than
+/// the request alone): later calls then need another session.
+fn transport_broken(session: &Session, e: &ServiceError) -> bool {
+    matches!(
+        e,
+        ServiceError::TransportClosed | ServiceError::TransportSend(_)
+    ) || session.is_transport_closed()
 }
 
 /// One `tools/call` of an MCP tool.
@@ -117,8 +137,8 @@ pub(super) async fn try_once(
 ) -> Try {
     let step = &call.step;
     let remote = tool.mcp_name(&step.tool).unwrap_or(&step.tool).to_owned();
-    let peer = match sessions.session(http, tool, headers).await {
-        Ok(peer) => peer,
+    let session = match sessions.session(http, tool, headers).await {
+        Ok(session) => session,
         Err(detail) => return Try::NotSent(detail),
     };
     let key = step.idempotency_key();
@@ -155,15 +175,14 @@ pub(super) async fn try_once(
         Ok(p) => p,
         Err(e) => return Try::NotSent(format!("the MCP request could not be built ({e})")),
     };
-    let answer = tokio::time::timeout(tool.timeout.0, peer.call_tool(params)).await;
+    // On a timeout the request's future is dropped, which cancels that
+    // request alone; the session stays for the other calls.
+    let answer = tokio::time::timeout(tool.timeout.0, session.call_tool(params)).await;
     match answer {
-        Err(_elapsed) => {
-            sessions.drop_session(&tool.url).await;
-            Try::MaybeRan(format!(
-                "no MCP answer within {}",
-                humantime::format_duration(tool.timeout.0)
-            ))
-        }
+        Err(_elapsed) => Try::MaybeRan(format!(
+            "no MCP answer within {}",
+            humantime::format_duration(tool.timeout.0)
+        )),
         Ok(Ok(result)) => Try::Done(outcome(tool, &step.tool, result)),
         Ok(Err(ServiceError::McpError(e))) if refused(e.code) => Try::Done(Outcome::Error {
             error: ErrorBody {
@@ -172,7 +191,9 @@ pub(super) async fn try_once(
             },
         }),
         Ok(Err(e)) => {
-            sessions.drop_session(&tool.url).await;
+            if transport_broken(&session, &e) {
+                sessions.retire(&tool.url, &session).await;
+            }
             Try::MaybeRan(format!("MCP: {e}"))
         }
     }

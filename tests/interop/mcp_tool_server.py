@@ -6,6 +6,11 @@ keyed provider does), so a test can tell a repeated invocation from a repeated
 effect. A title containing "slow" takes 3 s (a call whose answer a client gives
 up on). The record is rewritten to COUNTS_FILE (JSON) after every call.
 
+Two tools for tests/mcp_tool.rs, where calls share one MCP session:
+`held_ticket` is recorded in `held` when it arrives and answers only once the
+file COUNTS_FILE + ".release" exists (a call kept in flight while another
+times out); `stuck_ticket` takes 60 s (a call that times out).
+
 usage: mcp_tool_server.py PORT COUNTS_FILE
 """
 import asyncio
@@ -19,13 +24,20 @@ port, counts_file = int(sys.argv[1]), sys.argv[2]
 server = FastMCP("tickets")
 invocations = []  # the key of every raw invocation, in order
 tickets = {}  # key -> the ticket its first invocation created
+held = []  # the key of every `held_ticket` call that arrived
+release_file = counts_file + ".release"
 
 
 def save():
     tmp = counts_file + ".tmp"
     with open(tmp, "w") as f:
-        json.dump({"invocations": invocations, "tickets": tickets}, f)
+        json.dump({"invocations": invocations, "tickets": tickets, "held": held}, f)
     os.replace(tmp, counts_file)
+
+
+def key_of(ctx: Context):
+    meta = ctx.request_context.meta or {}
+    return meta.get("idempotency_key") if isinstance(meta, dict) else None
 
 
 @server.tool
@@ -42,6 +54,22 @@ async def create_ticket(title: str, ctx: Context) -> dict:
         tickets[key] = ticket
     save()
     return tickets[key]
+
+
+@server.tool
+async def held_ticket(title: str, ctx: Context) -> dict:
+    key = key_of(ctx)
+    held.append(key)
+    save()
+    while not os.path.exists(release_file):
+        await asyncio.sleep(0.02)
+    return {"held": title, "key": key}
+
+
+@server.tool
+async def stuck_ticket(title: str, ctx: Context) -> dict:
+    await asyncio.sleep(60)
+    return {"stuck": title}
 
 
 save()
