@@ -16,6 +16,12 @@
 //! owns. What is not there is written again, with the offsets, in one
 //! transaction; a partition something else was written to since is left alone
 //! (and logged): its later records may build on the lost ones.
+//!
+//! A read_committed reader stops at a partition's last stable offset: another
+//! producer's transaction still open there hides every record after it, ours
+//! included. A record of ours at or past that offset is not known yet, not
+//! lost: such a read-back is inconclusive, is tried again, and when it stays
+//! so nothing is written (as when the read-back times out).
 
 use super::GateError;
 use crate::config::KafkaConfig;
@@ -33,6 +39,13 @@ use tracing::{info, warn};
 /// How long reading back the last commits may take before the check gives up
 /// (the session then goes on as before: nothing is written again).
 const READ_BACK_LIMIT: Duration = Duration::from_secs(30);
+
+/// How many times a read-back that stopped below records of ours (another
+/// producer's transaction open) is made before the check gives up.
+const READ_BACK_TRIES: u32 = 3;
+
+/// The pause before the next read-back, times the tries made.
+const READ_BACK_PAUSE: Duration = Duration::from_secs(2);
 
 /// An input offset a transaction committed for the group.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -104,6 +117,11 @@ struct Seen {
     /// Per (topic, partition): offsets of the visible records from the
     /// commits' first offset there to the end.
     records: BTreeMap<(String, i32), BTreeSet<i64>>,
+    /// Per (topic, partition): its last stable offset before the read. Every
+    /// record below it was settled (committed or aborted) when the read began;
+    /// one at or past it may be in a transaction still open. A partition
+    /// missing here is not known at all.
+    stable: BTreeMap<(String, i32), i64>,
     /// The group's committed offsets (None: the lookup failed).
     offsets: Option<BTreeMap<(String, i32), i64>>,
 }
@@ -115,6 +133,9 @@ struct Rewrite {
     offsets: Vec<InputOffset>,
     /// Partitions with lost records that something else was written to since.
     overtaken: BTreeSet<(String, i32)>,
+    /// Partitions where the read stopped below a record of ours (another
+    /// producer's transaction open): nothing can be told of them yet.
+    unknown: BTreeSet<(String, i32)>,
 }
 
 impl Rewrite {
@@ -147,13 +168,20 @@ fn starts(commits: &[Committed], owned: &BTreeSet<i32>, dlq: &str) -> BTreeMap<(
 /// The records and offsets of `commits` a reader does not see, as they are to
 /// be written again (`seen` holds only the partitions still ours). A changelog
 /// record a later one of the same key replaces is not written again
-/// (compaction keeps the last by offset).
+/// (compaction keeps the last by offset). A record at or past its partition's
+/// last stable offset is not known yet: its partition is `unknown`, and the
+/// caller writes nothing while any is.
 fn plan(commits: &[Committed], seen: &Seen, owned: &BTreeSet<i32>, changelog: &str) -> Rewrite {
+    let settled = |tp: &(String, i32), o: i64| seen.stable.get(tp).is_some_and(|s| o < *s);
+    // Ours, among the records every reader can tell about.
     let mut written: BTreeMap<(String, i32), BTreeSet<i64>> = BTreeMap::new();
     let mut last_of_key: HashMap<(i32, &[u8]), (usize, usize)> = HashMap::new();
     for (ci, c) in commits.iter().enumerate() {
         for (ri, (r, &(p, o))) in c.records.iter().zip(&c.landed).enumerate() {
-            written.entry((r.topic.clone(), p)).or_default().insert(o);
+            let tp = (r.topic.clone(), p);
+            if settled(&tp, o) {
+                written.entry(tp).or_default().insert(o);
+            }
             if r.topic == changelog
                 && let Some(k) = &r.key
             {
@@ -177,6 +205,10 @@ fn plan(commits: &[Committed], seen: &Seen, owned: &BTreeSet<i32>, changelog: &s
                 continue;
             };
             if visible.contains(&o) || rewrite.overtaken.contains(&tp) {
+                continue;
+            }
+            if !settled(&tp, o) {
+                rewrite.unknown.insert(tp);
                 continue;
             }
             if r.topic == changelog
@@ -224,22 +256,44 @@ pub(super) async fn mend(
         return Ok(());
     }
     let started = Instant::now();
-    let seen = match read_back(cfg, &commits, consumer, owned).await {
-        Ok(Some(seen)) => seen,
-        Ok(None) => {
+    let t = &cfg.topics;
+    let mut tries = 0;
+    let rewrite = loop {
+        tries += 1;
+        let seen = match read_back(cfg, &commits, consumer, owned).await {
+            Ok(Some(seen)) => seen,
+            Ok(None) => {
+                warn!(
+                    limit_s = READ_BACK_LIMIT.as_secs(),
+                    "could not read back this gate's last commits in time: not checked for what a broker may have lost of them"
+                );
+                return Ok(());
+            }
+            Err(e) => {
+                last.put_back(commits);
+                return Err(e);
+            }
+        };
+        let rewrite = plan(&commits, &seen, owned, &t.changelog);
+        if rewrite.unknown.is_empty() {
+            break rewrite;
+        }
+        // Another producer's transaction is open below records of ours:
+        // whether they are there cannot be told until it ends.
+        if tries >= READ_BACK_TRIES {
             warn!(
-                limit_s = READ_BACK_LIMIT.as_secs(),
-                "could not read back this gate's last commits in time: not checked for what a broker may have lost of them"
+                partitions = ?rewrite.unknown,
+                tries,
+                "reading back this gate's last commits stopped each time at another producer's open transaction, below records of ours: not checked for what a broker may have lost of them (nothing written again)"
             );
             return Ok(());
         }
-        Err(e) => {
-            last.put_back(commits);
-            return Err(e);
-        }
+        info!(
+            partitions = ?rewrite.unknown,
+            "reading back this gate's last commits stopped at another producer's open transaction, below records of ours: reading again"
+        );
+        tokio::time::sleep(READ_BACK_PAUSE * tries).await;
     };
-    let t = &cfg.topics;
-    let rewrite = plan(&commits, &seen, owned, &t.changelog);
     for (topic, partition) in &rewrite.overtaken {
         warn!(
             topic,
@@ -291,6 +345,12 @@ async fn read_back(
     consumer: &Arc<TxnConsumer>,
     owned: &BTreeSet<i32>,
 ) -> Result<Option<Seen>, GateError> {
+    let mut ours: BTreeMap<(String, i32), BTreeSet<i64>> = BTreeMap::new();
+    for c in commits {
+        for (r, &(p, o)) in c.records.iter().zip(&c.landed) {
+            ours.entry((r.topic.clone(), p)).or_default().insert(o);
+        }
+    }
     let mut by_topic: BTreeMap<String, BTreeMap<i32, i64>> = BTreeMap::new();
     for ((topic, p), o) in starts(commits, owned, &cfg.topics.dlq) {
         by_topic.entry(topic).or_default().insert(p, o);
@@ -306,11 +366,41 @@ async fn read_back(
         let deadline = Instant::now() + READ_BACK_LIMIT;
         let group = format!("{}-read-back", cfg.gate_group);
         let mut records = BTreeMap::new();
+        let mut stable = BTreeMap::new();
         for (topic, starts) in &by_topic {
-            let Some(seen) = kafka::visible_offsets(&cfg, &group, topic, starts, deadline)? else {
+            let Some(mut seen) = kafka::visible_offsets(&cfg, &group, topic, starts, deadline)?
+            else {
                 return Ok(None);
             };
+            // Records of ours the read did not see are lost, or past where it
+            // stopped: another producer's transaction still open below them.
+            // Those partitions are read again after their last stable offset
+            // is taken: below it, every record was settled when the read began.
+            let missing: BTreeSet<i32> = seen
+                .iter()
+                .filter(|(p, visible)| {
+                    ours.get(&(topic.clone(), **p))
+                        .is_some_and(|o| !o.is_subset(visible))
+                })
+                .map(|(p, _)| *p)
+                .collect();
+            let mut ends: BTreeMap<i32, i64> =
+                seen.keys().map(|&p| (p, i64::MAX)).collect();
+            if !missing.is_empty() {
+                let Some(lso) = stable_offsets(&cfg, &group, topic, &missing, deadline)? else {
+                    return Ok(None);
+                };
+                let again: BTreeMap<i32, i64> =
+                    starts.iter().filter(|(p, _)| missing.contains(p)).map(|(p, o)| (*p, *o)).collect();
+                let Some(read) = kafka::visible_offsets(&cfg, &group, topic, &again, deadline)?
+                else {
+                    return Ok(None);
+                };
+                seen.extend(read);
+                ends.extend(lso);
+            }
             records.extend(seen.into_iter().map(|(p, s)| ((topic.clone(), p), s)));
+            stable.extend(ends.into_iter().map(|(p, e)| ((topic.clone(), p), e)));
         }
         let offsets = if tpl.count() == 0 {
             Some(BTreeMap::new())
@@ -331,10 +421,47 @@ async fn read_back(
                 }
             }
         };
-        Ok::<_, KafkaError>(Some(Seen { records, offsets }))
+        Ok::<_, KafkaError>(Some(Seen {
+            records,
+            stable,
+            offsets,
+        }))
     })
     .await??;
     Ok(seen)
+}
+
+/// Each of `partitions`' last stable offset, as a read_committed reader's
+/// watermark query gives it (librdkafka lists offsets at the consumer's
+/// isolation level: its "high" watermark is where its read stops). Queries
+/// that fail are made again until `deadline` (`None` then). Blocking.
+fn stable_offsets(
+    cfg: &KafkaConfig,
+    group: &str,
+    topic: &str,
+    partitions: &BTreeSet<i32>,
+    deadline: Instant,
+) -> Result<Option<BTreeMap<i32, i64>>, KafkaError> {
+    let consumer = kafka::read_to_end_consumer(cfg, group)?;
+    let mut stable = BTreeMap::new();
+    for &p in partitions {
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Ok(None);
+            }
+            match consumer.fetch_watermarks(topic, p, left.min(Duration::from_secs(5))) {
+                Ok((_, lso)) => {
+                    stable.insert(p, lso);
+                    break;
+                }
+                Err(e) => {
+                    warn!(topic, partition = p, error = %e, "could not look up the last stable offset (retrying)")
+                }
+            }
+        }
+    }
+    Ok(Some(stable))
 }
 
 async fn write_again(

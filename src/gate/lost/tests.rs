@@ -32,11 +32,17 @@ fn commit(records: Vec<(OutRecord, i32, i64)>, offsets: Vec<(&str, i32, i64)>) -
     }
 }
 
+/// What a reader sees, every partition read to its end with no transaction
+/// open (the last stable offset past every record).
 fn seen(records: &[(&str, i32, &[i64])], offsets: &[(&str, i32, i64)]) -> Seen {
     Seen {
         records: records
             .iter()
             .map(|(t, p, os)| (((*t).to_owned(), *p), os.iter().copied().collect()))
+            .collect(),
+        stable: records
+            .iter()
+            .map(|(t, p, _)| (((*t).to_owned(), *p), i64::MAX))
             .collect(),
         offsets: Some(
             offsets
@@ -182,6 +188,56 @@ fn two_lost_commits_are_written_again_in_their_order() {
 }
 
 #[test]
+fn a_record_past_another_producers_open_transaction_is_not_known_yet_not_lost() {
+    // Ours at 10 and 12 in `results`; another gate's transaction is open at
+    // 11, so a read_committed reader stops at the last stable offset, 11, and
+    // never sees 12: late, not lost. In the changelog, 20 was truly lost
+    // (aborted), below its partition's last stable offset.
+    let c = [
+        commit(
+            vec![
+                (record("results", "wf", "first"), 0, 10),
+                (record(CHANGELOG, "a", "started"), 0, 20),
+            ],
+            vec![("intents", 0, 4)],
+        ),
+        commit(
+            vec![(record("results", "wf", "second"), 0, 12)],
+            vec![("intents", 0, 6)],
+        ),
+    ];
+    let mut s = seen(
+        &[("results", 0, &[10]), (CHANGELOG, 0, &[])],
+        &[("intents", 0, 6)],
+    );
+    s.stable.insert(("results".to_owned(), 0), 11);
+    s.stable.insert((CHANGELOG.to_owned(), 0), 25);
+    let r = plan(&c, &s, &owned(&[0]), CHANGELOG);
+    assert_eq!(
+        r.unknown.iter().collect::<Vec<_>>(),
+        [&("results".to_owned(), 0)],
+        "the read of `results` is inconclusive"
+    );
+    assert!(
+        !values(&r).iter().any(|(t, _, _)| t == "results"),
+        "a record past the last stable offset is never written again: {r:?}"
+    );
+    assert!(r.overtaken.is_empty(), "{r:?}");
+    // The changelog record below its last stable offset is lost, but while
+    // any partition is inconclusive `mend` writes nothing (retried, then
+    // given up, as on a timeout).
+    assert_eq!(
+        values(&r),
+        [(CHANGELOG.to_owned(), Some(0), "started".to_owned())]
+    );
+    // A partition whose last stable offset is not known tells nothing either.
+    s.stable.remove(&(CHANGELOG.to_owned(), 0));
+    let r = plan(&c, &s, &owned(&[0]), CHANGELOG);
+    assert_eq!(r.unknown.len(), 2, "{r:?}");
+    assert!(r.records.is_empty(), "{r:?}");
+}
+
+#[test]
 fn partitions_now_owned_elsewhere_are_not_touched() {
     let c = [commit(
         vec![(record("results", "wf", "answer"), 3, 10)],
@@ -199,6 +255,7 @@ fn offsets_are_left_alone_when_they_could_not_be_looked_up() {
     let c = [commit(vec![], vec![("intents", 0, 5)])];
     let s = Seen {
         records: BTreeMap::new(),
+        stable: BTreeMap::new(),
         offsets: None,
     };
     assert!(plan(&c, &s, &owned(&[0]), CHANGELOG).is_empty());
