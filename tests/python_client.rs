@@ -135,8 +135,8 @@ async fn the_pip_installed_python_client_answers_a_rephrased_retry_once_and_runs
         serde_json::json!([])
     );
 
-    // The LangGraph adapter, through LangGraph's ToolNode: the step index read
-    // from the thread's messages.
+    // The LangGraph adapter, through LangGraph's ToolNode: the step index kept
+    // in the state's `stepgate` channel (checkpointed).
     let g = &lines[3]["langgraph"];
     assert!(g.is_object(), "langgraph is installed (test.sh): {g}");
     let out = |k: &str, i: usize| -> Value {

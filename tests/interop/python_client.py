@@ -61,12 +61,15 @@ async def agents_sdk():
 
 asyncio.run(agents_sdk())
 
-# The LangGraph adapter, through LangGraph's own ToolNode.
+# The LangGraph adapter, through LangGraph's own ToolNode, in a graph with a
+# checkpointer: the step numbers kept in the state's `stepgate` channel.
 try:
-    from langchain_core.messages import AIMessage
-    from langgraph.graph import END, START, MessagesState, StateGraph
+    from langchain_core.messages import AIMessage, ToolMessage
+    from langgraph.checkpoint.memory import InMemorySaver
+    from langgraph.graph import END, START, StateGraph
     from langgraph.prebuilt import ToolNode
 
+    from stepgate_client.langgraph import StepgateState
     from stepgate_client.langgraph import stepgate_tool as lg_tool
 except ImportError as e:
     print(json.dumps({"langgraph": f"not installed: {e}"}))
@@ -74,25 +77,25 @@ except ImportError as e:
 
 with Client(brokers, intents=intents, results=results) as client:
     props = {"title": {"type": "string"}}
+    saver = InMemorySaver()
 
     def graph(tool_node):
-        g = StateGraph(MessagesState)
+        g = StateGraph(StepgateState)
         g.add_node("tools", tool_node)
         g.add_edge(START, "tools")
         g.add_edge("tools", END)
-        return g.compile()
+        return g.compile(checkpointer=saver)
 
     node = graph(ToolNode([lg_tool(client, tool, "Open a ticket.", props)]))
     quick = graph(ToolNode([lg_tool(client, tool, "Open a ticket.", props, timeout=0.0)]))
     config = {"configurable": {"thread_id": "py-langgraph-1"}}
-    messages = []
 
     def turn(g, calls):
-        messages.append(AIMessage(content="", tool_calls=[
-            {"id": i, "name": tool, "args": {"title": t}, "type": "tool_call"} for i, t in calls]))
-        out = g.invoke({"messages": list(messages)}, config)["messages"][len(messages):]
-        messages.extend(out)
-        return [m.content for m in out]
+        ai = AIMessage(content="", tool_calls=[
+            {"id": i, "name": tool, "args": {"title": t}, "type": "tool_call"} for i, t in calls])
+        out = g.invoke({"messages": [ai]}, config)["messages"]
+        ids = {i for i, _ in calls}
+        return [m.content for m in out if isinstance(m, ToolMessage) and m.tool_call_id in ids]
 
     first = turn(node, [("lg-1", "Order confirmed")])
     lost = turn(quick, [("lg-2", "Refund issued")])

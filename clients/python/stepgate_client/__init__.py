@@ -10,7 +10,7 @@ keeps the two from overwriting each other's files if both get installed).
 """
 
 from ._version import __version__
-from .answer import Answer, AnswerError, ResultV1, Status
+from .answer import Answer, AnswerError, ResultV1, Status, answer_text
 from .client import (
     AsyncClient,
     AsyncWorkflow,
@@ -38,6 +38,7 @@ __all__ = [
     "StepgateTimeout",
     "Workflow",
     "__version__",
+    "answer_text",
     "murmur2",
     "partition_for",
 ]

@@ -1,68 +1,144 @@
 """OpenAI Agents SDK adapter: function tools whose calls go through stepgate.
 
     from agents import Agent, Runner
-    from stepgate_client import Client
-    from stepgate_client.openai_agents import StepgateRun, stepgate_tool
+    from stepgate_client import AsyncClient
+    from stepgate_client.openai_agents import StepgateRun, stepgate_function_tool
 
-    client = Client("127.0.0.1:9092")
-    create_ticket = stepgate_tool(client, "create_ticket", "Open a support ticket.",
-                                  {"type": "object", "properties": {"title": {"type": "string"}},
-                                   "required": ["title"], "additionalProperties": False})
-    agent = Agent(name="support", tools=[create_ticket])
-    run = StepgateRun("support-thread-42")        # persist run.state() with the thread
-    await Runner.run(agent, "The printer is on fire", context=run)
+    client = AsyncClient("127.0.0.1:9092")
+
+    @stepgate_function_tool(client)
+    def create_ticket(title: str, priority: int = 3) -> dict:
+        '''Open a support ticket.'''          # the body never runs here: stepgate's tool does
+
+    @dataclass
+    class AppContext:                          # the app's own context ...
+        user_id: str
+        stepgate: StepgateRun                  # ... with the run's step numbering in it
+
+    run = StepgateRun.resume(saved) if saved else StepgateRun("support-thread-42", save=store)
+    await Runner.run(Agent(name="support", tools=[create_ticket]), "...",
+                     context=AppContext("u-1", run))
 
 The tool itself runs behind stepgate (its HTTP endpoint in stepgate's config);
 the agent's process only publishes the call and returns stepgate's answer to
 the model. The step key comes from the run, never from the model:
-`workflow_id` is the run's id, `step_index` its tool calls counted in order. A
-call whose answer did not come in time leaves its step index to the next call
-of the same tool in the run — the model's retry, however it rephrased the
+`workflow_id` is the run's id, `step_index` its tool calls counted in order, in
+a `StepgateRun` the app keeps in its context (the context itself, its
+`stepgate` attribute, or its `"stepgate"` key) and persists with the rest of
+the conversation (`run.state()`; `save=` is called with it whenever it changes,
+*before* a call is published).
+
+A call whose answer did not come in time leaves its step to the next call of
+the same tool in the run — the model's retry, however it rephrased the
 arguments — which then gets the first call's answer, and the tool runs once.
+A call that was published when the process died is such a call too, once the
+run is resumed from the state `save` was given.
+
+A run that cannot prove its position refuses: when a *new* step (one this
+run's state never published) is answered as a repeat, the step was used by
+another life of this workflow — a run restarted without its state, or two
+runs sharing one id. The tool raises `StepgatePositionLost` (the run stops),
+and the model never sees the other call's answer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Awaitable, Callable, Dict, List, Optional, Union
 
 from agents import FunctionTool
 from agents.tool_context import ToolContext
 
 from .answer import Answer, answer_text
-from .client import AsyncClient, Client, StepgateTimeout
+from .client import AsyncClient, Client, StepgateError, StepgateTimeout
+
+NOT_ANSWERED = (
+    "not answered yet: this call may still be running. Call the tool again to get "
+    "its result; it will not be performed twice. The next call of this tool is taken "
+    "as this call's retry, whatever its arguments."
+)
+
+SaveHook = Callable[[Dict[str, Any]], Union[None, Awaitable[None]]]
+
+
+class StepgatePositionLost(StepgateError):
+    """A new step of a run was answered as a repeat: the run's state is not its
+    workflow's. Resume the run from its saved state, or use a new workflow id."""
 
 
 class StepgateRun:
-    """The step numbering of one agent run (pass it as the run's `context`)."""
+    """The step numbering of one agent run, kept in (or as) the run's context.
+
+    `state()` is what to persist; `StepgateRun.resume(state)` continues it.
+    `save`, when given, is called (and awaited if it returns an awaitable)
+    with `state()` whenever it changes — before a new call is published — so
+    a run that dies mid-call resumes knowing that call.
+    """
 
     def __init__(self, workflow_id: str, next_step: int = 0,
-                 unanswered: Optional[Dict[str, List[int]]] = None):
+                 unanswered: Optional[Dict[str, List[int]]] = None,
+                 pending: Optional[Dict[str, str]] = None,
+                 save: Optional[SaveHook] = None):
         self.workflow_id = workflow_id
         self.next_step = next_step
         self.unanswered: Dict[str, List[int]] = {k: list(v) for k, v in (unanswered or {}).items()}
+        # Steps published and not yet answered to the model: {step: tool}.
+        # Restored as unanswered on resume.
+        self.pending: Dict[int, str] = {int(k): v for k, v in (pending or {}).items()}
+        self.save = save
 
-    def take_step(self, tool: str) -> int:
-        """The step index of a new call of `tool`: an unanswered one first."""
+    def take_step(self, tool: str) -> "tuple[int, bool]":
+        """The step of a new call of `tool`: an unanswered one first. Returns
+        (step, fresh): fresh when the step was never published by this run."""
         waiting = self.unanswered.get(tool)
         if waiting:
-            return waiting.pop(0)
+            return waiting.pop(0), False
         step = self.next_step
         self.next_step += 1
-        return step
+        return step, True
 
     def leave_unanswered(self, tool: str, step: int) -> None:
         self.unanswered.setdefault(tool, []).append(step)
 
     def state(self) -> dict:
-        """What to persist with the run to resume it."""
+        """What to persist with the run to resume it (JSON-serialisable)."""
+        unanswered = {k: list(v) for k, v in self.unanswered.items()}
+        # A published call whose answer was never handed over is unanswered.
+        for step, tool in sorted(self.pending.items()):
+            if step not in unanswered.setdefault(tool, []):
+                unanswered[tool].append(step)
         return {"workflow_id": self.workflow_id, "next_step": self.next_step,
-                "unanswered": self.unanswered}
+                "unanswered": {k: sorted(v) for k, v in unanswered.items()}}
 
     @classmethod
-    def resume(cls, state: dict) -> "StepgateRun":
-        return cls(state["workflow_id"], state["next_step"], state.get("unanswered"))
+    def resume(cls, state: dict, save: Optional[SaveHook] = None) -> "StepgateRun":
+        return cls(state["workflow_id"], state["next_step"], state.get("unanswered"),
+                   state.get("pending"), save=save)
+
+    async def _saved(self) -> None:
+        if self.save is not None:
+            r = self.save(self.state())
+            if inspect.isawaitable(r):
+                await r
+
+
+def run_of(context: Any, attribute: str = "stepgate") -> StepgateRun:
+    """The StepgateRun of a run context: the context itself, its `attribute`
+    attribute, or its `attribute` key."""
+    if isinstance(context, StepgateRun):
+        return context
+    found = getattr(context, attribute, None)
+    if found is None and isinstance(context, dict):
+        found = context.get(attribute)
+    if isinstance(found, StepgateRun):
+        return found
+    raise TypeError(
+        f"stepgate tools need a StepgateRun in the run's context: pass context=StepgateRun(...), "
+        f"or a context with a `{attribute}` attribute (or key) holding one; got "
+        f"{type(context).__name__}"
+    )
 
 
 async def call_async(client: Union[Client, AsyncClient], *args: Any, **kw: Any) -> Answer:
@@ -73,35 +149,85 @@ async def call_async(client: Union[Client, AsyncClient], *args: Any, **kw: Any) 
     return await asyncio.to_thread(client.call, *args, **kw)
 
 
+async def invoke_step(client: Union[Client, AsyncClient], run: StepgateRun, name: str,
+                      arguments: Dict[str, Any], call_id: Optional[str],
+                      timeout: float) -> str:
+    """One tool call of a run through stepgate: the text for the model."""
+    step, fresh = run.take_step(name)
+    run.pending[step] = name
+    await run._saved()
+    try:
+        answer = await call_async(client, run.workflow_id, step, name, arguments,
+                                  call_id=call_id, timeout=timeout)
+    except StepgateTimeout:
+        del run.pending[step]
+        run.leave_unanswered(name, step)
+        await run._saved()
+        return NOT_ANSWERED
+    if fresh and answer.deduplicated:
+        # Never published by this run, yet answered as a repeat: another life
+        # of this workflow used the step. Its answer is not this call's.
+        del run.pending[step]
+        await run._saved()
+        raise StepgatePositionLost(
+            f"step {step} of workflow {run.workflow_id!r} was already used by another run of "
+            f"this workflow (a run restarted without its saved state, or two runs with one id): "
+            f"its {answer.tool!r} call was not performed, and the other call's answer is "
+            "withheld. Resume the run with StepgateRun.resume(saved_state), or start it under "
+            "a new workflow id."
+        )
+    del run.pending[step]
+    await run._saved()
+    return answer_text(answer)
+
+
 def stepgate_tool(
     client: Union[Client, AsyncClient],
     name: str,
     description: str,
     params_json_schema: Dict[str, Any],
     timeout: float = 60.0,
+    context_attribute: str = "stepgate",
+    strict_json_schema: bool = True,
 ) -> FunctionTool:
     """A function tool for `Agent(tools=[...])` whose calls go through stepgate."""
 
     async def invoke(ctx: ToolContext[Any], input_json: str) -> str:
-        run = ctx.context
-        if not isinstance(run, StepgateRun):
-            raise TypeError("run the agent with context=StepgateRun(workflow_id)")
+        run = run_of(ctx.context, context_attribute)
         arguments = json.loads(input_json or "{}")
-        step = run.take_step(name)
-        try:
-            answer = await call_async(
-                client, run.workflow_id, step, name, arguments,
-                call_id=ctx.tool_call_id, timeout=timeout,
-            )
-        except StepgateTimeout:
-            run.leave_unanswered(name, step)
-            return ("not answered yet: this call may still be running. Call the tool "
-                    "again to get its result; it will not be performed twice.")
-        return answer_text(answer)
+        return await invoke_step(client, run, name, arguments, ctx.tool_call_id, timeout)
 
     return FunctionTool(
         name=name,
         description=description,
         params_json_schema=params_json_schema,
         on_invoke_tool=invoke,
+        strict_json_schema=strict_json_schema,
     )
+
+
+def stepgate_function_tool(
+    client: Union[Client, AsyncClient],
+    func: Optional[Callable[..., Any]] = None,
+    *,
+    name: Optional[str] = None,
+    description: Optional[str] = None,
+    timeout: float = 60.0,
+    context_attribute: str = "stepgate",
+) -> Any:
+    """A function tool from a typed Python function's signature and docstring
+    (the SDK's own `function_schema`), whose calls go through stepgate: the
+    function's body is never run here; stepgate's tool of that name runs.
+
+    Use as `stepgate_function_tool(client, f)` or `@stepgate_function_tool(client)`.
+    """
+    from agents.function_schema import function_schema
+
+    def make(f: Callable[..., Any]) -> FunctionTool:
+        schema = function_schema(f, name_override=name, description_override=description)
+        return stepgate_tool(client, schema.name, schema.description or "",
+                             schema.params_json_schema, timeout=timeout,
+                             context_attribute=context_attribute,
+                             strict_json_schema=schema.strict_json_schema)
+
+    return make(func) if func is not None else make

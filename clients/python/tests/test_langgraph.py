@@ -1,0 +1,224 @@
+"""The LangGraph adapter through real graphs (a model node, a ToolNode, a
+checkpointer) with a scripted model, against a running stepgate."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import List, Optional
+
+import pytest
+
+pytest.importorskip("langgraph")
+
+from langchain_core.messages import (  # noqa: E402
+    HumanMessage,
+    RemoveMessage,
+    ToolMessage,
+)
+from langgraph.checkpoint.memory import InMemorySaver  # noqa: E402
+from langgraph.graph import END, START, StateGraph  # noqa: E402
+from langgraph.prebuilt import ToolNode, tools_condition  # noqa: E402
+from pydantic import BaseModel  # noqa: E402
+
+from scripted import langgraph_model  # noqa: E402
+from stepgate_client import AsyncClient  # noqa: E402
+from stepgate_client.langgraph import StepgateState, stepgate_tool  # noqa: E402
+
+TITLE = {"title": {"type": "string"}}
+
+
+def agent_graph(tools, model, history: Optional[str] = None):
+    """START -> [history] -> agent <-> tools. `history`: "trim" keeps only the
+    newest message, "summarise" replaces the history by one summary."""
+
+    def agent(state):
+        return {"messages": [model.invoke(state["messages"])]}
+
+    async def aagent(state):
+        return {"messages": [await model.ainvoke(state["messages"])]}
+
+    def trim(state):
+        return {"messages": [RemoveMessage(id=m.id) for m in state["messages"][:-1]]}
+
+    def summarise(state):
+        old = state["messages"][:-1]
+        if not old:
+            return {}
+        return {"messages": [RemoveMessage(id=m.id) for m in state["messages"]]
+                + [HumanMessage(f"(summary of {len(old)} messages)"), state["messages"][-1]]}
+
+    g = StateGraph(StepgateState)
+    g.add_node("agent", agent if not isinstance(model, AsyncModelMarker) else aagent)
+    g.add_node("tools", ToolNode(tools))
+    if history:
+        g.add_node("history", {"trim": trim, "summarise": summarise}[history])
+        g.add_edge(START, "history")
+        g.add_edge("history", "agent")
+    else:
+        g.add_edge(START, "agent")
+    g.add_conditional_edges("agent", tools_condition)
+    g.add_edge("tools", "agent")
+    return g
+
+
+class AsyncModelMarker:
+    pass
+
+
+def tool_outputs(messages) -> List[str]:
+    return [m.content for m in messages if isinstance(m, ToolMessage)]
+
+
+def echoed(text: str):
+    return json.loads(text)["echo"]
+
+
+@pytest.mark.parametrize("history", ["trim", "summarise"])
+def test_a_new_call_after_the_history_was_trimmed_or_summarised_runs(stack, wf, history):
+    with stack.client() as client:
+        tool = stepgate_tool(client, "create_ticket", "Open a ticket.", TITLE)
+        model = langgraph_model([[("create_ticket", {"title": "the first ticket"})], "done",
+                                 [("create_ticket", {"title": "a brand new ticket"})], "done"])
+        app = agent_graph([tool], model, history).compile(checkpointer=InMemorySaver())
+        config = {"configurable": {"thread_id": wf}}
+        app.invoke({"messages": [HumanMessage("open one")]}, config)
+        out = app.invoke({"messages": [HumanMessage("open another")]}, config)
+    assert echoed(tool_outputs(out["messages"])[-1]) == {"title": "a brand new ticket"}
+    bodies = [c.body["title"] for c in stack.tools.invocations("create_ticket")
+              if c.workflow_id.startswith(wf)]
+    assert bodies == ["the first ticket", "a brand new ticket"]
+    steps = [c.step_index for c in stack.tools.invocations("create_ticket")
+             if c.workflow_id.startswith(wf)]
+    assert steps == [0, 1]
+
+
+def test_a_fork_from_an_older_checkpoint_is_a_new_lineage(stack, wf):
+    with stack.client() as client:
+        tool = stepgate_tool(client, "create_ticket", "Open a ticket.", TITLE)
+        model = langgraph_model([
+            [("create_ticket", {"title": "a"})], "done",
+            [("create_ticket", {"title": "b"})], "done",
+            [("create_ticket", {"title": "forked"})], "done"])
+        app = agent_graph([tool], model).compile(checkpointer=InMemorySaver())
+        config = {"configurable": {"thread_id": wf}}
+        app.invoke({"messages": [HumanMessage("one")]}, config)
+        after_first = app.get_state(config).config
+        app.invoke({"messages": [HumanMessage("two")]}, config)
+        # Time travel: run again from the checkpoint after the first turn.
+        out = app.invoke({"messages": [HumanMessage("instead")]}, after_first)
+    assert echoed(tool_outputs(out["messages"])[-1]) == {"title": "forked"}
+    calls = [c for c in stack.tools.invocations("create_ticket") if c.workflow_id.startswith(wf)]
+    assert [c.body["title"] for c in calls] == ["a", "b", "forked"]
+    # The fork's step 1 is not the old branch's step 1.
+    assert calls[2].step_index == 1 and calls[2].workflow_id != calls[1].workflow_id
+
+
+def test_two_subgraphs_on_one_thread_number_their_steps_apart(stack, wf):
+    with stack.client() as client:
+        tool = stepgate_tool(client, "create_ticket", "Open a ticket.", TITLE)
+        subs = {}
+        for name in ("billing", "shipping"):
+            model = langgraph_model([[("create_ticket", {"title": f"{name} ticket"})], "done"])
+            subs[name] = agent_graph([tool], model).compile()
+
+        parent = StateGraph(StepgateState)
+        for name, sub in subs.items():
+            def node(state, sub=sub, name=name):
+                # Each subgraph keeps its own message list.
+                out = sub.invoke({"messages": [HumanMessage(f"{name}: open one")]})
+                return {"messages": [HumanMessage(tool_outputs(out["messages"])[-1])]}
+            parent.add_node(name, node)
+        parent.add_edge(START, "billing")
+        parent.add_edge("billing", "shipping")
+        parent.add_edge("shipping", END)
+        app = parent.compile(checkpointer=InMemorySaver())
+        out = app.invoke({"messages": [HumanMessage("go")]}, {"configurable": {"thread_id": wf}})
+    answers = [echoed(m.content)["title"] for m in out["messages"][1:]]
+    assert answers == ["billing ticket", "shipping ticket"]
+    calls = [c for c in stack.tools.invocations("create_ticket") if c.workflow_id.startswith(wf)]
+    assert sorted(c.body["title"] for c in calls) == ["billing ticket", "shipping ticket"]
+    assert len({c.workflow_id for c in calls}) == 2
+
+
+def test_a_lost_answer_s_rephrased_retry_gets_the_first_result(stack, wf):
+    stack.tools.delays["slow"] = 0.5
+    with stack.client() as client:
+        quick = stepgate_tool(client, "slow", "Slow.", TITLE, timeout=0.0)
+        patient = stepgate_tool(client, "slow", "Slow.", TITLE)
+        saver = InMemorySaver()
+        config = {"configurable": {"thread_id": wf}}
+        first = langgraph_model([[("slow", {"title": "Refund issued"})], "done"])
+        out = agent_graph([quick], first).compile(checkpointer=saver).invoke(
+            {"messages": [HumanMessage("refund")]}, config)
+        assert tool_outputs(out["messages"])[-1].startswith("not answered yet")
+        retry = langgraph_model([[("slow", {"title": "Your refund was issued"})], "done",
+                                 [("slow", {"title": "Another refund"})], "done"])
+        app = agent_graph([patient], retry, "trim").compile(checkpointer=saver)
+        out = app.invoke({"messages": [HumanMessage("did it work?")]}, config)
+        assert echoed(tool_outputs(out["messages"])[-1]) == {"title": "Refund issued"}
+        out = app.invoke({"messages": [HumanMessage("one more")]}, config)
+        assert echoed(tool_outputs(out["messages"])[-1]) == {"title": "Another refund"}
+    calls = [c for c in stack.tools.invocations("slow") if c.workflow_id.startswith(wf)]
+    assert [c.body["title"] for c in calls] == ["Refund issued", "Another refund"]
+    assert out["stepgate"]["tools"]["unanswered"] == {}
+
+
+def test_a_turn_s_parallel_calls_take_distinct_steps_and_run_side_by_side(stack, wf):
+    stack.tools.meet("meet_async", 3, 10.0)
+
+    class Model(AsyncModelMarker):
+        def __init__(self):
+            self.m = langgraph_model(
+                [[("meet_async", {"title": str(i)}) for i in range(3)], "done"])
+
+        async def ainvoke(self, messages):
+            return await self.m.ainvoke(messages)
+
+    async def main():
+        async with await AsyncClient.connect(stack.brokers, intents=stack.intents,
+                                             results=stack.results) as client:
+            tool = stepgate_tool(client, "meet_async", "Meet.", TITLE)
+            app = agent_graph([tool], Model()).compile(checkpointer=InMemorySaver())
+            return await app.ainvoke({"messages": [HumanMessage("go")]},
+                                     {"configurable": {"thread_id": wf}})
+
+    out = asyncio.run(main())
+    assert sorted(echoed(t)["title"] for t in tool_outputs(out["messages"])) == ["0", "1", "2"]
+    calls = [c for c in stack.tools.invocations("meet_async") if c.workflow_id.startswith(wf)]
+    assert sorted(c.step_index for c in calls) == [0, 1, 2]
+    assert stack.tools.most_inside["meet_async"] == 3
+
+
+class Address(BaseModel):
+    city: str
+    zip: Optional[str] = None
+
+
+class Shipment(BaseModel):
+    """Ship an order."""
+
+    order: str
+    to: Address
+    express: bool = False
+
+
+def test_a_pydantic_schema_keeps_nested_types_and_optional_fields(stack, wf):
+    with stack.client() as client:
+        tool = stepgate_tool(client, "create_ticket", args_schema=Shipment)
+        schema = tool.tool_call_schema.model_json_schema()
+        assert tool.description == "Ship an order."
+        assert set(schema["properties"]) == {"order", "to", "express"}
+        assert schema.get("required") == ["order", "to"]
+        model = langgraph_model([[("create_ticket", {"order": "o-1", "to": {"city": "Oslo"}})],
+                                 "done"])
+        app = agent_graph([tool], model).compile(checkpointer=InMemorySaver())
+        out = app.invoke({"messages": [HumanMessage("ship")]},
+                         {"configurable": {"thread_id": wf}})
+    # As LangGraph validated them: the schema's defaults filled in.
+    assert echoed(tool_outputs(out["messages"])[-1]) == \
+        {"order": "o-1", "to": {"city": "Oslo"}, "express": False}
+    optional = stepgate_tool(client, "x", "X.", {"a": {"type": "string"}, "b": {"type": "object"}},
+                             required=["a"])
+    s = optional.tool_call_schema.model_json_schema()
+    assert s.get("required") == ["a"]

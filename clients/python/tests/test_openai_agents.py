@@ -1,0 +1,168 @@
+"""The OpenAI Agents SDK adapter through the SDK's own `Runner.run`, with a
+scripted model, against a running stepgate."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+
+import pytest
+
+agents = pytest.importorskip("agents")
+
+from agents import Agent, Runner, set_tracing_disabled  # noqa: E402
+
+from harness import wait_for  # noqa: E402
+from scripted import agents_model  # noqa: E402
+from stepgate_client import AsyncClient  # noqa: E402
+from stepgate_client.openai_agents import (  # noqa: E402
+    StepgatePositionLost,
+    StepgateRun,
+    stepgate_function_tool,
+    stepgate_tool,
+)
+
+set_tracing_disabled(True)
+
+TITLE = {"type": "object", "properties": {"title": {"type": "string"}},
+         "required": ["title"], "additionalProperties": False}
+
+
+@dataclass
+class AppContext:
+    """An app's own run context, with stepgate's numbering as one attribute."""
+
+    user: str
+    stepgate: StepgateRun
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def caused_by(e: BaseException, kind: type) -> bool:
+    while e is not None:
+        if isinstance(e, kind):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+async def connect(stack) -> AsyncClient:
+    return await AsyncClient.connect(stack.brokers, intents=stack.intents, results=stack.results)
+
+
+def test_the_app_keeps_its_own_context_and_the_steps_are_numbered_in_it(stack, wf):
+    async def main():
+        async with await connect(stack) as client:
+            tool = stepgate_tool(client, "create_ticket", "Open a ticket.", TITLE)
+            model = agents_model([[("create_ticket", {"title": "one"})],
+                                  [("create_ticket", {"title": "two"})], "done"])
+            ctx = AppContext("u-1", StepgateRun(wf))
+            result = await Runner.run(Agent(name="support", model=model, tools=[tool]),
+                                      "open two tickets", context=ctx)
+            return result, ctx, model
+
+    result, ctx, model = run(main())
+    assert result.final_output == "done"
+    assert ctx.stepgate.next_step == 2
+    assert sorted(c.step_index for c in stack.tools.invocations("create_ticket", wf)) == [0, 1]
+    assert json.loads(model.tool_outputs()[-1])["echo"] == {"title": "two"}
+
+
+def test_a_run_restarted_without_its_state_refuses_and_never_gets_an_old_answer(stack, wf):
+    async def main():
+        async with await connect(stack) as client:
+            tool = stepgate_tool(client, "create_ticket", "Open a ticket.", TITLE)
+            first = agents_model([[("create_ticket", {"title": "the first ticket"})], "done"])
+            await Runner.run(Agent(name="support", model=first, tools=[tool]), "go",
+                             context=StepgateRun(wf))
+            # The process restarts and the app forgets to resume the state.
+            again = agents_model([[("create_ticket", {"title": "a brand new ticket"})], "done"])
+            with pytest.raises(Exception) as e:
+                await Runner.run(Agent(name="support", model=again, tools=[tool]), "go",
+                                 context=StepgateRun(wf))
+            return e.value, again
+
+    error, model = run(main())
+    assert caused_by(error, StepgatePositionLost), repr(error)
+    assert "StepgateRun.resume" in str(error), str(error)
+    # The model was never shown the first ticket as the new one's answer.
+    assert len(model.inputs) == 1
+    assert [c.body for c in stack.tools.invocations("create_ticket", wf)] == \
+        [{"title": "the first ticket"}]
+
+
+def test_a_run_that_died_mid_call_resumes_and_its_retry_gets_the_answer(stack, wf):
+    """The state is saved before the call is published; the run dies while it
+    waits; resumed from the saved state, the model's rephrased retry gets the
+    first call's answer and the tool ran once."""
+    stack.tools.delays["slow"] = 1.0
+    saved = {}
+
+    async def main():
+        async with await connect(stack) as client:
+            tool = stepgate_tool(client, "slow", "Slow.", TITLE)
+            first = agents_model([[("slow", {"title": "Refund issued"})], "done"])
+            task = asyncio.create_task(Runner.run(
+                Agent(name="a", model=first, tools=[tool]), "go",
+                context=AppContext("u", StepgateRun(wf, save=lambda s: saved.update(s)))))
+            await asyncio.to_thread(wait_for, lambda: stack.tools.count("slow", wf) == 1, 60,
+                                    "the call reached the tool")
+            task.cancel()  # the process dies
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            state = json.loads(json.dumps(saved))  # as persisted
+            retry = agents_model([[("slow", {"title": "Your refund was issued"})], "done"])
+            ctx = AppContext("u", StepgateRun.resume(state))
+            await Runner.run(Agent(name="a", model=retry, tools=[tool]), "go on", context=ctx)
+            return state, retry, ctx
+
+    state, model, ctx = run(main())
+    assert state["unanswered"] == {"slow": [0]}, state
+    assert json.loads(model.tool_outputs()[-1])["echo"] == {"title": "Refund issued"}
+    assert stack.tools.count("slow", wf) == 1
+    assert ctx.stepgate.state()["unanswered"] == {"slow": []}
+
+
+def test_a_turn_s_parallel_tool_calls_wait_side_by_side(stack, wf):
+    stack.tools.meet("meet_async", 3, 10.0)
+
+    async def main():
+        async with await connect(stack) as client:
+            tool = stepgate_tool(client, "meet_async", "Meet.", TITLE)
+            model = agents_model([[("meet_async", {"title": str(i)}) for i in range(3)], "done"])
+            await Runner.run(Agent(name="a", model=model, tools=[tool]), "go",
+                             context=StepgateRun(wf))
+            return model
+
+    model = run(main())
+    assert stack.tools.most_inside["meet_async"] == 3
+    assert sorted(c.step_index for c in stack.tools.invocations("meet_async", wf)) == [0, 1, 2]
+    assert sorted(json.loads(o)["echo"]["title"] for o in model.tool_outputs()) == ["0", "1", "2"]
+
+
+def test_a_tool_from_a_typed_function_carries_its_schema_and_arguments(stack, wf):
+    async def main():
+        async with await connect(stack) as client:
+            @stepgate_function_tool(client)
+            def create_ticket(title: str, priority: int = 3) -> dict:
+                """Open a support ticket.
+
+                Args:
+                    title: What the ticket is about.
+                    priority: 1 (urgent) to 5.
+                """
+                raise AssertionError("never run in the agent's process")
+
+            model = agents_model([[("create_ticket", {"title": "t", "priority": 1})], "done"])
+            await Runner.run(Agent(name="a", model=model, tools=[create_ticket]), "go",
+                             context={"stepgate": StepgateRun(wf)})
+            return create_ticket
+
+    tool = run(main())
+    assert tool.name == "create_ticket" and tool.description.startswith("Open a support ticket")
+    assert set(tool.params_json_schema["properties"]) == {"title", "priority"}
+    assert [c.body for c in stack.tools.invocations("create_ticket", wf)] == \
+        [{"title": "t", "priority": 1}]
