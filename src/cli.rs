@@ -231,6 +231,11 @@ pub struct Target {
     /// How long to wait until a gate has applied the decision.
     #[arg(long, default_value = "30s")]
     pub wait: humantime::Duration,
+    /// The run of the step you checked (the DISPATCH column of `steps
+    /// show`). Without it, the run current when this command reads the step.
+    /// If the step was re-run since, the gate refuses the decision as stale.
+    #[arg(long, value_name = "DISPATCH")]
+    pub run: Option<u32>,
 }
 
 #[derive(Debug, Subcommand)]

@@ -54,6 +54,7 @@ async fn decide(step: StepKey, action: Action, who: Who, target: Target) -> anyh
         action,
         &by,
         who.reason,
+        target.run,
         target.wait.into(),
     )
     .await?;

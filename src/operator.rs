@@ -9,9 +9,10 @@
 //! command's author waits until the changelog shows it applied.
 
 use crate::config::KafkaConfig;
-use crate::contract::{Action, ApprovalEvent, ApprovalKind, Command, StepKey};
+use crate::contract::{Action, ApprovalEvent, ApprovalKind, Command, Run, StepKey};
 use crate::kafka::{self, KafkaSetupError, OutRecord};
 use crate::state::{StepRecord, changelog_step};
+use rdkafka::consumer::Consumer as _;
 use rdkafka::error::KafkaError;
 use rdkafka::message::Message;
 use rdkafka::producer::FutureProducer;
@@ -42,9 +43,23 @@ pub enum OperatorError {
         wanted: &'static str,
     },
     #[error(
-        "the command was written to `{topic}` but no gate applied it within {waited:?}: is a gate running? It takes effect when one reads it (if the step changed meanwhile, it goes to the DLQ with the reason)"
+        "the command was written to `{topic}` but no gate applied it within {waited:?}: is a gate running? It takes effect when one reads it, and only for the run it names (run {run}): if the step is re-run meanwhile, it is refused as stale (DLQ reason `stale_command`), so sending it again later is safe"
     )]
-    NotConfirmed { topic: String, waited: Duration },
+    NotConfirmed {
+        topic: String,
+        waited: Duration,
+        run: u32,
+    },
+    #[error("the gate refused the command ({reason}): {message}")]
+    Refused { reason: String, message: String },
+    #[error(
+        "step {step} is at run {current}, not run {asked}: it was re-run since you checked it; look at it again (`stepgate steps show`)"
+    )]
+    NotThatRun {
+        step: StepKey,
+        asked: u32,
+        current: u32,
+    },
 }
 
 /// How long reading a topic to its end may take.
@@ -121,15 +136,18 @@ pub fn workflow_steps(
     Err(OperatorError::UnknownWorkflow(workflow_id.to_owned()))
 }
 
-/// Write `action` about `step` to the commands topic, then wait (up to `wait`)
-/// until the changelog shows a gate applied it; returns the step's record then.
-/// The step must be in the phase the action applies to.
+/// Write `action` about `step` to the commands topic, bound to the run of the
+/// step it decides (`run`, the record's dispatch; by default the current one),
+/// then wait (up to `wait`) until a gate applied it — the changelog shows it —
+/// or refused it — the DLQ has it; returns the step's record then. The step
+/// must be in the phase the action applies to.
 pub async fn decide(
     cfg: &KafkaConfig,
     step: StepKey,
     action: Action,
     by: &str,
     reason: Option<String>,
+    run: Option<u32>,
     wait: Duration,
 ) -> Result<StepRecord, OperatorError> {
     let (c, wf) = (cfg.clone(), step.workflow_id.clone());
@@ -152,6 +170,21 @@ pub async fn decide(
             wanted: wanted.as_str(),
         });
     }
+    // A run older than the record's is refused here; a newer one cannot be
+    // named. The gate checks again when it applies the command.
+    if let Some(asked) = run
+        && asked > record.dispatch
+    {
+        return Err(OperatorError::NotThatRun {
+            step,
+            asked,
+            current: record.dispatch,
+        });
+    }
+    let run = Run {
+        dispatch: run.unwrap_or(record.dispatch),
+        intended_at_ms: record.intended_at_ms,
+    };
     let partition = found.partition;
     let now = chrono::Utc::now();
     let command = Command {
@@ -166,33 +199,122 @@ pub async fn decide(
         by: by.to_owned(),
         at: crate::contract::timestamp(now),
         reason,
+        run: Some(run),
     };
+    // Where the changelog and the DLQ end now: the gate's answer to the
+    // command is written after it, so only what follows is read.
+    let (c, cl, dlq) = (
+        cfg.clone(),
+        cfg.topics.changelog.clone(),
+        cfg.topics.dlq.clone(),
+    );
+    let watch = kafka::blocking(move || Watch::from_ends(&c, &cl, partition, &dlq)).await?;
     let producer: FutureProducer = kafka::base_config(cfg)
         .set("enable.idempotence", "true")
         .set("linger.ms", "0")
         .create()?;
-    let record =
+    let out =
         OutRecord::json_for_workflow(&cfg.topics.commands, partition, &step.workflow_id, &command);
-    kafka::send_all(&producer, std::slice::from_ref(&record)).await?;
+    kafka::send_all(&producer, std::slice::from_ref(&out)).await?;
     drop(producer);
-    let started = Instant::now();
-    loop {
-        let (c, wf) = (cfg.clone(), step.workflow_id.clone());
-        let steps = kafka::blocking(move || steps_in(&c, &wf, partition)).await?;
-        if let Some(r) = steps
-            .into_iter()
-            .find(|r| r.step == step && r.operator_log.iter().any(|e| e.id == command.id))
-        {
-            return Ok(r);
+    let deadline = Instant::now() + wait;
+    let verdict = kafka::blocking(move || watch.until(&step, &command.id, deadline)).await?;
+    match verdict {
+        Some(Verdict::Applied(r)) => Ok(*r),
+        Some(Verdict::Refused { reason, message }) => {
+            Err(OperatorError::Refused { reason, message })
         }
-        if started.elapsed() >= wait {
-            return Err(OperatorError::NotConfirmed {
-                topic: cfg.topics.commands.clone(),
-                waited: wait,
-            });
-        }
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        None => Err(OperatorError::NotConfirmed {
+            topic: cfg.topics.commands.clone(),
+            waited: wait,
+            run: run.dispatch,
+        }),
     }
+}
+
+/// What became of a command.
+enum Verdict {
+    Applied(Box<StepRecord>),
+    Refused { reason: String, message: String },
+}
+
+/// A reader of the step's changelog partition and of the DLQ, positioned at
+/// their ends before a command is sent.
+struct Watch {
+    consumer: kafka::ReadToEndConsumer,
+    changelog: String,
+}
+
+impl Watch {
+    fn from_ends(
+        cfg: &KafkaConfig,
+        changelog: &str,
+        partition: i32,
+        dlq: &str,
+    ) -> Result<Watch, OperatorError> {
+        let group = format!("stepgate-operator-{}", std::process::id());
+        let consumer = kafka::read_to_end_consumer(cfg, &group)?;
+        let limit = Duration::from_secs(30);
+        let mut tpl = rdkafka::TopicPartitionList::new();
+        let (_, high) = consumer.fetch_watermarks(changelog, partition, limit)?;
+        tpl.add_partition_offset(changelog, partition, rdkafka::Offset::Offset(high))?;
+        let dlq_partitions = kafka::partition_counts(cfg, &[dlq])?[0] as i32;
+        for p in 0..dlq_partitions {
+            let (_, high) = consumer.fetch_watermarks(dlq, p, limit)?;
+            tpl.add_partition_offset(dlq, p, rdkafka::Offset::Offset(high))?;
+        }
+        consumer.assign(&tpl)?;
+        drop(tpl);
+        Ok(Watch {
+            consumer,
+            changelog: changelog.to_owned(),
+        })
+    }
+
+    /// Read on until the command `id` shows in the step's record or in the
+    /// DLQ; `None` at the deadline.
+    fn until(
+        self,
+        step: &StepKey,
+        id: &str,
+        deadline: Instant,
+    ) -> Result<Option<Verdict>, OperatorError> {
+        let mut verdict = None;
+        while verdict.is_none() && Instant::now() < deadline {
+            let Some(m) = self.consumer.poll(Duration::from_millis(200)) else {
+                continue;
+            };
+            let m = match m {
+                Ok(m) => m,
+                // Partition ends and passing errors: keep reading.
+                Err(_) => continue,
+            };
+            if m.topic() == self.changelog {
+                if let Some(key) = m.key()
+                    && let Some((_, s, Some(record))) = changelog_step(key, m.payload())
+                    && s == *step
+                    && record.operator_log.iter().any(|e| e.id == id)
+                {
+                    verdict = Some(Verdict::Applied(Box::new(record)));
+                }
+            } else if let Some(v) = m.payload().and_then(|p| refused(p, id)) {
+                verdict = Some(v);
+            }
+        }
+        let _ = self.consumer.unassign();
+        drop(self.consumer);
+        Ok(verdict)
+    }
+}
+
+/// A DLQ record about the command `id`: why it was refused.
+fn refused(dlq_value: &[u8], id: &str) -> Option<Verdict> {
+    let v: serde_json::Value = serde_json::from_slice(dlq_value).ok()?;
+    let original: Command = serde_json::from_str(v.get("payload")?.as_str()?).ok()?;
+    (original.id == id).then(|| Verdict::Refused {
+        reason: v["reason"].as_str().unwrap_or_default().to_owned(),
+        message: v["message"].as_str().unwrap_or_default().to_owned(),
+    })
 }
 
 /// A call waiting for approval.
@@ -279,8 +401,28 @@ pub fn render_steps(w: &WorkflowSteps) -> String {
         if let Some(late) = &r.late_outcome {
             let _ = writeln!(
                 s,
-                "       late outcome (after in_doubt): {}",
+                "       late outcome (did not settle the step): {}",
                 excerpt(&serde_json::to_string(late).unwrap_or_default())
+            );
+        }
+        for e in &r.evidence {
+            let _ = writeln!(
+                s,
+                "       outcome of run {}: {}{} ({})",
+                e.dispatch,
+                e.status,
+                e.kind
+                    .as_deref()
+                    .map(|k| format!(" {k}"))
+                    .unwrap_or_default(),
+                e.why
+            );
+        }
+        if !r.open_dispatches.is_empty() && !r.phase.in_flight() {
+            let _ = writeln!(
+                s,
+                "       runs started and never reported: {:?} (they may have taken effect)",
+                r.open_dispatches
             );
         }
         for e in &r.operator_log {

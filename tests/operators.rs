@@ -498,3 +498,67 @@ async fn a_command_that_does_not_fit_goes_to_the_dlq() {
     assert!(again.deduplicated);
     same_but_call_id(&r, &again);
 }
+
+/// A decision is bound to the run of the step it was made about: a resolve
+/// re-sent after the step ran again (the first copy applied, the retry ran
+/// and was cut off again) is refused as stale and decides nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resolve_re_sent_after_a_second_run_started_is_refused_as_stale() {
+    let s = stack().await;
+    let agent = s.agent();
+    // Every try is cut off: in doubt each time.
+    s.tools.script("wire", vec![Reply::Status(503)]);
+    let first = agent
+        .call(intent("stale-1", 0, "wire", json!({"amount": 1}), "s0"))
+        .await;
+    assert_eq!(first.status, Status::InDoubt);
+    assert_eq!(step_of(&steps(&s, "stale-1").await, 0)["dispatch"], 1);
+    let resolve_run_1 = ["resolve", "stale-1", "0", "wire", "--not-executed"];
+    let by = ["--by", "carol", "--run", "1"];
+    let args: Vec<&str> = resolve_run_1.iter().chain(&by).copied().collect();
+    let out = s.cli(&args).await;
+    assert!(out.status.success(), "{}{}", stdout(&out), stderr(&out));
+    // The agent's retry runs the step again, and is cut off again.
+    let second = agent
+        .call(intent("stale-1", 0, "wire", json!({"amount": 1}), "s1"))
+        .await;
+    assert_eq!(second.status, Status::InDoubt);
+    assert!(!second.deduplicated, "run 2 was invoked for s1");
+    assert_eq!(s.tools.count("wire"), 2);
+    // The re-sent decision about run 1 must not settle run 2.
+    let out = s.cli(&args).await;
+    assert!(!out.status.success(), "{}", stdout(&out));
+    assert!(
+        stderr(&out).contains("stale_command") && stderr(&out).contains("run 2"),
+        "{}",
+        stderr(&out)
+    );
+    let rec = steps(&s, "stale-1").await;
+    let s0 = step_of(&rec, 0);
+    assert_eq!(
+        (s0["phase"].as_str(), s0["dispatch"].as_u64()),
+        (Some("in_doubt"), Some(2))
+    );
+    assert_eq!(s0["operator_log"].as_array().unwrap().len(), 1, "{s0}");
+    let again = agent
+        .call(intent("stale-1", 0, "wire", json!({"amount": 1}), "s2"))
+        .await;
+    assert_eq!(again.status, Status::InDoubt);
+    assert!(again.deduplicated);
+    assert_eq!(s.tools.count("wire"), 2, "the stale decision ran nothing");
+    // A decision about the current run applies.
+    let out = s
+        .cli(&[
+            "resolve",
+            "stale-1",
+            "0",
+            "wire",
+            "--not-executed",
+            "--by",
+            "carol",
+            "--run",
+            "2",
+        ])
+        .await;
+    assert!(out.status.success(), "{}{}", stdout(&out), stderr(&out));
+}

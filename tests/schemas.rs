@@ -156,6 +156,8 @@ fn all_reasons() -> Vec<RejectionReason> {
         UnknownTool,
         WorkflowEnded,
         BadCommand,
+        StaleCommand,
+        IdentityConflict,
         TooDeep,
         Unprocessable,
         WrongPartition,
@@ -164,8 +166,8 @@ fn all_reasons() -> Vec<RejectionReason> {
     for r in &all {
         match r {
             Oversized | MalformedJson | NotAnObject | MissingField | WrongType | InvalidValue
-            | UnknownTool | WorkflowEnded | BadCommand | TooDeep | Unprocessable
-            | WrongPartition | Expired => {}
+            | UnknownTool | WorkflowEnded | BadCommand | StaleCommand | IdentityConflict
+            | TooDeep | Unprocessable | WrongPartition | Expired => {}
         }
     }
     all
@@ -246,6 +248,11 @@ fn internal_records_validate() {
         };
         assert_valid(&p, &serde_json::to_value(&fin).unwrap());
     }
+    let not_invoked = Progress {
+        event: ProgressEvent::NotInvoked,
+        ..started.clone()
+    };
+    assert_valid(&p, &serde_json::to_value(&not_invoked).unwrap());
 }
 
 #[test]
@@ -272,6 +279,10 @@ fn operator_commands_and_approval_events_match_their_schemas() {
             by: "alice".into(),
             at: "2026-11-29T08:00:00.000Z".into(),
             reason: Some("why".into()),
+            run: Some(stepgate::contract::Run {
+                dispatch: 2,
+                intended_at_ms: 1_764_316_800_000,
+            }),
         };
         assert_valid(&v, &serde_json::to_value(&c).unwrap());
     }

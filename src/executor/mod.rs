@@ -8,15 +8,101 @@
 //! an outcome whose partition moved while the call ran is still delivered — the
 //! gate then hands it to the partition's new owner through `progress`.
 //! The invoker never reads gate state.
+//!
+//! A call waits for a pool slot, and a partition may move meanwhile, or the
+//! process be told to stop: so just before the tool is invoked, the call's
+//! partition must still be owned here and the process not stopping
+//! ([`Ownership`]). A call that fails the check — at once, when ownership
+//! changes while it waits — is never invoked and reports
+//! [`ProgressEvent::NotInvoked`]: its step's owner may run it at once, and never
+//! answers it `in_doubt`.
 
 use crate::config::Config;
 use crate::contract::{Call, Progress, ProgressEvent};
 use crate::telemetry::Metrics;
 use crate::tools::ToolRegistry;
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
-use tokio::sync::{Semaphore, mpsc};
+use tokio::sync::{Semaphore, mpsc, watch};
+
+/// Which partitions this process owns — each with the epoch it was taken in
+/// — and whether it is stopping: what a queued call checks just before its
+/// tool is invoked. Set by the gate.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Owned {
+    pub partitions: BTreeMap<i32, u64>,
+    pub stopping: bool,
+    next_epoch: u64,
+}
+
+impl Owned {
+    /// A call taken in `epoch` may be invoked: its partition has been owned
+    /// here without a break since (a partition that moved away and back has
+    /// a new epoch), and the process is not stopping.
+    fn may_invoke(&self, partition: i32, epoch: Option<u64>) -> bool {
+        !self.stopping && epoch.is_some() && self.partitions.get(&partition).copied() == epoch
+    }
+}
+
+/// The gate's side of [`Owned`]: shared with every queued call, which is woken
+/// when it changes.
+#[derive(Clone)]
+pub struct Ownership(Arc<watch::Sender<Owned>>);
+
+impl Ownership {
+    fn new() -> Self {
+        Ownership(Arc::new(watch::Sender::new(Owned::default())))
+    }
+
+    /// Partitions this process now owns (their calls may be invoked); one
+    /// already owned keeps its epoch.
+    pub fn add(&self, partitions: impl IntoIterator<Item = i32>) {
+        let added: Vec<i32> = partitions.into_iter().collect();
+        self.0.send_if_modified(|o| {
+            let mut changed = false;
+            for p in added {
+                if !o.partitions.contains_key(&p) {
+                    o.next_epoch += 1;
+                    o.partitions.insert(p, o.next_epoch);
+                    changed = true;
+                }
+            }
+            changed
+        });
+    }
+
+    /// Partitions this process no longer owns: their queued calls are not invoked.
+    pub fn remove(&self, partitions: impl IntoIterator<Item = i32>) {
+        let gone: Vec<i32> = partitions.into_iter().collect();
+        self.0.send_if_modified(|o| {
+            let before = o.partitions.len();
+            o.partitions.retain(|p, _| !gone.contains(p));
+            o.partitions.len() != before
+        });
+    }
+
+    /// Owns nothing (a session ended: its partitions may go elsewhere).
+    pub fn clear(&self) {
+        self.0.send_if_modified(|o| {
+            let had = !o.partitions.is_empty();
+            o.partitions.clear();
+            had
+        });
+    }
+
+    /// Stopping (SIGTERM): calls that have not started are not invoked.
+    pub fn stop(&self) {
+        self.0
+            .send_if_modified(|o| !std::mem::replace(&mut o.stopping, true));
+    }
+
+    /// The epoch in which `partition` is owned now, if it is.
+    fn epoch(&self, partition: i32) -> Option<u64> {
+        self.0.borrow().partitions.get(&partition).copied()
+    }
+}
 
 /// An invocation's outcome, in the partition of its step.
 #[derive(Debug, Clone)]
@@ -36,6 +122,7 @@ pub struct Invoker {
     metrics: Arc<Metrics>,
     tx: mpsc::UnboundedSender<Finished>,
     running: Arc<AtomicUsize>,
+    ownership: Ownership,
 }
 
 impl Invoker {
@@ -53,13 +140,20 @@ impl Invoker {
             metrics,
             tx,
             running: Arc::new(AtomicUsize::new(0)),
+            ownership: Ownership::new(),
         };
         (invoker, rx)
     }
 
-    /// Invocations started and not yet finished (queued for a slot included).
+    /// What the gate tells its calls about ownership.
+    pub fn ownership(&self) -> &Ownership {
+        &self.ownership
+    }
+
+    /// Invocations started whose outcome is not yet on the channel (queued
+    /// for a slot included).
     pub fn running(&self) -> usize {
-        self.running.load(Ordering::Relaxed)
+        self.running.load(Ordering::Acquire)
     }
 
     /// Run `call` (of a step in `partition`) as soon as a slot is free.
@@ -73,6 +167,10 @@ impl Invoker {
             self.tx.clone(),
             self.running.clone(),
         );
+        let mut owned = self.ownership.0.subscribe();
+        // Taken now: a call handed over before its partition is owned here
+        // (or after it left) is never invoked.
+        let epoch = self.ownership.epoch(partition);
         // The step key (and the caller's trace) on every event of the invocation.
         let span = tracing::info_span!(
             "invoke",
@@ -82,26 +180,58 @@ impl Invoker {
         );
         let handed = Instant::now();
         let task = async move {
-            // The pool is never closed, so acquiring only waits.
-            let _slot = pool.acquire_owned().await;
+            // Wait for a slot, unless the call may no longer be invoked here
+            // (the pool is never closed, so acquiring only waits).
+            let slot = tokio::select! {
+                biased;
+                _ = owned.wait_for(|o| !o.may_invoke(partition, epoch)) => None,
+                slot = pool.acquire_owned() => slot.ok(),
+            };
+            // Checked again with the slot held: nothing is invoked for a
+            // partition this process no longer owns, or while it stops.
+            // (A tool's own slots are waited for inside the registry: the
+            // check is made again there, until a try is sent.)
             let t = Instant::now();
-            let outcome = tools.invoke(&call).await;
-            metrics.invoked(&call.step, outcome.label(), t.elapsed());
-            crash_point::after_invoke();
+            let invoked = match slot {
+                Some(_slot) => {
+                    tools
+                        .invoke_if(&call, || owned.borrow().may_invoke(partition, epoch))
+                        .await
+                }
+                None => None,
+            };
+            let event = match invoked {
+                Some(outcome) => {
+                    metrics.invoked(&call.step, outcome.label(), t.elapsed());
+                    crash_point::after_invoke();
+                    ProgressEvent::Finished { outcome }
+                }
+                None => {
+                    let why = if owned.borrow().stopping {
+                        "stopping"
+                    } else {
+                        "partition_moved"
+                    };
+                    metrics.not_invoked(&call.step, why);
+                    ProgressEvent::NotInvoked
+                }
+            };
             let progress = Progress {
                 step: call.step,
                 dispatch: call.dispatch,
                 fast_ref: call.fast_ref,
                 at_ms: chrono::Utc::now().timestamp_millis(),
-                event: ProgressEvent::Finished { outcome },
+                event,
             };
-            running.fetch_sub(1, Ordering::Relaxed);
             // The receiver lives as long as the gate; after it, nothing to do.
             let _ = tx.send(Finished {
                 partition,
                 progress,
                 took: handed.elapsed(),
             });
+            // After the send: once `running()` reads 0, every outcome is on
+            // the channel (a drain that stops then misses none).
+            running.fetch_sub(1, Ordering::Release);
         };
         tokio::spawn(tracing::Instrument::instrument(task, span));
     }

@@ -10,11 +10,11 @@ use crate::contract::{
 };
 pub use crate::kafka::Input;
 use crate::state::{
-    Batch, FastEntry, NotWaiting, OperatorEntry, Phase, StateError, StateStore, StepRecord, Waiter,
-    WorkflowEnd,
+    Batch, Evidence, FastEntry, MAX_EVIDENCE_KEPT, NotWaiting, OperatorEntry, Phase, StateError,
+    StateStore, StepRecord, Waiter, WorkflowEnd,
 };
 use crate::telemetry::Metrics;
-use crate::tools::ToolConfig;
+use crate::tools::{Category, ToolConfig};
 use chrono::{DateTime, TimeZone, Utc};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
@@ -85,11 +85,27 @@ pub struct GateCore {
     /// and is not running here was committed and never invoked: it is invoked
     /// then, instead of being declared in doubt at its deadline.
     unsure: Vec<(i32, Call)>,
-    /// Per partition newly taken over, until when its deadlines wait (ms): the
-    /// outcomes handed over on `progress` while it was restored are read
-    /// first, so a long restore never turns a known outcome into doubt.
-    held: HashMap<i32, i64>,
+    /// Per partition newly taken over, how long its deadlines wait: the
+    /// outcomes handed over on `progress` are read first, so a long restore
+    /// or a slow read never turns a known outcome into doubt.
+    held: HashMap<i32, Hold>,
+    /// The process is stopping: a call handed back not invoked is left for
+    /// the next owner (due at once) instead of being started here.
+    stopping: bool,
 }
+
+/// Deadlines of a partition newly taken over wait until its `progress` has
+/// been read up to where it ended at assignment, and at least `until_ms`
+/// (`in_doubt_grace`: room for hand-overs written just after it).
+#[derive(Debug, Clone, Copy)]
+struct Hold {
+    until_ms: i64,
+    progress_read: bool,
+}
+
+/// The longest deadlines wait for `progress` to be read after a takeover
+/// (a read that never catches up must not stop every deadline for good).
+const HOLD_LIMIT_MS: i64 = 5 * 60 * 1000;
 
 fn ms(d: Duration) -> i64 {
     d.as_millis().min(i64::MAX as u128) as i64
@@ -122,6 +138,7 @@ impl GateCore {
             applied: HashMap::new(),
             unsure: Vec::new(),
             held: HashMap::new(),
+            stopping: false,
         }
     }
 
@@ -174,8 +191,13 @@ impl GateCore {
             self.due.insert((d, partition, step));
         }
         self.applied.insert(partition, applied);
-        self.held
-            .insert(partition, now_ms + ms(self.settings.in_doubt_grace));
+        self.held.insert(
+            partition,
+            Hold {
+                until_ms: now_ms + ms(self.settings.in_doubt_grace),
+                progress_read: false,
+            },
+        );
         let (here, elsewhere): (Vec<_>, Vec<_>) = std::mem::take(&mut self.unsure)
             .into_iter()
             .partition(|(p, _)| *p == partition);
@@ -207,6 +229,20 @@ impl GateCore {
         if let Some(over) = self.unsure.len().checked_sub(MAX_UNSURE) {
             self.unsure.drain(..over);
         }
+    }
+
+    /// The partition's `progress` has been read up to where it ended when the
+    /// partition was assigned: its deadlines may fire (after the grace).
+    pub fn progress_read(&mut self, partition: i32) {
+        if let Some(h) = self.held.get_mut(&partition) {
+            h.progress_read = true;
+        }
+    }
+
+    /// The process is stopping (SIGTERM): calls handed back not invoked are
+    /// left to the next owner.
+    pub fn set_stopping(&mut self) {
+        self.stopping = true;
     }
 
     /// Forget a partition that moved away (its running calls still report).
@@ -361,8 +397,29 @@ impl GateCore {
             ));
             return Ok(());
         }
+        // Another call than the one recorded (by the tool's identity
+        // arguments): not a retry. Not run, not given the recorded answer.
+        let conflict: Vec<(String, String, String)> = existing
+            .as_ref()
+            .map(|r| tool.identity_conflict(&r.arguments, &intent.arguments))
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(f, recorded, sent)| (f, recorded.to_string(), sent.to_string()))
+            .collect();
         match existing {
             None => self.begin_step(store, batch, input, &tool, intent, None, now_ms)?,
+            Some(_) if !conflict.is_empty() => {
+                self.metrics.identity_conflict(&step);
+                let rejection = Rejection {
+                    reason: RejectionReason::IdentityConflict,
+                    message: Texts::identity_conflict(&step.tool, &conflict),
+                    address: Some(Address {
+                        step,
+                        call_id: intent.call_id,
+                    }),
+                };
+                self.reject(input, rejection, now_ms);
+            }
             // An operator confirmed the last run did not happen: run it now.
             Some(record) if record.phase == Phase::NotExecuted => {
                 self.begin_step(store, batch, input, &tool, intent, Some(record), now_ms)?
@@ -455,6 +512,7 @@ impl GateCore {
             record.rephrased_count = prev.rephrased_count;
             record.rephrased = prev.rephrased;
             record.operator_log = prev.operator_log;
+            record.evidence = prev.evidence;
         }
         if tool.ends_workflow() {
             batch.put_workflow_end(
@@ -493,6 +551,9 @@ impl GateCore {
             now_ms + ms(self.tool_deadline(&record.step.tool) + self.settings.in_doubt_grace);
         record.phase = Phase::Started;
         record.started_at_ms = Some(now_ms);
+        if !record.open_dispatches.contains(&record.dispatch) {
+            record.open_dispatches.push(record.dispatch);
+        }
         record.deadline_ms = Some(deadline);
         self.due.insert((deadline, partition, record.step.clone()));
         self.outs.push(Out::Invoke {
@@ -551,6 +612,26 @@ impl GateCore {
             reason: command.reason.clone(),
             from: record.phase,
         };
+        // Bound to the run the operator looked at: a step re-run (or
+        // re-created after a purge) since then is not what they decided about.
+        if let Some(run) = command.run
+            && (run.dispatch != record.dispatch || run.intended_at_ms != record.intended_at_ms)
+        {
+            let problem = format!(
+                "stale command: `{action}` was decided about run {} (recorded at {} ms) of step {}, but the step's current run is {} (recorded at {} ms, {}): look at the step again and decide about the current run",
+                run.dispatch,
+                run.intended_at_ms,
+                command.step,
+                record.dispatch,
+                record.intended_at_ms,
+                record.phase.as_str()
+            );
+            self.metrics
+                .operator_command(&command.step, action, &command.by, Some(&problem));
+            let rejection = Rejection::new(RejectionReason::StaleCommand, problem);
+            self.reject(input, rejection, now_ms);
+            return Ok(());
+        }
         let wanted = Phase::acted_on_by(&command.action);
         if record.phase != wanted {
             let problem = format!(
@@ -570,6 +651,8 @@ impl GateCore {
         match &command.action {
             Action::ResolveExecuted { output } => {
                 record.operator_log.push(entry);
+                // The operator accounts for every run of the step.
+                record.open_dispatches.clear();
                 let outcome = Outcome::Ok {
                     output: output.clone(),
                 };
@@ -577,6 +660,7 @@ impl GateCore {
             }
             Action::ResolveNotExecuted => {
                 record.operator_log.push(entry);
+                record.open_dispatches.clear();
                 let outcome = Outcome::Error {
                     error: ErrorBody {
                         kind: "not_executed".into(),
@@ -751,10 +835,14 @@ impl GateCore {
         progress: Progress,
         now_ms: i64,
     ) -> Result<(), StateError> {
-        let ProgressEvent::Finished { outcome } = progress.event else {
+        let outcome = match progress.event {
+            ProgressEvent::Finished { outcome } => outcome,
+            ProgressEvent::NotInvoked => {
+                return self.on_not_invoked(store, batch, p, &progress, now_ms);
+            }
             // `started` records of earlier versions' executors: the step
             // record says all that is needed.
-            return Ok(());
+            ProgressEvent::Started => return Ok(()),
         };
         if let Some(fast_ref) = progress.fast_ref {
             if let Some(entry) = self.fast.remove(&(p, fast_ref)) {
@@ -770,18 +858,161 @@ impl GateCore {
             return Ok(());
         }
         let Some(mut record) = batch.step(store, p, &progress.step)? else {
-            tracing::debug!(step = %progress.step, "outcome for a step with no record (purged?): ignored");
+            tracing::warn!(step = %progress.step, dispatch = progress.dispatch, outcome = outcome.label(), "an outcome for a step with no record (purged after its retention): nothing to settle");
             return Ok(());
         };
-        if record.phase.in_flight() && record.phase != Phase::AwaitingApproval {
+        record.open_dispatches.retain(|d| *d != progress.dispatch);
+        let settles = record.phase.in_flight() && record.phase != Phase::AwaitingApproval;
+        // sim: stale-dispatch check. Only the step's current dispatch settles
+        // it: an older one's "not performed" must not answer a step whose
+        // re-run may have charged, and its `ok` is kept as evidence (the
+        // current dispatch, with the same key, reports the same effect).
+        if settles && progress.dispatch == record.dispatch {
+            let outcome = self.unless_earlier_may_have_run(&record, outcome);
             let phase = Phase::settled_by(&outcome);
-            self.settle(store, batch, p, record, outcome, phase, now_ms)?;
-        } else if record.phase == Phase::InDoubt && record.late_outcome.is_none() {
-            self.metrics.late_outcome(&record.step);
-            record.late_outcome = Some(outcome);
-            batch.put_step(store, p, &record)?;
+            return self.settle(store, batch, p, record, outcome, phase, now_ms);
         }
-        Ok(())
+        let why = if progress.dispatch != record.dispatch {
+            "stale_dispatch"
+        } else if record.phase == Phase::InDoubt {
+            "after_in_doubt"
+        } else {
+            "after_settled"
+        };
+        self.keep_evidence(&mut record, progress.dispatch, outcome, why, now_ms);
+        batch.put_step(store, p, &record)
+    }
+
+    /// A call that never left its process (its partition moved, or the
+    /// process stopped, while it waited for a slot): run its step again at
+    /// once — safe for every category, since nothing was invoked — or, while
+    /// this process stops, leave it due at once for the next owner.
+    fn on_not_invoked(
+        &mut self,
+        store: &StateStore,
+        batch: &mut Batch,
+        p: i32,
+        progress: &Progress,
+        now_ms: i64,
+    ) -> Result<(), StateError> {
+        if let Some(fast_ref) = progress.fast_ref {
+            // A read: run it again here, or leave it to the owner, which
+            // re-reads its intent (the offset is held back for it).
+            if !self.stopping
+                && let Some(entry) = self.fast.get_mut(&(p, fast_ref))
+            {
+                entry.dispatch += 1;
+                self.immediate.push((
+                    p,
+                    Call {
+                        step: entry.step.clone(),
+                        arguments: entry.arguments.clone(),
+                        dispatch: entry.dispatch,
+                        fast_ref: Some(fast_ref),
+                        traceparent: entry.traceparent.clone(),
+                    },
+                ));
+            }
+            return Ok(());
+        }
+        let Some(mut record) = batch.step(store, p, &progress.step)? else {
+            tracing::warn!(step = %progress.step, dispatch = progress.dispatch, "a call handed back not invoked, for a step with no record (purged after its retention): nothing to run");
+            return Ok(());
+        };
+        record.open_dispatches.retain(|d| *d != progress.dispatch);
+        let current = progress.dispatch == record.dispatch && record.phase == Phase::Started;
+        if !current {
+            // Settled or re-run meanwhile: evidence that this run never ran.
+            self.metrics.late_outcome(
+                &record.step,
+                progress.dispatch,
+                record.dispatch,
+                "not_invoked",
+                "stale_dispatch",
+            );
+            push_evidence(
+                &mut record,
+                Evidence {
+                    dispatch: progress.dispatch,
+                    status: "not_invoked".into(),
+                    kind: None,
+                    why: "stale_dispatch".into(),
+                    at_ms: now_ms,
+                },
+            );
+        } else if self.stopping {
+            record.not_invoked = Some(record.dispatch);
+            record.deadline_ms = Some(now_ms);
+            self.due.insert((now_ms, p, record.step.clone()));
+        } else {
+            self.rerun_not_invoked(p, &mut record, now_ms);
+        }
+        batch.put_step(store, p, &record)
+    }
+
+    /// Dispatch again a step whose current dispatch was never invoked.
+    fn rerun_not_invoked(&mut self, p: i32, record: &mut StepRecord, now_ms: i64) {
+        record.not_invoked = None;
+        record.dispatch += 1;
+        tracing::info!(step = %record.step, dispatch = record.dispatch, "its last run was never invoked (its call queued where the partition or the process went away): run now");
+        self.start(p, record, now_ms);
+    }
+
+    /// Keep an outcome that does not settle its step on the step's record:
+    /// whole (the first such), in brief (the newest few), logged and counted.
+    fn keep_evidence(
+        &self,
+        record: &mut StepRecord,
+        dispatch: u32,
+        outcome: Outcome,
+        why: &str,
+        now_ms: i64,
+    ) {
+        self.metrics.late_outcome(
+            &record.step,
+            dispatch,
+            record.dispatch,
+            outcome.label(),
+            why,
+        );
+        let kind = match &outcome {
+            Outcome::Ok { .. } => None,
+            Outcome::Error { error } | Outcome::InDoubt { error } => Some(error.kind.clone()),
+        };
+        push_evidence(
+            record,
+            Evidence {
+                dispatch,
+                status: outcome.label().to_owned(),
+                kind,
+                why: why.to_owned(),
+                at_ms: now_ms,
+            },
+        );
+        if record.late_outcome.is_none() {
+            record.late_outcome = Some(outcome);
+        }
+    }
+
+    /// An outcome that says the action was not performed is told as such only
+    /// when no other dispatch of the step may have run: for an effectful tool
+    /// whose earlier dispatch is still unaccounted for (re-run after its
+    /// deadline), it is in doubt.
+    fn unless_earlier_may_have_run(&self, record: &StepRecord, outcome: Outcome) -> Outcome {
+        let Outcome::Error { error } = &outcome else {
+            return outcome;
+        };
+        let effectful = matches!(record.category, Category::Keyed | Category::Unkeyed);
+        let others_open = record.open_dispatches.iter().any(|d| *d != record.dispatch);
+        if !effectful || !others_open || !NOT_PERFORMED_KINDS.contains(&error.kind.as_str()) {
+            return outcome;
+        }
+        Outcome::InDoubt {
+            error: ErrorBody {
+                kind: "outcome_unknown".into(),
+                message: Texts::in_doubt_earlier_try(&record.step.tool, &error.message),
+            },
+        }
     }
 
     fn tool_deadline(&self, tool: &str) -> Duration {
@@ -845,7 +1076,14 @@ impl GateCore {
         batch: &mut Batch,
         now_ms: i64,
     ) -> Result<(), StateError> {
-        self.held.retain(|_, until| *until > now_ms);
+        self.held.retain(|p, h| {
+            let waiting = !h.progress_read || h.until_ms > now_ms;
+            if waiting && now_ms > h.until_ms + HOLD_LIMIT_MS {
+                tracing::warn!(partition = p, "the partition's progress was not read to its end within 5 minutes of its assignment: its deadlines are settled from now on");
+                return false;
+            }
+            waiting
+        });
         let mut waiting = Vec::new();
         while let Some((deadline, p, step)) = self.due.first().cloned() {
             if deadline > now_ms {
@@ -864,6 +1102,12 @@ impl GateCore {
             let waiting = matches!(record.phase, Phase::Started | Phase::Intended);
             if !waiting || record.deadline_ms.is_some_and(|d| d != deadline) {
                 continue; // settled or re-run since
+            }
+            // Handed back never invoked by a process that was stopping.
+            if record.not_invoked == Some(record.dispatch) {
+                self.rerun_not_invoked(p, &mut record, now_ms);
+                batch.put_step(store, p, &record)?;
+                continue;
             }
             if self.running.get(&(p, step.clone())) == Some(&record.dispatch) {
                 // Queued for a slot or retrying: the invocation reports itself.
@@ -927,6 +1171,17 @@ impl GateCore {
         Ok(out)
     }
 }
+
+/// Keep `e` on the record, the newest [`MAX_EVIDENCE_KEPT`] only.
+fn push_evidence(record: &mut StepRecord, e: Evidence) {
+    record.evidence.push(e);
+    if let Some(over) = record.evidence.len().checked_sub(MAX_EVIDENCE_KEPT) {
+        record.evidence.drain(..over);
+    }
+}
+
+/// Error kinds that say the tool did not perform the action.
+const NOT_PERFORMED_KINDS: &[&str] = &["tool_refused", "tool_unreachable", "tool_redirected"];
 
 /// Calls of commits reported failed kept for a later look (see `GateCore::unsure`).
 const MAX_UNSURE: usize = 10_000;

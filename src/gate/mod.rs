@@ -100,11 +100,15 @@ pub async fn run(
             assigned: BTreeSet::new(),
             ever_assigned: false,
             backlog: std::mem::take(&mut carry),
+            progress_ends: HashMap::new(),
             linger: Linger::default(),
             poison: &mut poison,
             last_commits: &mut last_commits,
         };
         let result = session.run(&mut core, &mut outcomes, &shutdown).await;
+        // Its partitions may go to another gate now: calls still queued here
+        // are handed back not invoked (settled by the next session or owner).
+        invoker.ownership().clear();
         carry.append(&mut session.backlog);
         health.set_gate_ready(false);
         core.reset();
@@ -136,6 +140,9 @@ struct Session<'a> {
     ever_assigned: bool,
     /// Outcomes waiting for the session to know its partitions.
     backlog: Vec<Finished>,
+    /// Per partition taken over, where its `progress` ended then: its
+    /// deadlines wait until the consumer has read that far.
+    progress_ends: HashMap<i32, i64>,
     linger: Linger,
     poison: &'a mut Poison,
     /// The producers' last acknowledged transactions, checked by the next session.
@@ -472,6 +479,7 @@ impl Session<'_> {
                     if !self.assigned.is_empty() {
                         unassigned_since = Instant::now();
                     }
+                    self.check_progress_read(core, consumer);
                     let now = now_ms();
                     // Outcomes may be queued behind an outage (ours or the
                     // broker's): only settle deadlines after a grace period of
@@ -711,6 +719,7 @@ impl Session<'_> {
                 }
                 self.ever_assigned = true;
                 self.assigned.extend(ps.iter().copied());
+                self.invoker.ownership().add(ps.iter().copied());
                 for p in ps {
                     self.ensure_owned(core, consumer, p).await?;
                 }
@@ -725,9 +734,13 @@ impl Session<'_> {
                     // last commit with a fresh consumer.
                     return Err(GateError::Rebalanced);
                 }
+                // Calls of these partitions still waiting for a slot here are
+                // not invoked: they are handed to the new owner.
+                self.invoker.ownership().remove(ps.iter().copied());
                 for p in ps {
                     self.assigned.remove(&p);
                     self.owned.remove(&p);
+                    self.progress_ends.remove(&p);
                     core.drop_partition(p);
                 }
             }
@@ -861,11 +874,62 @@ impl Session<'_> {
             self.report_state_size();
         }
         core.load_partition(self.store, p, applied, now_ms())?;
+        self.hold_until_progress_read(core, consumer, p).await;
         self.owned.insert(p, Owned { applied, committed });
         self.assigned.insert(p);
+        self.invoker.ownership().add([p]);
         self.health
             .set_gate_ready(self.assigned.iter().all(|q| self.owned.contains_key(q)));
         Ok(())
+    }
+
+    /// Note where the partition's `progress` ends now: the deadlines of the
+    /// partition wait until it has been read that far (outcomes handed over
+    /// while it moved are known first). Without the end (the broker did not
+    /// say), only the grace period holds them.
+    async fn hold_until_progress_read(
+        &mut self,
+        core: &mut GateCore,
+        consumer: &Arc<TxnConsumer>,
+        p: i32,
+    ) {
+        let (c, topic) = (consumer.clone(), self.config.kafka.topics.progress.clone());
+        let end = kafka::blocking(move || c.fetch_watermarks(&topic, p, WATERMARK_ASK)).await;
+        match end {
+            Ok((_, high)) if high > 0 => {
+                self.progress_ends.insert(p, high);
+            }
+            Ok(_) => core.progress_read(p),
+            Err(e) => {
+                warn!(partition = p, error = %e, "could not read where the partition's progress ends: its deadlines wait the grace period only");
+                core.progress_read(p);
+            }
+        }
+    }
+
+    /// Release the deadlines of partitions whose `progress` was read up to
+    /// where it ended at their assignment (the consumer's position counts
+    /// control records, which a message offset would not).
+    fn check_progress_read(&mut self, core: &mut GateCore, consumer: &TxnConsumer) {
+        if self.progress_ends.is_empty() {
+            return;
+        }
+        let Ok(positions) = consumer.position() else {
+            return;
+        };
+        let topic = &self.config.kafka.topics.progress;
+        self.progress_ends.retain(|&p, &mut end| {
+            let at = positions
+                .find_partition(topic, p)
+                .and_then(|e| e.offset().to_raw())
+                .unwrap_or(-1);
+            if at >= end {
+                core.progress_read(p);
+                return false;
+            }
+            true
+        });
+        drop(positions);
     }
 
     /// Close a batch: produce its messages and changelog records, its input
@@ -1098,9 +1162,12 @@ impl Session<'_> {
         Ok(())
     }
 
-    /// SIGTERM: commit what is decided (its calls start), let running calls
-    /// finish within `executor.drain_timeout`, and commit their outcomes. Calls
-    /// still running then stay `started`; their deadline settles them.
+    /// SIGTERM: start no more calls; commit what is decided; let running
+    /// calls finish within `executor.drain_timeout`, and commit their
+    /// outcomes. Calls that had not started (queued for a slot, or decided in
+    /// the last batch) are handed back not invoked and recorded so: the next
+    /// owner runs them at once, never `in_doubt`. Calls still running at the
+    /// drain timeout stay `started`; their deadline settles them.
     async fn shut_down(
         &mut self,
         core: &mut GateCore,
@@ -1109,16 +1176,21 @@ impl Session<'_> {
         outcomes: &mut mpsc::UnboundedReceiver<Finished>,
         pending: Pending,
     ) -> Result<(), GateError> {
+        self.invoker.ownership().stop();
+        core.set_stopping();
         if !pending.is_empty() || core.has_outs() {
             let f = self.send(core, consumer, producer, pending)?;
             self.land(core, f).await?;
         }
         let until = Instant::now() + self.config.executor.drain_timeout.0;
         let mut pending = Pending::on_top_of(None);
-        while self.invoker.running() > 0 {
-            match tokio::time::timeout_at(until.into(), outcomes.recv()).await {
+        // Re-checked every 50 ms: the last outcome may be received just
+        // before its task counts itself finished.
+        while self.invoker.running() > 0 && Instant::now() < until {
+            match tokio::time::timeout(Duration::from_millis(50), outcomes.recv()).await {
                 Ok(Some(f)) => self.on_finished(core, consumer, &mut pending, f).await?,
-                _ => break,
+                Ok(None) => break,
+                Err(_) => {}
             }
         }
         while let Ok(f) = outcomes.try_recv() {
@@ -1169,6 +1241,9 @@ const TICK: Duration = Duration::from_millis(100);
 /// before the session is started over.
 const COMMITTED_ASK: Duration = Duration::from_secs(10);
 const COMMITTED_PATIENCE: Duration = Duration::from_secs(120);
+/// How long asking where a partition's `progress` ends may take at its
+/// assignment (without an answer, the grace period alone holds its deadlines).
+const WATERMARK_ASK: Duration = Duration::from_secs(5);
 
 /// Expired records removed per partition per tick: up to 20 000 a second
 /// while a backlog lasts, in batches that stay small.

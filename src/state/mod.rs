@@ -23,8 +23,9 @@ mod record;
 mod restore;
 
 pub use record::{
-    FastEntry, MAX_WAITERS, NotWaiting, OperatorEntry, Phase, REPHRASED_BUDGET_BYTES,
-    RephrasedCall, StepRecord, WAITERS_BUDGET_BYTES, Waiter, WorkflowEnd, check_record_sizes,
+    Evidence, FastEntry, MAX_EVIDENCE_KEPT, MAX_WAITERS, NotWaiting, OperatorEntry, Phase,
+    REPHRASED_BUDGET_BYTES, RephrasedCall, StepRecord, WAITERS_BUDGET_BYTES, Waiter, WorkflowEnd,
+    check_record_sizes,
 };
 pub use restore::{
     RebuildError, Rebuilt, RestoreError, Restored, rebuild_state, restore_partition,

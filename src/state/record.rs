@@ -204,10 +204,26 @@ pub struct StepRecord {
     pub rephrased_count: u64,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub rephrased: Vec<RephrasedCall>,
-    /// An outcome that arrived after the step was declared in doubt: kept for the
-    /// operator who resolves it, never sent to the agent by itself.
+    /// The first outcome that did not settle the step — it arrived after the
+    /// step was declared in doubt, or came from an older dispatch: kept whole
+    /// for the operator who resolves it, never sent to the agent by itself.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub late_outcome: Option<Outcome>,
+    /// Every outcome that did not settle the step, in brief (the newest
+    /// [`MAX_EVIDENCE_KEPT`]): evidence of what each dispatch did.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub evidence: Vec<Evidence>,
+    /// Dispatches that were started and whose outcome has not arrived (nor
+    /// been settled by an operator): each may still be running, or may have
+    /// taken effect. While one is open, no later dispatch's "not performed"
+    /// is told to the agent as such.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub open_dispatches: Vec<u32>,
+    /// This dispatch was handed back never invoked (its process stopped
+    /// while the call waited): the step's owner runs it again at once,
+    /// whatever the tool's category.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub not_invoked: Option<u32>,
     pub expires_at_ms: i64,
     /// When the first call was published (its Kafka timestamp), for latency metrics.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -219,6 +235,26 @@ pub struct StepRecord {
     #[serde(default)]
     pub partition: i32,
 }
+
+/// An outcome that did not settle its step, in brief.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Evidence {
+    /// The dispatch that produced it.
+    pub dispatch: u32,
+    /// `ok`, `error`, `in_doubt`, or `not_invoked` (the call never left its
+    /// process).
+    pub status: String,
+    /// The error's kind, for a non-`ok` outcome.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kind: Option<String>,
+    /// Why it did not settle the step: `stale_dispatch` (a newer dispatch is
+    /// the step's current one), `after_in_doubt` or `after_settled`.
+    pub why: String,
+    pub at_ms: i64,
+}
+
+/// At most this many [`Evidence`] entries are kept per step (the newest).
+pub const MAX_EVIDENCE_KEPT: usize = 16;
 
 /// A workflow ended by a `last_step` tool: its new steps are rejected.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -258,6 +294,9 @@ impl StepRecord {
             rephrased_count: 0,
             rephrased: Vec::new(),
             late_outcome: None,
+            evidence: Vec::new(),
+            open_dispatches: Vec::new(),
+            not_invoked: None,
             expires_at_ms,
             intent_ts_ms: None,
             operator_log: Vec::new(),

@@ -36,6 +36,8 @@ pub struct Metrics {
     in_doubt_steps: IntCounterVec,
     reforwarded: IntCounterVec,
     late_outcomes: IntCounterVec,
+    not_invoked: IntCounterVec,
+    identity_conflicts: IntCounterVec,
     operator_commands: IntCounterVec,
     approvals_requested: IntCounterVec,
     steps_purged: IntCounter,
@@ -253,7 +255,19 @@ impl Metrics {
             late_outcomes: counter_vec(
                 &r,
                 "stepgate_late_outcomes_total",
-                "Outcomes that arrived after their step was settled.",
+                "Outcomes that did not settle their step, kept as evidence: why is stale_dispatch (an older dispatch than the step's current one), after_in_doubt or after_settled.",
+                &["tool", "why"],
+            ),
+            not_invoked: counter_vec(
+                &r,
+                "stepgate_calls_not_invoked_total",
+                "Calls never invoked because, while they waited for a slot, their partition moved (partition_moved) or the process began to stop (stopping): handed to the step's owner, which runs them at once.",
+                &["tool", "why"],
+            ),
+            identity_conflicts: counter_vec(
+                &r,
+                "stepgate_identity_conflicts_total",
+                "Repeats of a recorded step whose identity arguments differ (another call, not a retry): refused as identity_conflict, not run.",
                 &["tool"],
             ),
             operator_commands: counter_vec(
@@ -429,10 +443,19 @@ impl Metrics {
             .inc();
     }
 
-    pub fn late_outcome(&self, step: &crate::contract::StepKey) {
-        warn!(step = %step, "outcome arrived after the step was settled; kept for the operator");
+    /// An outcome that did not settle its step (`why`: see the metric's help),
+    /// kept on the step record as evidence.
+    pub fn late_outcome(
+        &self,
+        step: &crate::contract::StepKey,
+        dispatch: u32,
+        current: u32,
+        outcome: &str,
+        why: &str,
+    ) {
+        warn!(step = %step, dispatch, current, outcome, why, "an outcome that does not settle its step: kept on the step record for the operator");
         self.late_outcomes
-            .with_label_values(&[self.tool_label(&step.tool)])
+            .with_label_values(&[self.tool_label(&step.tool), why])
             .inc();
     }
 
@@ -475,6 +498,20 @@ impl Metrics {
             "no local state for this partition's changelog: restoring it from the start"
         );
         self.full_restores.inc();
+    }
+
+    pub fn identity_conflict(&self, step: &crate::contract::StepKey) {
+        info!(step = %step, "a repeat of a recorded step names another call (its identity arguments differ): refused, not run");
+        self.identity_conflicts
+            .with_label_values(&[self.tool_label(&step.tool)])
+            .inc();
+    }
+
+    pub fn not_invoked(&self, step: &crate::contract::StepKey, why: &str) {
+        info!(step = %step, why, "a queued call is not invoked here: handed to its step's owner as not invoked");
+        self.not_invoked
+            .with_label_values(&[self.tool_label(&step.tool), why])
+            .inc();
     }
 
     pub fn outcome_handed_over(&self, partition: i32, step: &crate::contract::StepKey) {
@@ -577,7 +614,7 @@ mod tests {
         for n in 0..50 {
             m.step_forwarded(&step(&format!("made-up-{n}")), "keyed");
             m.invoked(&step(&format!("made-up-{n}")), "ok", Duration::ZERO);
-            m.late_outcome(&step(&format!("made-up-{n}")));
+            m.late_outcome(&step(&format!("made-up-{n}")), 1, 1, "ok", "after_in_doubt");
         }
         let out = m.render();
         assert!(!out.contains("made-up"), "{out}");
@@ -590,7 +627,7 @@ mod tests {
             "{out}"
         );
         assert!(
-            out.contains(r#"stepgate_late_outcomes_total{tool="unknown"} 50"#),
+            out.contains(r#"stepgate_late_outcomes_total{tool="unknown",why="after_in_doubt"} 50"#),
             "{out}"
         );
         // Without configured tools, every name is unknown.

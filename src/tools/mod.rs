@@ -7,7 +7,11 @@
 //! 2xx → `ok` with the JSON body as output (a body over `max_output_bytes` →
 //! the error `output_too_large`: the tool ran); 3xx → never followed, the error
 //! `tool_redirected` (in doubt for a 302/303 of a keyed or unkeyed tool: services
-//! send those after performing a POST); 4xx → a definite `error` (429 is retried,
+//! send those after performing a POST); a busy status (default 409, 423, 425: a
+//! request with this key is still being processed) → never "not performed": a
+//! `keyed` tool is asked again with the same key until it answers (at most
+//! `busy_wait`, then `in_doubt`), an `unkeyed` one is `in_doubt`, a read is
+//! retried like a 5xx; other 4xx → a definite `error` (429 is retried,
 //! nothing was performed); 5xx, timeout or a broken connection after the request
 //! was sent → "may have run": retried with the same key unless the tool is
 //! `unkeyed`, which is `in_doubt` at once; a refused connection (nothing sent) is
@@ -67,6 +71,9 @@ enum Try {
     NotSent(String),
     /// The request was sent; the tool may have acted.
     MaybeRan(String),
+    /// The tool answered with one of its `busy_statuses`: a request with this
+    /// key is still being processed (by an earlier try, or elsewhere).
+    Busy(u16, String),
 }
 
 /// A try that could not start; its `Display` is the detail in the message.
@@ -135,9 +142,30 @@ impl ToolRegistry {
 
     /// Invoke a call's tool, with the retries its category allows.
     pub async fn invoke(&self, call: &Call) -> Outcome {
+        self.invoke_if(call, || true)
+            .await
+            .expect("a call that may always start is sent")
+    }
+
+    /// [`ToolRegistry::invoke`], unless `may_send` says no before anything
+    /// was sent to the tool (checked before each try until one is sent, once
+    /// the try holds its slot): `None` then, the call was never invoked.
+    pub async fn invoke_if(
+        &self,
+        call: &Call,
+        may_send: impl Fn() -> bool + Sync,
+    ) -> Option<Outcome> {
+        self.invoke_checked(call, &may_send).await
+    }
+
+    async fn invoke_checked(
+        &self,
+        call: &Call,
+        may_send: &(dyn Fn() -> bool + Sync),
+    ) -> Option<Outcome> {
         let tool_name = &call.step.tool;
         let Some(tool) = self.tools.get(tool_name) else {
-            return Outcome::Error {
+            return Some(Outcome::Error {
                 error: ErrorBody {
                     kind: "tool_unreachable".into(),
                     message: Texts::tool_unreachable(
@@ -146,7 +174,7 @@ impl ToolRegistry {
                         "no executor has this tool configured",
                     ),
                 },
-            };
+            });
         };
         // Every configured tool has an entry; `None` is unreachable.
         let no_headers = HeaderMap::new();
@@ -154,49 +182,85 @@ impl ToolRegistry {
             Some(Ok(h)) => h,
             // Nothing is sent without its credentials: definitely not performed.
             Some(Err(detail)) => {
-                return Outcome::Error {
+                return Some(Outcome::Error {
                     error: ErrorBody {
                         kind: "tool_unreachable".into(),
                         message: Texts::tool_unreachable(tool_name, 0, detail),
                     },
-                };
+                });
             }
             None => &no_headers,
         };
         let tries = tool.retries + 1;
         let mut maybe_ran: Option<String> = None;
         let mut last = String::new();
-        for n in 1..=tries {
-            if n > 1 {
-                tokio::time::sleep(tool.backoff_before(n - 1)).await;
+        // Tries spent, and the asks of a keyed tool that answered "still
+        // processing" (they spend no try: the tool has the call).
+        let (mut n, mut busy_asks) = (0u32, 0u32);
+        let mut busy_since: Option<std::time::Instant> = None;
+        // Whether any try may have reached the tool (then the call was invoked).
+        let mut sent = false;
+        while n < tries {
+            if busy_asks > 0 {
+                tokio::time::sleep(tool.backoff_before(busy_asks)).await;
+            } else if n > 0 {
+                tokio::time::sleep(tool.backoff_before(n)).await;
             }
             // Held for this try only: a backoff frees the slot for other calls.
             let _slot = match self.slot(tool_name, tool).await {
                 Ok(slot) => slot,
                 Err(e) => {
                     last = e.to_string();
+                    n += 1;
                     continue;
                 }
             };
+            if !sent && !may_send() {
+                return None;
+            }
             // The request's timeout starts only now, inside `try_once`.
             let tried = if tool.mcp_tool.is_some() {
                 mcp::try_once(&self.mcp, &self.http, tool, call, extra_headers).await
             } else {
                 self.try_once(tool, call, extra_headers).await
             };
+            sent |= !matches!(tried, Try::NotSent(_));
             match tried {
-                Try::Done(outcome) => return outcome,
+                // The provider is still working on this key: its answer is
+                // the outcome, so a keyed tool is asked again with it.
+                Try::Busy(code, detail) if tool.category == Category::Keyed => {
+                    let since = *busy_since.get_or_insert_with(std::time::Instant::now);
+                    if since.elapsed() >= tool.busy_wait.0 {
+                        return Some(Outcome::InDoubt {
+                            error: ErrorBody {
+                                kind: "outcome_unknown".into(),
+                                message: Texts::in_doubt_still_processing(
+                                    tool_name,
+                                    code,
+                                    &humantime::format_duration(tool.busy_wait.0).to_string(),
+                                ),
+                            },
+                        });
+                    }
+                    busy_asks += 1;
+                    maybe_ran = Some(detail);
+                    continue;
+                }
+                Try::Done(outcome) => return Some(outcome),
                 Try::NotSent(detail) => last = detail,
-                Try::MaybeRan(detail) => {
+                // Busy, for a read or an unkeyed call: it may have run.
+                Try::MaybeRan(detail) | Try::Busy(_, detail) => {
                     if !tool.category.rerun_is_safe() {
-                        return in_doubt(tool_name, &detail);
+                        return Some(in_doubt(tool_name, &detail));
                     }
                     maybe_ran = Some(detail.clone());
                     last = detail;
                 }
             }
+            busy_asks = 0;
+            n += 1;
         }
-        match (maybe_ran, tool.category) {
+        Some(match (maybe_ran, tool.category) {
             // Nothing ever reached the tool: definitely not performed.
             (None, _) => Outcome::Error {
                 error: ErrorBody {
@@ -211,7 +275,7 @@ impl ToolRegistry {
                 },
             },
             (Some(detail), _) => in_doubt(tool_name, &detail),
-        }
+        })
     }
 
     /// Wait for one of the tool's slots (none to wait for without `max_concurrency`).
@@ -328,6 +392,12 @@ impl ToolRegistry {
         }
         if code == 429 {
             return Try::NotSent("HTTP 429, rate limited".to_owned());
+        }
+        if tool.busy_statuses.contains(&code) {
+            return Try::Busy(
+                code,
+                format!("HTTP {code}: a request with this call's key is still in progress"),
+            );
         }
         if status.is_client_error() {
             let body = read_prefix(&mut resp, ERROR_BODY_PREFIX).await;

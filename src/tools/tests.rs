@@ -105,6 +105,54 @@ async fn a_4xx_is_a_definite_error_never_retried() {
 }
 
 #[tokio::test]
+async fn a_keyed_tool_still_processing_the_key_is_asked_again_until_it_answers() {
+    // A provider that answers 409 while an earlier try with the key runs:
+    // the answer it finally gives is the outcome, never "not performed".
+    let (url, hits, _) = server(vec![409, 409, 409, 409, 200], Duration::ZERO).await;
+    let o = registry("keyed", &url, "5s").invoke(&call()).await;
+    assert_eq!(kind(&o).0, "ok", "{o:?}");
+    assert_eq!(hits.load(Ordering::SeqCst), 5, "busy answers spend no try");
+}
+
+#[tokio::test]
+async fn a_keyed_tool_busy_past_busy_wait_is_in_doubt_never_not_performed() {
+    let (url, _, _) = server(vec![409], Duration::ZERO).await;
+    let reg = registry_with("keyed", &url, "busy_wait = \"300ms\"\n");
+    let o = reg.invoke(&call()).await;
+    assert_eq!(kind(&o), ("in_doubt", "outcome_unknown".into()), "{o:?}");
+    let Outcome::InDoubt { error } = o else {
+        unreachable!()
+    };
+    assert!(
+        error.message.contains("still being processed"),
+        "{}",
+        error.message
+    );
+}
+
+#[tokio::test]
+async fn a_busy_status_of_an_unkeyed_tool_is_in_doubt_at_once() {
+    for code in [409, 423, 425] {
+        let (url, hits, _) = server(vec![code, 200], Duration::ZERO).await;
+        let o = registry("unkeyed", &url, "5s").invoke(&call()).await;
+        assert_eq!(kind(&o), ("in_doubt", "outcome_unknown".into()), "{code}");
+        assert_eq!(hits.load(Ordering::SeqCst), 1);
+    }
+}
+
+#[tokio::test]
+async fn a_tool_names_its_own_busy_statuses() {
+    // 409 here means a real conflict (not "in progress"): a definite refusal.
+    let (url, hits, _) = server(vec![409], Duration::ZERO).await;
+    let reg = registry_with("keyed", &url, "busy_statuses = [423]\n");
+    assert_eq!(
+        kind(&reg.invoke(&call()).await),
+        ("error", "tool_refused".into())
+    );
+    assert_eq!(hits.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
 async fn a_5xx_is_retried_with_the_same_key_for_keyed_tools() {
     let (url, hits, _) = server(vec![503, 503, 200], Duration::ZERO).await;
     let o = registry("keyed", &url, "5s").invoke(&call()).await;

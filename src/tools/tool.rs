@@ -176,6 +176,25 @@ pub struct ToolConfig {
     /// never logged or printed. The protocol's own headers cannot be set here.
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub headers: BTreeMap<String, HeaderSpec>,
+    /// HTTP statuses by which the tool says "a request with this key is still
+    /// being processed" (default 409, 423, 425: the IETF Idempotency-Key
+    /// draft and Stripe answer a retry that overlaps the first try with 409).
+    /// Never read as "not performed": a `keyed` tool is asked again with the
+    /// same key until it answers (at most `busy_wait`), an `unkeyed` one is
+    /// `in_doubt`, a read is retried like a 5xx.
+    pub busy_statuses: Vec<u16>,
+    /// How long a `keyed` tool that keeps answering a busy status is asked
+    /// again, with the same key, before the step is `in_doubt` (default: the
+    /// tool's `timeout`).
+    pub busy_wait: Dur,
+    /// The arguments that say *which* call this is (JSON pointers, e.g.
+    /// `/to`; a bare name is a top-level field). A repeat of a recorded step
+    /// whose identity values differ is not a retry but another call: it is
+    /// refused as `identity_conflict` (nothing run, the recorded answer not
+    /// given), and the clients send it as the next step. Free text (a subject,
+    /// a body) stays out: a rephrased retry must still be a retry.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub identity: Vec<String>,
 }
 
 /// Where a tool header's value comes from.
@@ -360,6 +379,12 @@ struct RawToolConfig {
     queue_timeout: Option<Dur>,
     #[serde(default)]
     headers: BTreeMap<String, HeaderSpec>,
+    #[serde(default = "default_busy_statuses")]
+    busy_statuses: Vec<u16>,
+    #[serde(default)]
+    busy_wait: Option<Dur>,
+    #[serde(default)]
+    identity: Vec<String>,
 }
 
 impl TryFrom<RawToolConfig> for ToolConfig {
@@ -396,6 +421,16 @@ impl TryFrom<RawToolConfig> for ToolConfig {
             (Some(url), None) => (url, r.mcp_tool),
             (None, Some(url)) => (url, Some(r.mcp_tool.unwrap_or_default())),
         };
+        if let Some(bad) = r.busy_statuses.iter().find(|c| !(400..=599).contains(*c)) {
+            return Err(format!(
+                "`busy_statuses` lists {bad}: only 4xx and 5xx statuses can mean \"still being processed\""
+            ));
+        }
+        let identity = r
+            .identity
+            .into_iter()
+            .map(|f| identity_pointer(&f))
+            .collect::<Result<Vec<_>, _>>()?;
         Ok(ToolConfig {
             category,
             policy: r.policy.unwrap_or_default(),
@@ -414,6 +449,9 @@ impl TryFrom<RawToolConfig> for ToolConfig {
             max_concurrency: r.max_concurrency,
             queue_timeout: r.queue_timeout.unwrap_or(r.timeout),
             headers: r.headers,
+            busy_statuses: r.busy_statuses,
+            busy_wait: r.busy_wait.unwrap_or(r.timeout),
+            identity,
         })
     }
 }
@@ -430,6 +468,23 @@ fn default_retries() -> u32 {
 fn default_backoff() -> Dur {
     dur("200ms")
 }
+/// An `identity` entry as a JSON pointer: `/to` as written, `to` → `/to`.
+fn identity_pointer(field: &str) -> Result<String, String> {
+    let pointer = if field.starts_with('/') {
+        field.to_owned()
+    } else if !field.is_empty() && !field.contains('/') {
+        format!("/{}", field.replace('~', "~0"))
+    } else {
+        return Err(format!(
+            "`identity` entry {field:?} is neither a field name nor a JSON pointer (`/to`, `/recipient/email`)"
+        ));
+    };
+    Ok(pointer)
+}
+
+fn default_busy_statuses() -> Vec<u16> {
+    vec![409, 423, 425]
+}
 fn default_max_output_bytes() -> u64 {
     512 * 1024
 }
@@ -441,6 +496,29 @@ impl ToolConfig {
         self.mcp_tool
             .as_deref()
             .map(|t| if t.is_empty() { name } else { t })
+    }
+
+    /// Where `repeat` names another call than the recorded `first` (by the
+    /// tool's `identity` arguments): each differing field with its recorded
+    /// and its new value. Empty when the repeat is the same call (or the tool
+    /// declares no identity).
+    pub fn identity_conflict(
+        &self,
+        first: &crate::contract::Arguments,
+        repeat: &crate::contract::Arguments,
+    ) -> Vec<(String, serde_json::Value, serde_json::Value)> {
+        if self.identity.is_empty() || repeat.same_as(first) {
+            return Vec::new();
+        }
+        let (a, b) = (first.to_value(), repeat.to_value());
+        let null = serde_json::Value::Null;
+        self.identity
+            .iter()
+            .filter_map(|p| {
+                let (x, y) = (a.pointer(p).unwrap_or(&null), b.pointer(p).unwrap_or(&null));
+                (x != y).then(|| (p.clone(), x.clone(), y.clone()))
+            })
+            .collect()
     }
 
     /// Whether calls of this tool go through the durable step log.
@@ -479,6 +557,9 @@ impl ToolConfig {
         for r in 1..=self.retries {
             d += self.backoff_before(r);
         }
+        // Not `busy_wait`: a keyed call asked again past this runs in the
+        // owner's process (which gives it time), or, moved or lost, is re-run
+        // with the same key — which the provider answers as the same request.
         d
     }
 }
@@ -530,6 +611,9 @@ impl std::fmt::Debug for ToolConfig {
             .field("max_concurrency", &r.max_concurrency)
             .field("queue_timeout", &r.queue_timeout)
             .field("headers", &r.headers)
+            .field("busy_statuses", &r.busy_statuses)
+            .field("busy_wait", &r.busy_wait)
+            .field("identity", &r.identity)
             .finish()
     }
 }

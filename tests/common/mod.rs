@@ -63,6 +63,12 @@ pub enum Reply {
     Status(u16),
     /// Answer 200 after this delay.
     Delay(Duration),
+    /// A provider that deduplicates by `Idempotency-Key`, as Stripe and the
+    /// IETF draft do: the first request with a key performs the effect (an
+    /// entry in [`ToolServer::performed`]) and answers after this delay; a
+    /// request with the key while that runs gets 409 Conflict; one after it
+    /// gets the stored answer.
+    Provider(Duration),
 }
 
 #[derive(Clone, Debug)]
@@ -77,6 +83,8 @@ pub struct Invocation {
 struct ToolState {
     script: HashMap<String, Vec<Reply>>,
     calls: Vec<Invocation>,
+    /// [`Reply::Provider`]: per (tool, key), the stored answer once performed.
+    provider: HashMap<(String, String), Option<Value>>,
 }
 
 #[derive(Clone)]
@@ -126,6 +134,17 @@ impl ToolServer {
         self.calls(tool).len()
     }
 
+    /// Effects a [`Reply::Provider`] tool performed (one per key it saw first).
+    pub fn performed(&self, tool: &str) -> usize {
+        self.state
+            .lock()
+            .unwrap()
+            .provider
+            .keys()
+            .filter(|(t, _)| t == tool)
+            .count()
+    }
+
     /// The effects a provider that deduplicates by `Idempotency-Key` performs:
     /// one per distinct key (raw invocations are [`ToolServer::count`]).
     pub fn effects(&self, tool: &str) -> usize {
@@ -159,6 +178,11 @@ async fn handle(
     headers: HeaderMap,
     body: String,
 ) -> (StatusCode, String) {
+    let key = headers
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_owned();
     let reply = {
         let mut s = state.lock().unwrap();
         let n = s.calls.iter().filter(|c| c.tool == name).count();
@@ -193,6 +217,41 @@ async fn handle(
         Reply::Delay(d) => {
             tokio::time::sleep(d).await;
             (StatusCode::OK, n_body.to_string())
+        }
+        Reply::Provider(d) => {
+            let id = (name.clone(), key.clone());
+            // Looked up and claimed under one lock: one request per key performs.
+            let seen = {
+                let mut s = state.lock().unwrap();
+                let seen = s.provider.get(&id).cloned();
+                if seen.is_none() {
+                    s.provider.insert(id.clone(), None);
+                }
+                seen
+            };
+            match seen {
+                Some(Some(stored)) => (StatusCode::OK, stored.to_string()),
+                Some(None) => (
+                    StatusCode::CONFLICT,
+                    r#"{"error":"a request with this Idempotency-Key is in progress"}"#.into(),
+                ),
+                None => {
+                    // The effect completes even if the caller hangs up (its
+                    // try timed out), as a real provider's does.
+                    let body = serde_json::json!({"performed_for": key, "echo": n_body["echo"]});
+                    let work = tokio::spawn(async move {
+                        tokio::time::sleep(d).await;
+                        state
+                            .lock()
+                            .unwrap()
+                            .provider
+                            .insert(id, Some(body.clone()));
+                        body
+                    });
+                    let body = work.await.expect("the provider's work completes");
+                    (StatusCode::OK, body.to_string())
+                }
+            }
         }
     }
 }

@@ -12,7 +12,7 @@
 //! step meet in one partition. The intents topic's partition count is read
 //! once, when the client connects.
 
-use crate::contract::{Arguments, Intent, StepKey, ToolResult};
+use crate::contract::{Arguments, Intent, RejectionReason, StepKey, ToolResult};
 use rdkafka::consumer::{BaseConsumer, Consumer, StreamConsumer};
 use rdkafka::error::KafkaError;
 use rdkafka::producer::{FutureProducer, FutureRecord};
@@ -366,6 +366,10 @@ fn partition_count(options: &ClientOptions, topic: &str) -> Result<Option<i32>, 
     Ok(partitions)
 }
 
+/// How many steps a [`Workflow::call`] moves on past identity conflicts
+/// before it returns the conflict itself.
+const MAX_CONFLICT_HOPS: u32 = 16;
+
 /// A workflow's steps, numbered in call order. One `Workflow` per workflow run;
 /// to resume a run in another process, start numbering where it stopped
 /// ([`Workflow::starting_at`]) so resumed steps keep their step keys.
@@ -386,12 +390,29 @@ impl Workflow<'_> {
         &self.id
     }
 
-    /// Call `tool` as the next step.
+    /// Call `tool` as the next step. A call that the gate finds to be another
+    /// call than the one recorded at that step (`identity_conflict`: the
+    /// tool's identity arguments differ, e.g. a retry of a lost call that
+    /// the model replaced with a different one) is sent again as the step
+    /// after, and so on: the lost call's step stays open for its real retry.
     pub async fn call(&self, tool: &str, arguments: Value) -> Result<ToolResult, ClientError> {
-        let step = self.next.fetch_add(1, Ordering::SeqCst);
-        self.client
-            .call(StepCall::new(&self.id, step, tool, arguments)?)
-            .await
+        let mut tries = 0;
+        loop {
+            let step = self.next.fetch_add(1, Ordering::SeqCst);
+            let result = self
+                .client
+                .call(StepCall::new(&self.id, step, tool, arguments.clone())?)
+                .await?;
+            tries += 1;
+            let conflict = result.status == crate::contract::Status::Rejected
+                && result
+                    .error
+                    .as_ref()
+                    .is_some_and(|e| e.kind == RejectionReason::IdentityConflict.as_str());
+            if !conflict || tries >= MAX_CONFLICT_HOPS {
+                return Ok(result);
+            }
+        }
     }
 
     /// Run step `step_index` again, deliberately: the next `attempt` of it, with

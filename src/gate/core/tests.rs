@@ -23,6 +23,11 @@ retries = 0
 [tools.search]
 category = "read_only"
 url = "http://127.0.0.1:1/x"
+[tools.mail]
+category = "keyed"
+url = "http://127.0.0.1:1/x"
+timeout = "2s"
+identity = ["to"]
 "#;
 
 struct Fixture {
@@ -246,10 +251,151 @@ fn a_keyed_step_past_its_deadline_is_forwarded_again_with_the_same_key() {
     let again = call_of(&f.tick(3001));
     assert_eq!(again.step, call.step);
     assert_eq!(again.dispatch, 2);
-    // The first outcome wins, whichever dispatch it comes from.
+    // The current dispatch's outcome settles the step.
     let rs = results(&f.progress(finished(&again, Outcome::Ok { output: json!(1) }), 4000));
     assert_eq!(rs.len(), 1);
     assert_eq!(rs[0].call_id.as_deref(), Some("c1"));
+}
+
+fn refused() -> Outcome {
+    Outcome::Error {
+        error: ErrorBody {
+            kind: "tool_refused".into(),
+            message: "refused".into(),
+        },
+    }
+}
+
+#[test]
+fn a_stale_dispatch_never_settles_a_re_run_step_and_is_kept_as_evidence() {
+    let mut f = Fixture::new();
+    let first = call_of(&f.intent(email("c1", "x"), 0));
+    let second = call_of(&f.tick(3001));
+    assert_eq!(second.dispatch, 2);
+    // Dispatch 1's "not performed" arrives first, while dispatch 2 may charge.
+    let outs = f.progress(finished(&first, refused()), 3500);
+    assert!(
+        results(&outs).is_empty(),
+        "a stale dispatch answers nothing: {outs:?}"
+    );
+    let rec = f.store.step(0, &first.step).unwrap().unwrap();
+    assert_eq!(rec.phase, Phase::Started);
+    assert_eq!(rec.evidence.len(), 1);
+    assert_eq!(
+        (rec.evidence[0].dispatch, rec.evidence[0].why.as_str()),
+        (1, "stale_dispatch")
+    );
+    assert!(rec.late_outcome.is_some(), "kept whole for the operator");
+    let rs = results(&f.progress(
+        finished(
+            &second,
+            Outcome::Ok {
+                output: json!("charged"),
+            },
+        ),
+        3600,
+    ));
+    assert_eq!(rs.len(), 1);
+    assert_eq!(rs[0].status, Status::Ok, "the current dispatch's answer");
+    // The current dispatch reporting again after settling: evidence, no answer.
+    let outs = f.progress(finished(&second, Outcome::Ok { output: json!(1) }), 3700);
+    assert!(results(&outs).is_empty());
+    let rec = f.store.step(0, &first.step).unwrap().unwrap();
+    let whys: Vec<&str> = rec.evidence.iter().map(|e| e.why.as_str()).collect();
+    assert_eq!(whys, ["stale_dispatch", "after_settled"], "{rec:?}");
+}
+
+#[test]
+fn not_performed_from_a_re_run_while_an_earlier_run_is_unaccounted_for_is_in_doubt() {
+    let mut f = Fixture::new();
+    call_of(&f.intent(email("c1", "x"), 0));
+    let second = call_of(&f.tick(3001));
+    // Dispatch 1 never reports (its process is gone); dispatch 2 is refused.
+    let r = results(&f.progress(finished(&second, refused()), 3500)).remove(0);
+    assert_eq!(r.status, Status::InDoubt, "{r:?}");
+    assert_eq!(r.error.as_ref().unwrap().kind, "outcome_unknown");
+    assert!(!r.error.unwrap().message.contains("did not perform"));
+}
+
+#[test]
+fn not_performed_of_the_only_run_is_told_as_such() {
+    let mut f = Fixture::new();
+    let call = call_of(&f.intent(email("c1", "x"), 0));
+    let r = results(&f.outcome(&call, refused(), 500)).remove(0);
+    assert_eq!(r.status, Status::Error);
+    assert_eq!(r.error.unwrap().kind, "tool_refused");
+}
+
+fn not_invoked(call: &Call) -> Progress {
+    Progress {
+        event: ProgressEvent::NotInvoked,
+        ..finished(
+            call,
+            Outcome::Ok {
+                output: json!(null),
+            },
+        )
+    }
+}
+
+#[test]
+fn a_call_handed_back_not_invoked_runs_at_once_even_unkeyed() {
+    let mut f = Fixture::new();
+    let wire = json!({"workflow_id": "wf", "step_index": 2, "tool": "wire", "arguments": {}, "call_id": "c1"});
+    let call = call_of(&f.intent(wire, 0));
+    // The partition moved while the call waited for a slot in the old owner.
+    let again = call_of(&f.progress(not_invoked(&call), 500));
+    assert_eq!((again.step.clone(), again.dispatch), (call.step.clone(), 2));
+    let rec = f.store.step(0, &call.step).unwrap().unwrap();
+    assert_eq!(rec.open_dispatches, vec![2], "run 1 is accounted for");
+    let r = results(&f.progress(finished(&again, Outcome::Ok { output: json!(1) }), 900));
+    assert_eq!(r[0].status, Status::Ok);
+    // A hand-back of a run that is no longer current is evidence only.
+    let outs = f.progress(not_invoked(&call), 1000);
+    assert!(outs.is_empty(), "{outs:?}");
+    let rec = f.store.step(0, &call.step).unwrap().unwrap();
+    assert_eq!(rec.evidence.last().unwrap().status, "not_invoked");
+}
+
+#[test]
+fn while_stopping_a_call_not_invoked_is_left_due_at_once_for_the_next_owner() {
+    let mut f = Fixture::new();
+    let wire = json!({"workflow_id": "wf", "step_index": 2, "tool": "wire", "arguments": {}, "call_id": "c1"});
+    let call = call_of(&f.intent(wire, 0));
+    f.core.set_stopping();
+    assert!(f.progress(not_invoked(&call), 500).is_empty());
+    let rec = f.store.step(0, &call.step).unwrap().unwrap();
+    assert_eq!((rec.phase, rec.not_invoked), (Phase::Started, Some(1)));
+    // The next owner (a new core over the same state) runs it, never in doubt.
+    let config = Config::from_toml_str(CONFIG, Vec::new()).unwrap();
+    f.core = GateCore::new(&config, Arc::new(Metrics::new()));
+    f.core.load_partition(&f.store, 0, 0, 600).unwrap();
+    f.core.progress_read(0);
+    assert!(f.tick(1000).is_empty(), "held for the grace period");
+    let outs = f.tick(1700);
+    assert!(
+        results(&outs).is_empty(),
+        "no answer, in particular no in_doubt"
+    );
+    let again = call_of(&outs);
+    assert_eq!(again.dispatch, 2);
+}
+
+#[test]
+fn deadlines_of_a_partition_taken_over_wait_until_progress_is_read() {
+    let mut f = Fixture::new();
+    call_of(&f.intent(
+        json!({"workflow_id": "wf", "step_index": 2, "tool": "wire", "arguments": {}}),
+        0,
+    ));
+    f.core.reset();
+    f.core.load_partition(&f.store, 0, 0, 10_000).unwrap();
+    assert!(
+        f.tick(60_000).is_empty(),
+        "progress not read yet: long past the grace, still held"
+    );
+    f.core.progress_read(0);
+    assert_eq!(results(&f.tick(60_100))[0].status, Status::InDoubt);
 }
 
 #[test]
@@ -262,6 +408,7 @@ fn deadlines_survive_a_restart() {
     f.core.reset();
     assert!(f.tick(10_000).is_empty(), "nothing loaded yet");
     f.core.load_partition(&f.store, 0, 0, 10_000).unwrap();
+    f.core.progress_read(0);
     assert!(
         f.tick(10_999).is_empty(),
         "a partition taken over waits in_doubt_grace (1 s) for handed-over outcomes"
@@ -540,4 +687,51 @@ fn calls_kept_for_a_later_look_are_bounded() {
     f.core
         .commit_unknown((0..MAX_UNSURE + 5).map(|_| (0, call.clone())));
     assert_eq!(f.core.unsure.len(), MAX_UNSURE);
+}
+
+fn mail(call_id: &str, to: &str, subject: &str) -> serde_json::Value {
+    json!({"workflow_id": "wf", "step_index": 3, "tool": "mail",
+        "arguments": {"to": to, "subject": subject}, "call_id": call_id})
+}
+
+#[test]
+fn a_repeat_naming_another_call_by_its_identity_is_a_conflict_not_a_retry() {
+    let mut f = Fixture::new();
+    let call = call_of(&f.intent(mail("a1", "alice@example.com", "Hi"), 0));
+    // The model replaced the lost call with another one: to bob.
+    let outs = f.intent(mail("b1", "bob@example.com", "Hi"), 100);
+    assert!(
+        !outs.iter().any(|o| matches!(o, Out::Invoke { .. })),
+        "not run"
+    );
+    let r = results(&outs).remove(0);
+    assert_eq!(r.status, Status::Rejected);
+    let e = r.error.unwrap();
+    assert_eq!(e.kind, "identity_conflict");
+    assert!(
+        e.message.contains("alice@example.com") && e.message.contains("bob@example.com"),
+        "names both calls' identity values: {}",
+        e.message
+    );
+    assert!(
+        outs.iter().any(|o| matches!(o, Out::Dlq { .. })),
+        "every refusal is dead-lettered"
+    );
+    // A rephrased retry of alice's call is still a retry: it waits, runs nothing.
+    assert!(
+        f.intent(mail("a2", "alice@example.com", "Hello"), 200)
+            .is_empty()
+    );
+    let rs = results(&f.outcome(
+        &call,
+        Outcome::Ok {
+            output: json!("sent"),
+        },
+        300,
+    ));
+    assert_eq!(rs.len(), 2, "alice's first call and her retry: {rs:?}");
+    assert!(rs.iter().all(|r| r.status == Status::Ok));
+    // After settling too, bob's call never gets alice's answer.
+    let r = results(&f.intent(mail("b2", "bob@example.com", "Hi"), 400)).remove(0);
+    assert_eq!(r.error.unwrap().kind, "identity_conflict");
 }

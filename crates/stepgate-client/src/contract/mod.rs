@@ -17,7 +17,7 @@ mod validate;
 mod fuzz;
 
 pub use arguments::{Arguments, text_deeper_than};
-pub use operator::{Action, ApprovalEvent, ApprovalKind, Command};
+pub use operator::{Action, ApprovalEvent, ApprovalKind, Command, Run};
 pub use partition::{murmur2, partition_for};
 pub use texts::Texts;
 pub use validate::{
@@ -288,6 +288,9 @@ pub enum ProgressEvent {
     Started,
     /// The invocation's outcome.
     Finished { outcome: Outcome },
+    /// The call was never invoked: its partition moved, or its process was
+    /// stopping, while it waited for a slot. Its step may be run at once.
+    NotInvoked,
 }
 
 /// At most this many bytes of a refused input's payload are copied into its

@@ -22,6 +22,22 @@ pub struct Command {
     pub at: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
+    /// The run of the step this decision is about, as the operator saw it:
+    /// the record's `dispatch` and `intended_at_ms`. When the step moved on
+    /// (re-run, re-created after a purge) the command is refused as
+    /// `stale_command` instead of deciding a run nobody looked at. Commands
+    /// without it apply to whatever run is current (hand-written ones).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run: Option<Run>,
+}
+
+/// Which run of a step a command decides.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Run {
+    /// The step record's `dispatch`.
+    pub dispatch: u32,
+    /// The step record's `intended_at_ms` (when the record was created).
+    pub intended_at_ms: i64,
 }
 
 /// The decision.

@@ -68,13 +68,64 @@ impl Texts {
         )
     }
 
+    /// This dispatch says "not performed", but an earlier dispatch of the same
+    /// step (re-run after its deadline) was never accounted for: it may have
+    /// taken effect.
+    pub fn in_doubt_earlier_try(tool: &str, detail: &str) -> String {
+        let detail = excerpt(detail);
+        format!(
+            "The call to `{tool}` may have taken effect: an earlier try of this same call was \
+             started and never reported back, and the latest try ended without performing it \
+             ({detail}). Do not call `{tool}` again for this step: repeating it returns this \
+             same answer. Tell the user that the outcome is unconfirmed and a person must check \
+             it before anything else is done about it."
+        )
+    }
+
+    /// A keyed tool kept answering that a request with this call's key is
+    /// still being processed (409/423/425), past the time stepgate waits.
+    pub fn in_doubt_still_processing(tool: &str, http_status: u16, waited: &str) -> String {
+        format!(
+            "The call to `{tool}` is still being processed by the tool: it answered HTTP \
+             {http_status} (a request with this call's key is in progress) for {waited}, so it \
+             may take effect or may already have. Do not call `{tool}` again for this step: \
+             repeating it returns this same answer. Tell the user that the outcome is \
+             unconfirmed and a person must check it before anything else is done about it."
+        )
+    }
+
+    /// A repeat of a recorded step that names another call (its identity
+    /// arguments differ): not run, and not given the recorded answer.
+    /// `fields` are (field, recorded value, this call's value).
+    pub fn identity_conflict(tool: &str, fields: &[(String, String, String)]) -> String {
+        let diff: Vec<String> = fields
+            .iter()
+            .map(|(f, recorded, sent)| {
+                format!(
+                    "`{}` is {} here but {} in the recorded call",
+                    f.trim_start_matches('/'),
+                    excerpt(sent),
+                    excerpt(recorded)
+                )
+            })
+            .collect();
+        format!(
+            "This call of `{tool}` was not performed: it arrived as a retry of a call already \
+             recorded for this step, but it is a different call ({}). It was not run, and the \
+             recorded call's answer is not its answer. If this call is still wanted, call \
+             `{tool}` again: that is a new call, and it runs.",
+            diff.join("; ")
+        )
+    }
+
     /// A 4xx answer: a definite refusal, nothing performed.
     pub fn tool_refused(tool: &str, http_status: u16, body: &str) -> String {
         let body = excerpt(body);
         format!(
             "The tool `{tool}` refused the call (HTTP {http_status}) and did not perform the \
-             action. Its answer: {body}. Repeating this step returns this same answer; to try \
-             again with corrected arguments, make a new attempt of this step."
+             action. Its answer: {body}. Sending this same call again returns this same answer. If the \
+             refusal is about the arguments, call `{tool}` again with corrected arguments: \
+             that is a new call, and it runs."
         )
     }
 
@@ -87,8 +138,9 @@ impl Texts {
             excerpt(text)
         };
         format!(
-            "The tool `{tool}` reported an error: {text}. Repeating this step returns this same \
-             answer; to try again with corrected arguments, make a new attempt of this step."
+            "The tool `{tool}` reported an error: {text}. Sending this same call again returns \
+             this same answer. If the error is about the arguments, call `{tool}` again with \
+             corrected arguments: that is a new call, and it runs."
         )
     }
 
@@ -98,8 +150,9 @@ impl Texts {
         let message = excerpt(message);
         format!(
             "The tool `{tool}` refused the call (MCP error {code}: {message}) and did not perform \
-             the action. Repeating this step returns this same answer; to try again with \
-             corrected arguments, make a new attempt of this step."
+             the action. Sending this same call again returns this same answer. If the refusal is \
+             about the arguments, call `{tool}` again with corrected arguments: that is a new \
+             call, and it runs."
         )
     }
 
@@ -107,7 +160,7 @@ impl Texts {
     pub fn tool_failed_safe(tool: &str, tries: u32, detail: &str) -> String {
         format!(
             "The tool `{tool}` failed after {tries} tries ({detail}). This tool is safe to run \
-             again: make a new attempt of this step later, or continue without its result."
+             again: call `{tool}` again later (a new call), or continue without its result."
         )
     }
 
@@ -115,7 +168,7 @@ impl Texts {
     pub fn tool_unreachable(tool: &str, tries: u32, detail: &str) -> String {
         format!(
             "The tool `{tool}` could not be reached after {tries} tries ({detail}), so the action \
-             was not performed. Make a new attempt of this step later, or tell the user the tool \
+             was not performed. Call `{tool}` again later (a new call), or tell the user the tool \
              is unavailable."
         )
     }
@@ -310,16 +363,18 @@ mod golden {
     fn mcp_tool_texts() {
         assert_eq!(
             Texts::tool_reported_error("create_ticket", "queue `OPS` does not exist"),
-            "The tool `create_ticket` reported an error: queue `OPS` does not exist. Repeating \
-             this step returns this same answer; to try again with corrected arguments, make a \
-             new attempt of this step."
+            "The tool `create_ticket` reported an error: queue `OPS` does not exist. Sending \
+             this same call again returns this same answer. If the error is about the \
+             arguments, call `create_ticket` again with corrected arguments: that is a new \
+             call, and it runs."
         );
         assert!(Texts::tool_reported_error("t", " ").contains("an error: (no text)."));
         assert_eq!(
             Texts::mcp_refused("create_ticket", -32602, "missing `title`"),
             "The tool `create_ticket` refused the call (MCP error -32602: missing `title`) and \
-             did not perform the action. Repeating this step returns this same answer; to try \
-             again with corrected arguments, make a new attempt of this step."
+             did not perform the action. Sending this same call again returns this same answer. \
+             If the refusal is about the arguments, call `create_ticket` again with corrected \
+             arguments: that is a new call, and it runs."
         );
     }
 
@@ -370,11 +425,37 @@ mod golden {
         assert_eq!(
             Texts::tool_refused("create_ticket", 422, "{\"error\":\"title is required\"}\n"),
             "The tool `create_ticket` refused the call (HTTP 422) and did not perform the action. \
-             Its answer: {\"error\":\"title is required\"}. Repeating this step returns this same \
-             answer; to try again with corrected arguments, make a new attempt of this step."
+             Its answer: {\"error\":\"title is required\"}. Sending this same call again \
+             returns this same answer. If the refusal is about the arguments, call \
+             `create_ticket` again with corrected arguments: that is a new call, and it runs."
         );
         assert!(Texts::tool_refused("t", 400, "").contains("Its answer: (empty)."));
         assert!(Texts::tool_refused("t", 400, &"x".repeat(1000)).contains("x…."));
+    }
+
+    #[test]
+    fn edges_texts_never_ask_for_a_new_attempt() {
+        let texts = [
+            Texts::in_doubt_earlier_try("charge", "refused (HTTP 400)"),
+            Texts::in_doubt_still_processing("charge", 409, "10s"),
+            Texts::identity_conflict(
+                "send_email",
+                &[("/to".into(), "\"alice@x\"".into(), "\"bob@x\"".into())],
+            ),
+        ];
+        for t in &texts {
+            assert!(!t.contains("attempt"), "{t}");
+        }
+        assert_eq!(
+            texts[2],
+            "This call of `send_email` was not performed: it arrived as a retry of a call \
+             already recorded for this step, but it is a different call (`to` is \"bob@x\" here \
+             but \"alice@x\" in the recorded call). It was not run, and the recorded call's \
+             answer is not its answer. If this call is still wanted, call `send_email` again: \
+             that is a new call, and it runs."
+        );
+        assert!(texts[0].contains("may have taken effect") && texts[0].contains("Do not call"));
+        assert!(texts[1].contains("HTTP 409") && texts[1].contains("Do not call"));
     }
 
     #[test]
@@ -382,7 +463,7 @@ mod golden {
         assert_eq!(
             Texts::tool_failed_safe("search", 3, "HTTP 500"),
             "The tool `search` failed after 3 tries (HTTP 500). This tool is safe to run again: \
-             make a new attempt of this step later, or continue without its result."
+             call `search` again later (a new call), or continue without its result."
         );
     }
 
@@ -499,8 +580,8 @@ mod golden {
         assert_eq!(
             Texts::tool_unreachable("send_email", 3, "connection refused"),
             "The tool `send_email` could not be reached after 3 tries (connection refused), so \
-             the action was not performed. Make a new attempt of this step later, or tell the \
-             user the tool is unavailable."
+             the action was not performed. Call `send_email` again later (a new call), or tell \
+             the user the tool is unavailable."
         );
     }
 }

@@ -25,6 +25,12 @@ pub enum RejectionReason {
     WorkflowEnded,
     /// An operator command that is unreadable or does not fit the step's state.
     BadCommand,
+    /// An operator command about a run of its step that is no longer the
+    /// current one (the step was re-run or re-created since it was looked at).
+    StaleCommand,
+    /// A repeat of a recorded step whose identity arguments (the tool's
+    /// `identity`) differ: another call, not a retry.
+    IdentityConflict,
     /// `arguments` or `metadata` nested deeper than [`MAX_NESTING_DEPTH`].
     TooDeep,
     /// Processing failed again and again on a stored record stepgate cannot
@@ -49,6 +55,8 @@ impl RejectionReason {
             RejectionReason::UnknownTool => "unknown_tool",
             RejectionReason::WorkflowEnded => "workflow_ended",
             RejectionReason::BadCommand => "bad_command",
+            RejectionReason::StaleCommand => "stale_command",
+            RejectionReason::IdentityConflict => "identity_conflict",
             RejectionReason::TooDeep => "too_deep",
             RejectionReason::Unprocessable => "unprocessable",
             RejectionReason::WrongPartition => "wrong_partition",
