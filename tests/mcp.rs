@@ -187,3 +187,607 @@ input_schema = {{ type = "object", properties = {{ title = {{ type = "string" }}
         );
     }
 }
+
+/// The `[mcp]` section of the network test: the test issuer's tokens, two
+/// static tokens (from the environment), three sessions per principal.
+fn network_mcp_section(issuer: &str) -> String {
+    format!(
+        r#"
+allowed_origins = ["http://app.test"]
+max_sessions_per_principal = 3
+
+[auth]
+issuer = "{issuer}"
+jwks_url = "{issuer}/jwks"
+
+[auth.scopes]
+tickets = ["create_ticket"]
+search = ["search"]
+admin = ["*"]
+
+[[auth.tokens]]
+name = "ops"
+token = "env:MCP_OPS_TOKEN"
+scopes = ["admin"]
+
+[[auth.tokens]]
+name = "flood"
+token = "env:MCP_FLOOD_TOKEN"
+scopes = ["search"]
+"#
+    )
+}
+
+const OPS_TOKEN: &str = "ops-static-token-0123456789abcdef";
+const FLOOD_TOKEN: &str = "flood-static-token-0123456789abcdef";
+
+/// A stack behind `stepgate mcp --listen 127.0.0.1:<port>`, configured with
+/// [`network_mcp_section`]: tokens of a test issuer (`mcp_issuer.py`, with
+/// `clients`) and two static ones.
+struct OauthFront {
+    s: Stack,
+    work: tempfile::TempDir,
+    issuer: String,
+    url: String,
+    port: u16,
+    _issuer: Killed,
+    _front: Killed,
+}
+
+impl OauthFront {
+    async fn start(clients: Value) -> OauthFront {
+        let root = env!("CARGO_MANIFEST_DIR");
+        let work = tempfile::tempdir().unwrap();
+        let issuer_port = free_port();
+        let issuer = format!("http://127.0.0.1:{issuer_port}");
+        let issuer_process = Killed(
+            Command::new("python3")
+                .arg(format!("{root}/tests/interop/mcp_issuer.py"))
+                .arg(issuer_port.to_string())
+                .arg(clients.to_string())
+                .stdout(Stdio::null())
+                .stderr(std::fs::File::create(work.path().join("issuer.log")).unwrap())
+                .spawn()
+                .expect("python3 runs"),
+        );
+        wait_listening(issuer_port, "the test issuer listens").await;
+
+        let mut s = Stack::new(StackOptions {
+            tools: vec![
+                ("create_ticket", "keyed", "5s"),
+                ("search", "read_only", "5s"),
+            ],
+            ..StackOptions::default()
+        })
+        .await;
+        s.start().await;
+
+        // The stack's config with the `[mcp]` section.
+        let mut config: toml::Table =
+            toml::from_str(&std::fs::read_to_string(&s.config_path).unwrap()).unwrap();
+        let mcp: toml::Table = toml::from_str(&network_mcp_section(&issuer)).unwrap();
+        config.insert("mcp".into(), toml::Value::Table(mcp));
+        let config_path = work.path().join("mcp.toml");
+        std::fs::write(&config_path, toml::to_string(&config).unwrap()).unwrap();
+
+        let port = free_port();
+        let front = Killed(
+            Command::new(stepgate_bin())
+                .args(["mcp", "--config"])
+                .arg(&config_path)
+                .arg("--listen")
+                .arg(format!("127.0.0.1:{port}"))
+                .env("MCP_OPS_TOKEN", OPS_TOKEN)
+                .env("MCP_FLOOD_TOKEN", FLOOD_TOKEN)
+                .stdout(Stdio::null())
+                .stderr(std::fs::File::create(work.path().join("mcp-front.log")).unwrap())
+                .spawn()
+                .expect("stepgate binary starts"),
+        );
+        let f = OauthFront {
+            s,
+            work,
+            issuer,
+            url: format!("http://127.0.0.1:{port}/mcp"),
+            port,
+            _issuer: issuer_process,
+            _front: front,
+        };
+        eventually(Duration::from_secs(60), "stepgate mcp listens", || {
+            std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+                || f.front_log().contains("error:")
+        })
+        .await;
+        assert!(!f.front_log().contains("error:"), "{}", f.front_log());
+        f
+    }
+
+    fn front_log(&self) -> String {
+        std::fs::read_to_string(self.work.path().join("mcp-front.log")).unwrap_or_default()
+    }
+
+    fn logs(&self) -> String {
+        format!(
+            "--- mcp front ---\n{}\n--- issuer ---\n{}\n--- gate ---\n{}",
+            self.front_log(),
+            std::fs::read_to_string(self.work.path().join("issuer.log")).unwrap_or_default(),
+            self.s.log_tail(40)
+        )
+    }
+
+    /// No token in `tokens` reached a tool, and no `Authorization` header.
+    fn assert_no_token_reached_a_tool(&self, tokens: &[String]) {
+        for tool in ["create_ticket", "search"] {
+            for call in self.s.tools.calls(tool) {
+                let seen = format!("{:?} {}", call.headers, call.body);
+                for t in tokens {
+                    assert!(
+                        !seen.contains(t.as_str()),
+                        "a client token reached `{tool}`"
+                    );
+                }
+                assert!(
+                    !call
+                        .headers
+                        .keys()
+                        .any(|h| h.eq_ignore_ascii_case("authorization")),
+                    "{seen}"
+                );
+            }
+        }
+    }
+}
+
+/// `stepgate mcp --listen` on loopback as an OAuth 2.1 resource server: the
+/// official Python SDK client gets its token from a test issuer by the MCP
+/// authorization flow and sees only the tools its scopes grant; everything a
+/// well-behaved client never sends is refused with the status the spec names;
+/// a principal cannot reach another's workflow or session; and no token
+/// reaches a tool.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mcp_over_http_is_an_oauth_resource_server_with_tenants() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let f = OauthFront::start(json!({
+        "agent-a": {"secret": "secret-a", "scopes": ["tickets", "search"]},
+        "agent-b": {"secret": "secret-b", "scopes": ["search"]},
+        "agent-c": {"secret": "secret-c", "scopes": ["tickets"]},
+    }))
+    .await;
+    let (issuer, url, mcp_port) = (&f.issuer, &f.url, f.port);
+    let out = Command::new("python3")
+        .arg(format!("{root}/tests/interop/mcp_auth_client.py"))
+        .args([url, issuer, OPS_TOKEN, FLOOD_TOKEN])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let logs = || f.logs();
+    assert!(
+        out.status.success(),
+        "mcp_auth_client.py:\n{stdout}\n{}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        logs()
+    );
+    let r: Value = serde_json::from_str(stdout.trim()).unwrap();
+    let status = |k: &str| r[k]["status"].as_u64().unwrap_or_default();
+    let challenge = |k: &str| {
+        r[k]["www_authenticate"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned()
+    };
+
+    // The SDK client, authorized through the spec's discovery flow.
+    let a = &r["agent_a"];
+    assert_eq!(a["tools"], json!(["create_ticket", "search"]), "{r}");
+    assert_eq!(a["first"]["is_error"], false, "{r}");
+    assert_eq!(a["again"]["meta"]["stepgate/deduplicated"], true, "{r}");
+    assert_eq!(a["again"]["structured"], a["first"]["structured"]);
+    assert_eq!(a["granted_scope"], "tickets search", "{r}");
+    // Scopes → tools: agent-b (scope `search`) lists and calls only search.
+    assert_eq!(r["agent_b"]["tools"], json!(["search"]), "{r}");
+    assert_eq!(r["agent_b"]["search"]["is_error"], false, "{r}");
+
+    // Tenants: a workflow outside the caller's namespace is refused, and the
+    // refusal is the same for another's answered step as for a workflow that
+    // never existed: nothing of the other workflow shows.
+    assert_eq!(a["foreign_wf"]["is_error"], true, "{r}");
+    assert!(
+        a["foreign_wf"]["text"][0]
+            .as_str()
+            .unwrap_or_default()
+            .contains("`agent-a/`"),
+        "{r}"
+    );
+    let c = &r["agent_c"];
+    assert_eq!(c["others_step"]["is_error"], true, "{r}");
+    assert_eq!(c["others_step"]["text"], c["no_such_wf"]["text"], "{r}");
+    assert_eq!(c["others_step"]["meta"], c["no_such_wf"]["meta"], "{r}");
+    assert!(c["others_step"]["structured"].is_null(), "{r}");
+    assert!(!c["others_step"].to_string().contains("Printer"), "{r}");
+    assert_eq!(c["own"]["is_error"], false, "{r}");
+
+    // 401 with the metadata pointer; the metadata names the issuer and this resource.
+    assert_eq!(status("unauthenticated"), 401, "{r}");
+    let meta_url = format!("http://127.0.0.1:{mcp_port}/.well-known/oauth-protected-resource/mcp");
+    assert_eq!(
+        challenge("unauthenticated"),
+        format!("Bearer resource_metadata=\"{meta_url}\""),
+        "{r}"
+    );
+    for k in ["metadata", "metadata_root"] {
+        assert_eq!(r[k]["status"], 200, "{r}");
+        assert_eq!(r[k]["json"]["resource"], url.as_str(), "{r}");
+        assert_eq!(
+            r[k]["json"]["authorization_servers"],
+            json!([issuer]),
+            "{r}"
+        );
+        assert_eq!(
+            r[k]["json"]["scopes_supported"],
+            json!(["admin", "search", "tickets"]),
+            "{r}"
+        );
+    }
+    assert_eq!(status("valid"), 200, "{r}");
+    // Tokens that are not this resource's: 401 invalid_token.
+    for k in [
+        "wrong_audience",
+        "expired",
+        "foreign_key",
+        "no_audience",
+        "not_a_jwt",
+        "static_wrong",
+    ] {
+        assert_eq!(status(k), 401, "{k}: {r}");
+        assert!(challenge(k).contains("error=\"invalid_token\""), "{k}: {r}");
+        assert!(challenge(k).contains(&meta_url), "{k}: {r}");
+    }
+    assert!(challenge("expired").contains("expired"), "{r}");
+    assert!(challenge("wrong_audience").contains("audience"), "{r}");
+    // A scope without the tool: 403 insufficient_scope, naming the scopes that grant it.
+    assert_eq!(status("search_only_init"), 200, "{r}");
+    assert_eq!(status("scope_without_tool"), 403, "{r}");
+    assert!(
+        challenge("scope_without_tool").contains("error=\"insufficient_scope\""),
+        "{r}"
+    );
+    assert!(
+        challenge("scope_without_tool").contains("scope=\"admin tickets\""),
+        "{r}"
+    );
+
+    // Transport hygiene.
+    assert_eq!(status("foreign_origin"), 403, "{r}");
+    assert_eq!(status("allowed_origin"), 200, "{r}");
+    assert_eq!(status("foreign_host"), 403, "{r}");
+    assert_eq!(status("huge_body"), 413, "{r}");
+    assert_eq!(status("static"), 200, "{r}");
+    assert_eq!(status("hijack"), 404, "{r}");
+    assert_eq!(status("capped_oldest"), 404, "{r}");
+    assert_eq!(status("capped_newest"), 202, "{r}");
+    let flood = &r["flood"]["limited"];
+    assert_eq!(flood["status"], 429, "{r}");
+    assert!(flood["retry_after"].as_str().is_some(), "{r}");
+    assert_eq!(status("after_flood_other"), 200, "{r}");
+
+    // The keys were fetched once, at start, and cached.
+    assert_eq!(r["issuer_stats"]["jwks_fetches"], 1, "{r}");
+
+    // Each step ran once, and no token reached the tool.
+    assert_eq!(f.s.tools.count("create_ticket"), 2, "{r}\n{}", logs());
+    let tokens: Vec<String> = r["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|t| t.as_str().map(str::to_owned))
+        .collect();
+    assert!(tokens.len() >= 10, "{r}");
+    f.assert_no_token_reached_a_tool(&tokens);
+}
+
+/// The official TypeScript SDK's client (npm `@modelcontextprotocol/sdk`,
+/// installed once under Cargo's target tmp dir) authorized by the test
+/// issuer through the SDK's own client_credentials flow: it lists the tools
+/// its scopes grant, a repeated step gets the first answer, another tenant's
+/// workflow is refused, and the tool ran once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mcp_typescript_sdk_client_is_authorized_by_the_issuer() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let node = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("mcp-ts-sdk");
+    let sdk = node.join("node_modules/@modelcontextprotocol/sdk/package.json");
+    if !sdk.exists() {
+        std::fs::create_dir_all(&node).unwrap();
+        let out = Command::new("npm")
+            .args(["install", "--no-audit", "--no-fund", "--prefix"])
+            .arg(&node)
+            .arg("@modelcontextprotocol/sdk@1.32.2")
+            .output()
+            .expect("npm runs");
+        assert!(
+            out.status.success(),
+            "npm install @modelcontextprotocol/sdk: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    // ESM resolves packages from the script's own directory.
+    std::fs::copy(
+        format!("{root}/tests/interop/mcp_ts_client.mjs"),
+        node.join("mcp_ts_client.mjs"),
+    )
+    .unwrap();
+    let f = OauthFront::start(json!({
+        "agent-t": {"secret": "secret-t", "scopes": ["tickets"]},
+    }))
+    .await;
+    let out = Command::new("node")
+        .arg(node.join("mcp_ts_client.mjs"))
+        .args([&f.url, &f.issuer, "agent-t", "secret-t"])
+        .output()
+        .expect("node runs");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "mcp_ts_client.mjs:\n{stdout}\n{}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        f.logs()
+    );
+    let r: Value = serde_json::from_str(stdout.trim().lines().last().unwrap_or("")).unwrap();
+    assert_eq!(r["tools"], json!(["create_ticket"]), "{r}");
+    assert_eq!(r["granted_scope"], "tickets", "{r}");
+    assert_eq!(r["first"]["is_error"], false, "{r}");
+    assert_eq!(
+        r["first"]["structured"]["echo"]["title"], "From TypeScript",
+        "{r}"
+    );
+    assert_eq!(r["again"]["structured"], r["first"]["structured"], "{r}");
+    assert_eq!(r["again"]["meta"]["stepgate/deduplicated"], true, "{r}");
+    assert_eq!(r["foreign_wf"]["is_error"], true, "{r}");
+    assert!(
+        r["foreign_wf"]["text"][0]
+            .as_str()
+            .unwrap_or_default()
+            .contains("`agent-t/`"),
+        "{r}"
+    );
+    assert_eq!(f.s.tools.count("create_ticket"), 1, "{r}\n{}", f.logs());
+    let token = r["token"]
+        .as_str()
+        .expect("the SDK kept its token")
+        .to_owned();
+    f.assert_no_token_reached_a_tool(&[token]);
+}
+
+/// Serving beyond loopback needs authorization (or an explicit flag) and the
+/// host names to check; refused before anything is bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mcp_refuses_to_serve_a_network_without_authorization() {
+    let s = Stack::new(StackOptions {
+        tools: vec![("search", "read_only", "5s")],
+        ..StackOptions::default()
+    })
+    .await;
+    let config = s.config_path.display().to_string();
+    let work = tempfile::tempdir().unwrap();
+    let port = free_port().to_string();
+    // Its standard error, once it has exited (killed if it serves instead).
+    let refused = |extra: &[&str]| -> String {
+        let log = work.path().join("err.log");
+        let mut front = Killed(
+            Command::new(stepgate_bin())
+                .args(["mcp", "--config", &config, "--listen"])
+                .arg(format!("0.0.0.0:{port}"))
+                .args(extra)
+                .stdout(Stdio::null())
+                .stderr(std::fs::File::create(&log).unwrap())
+                .spawn()
+                .unwrap(),
+        );
+        let start = std::time::Instant::now();
+        loop {
+            if let Some(status) = front.0.try_wait().unwrap() {
+                assert!(!status.success());
+                return std::fs::read_to_string(&log).unwrap();
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(60),
+                "`stepgate mcp --listen 0.0.0.0:{port} {extra:?}` did not refuse: {}",
+                std::fs::read_to_string(&log).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    let err = refused(&[]);
+    assert!(err.contains("without authorization"), "{err}");
+    assert!(err.contains("--insecure-no-auth"), "{err}");
+    let err = refused(&["--insecure-no-auth"]);
+    assert!(err.contains("--allowed-host"), "{err}");
+}
+
+/// A network namespace of the test's own, joined to this one by a veth pair
+/// on a /30 of its own; removed (with the pair) when dropped.
+struct Netns {
+    name: String,
+    /// The address on this side, and the one inside the namespace.
+    host: String,
+    inside: String,
+}
+
+impl Netns {
+    /// `None` when namespaces cannot be made here (not root, no `ip`).
+    fn new() -> Option<Netns> {
+        let n = std::process::id() as u64
+            ^ std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64;
+        let (a, b) = ((n >> 8) % 250, n % 63);
+        let name = format!("sgmcp{:x}", n & 0xfffff);
+        let ns = Netns {
+            host: format!("10.213.{a}.{}", b * 4 + 1),
+            inside: format!("10.213.{a}.{}", b * 4 + 2),
+            name,
+        };
+        let (outer, inner) = (format!("{}h", ns.name), format!("{}n", ns.name));
+        let steps: Vec<Vec<String>> = vec![
+            vec!["netns", "add", &ns.name],
+            vec![
+                "link", "add", &outer, "type", "veth", "peer", "name", &inner,
+            ],
+            vec!["link", "set", &inner, "netns", &ns.name],
+            vec!["addr", "add", &format!("{}/30", ns.host), "dev", &outer],
+            vec!["link", "set", &outer, "up"],
+            vec![
+                "-n",
+                &ns.name,
+                "addr",
+                "add",
+                &format!("{}/30", ns.inside),
+                "dev",
+                &inner,
+            ],
+            vec!["-n", &ns.name, "link", "set", &inner, "up"],
+            vec!["-n", &ns.name, "link", "set", "lo", "up"],
+        ]
+        .into_iter()
+        .map(|s| s.into_iter().map(str::to_owned).collect())
+        .collect();
+        for step in steps {
+            let ok = Command::new("ip")
+                .args(&step)
+                .stderr(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success());
+            if !ok {
+                eprintln!(
+                    "cannot make a network namespace here (`ip {}` failed)",
+                    step.join(" ")
+                );
+                return None;
+            }
+        }
+        Some(ns)
+    }
+
+    /// `curl` from inside the namespace: the HTTP status it got.
+    fn curl(&self, args: &[&str]) -> String {
+        let out = Command::new("ip")
+            .args(["netns", "exec", &self.name, "curl", "-s", "-o", "/dev/null"])
+            .args(["-w", "%{http_code}", "--max-time", "30"])
+            .args(args)
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip")
+            .args(["link", "del", &format!("{}h", self.name)])
+            .stderr(Stdio::null())
+            .status();
+        let _ = Command::new("ip")
+            .args(["netns", "del", &self.name])
+            .stderr(Stdio::null())
+            .status();
+    }
+}
+
+/// `Host: localhost` from a client that is not on loopback is refused: the
+/// front listens on an address of a veth pair, a client in a network
+/// namespace of the test's own sends the loopback name (what a DNS-rebinding
+/// page or a spoofing client sends); the configured name is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mcp_refuses_a_loopback_host_from_off_loopback() {
+    let Some(ns) = Netns::new() else {
+        eprintln!("skipped: this test needs root and `ip netns`");
+        return;
+    };
+    // Only `initialize` is sent: the front needs the config, not a gate.
+    let s = Stack::new(StackOptions {
+        tools: vec![("search", "read_only", "5s")],
+        ..StackOptions::default()
+    })
+    .await;
+    let work = tempfile::tempdir().unwrap();
+    // The stack's config with the `[mcp]` section.
+    let mut config: toml::Table =
+        toml::from_str(&std::fs::read_to_string(&s.config_path).unwrap()).unwrap();
+    let mcp: toml::Table = toml::from_str(
+        r#"
+[auth.scopes]
+search = ["search"]
+
+[[auth.tokens]]
+name = "agent"
+token = "env:MCP_AGENT_TOKEN"
+scopes = ["search"]
+"#,
+    )
+    .unwrap();
+    config.insert("mcp".into(), toml::Value::Table(mcp));
+    let config_path = work.path().join("mcp.toml");
+    std::fs::write(&config_path, toml::to_string(&config).unwrap()).unwrap();
+    let token = "agent-static-token-0123456789abcdef";
+    let port = free_port();
+    let listen = format!("{}:{port}", ns.host);
+    let _front = Killed(
+        Command::new(stepgate_bin())
+            .args(["mcp", "--config"])
+            .arg(&config_path)
+            .args(["--listen", &listen, "--allowed-host", &ns.host])
+            .env("MCP_AGENT_TOKEN", token)
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(work.path().join("mcp-front.log")).unwrap())
+            .spawn()
+            .expect("stepgate binary starts"),
+    );
+    let front_log =
+        || std::fs::read_to_string(work.path().join("mcp-front.log")).unwrap_or_default();
+    let url = format!("http://{listen}/mcp");
+    let init = r#"{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":"2025-11-25","capabilities":{},"clientInfo":{"name":"probe","version":"0"}}}"#;
+    let auth = format!("Authorization: Bearer {token}");
+    let post = |host: Option<&str>| {
+        let mut args = vec![
+            "-H".to_owned(),
+            auth.clone(),
+            "-H".to_owned(),
+            "Content-Type: application/json".to_owned(),
+            "-H".to_owned(),
+            "Accept: application/json, text/event-stream".to_owned(),
+            "-d".to_owned(),
+            init.to_owned(),
+        ];
+        if let Some(h) = host {
+            args.extend(["-H".to_owned(), format!("Host: {h}")]);
+        }
+        args.push(url.clone());
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        ns.curl(&args)
+    };
+    let start = std::time::Instant::now();
+    let served = loop {
+        let got = post(None);
+        if got == "200"
+            || start.elapsed() > Duration::from_secs(60)
+            || front_log().contains("error:")
+        {
+            break got;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(
+        served,
+        "200",
+        "the configured host is served\n{}",
+        front_log()
+    );
+    for host in [
+        "localhost",
+        &format!("localhost:{port}"),
+        "127.0.0.1",
+        "[::1]",
+    ] {
+        assert_eq!(post(Some(host)), "403", "Host: {host}\n{}", front_log());
+    }
+}
