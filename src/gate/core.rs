@@ -1198,3 +1198,5 @@ pub struct Purged {
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod sim;
