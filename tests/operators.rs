@@ -529,7 +529,7 @@ async fn a_resolve_re_sent_after_a_second_run_started_is_refused_as_stale() {
     let out = s.cli(&args).await;
     assert!(!out.status.success(), "{}", stdout(&out));
     assert!(
-        stderr(&out).contains("stale_command") && stderr(&out).contains("run 2"),
+        stderr(&out).contains("stale_command") && stderr(&out).contains("current run is 2"),
         "{}",
         stderr(&out)
     );
