@@ -171,6 +171,8 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
                 },
                 None => stepgate::mcp::Transport::Stdio,
             };
+            // Refused before Kafka is connected: a network without authorization.
+            transport.check(&cfg.mcp).await?;
             let front = stepgate::mcp::McpFront::connect(&cfg, timeout.into()).await?;
             front.run(transport, shutdown_on_signals()).await?;
             Ok(())

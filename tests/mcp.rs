@@ -703,12 +703,15 @@ async fn mcp_refuses_a_loopback_host_from_off_loopback() {
         eprintln!("skipped: this test needs root and `ip netns`");
         return;
     };
-    // Only `initialize` is sent: the front needs the config, not a gate.
-    let s = Stack::new(StackOptions {
+    // Only `initialize` is sent, but the gate is started all the same: its
+    // readiness says the new topics have leaders (the front's Kafka client
+    // fails at start while they have none).
+    let mut s = Stack::new(StackOptions {
         tools: vec![("search", "read_only", "5s")],
         ..StackOptions::default()
     })
     .await;
+    s.start().await;
     let work = tempfile::tempdir().unwrap();
     // The stack's config with the `[mcp]` section.
     let mut config: toml::Table =

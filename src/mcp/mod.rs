@@ -307,25 +307,9 @@ impl McpFront {
             addr: listen.to_owned(),
             source,
         };
-        // Refused before anything is bound: serving beyond loopback without
-        // authorization, or without the host names to check.
-        let addrs: Vec<std::net::SocketAddr> = tokio::net::lookup_host(listen)
-            .await
-            .map_err(listen_error)?
-            .collect();
-        let loopback = !addrs.is_empty() && addrs.iter().all(|a| a.ip().is_loopback());
-        let addr = listen.to_owned();
+        let loopback = http_preflight(listen, &allowed_hosts, &cfg, insecure_no_auth).await?;
         allowed_hosts.extend(cfg.allowed_hosts.iter().cloned());
         allowed_origins.extend(cfg.allowed_origins.iter().cloned());
-        if !loopback && !cfg.auth.enabled() && !insecure_no_auth {
-            return Err(McpFrontError::Unprotected { addr });
-        }
-        if !loopback && allowed_hosts.is_empty() {
-            return Err(McpFrontError::NoAllowedHosts { addr });
-        }
-        if !loopback && cfg.auth.issuer.is_some() && cfg.resource.is_none() {
-            return Err(McpFrontError::NoResource { addr });
-        }
         let listener = tokio::net::TcpListener::bind(listen)
             .await
             .map_err(listen_error)?;
@@ -501,6 +485,53 @@ impl McpFront {
             .collect();
         json!({ "tools": tools })
     }
+}
+
+impl Transport {
+    /// What can be refused before anything is connected or bound: serving
+    /// HTTP beyond loopback without authorization (unless `insecure_no_auth`),
+    /// without a host name to check, or with an issuer but no `resource`.
+    pub async fn check(&self, config: &McpConfig) -> Result<(), McpFrontError> {
+        match self {
+            Transport::Stdio => Ok(()),
+            Transport::Http {
+                listen,
+                allowed_hosts,
+                insecure_no_auth,
+                ..
+            } => http_preflight(listen, allowed_hosts, config, *insecure_no_auth)
+                .await
+                .map(|_| ()),
+        }
+    }
+}
+
+/// [`Transport::check`] for HTTP; whether `listen` is a loopback address.
+async fn http_preflight(
+    listen: &str,
+    allowed_hosts: &[String],
+    cfg: &McpConfig,
+    insecure_no_auth: bool,
+) -> Result<bool, McpFrontError> {
+    let addrs: Vec<std::net::SocketAddr> = tokio::net::lookup_host(listen)
+        .await
+        .map_err(|source| McpFrontError::Listen {
+            addr: listen.to_owned(),
+            source,
+        })?
+        .collect();
+    let loopback = !addrs.is_empty() && addrs.iter().all(|a| a.ip().is_loopback());
+    let addr = listen.to_owned();
+    if !loopback && !cfg.auth.enabled() && !insecure_no_auth {
+        return Err(McpFrontError::Unprotected { addr });
+    }
+    if !loopback && allowed_hosts.is_empty() && cfg.allowed_hosts.is_empty() {
+        return Err(McpFrontError::NoAllowedHosts { addr });
+    }
+    if !loopback && cfg.auth.issuer.is_some() && cfg.resource.is_none() {
+        return Err(McpFrontError::NoResource { addr });
+    }
+    Ok(loopback)
 }
 
 /// MCP annotations of a tool: as configured, else what its category says.
