@@ -16,6 +16,14 @@ else:  # pragma: no cover - older interpreters
 #: then that string as sent.
 Status = Literal["ok", "error", "in_doubt", "rejected"]
 
+#: `error.kind` of a `rejected` answer to a call whose identity arguments
+#: differ from the call recorded at its step.
+IDENTITY_CONFLICT = "identity_conflict"
+
+#: How many steps a workflow's call moves on past identity conflicts before it
+#: returns the conflict itself (as the Rust client does).
+MAX_CONFLICT_HOPS = 16
+
 
 class ErrorV1(TypedDict):
     kind: str
@@ -69,6 +77,13 @@ class Answer:
     @property
     def ok(self) -> bool:
         return self.status == "ok"
+
+    @property
+    def identity_conflict(self) -> bool:
+        """The call named another call than the one recorded at its step (the
+        tool's identity arguments differ): not run, not given that answer."""
+        return self.status == "rejected" and self.error is not None and \
+            self.error.kind == IDENTITY_CONFLICT
 
     def to_dict(self) -> Dict[str, Any]:
         """The Result v1 record as received (a copy)."""

@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional
 
 from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 
-from .answer import Answer
+from .answer import MAX_CONFLICT_HOPS, Answer
 
 
 def murmur2(data: bytes) -> int:
@@ -537,6 +537,14 @@ class AsyncClient:
         await self.close()
 
 
+def _hop_call_id(kw: Dict[str, Any], hop: int) -> Dict[str, Any]:
+    """The call's keywords for its `hop`-th step: a call_id of its own, so that
+    no late answer to an earlier step's intent can answer this one."""
+    if hop and kw.get("call_id"):
+        return dict(kw, call_id=f"{kw['call_id']}~{hop}")
+    return kw
+
+
 class Workflow:
     """One agent run: its tool calls numbered in the order the run makes them.
 
@@ -557,8 +565,16 @@ class Workflow:
             return step
 
     def call(self, tool: str, arguments: Mapping[str, Any], **kw: Any) -> Answer:
-        """The run's next tool call."""
-        return self.client.call(self.workflow_id, self.take_step(), tool, arguments, **kw)
+        """The run's next tool call. A call the gate finds to be another call
+        than the one recorded at its step (`identity_conflict`: e.g. the retry
+        slot of a lost call, taken by a different call) is sent again as the
+        step after, and so on: the recorded call's step stays its own."""
+        for hop in range(MAX_CONFLICT_HOPS):
+            answer = self.client.call(self.workflow_id, self.take_step(), tool, arguments,
+                                      **_hop_call_id(kw, hop))
+            if not answer.identity_conflict:
+                break
+        return answer
 
     def again(self, step_index: int, tool: str, arguments: Mapping[str, Any], **kw: Any) -> Answer:
         """A call of an earlier step again (after a lost answer): its first answer."""
@@ -577,7 +593,13 @@ class AsyncWorkflow:
         return step
 
     async def call(self, tool: str, arguments: Mapping[str, Any], **kw: Any) -> Answer:
-        return await self.client.call(self.workflow_id, self.take_step(), tool, arguments, **kw)
+        """The run's next tool call (identity conflicts as in `Workflow.call`)."""
+        for hop in range(MAX_CONFLICT_HOPS):
+            answer = await self.client.call(self.workflow_id, self.take_step(), tool, arguments,
+                                            **_hop_call_id(kw, hop))
+            if not answer.identity_conflict:
+                break
+        return answer
 
     async def again(
         self, step_index: int, tool: str, arguments: Mapping[str, Any], **kw: Any

@@ -72,8 +72,9 @@ from .client import AsyncClient, Client, StepgateError
 NOT_ANSWERED = "not answered yet:"
 NOT_ANSWERED_TEXT = (
     f"{NOT_ANSWERED} this call may still be running. Call the tool again to get its result; "
-    "it will not be performed twice. The next call of this tool is taken as this call's "
-    "retry, whatever its arguments."
+    "it will not be performed twice. Your next call of this tool is taken as this call's "
+    "retry, even if you rephrase it; only a call that names a different target (for a tool "
+    "that declares identity arguments, e.g. another recipient) is run as a new call instead."
 )
 
 StepKey = Tuple[str, int]
@@ -173,6 +174,18 @@ class _Step:
         if self.taken:
             self.delta["take"] = {name: [list(self.key)]}
 
+    def conflicted(self) -> bool:
+        """The step taken for this call is another call's (an identity
+        conflict): that step stays open for its real retry, and this call
+        moves to a step of its own, `<workflow_id>#<tool_call_id>` step 0 —
+        the same on a re-run of this task, and no other call's."""
+        if self.key[0].endswith(f"#{self.tool_call_id}"):
+            return False
+        self.delta.pop("take", None)
+        self.taken = False
+        self.key = (f"{self.workflow_id}#{self.tool_call_id}", 0)
+        return True
+
     def result(self, text: str, unanswered: bool = False) -> Command:
         if unanswered:
             self.delta["leave"] = {self.name: [list(self.key)]}
@@ -234,36 +247,41 @@ def stepgate_tool(
         tool_call_id=(Annotated[str, InjectedToolCallId], ...),
     )
 
-    def answered(step: _Step, call: Any) -> Command:
-        try:
-            answer = call()
-        except StepgateError:  # a timeout, or a publish whose fate is unknown
-            return step.result(NOT_ANSWERED_TEXT, unanswered=True)
-        return step.result(answer_text(answer))
-
     def run(state: dict, tool_call_id: str, config: RunnableConfig, **arguments: Any) -> Command:
         if isinstance(client, AsyncClient):
             raise TypeError("an AsyncClient's tools run in an async graph (ainvoke/astream); "
                             "use a Client for invoke/stream")
         step = _Step(state, config, tool_call_id, name, channel)
-        wf, index = step.key
-        return answered(step, lambda: client.call(wf, index, name, _json_args(arguments),
-                                                  call_id=tool_call_id, timeout=timeout))
+        args = _json_args(arguments)
+        for hop in range(2):
+            wf, index = step.key
+            try:
+                answer = client.call(wf, index, name, args, timeout=timeout,
+                                     call_id=f"{tool_call_id}~{hop}" if hop else tool_call_id)
+            except StepgateError:  # a timeout, or a publish whose fate is unknown
+                return step.result(NOT_ANSWERED_TEXT, unanswered=True)
+            if not (answer.identity_conflict and step.conflicted()):
+                break
+        return step.result(answer_text(answer))
 
     async def arun(state: dict, tool_call_id: str, config: RunnableConfig,
                    **arguments: Any) -> Command:
         step = _Step(state, config, tool_call_id, name, channel)
-        wf, index = step.key
         args = _json_args(arguments)
-        try:
-            if isinstance(client, AsyncClient):
-                answer = await client.call(wf, index, name, args, call_id=tool_call_id,
-                                           timeout=timeout)
-            else:
-                answer = await asyncio.to_thread(client.call, wf, index, name, args,
-                                                 call_id=tool_call_id, timeout=timeout)
-        except StepgateError:
-            return step.result(NOT_ANSWERED_TEXT, unanswered=True)
+        for hop in range(2):
+            wf, index = step.key
+            cid = f"{tool_call_id}~{hop}" if hop else tool_call_id
+            try:
+                if isinstance(client, AsyncClient):
+                    answer = await client.call(wf, index, name, args, call_id=cid,
+                                               timeout=timeout)
+                else:
+                    answer = await asyncio.to_thread(client.call, wf, index, name, args,
+                                                     call_id=cid, timeout=timeout)
+            except StepgateError:
+                return step.result(NOT_ANSWERED_TEXT, unanswered=True)
+            if not (answer.identity_conflict and step.conflicted()):
+                break
         return step.result(answer_text(answer))
 
     return StructuredTool.from_function(

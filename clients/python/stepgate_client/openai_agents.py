@@ -51,13 +51,15 @@ from typing import Any, Awaitable, Callable, Dict, List, Optional, Union
 from agents import FunctionTool
 from agents.tool_context import ToolContext
 
-from .answer import Answer, answer_text
+from .answer import MAX_CONFLICT_HOPS, Answer, answer_text
 from .client import AsyncClient, Client, StepgateError, StepgateTimeout
 
 NOT_ANSWERED = (
     "not answered yet: this call may still be running. Call the tool again to get "
-    "its result; it will not be performed twice. The next call of this tool is taken "
-    "as this call's retry, whatever its arguments."
+    "its result; it will not be performed twice. Your next call of this tool is taken "
+    "as this call's retry, even if you rephrase it; only a call that names a different "
+    "target (for a tool that declares identity arguments, e.g. another recipient) is "
+    "run as a new call instead."
 )
 
 SaveHook = Callable[[Dict[str, Any]], Union[None, Awaitable[None]]]
@@ -154,17 +156,28 @@ async def invoke_step(client: Union[Client, AsyncClient], run: StepgateRun, name
                       timeout: float) -> str:
     """One tool call of a run through stepgate: the text for the model."""
     step, fresh = run.take_step(name)
-    run.pending[step] = name
-    await run._saved()
-    try:
-        answer = await call_async(client, run.workflow_id, step, name, arguments,
-                                  call_id=call_id, timeout=timeout)
-    except StepgateTimeout:
-        del run.pending[step]
-        run.leave_unanswered(name, step)
+    for hop in range(MAX_CONFLICT_HOPS):
+        run.pending[step] = name
         await run._saved()
-        return NOT_ANSWERED
-    if fresh and answer.deduplicated:
+        try:
+            answer = await call_async(client, run.workflow_id, step, name, arguments,
+                                      call_id=f"{call_id}~{hop}" if hop and call_id else call_id,
+                                      timeout=timeout)
+        except StepgateTimeout:
+            del run.pending[step]
+            run.leave_unanswered(name, step)
+            await run._saved()
+            return NOT_ANSWERED
+        if not answer.identity_conflict or fresh:
+            break
+        # The unanswered step this call took belongs to another call (its
+        # identity arguments differ): it stays open for that call's real
+        # retry, and this call runs as a new step.
+        del run.pending[step]
+        run.unanswered.setdefault(name, []).insert(0, step)
+        step, fresh = run.next_step, True
+        run.next_step += 1
+    if fresh and (answer.deduplicated or answer.identity_conflict):
         # Never published by this run, yet answered as a repeat: another life
         # of this workflow used the step. Its answer is not this call's.
         del run.pending[step]

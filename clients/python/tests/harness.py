@@ -172,6 +172,9 @@ DEFAULT_TOOLS = [
     ("meet", "unkeyed", "30s"),
     ("meet_async", "unkeyed", "30s"),
     ("search", "read_only", "10s"),
+    # A tool whose calls are named by their recipient: a repeat to another
+    # recipient is another call (identity_conflict), not a retry.
+    ("mail", "keyed", "10s", 'identity = ["to"]\n'),
 ]
 
 
@@ -195,8 +198,8 @@ class Stack:
                             "approvals"])
         tables = "".join(
             f'\n[tools.{n}]\ncategory = "{c}"\nurl = "{self.tools.base}/{n}"\n'
-            f'timeout = "{t}"\nretries = 1\nbackoff = "50ms"\n'
-            for n, c, t in tools)
+            f'timeout = "{t}"\nretries = 1\nbackoff = "50ms"\n{"".join(more)}'
+            for n, c, t, *more in tools)
         self.config_path.write_text(f"""[kafka]
 brokers = "{self.brokers}"
 gate_group = "{self.prefix}-gate"

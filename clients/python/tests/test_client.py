@@ -214,3 +214,25 @@ def test_a_client_refuses_a_missing_topic():
     with pytest.raises(KafkaException, match="not found"):
         Client(brokers(), intents="sgpy-no-such-topic.intents",
                results="sgpy-no-such-topic.results", metadata_timeout=5)
+
+
+def test_a_different_call_in_a_lost_call_s_step_moves_on_and_the_real_retry_gets_its_answer(
+        stack, wf):
+    """alice then bob, `identity = ["to"]`: alice's call is lost; a resumed run
+    that numbers bob's call where alice's was gets a conflict at that step and
+    moves on; alice's rephrased retry still gets alice's answer. Each email is
+    sent once."""
+    stack.tools.delays["mail"] = 0.3
+    with stack.client() as client:
+        with pytest.raises(StepgateTimeout):
+            client.workflow(wf).call("mail", {"to": "alice", "subject": "Hi"}, timeout=0.0)
+        wait_for(lambda: stack.tools.count("mail", wf) == 1, 60, "alice's email was sent")
+        resumed = client.workflow(wf, next_step=0)  # numbering bob where alice was
+        bob = resumed.call("mail", {"to": "bob", "subject": "Hi"}, call_id=f"{wf}-bob")
+        alice = resumed.again(0, "mail", {"to": "alice", "subject": "Hello again"})
+        conflict = client.call(wf, 0, "mail", {"to": "carol", "subject": "Hi"})
+    assert bob.ok and bob.step_index == 1 and bob.output["echo"]["to"] == "bob"
+    assert resumed.next_step == 2
+    assert alice.ok and alice.deduplicated and alice.output["echo"]["to"] == "alice"
+    assert conflict.identity_conflict and "alice" in conflict.error.message
+    assert sorted(c.body["to"] for c in stack.tools.invocations("mail", wf)) == ["alice", "bob"]

@@ -222,3 +222,34 @@ def test_a_pydantic_schema_keeps_nested_types_and_optional_fields(stack, wf):
                              required=["a"])
     s = optional.tool_call_schema.model_json_schema()
     assert s.get("required") == ["a"]
+
+
+MAIL = {"to": {"type": "string"}, "subject": {"type": "string"}}
+
+
+def test_alice_then_bob_both_emails_are_sent_once_and_alice_s_retry_gets_hers(stack, wf):
+    """`mail` declares identity = ["to"]: bob's call in alice's lost slot is a
+    conflict, so it runs as a step of its own; alice's retry gets hers."""
+    stack.tools.delays["mail"] = 0.3
+    with stack.client() as client:
+        saver = InMemorySaver()
+        config = {"configurable": {"thread_id": wf}}
+        lost = langgraph_model([[("mail", {"to": "alice", "subject": "Hi"})], "done"])
+        quick = stepgate_tool(client, "mail", "Send an email.", MAIL, timeout=0.0)
+        out = agent_graph([quick], lost).compile(checkpointer=saver).invoke(
+            {"messages": [HumanMessage("mail alice")]}, config)
+        assert tool_outputs(out["messages"])[-1].startswith("not answered yet")
+        from harness import wait_for
+        wait_for(lambda: len([c for c in stack.tools.invocations("mail")
+                              if c.workflow_id.startswith(wf)]) == 1, 60, "alice's email sent")
+        model = langgraph_model([[("mail", {"to": "bob", "subject": "Hi"})], "done",
+                                 [("mail", {"to": "alice", "subject": "Hello again"})], "done"])
+        app = agent_graph([stepgate_tool(client, "mail", "Send an email.", MAIL)],
+                          model).compile(checkpointer=saver)
+        bob = app.invoke({"messages": [HumanMessage("mail bob")]}, config)
+        alice = app.invoke({"messages": [HumanMessage("mail alice again")]}, config)
+    assert echoed(tool_outputs(bob["messages"])[-1])["to"] == "bob"
+    assert echoed(tool_outputs(alice["messages"])[-1])["to"] == "alice"
+    calls = [c for c in stack.tools.invocations("mail") if c.workflow_id.startswith(wf)]
+    assert sorted(c.body["to"] for c in calls) == ["alice", "bob"]
+    assert alice["stepgate"]["tools"]["unanswered"] == {}

@@ -166,3 +166,41 @@ def test_a_tool_from_a_typed_function_carries_its_schema_and_arguments(stack, wf
     assert set(tool.params_json_schema["properties"]) == {"title", "priority"}
     assert [c.body for c in stack.tools.invocations("create_ticket", wf)] == \
         [{"title": "t", "priority": 1}]
+
+
+MAIL = {"type": "object", "properties": {"to": {"type": "string"}, "subject": {"type": "string"}},
+        "required": ["to", "subject"], "additionalProperties": False}
+
+
+def test_alice_then_bob_both_emails_are_sent_once_and_alice_s_retry_gets_hers(stack, wf):
+    """`mail` declares identity = ["to"]. alice's call is lost; the model then
+    mails bob, which takes the lost call's slot: a conflict, so the adapter
+    runs bob as a new step and keeps the slot for alice's real retry."""
+    stack.tools.delays["mail"] = 0.3
+
+    async def main():
+        async with await connect(stack) as client:
+            quick = stepgate_tool(client, "mail", "Send an email.", MAIL, timeout=0.0)
+            tool = stepgate_tool(client, "mail", "Send an email.", MAIL)
+            ctx = StepgateRun(wf)
+            lost = agents_model([[("mail", {"to": "alice", "subject": "Hi"})], "done"])
+            await Runner.run(Agent(name="a", model=lost, tools=[quick]), "mail alice", context=ctx)
+            await asyncio.to_thread(wait_for, lambda: stack.tools.count("mail", wf) == 1, 60,
+                                    "alice's email was sent")
+            model = agents_model([[("mail", {"to": "bob", "subject": "Hi"})],
+                                  [("mail", {"to": "alice", "subject": "Hello again"})], "done"])
+            await Runner.run(Agent(name="a", model=model, tools=[tool]), "mail bob, then alice",
+                             context=ctx)
+            outputs = [o for inp in model.inputs for o in
+                       [i["output"] for i in inp if isinstance(i, dict)
+                        and i.get("type") == "function_call_output"]]
+            return lost, outputs, ctx
+
+    lost, outputs, ctx = run(main())
+    assert sorted(c.body["to"] for c in stack.tools.invocations("mail", wf)) == ["alice", "bob"]
+    seen = [json.loads(o)["echo"]["to"] for o in outputs[-2:]]
+    assert seen == ["bob", "alice"], outputs
+    # What the model read when it gave up waiting says what its next call means.
+    assert lost.tool_outputs()[0].startswith("not answered yet")
+    assert "different target" in lost.tool_outputs()[0]
+    assert ctx.state()["unanswered"] == {"mail": []}
