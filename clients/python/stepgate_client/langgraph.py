@@ -289,6 +289,27 @@ def stepgate_tool(
     )
 
 
+def stepgate_tool_from(
+    client: Union[Client, AsyncClient],
+    tool: Any,
+    *,
+    timeout: float = 60.0,
+    channel: str = "stepgate",
+) -> StructuredTool:
+    """`stepgate_tool` from a `@tool` (a LangChain tool) or a typed function:
+    its name, description and argument schema, as LangChain derives them.
+    The function's body never runs here: stepgate's tool of that name runs."""
+    from langchain_core.tools import BaseTool
+
+    if not isinstance(tool, BaseTool):
+        tool = StructuredTool.from_function(tool)
+    schema = tool.args_schema
+    if not (isinstance(schema, type) and issubclass(schema, BaseModel)):
+        raise TypeError(f"{tool.name}: its argument schema is not a pydantic model")
+    return stepgate_tool(client, tool.name, tool.description, args_schema=schema,
+                         timeout=timeout, channel=channel)
+
+
 def _py_type(schema: Dict[str, Any]) -> Any:
     return {"string": str, "integer": int, "number": float, "boolean": bool,
             "object": dict, "array": list}.get(schema.get("type", "string"), Any)

@@ -253,3 +253,27 @@ def test_alice_then_bob_both_emails_are_sent_once_and_alice_s_retry_gets_hers(st
     calls = [c for c in stack.tools.invocations("mail") if c.workflow_id.startswith(wf)]
     assert sorted(c.body["to"] for c in calls) == ["alice", "bob"]
     assert alice["stepgate"]["tools"]["unanswered"] == {}
+
+
+def test_a_tool_from_a_tool_decorated_function_keeps_its_name_schema_and_docstring(stack, wf):
+    from langchain_core.tools import tool as lc_tool
+
+    from stepgate_client.langgraph import stepgate_tool_from
+
+    @lc_tool
+    def create_ticket(title: str, to: Address, priority: int = 3) -> dict:
+        """Open a support ticket."""
+        raise AssertionError("never run in the agent's process")
+
+    with stack.client() as client:
+        tool = stepgate_tool_from(client, create_ticket)
+        assert (tool.name, tool.description) == ("create_ticket", "Open a support ticket.")
+        schema = tool.tool_call_schema.model_json_schema()
+        assert set(schema["properties"]) == {"title", "to", "priority"}
+        assert schema.get("required") == ["title", "to"]
+        model = langgraph_model([[("create_ticket", {"title": "t", "to": {"city": "Oslo"}})],
+                                 "done"])
+        app = agent_graph([tool], model).compile(checkpointer=InMemorySaver())
+        out = app.invoke({"messages": [HumanMessage("go")]}, {"configurable": {"thread_id": wf}})
+    assert echoed(tool_outputs(out["messages"])[-1]) == \
+        {"title": "t", "to": {"city": "Oslo"}, "priority": 3}
