@@ -470,8 +470,12 @@ async fn mcp_over_http_is_an_oauth_resource_server_with_tenants() {
     assert!(flood["retry_after"].as_str().is_some(), "{r}");
     assert_eq!(status("after_flood_other"), 200, "{r}");
 
-    // The keys were fetched once, at start, and cached.
-    assert_eq!(r["issuer_stats"]["jwks_fetches"], 1, "{r}");
+    // The keys were fetched at start and cached; fetched again for the
+    // rotated key's kid, once however many tokens named it before it came.
+    assert_eq!(r["rotated"]["status"], 200, "{r}");
+    assert_eq!(r["rotated"]["kid"], "test-key-2", "{r}");
+    assert_eq!(status("old_key_after_rotation"), 200, "{r}");
+    assert_eq!(r["issuer_stats"]["jwks_fetches"], 2, "{r}");
 
     // Each step ran once, and no token reached the tool.
     assert_eq!(f.s.tools.count("create_ticket"), 2, "{r}\n{}", logs());

@@ -212,6 +212,21 @@ async def probes(out, tokens):
         out["flood"] = flood
         out["after_flood_other"] = await post(valid)
 
+        # The issuer rotates its key: a token under the new kid is accepted
+        # once the front fetches the JWK Set again (at most every 10 s).
+        rotated = (await http.post(f"{issuer}/rotate")).json()["kid"]
+        new_key_token = await mint(**good)
+        tokens.append(new_key_token)
+        attempts, deadline = 0, time.monotonic() + 60
+        while True:
+            attempts += 1
+            r = await post(new_key_token)
+            if r["status"] == 200 or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.5)
+        out["rotated"] = {"kid": rotated, "status": r["status"], "attempts": attempts}
+        out["old_key_after_rotation"] = await post(valid)
+
 
 async def main():
     out, tokens = {}, []

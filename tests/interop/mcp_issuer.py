@@ -7,7 +7,9 @@ allowed. Clients and their secrets and scopes come from CLIENTS_JSON:
 
 For the tests only, POST /mint takes claims as JSON and returns a token signed
 with the published key (or, with "foreign_key": true, with a key that is not
-published, under the same kid); GET /stats counts the JWK Set's fetches.
+published, under the same kid); POST /rotate makes a new key (a new kid),
+published beside the old one and signing from then on; GET /stats counts the
+JWK Set's fetches.
 
 usage: mcp_issuer.py PORT CLIENTS_JSON
 """
@@ -24,17 +26,30 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 
 port, clients = int(sys.argv[1]), json.loads(sys.argv[2])
 issuer = f"http://127.0.0.1:{port}"
-KID = "test-key-1"
-key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
 foreign = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-jwk = json.loads(jwt.algorithms.RSAAlgorithm.to_jwk(key.public_key()))
-jwk.update({"kid": KID, "use": "sig", "alg": "RS256"})
 stats = {"jwks_fetches": 0, "tokens": 0}
 lock = threading.Lock()
+keys = []  # (kid, private key), the last one signing
+jwks = []
 
 
-def sign(claims, signing_key=key):
-    return jwt.encode(claims, signing_key, algorithm="RS256", headers={"kid": KID})
+def rotate():
+    kid = f"test-key-{len(keys) + 1}"
+    k = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    public = json.loads(jwt.algorithms.RSAAlgorithm.to_jwk(k.public_key()))
+    public.update({"kid": kid, "use": "sig", "alg": "RS256"})
+    with lock:
+        keys.append((kid, k))
+        jwks.append(public)
+    return kid
+
+
+rotate()
+
+
+def sign(claims, signing_key=None):
+    kid, k = keys[-1]
+    return jwt.encode(claims, signing_key or k, algorithm="RS256", headers={"kid": kid})
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -65,7 +80,8 @@ class Handler(BaseHTTPRequestHandler):
         elif path == "/jwks":
             with lock:
                 stats["jwks_fetches"] += 1
-            self.reply(200, {"keys": [jwk]})
+            with lock:
+                self.reply(200, {"keys": list(jwks)})
         elif path == "/stats":
             with lock:
                 self.reply(200, dict(stats))
@@ -86,7 +102,9 @@ class Handler(BaseHTTPRequestHandler):
             now = int(time.time())
             claims = {"iss": issuer, "iat": now, "exp": now + 300}
             claims.update(c)
-            self.reply(200, {"access_token": sign(claims, foreign if foreign_key else key)})
+            self.reply(200, {"access_token": sign(claims, foreign if foreign_key else None)})
+        elif path == "/rotate":
+            self.reply(200, {"kid": rotate()})
         else:
             self.reply(404, {"error": "not_found"})
 
