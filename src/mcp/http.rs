@@ -147,9 +147,11 @@ async fn admit(
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned);
     if let Some(id) = &session {
+        // Every session is recorded with its owner before the response that
+        // names it leaves; one that is not (closed, evicted) or is another
+        // principal's is answered as rmcp answers a session it does not know.
         let sessions = g.sessions.lock().expect("session owners lock");
-        if sessions.owner.get(id).is_some_and(|owner| *owner != key) {
-            // Answered as rmcp answers a session it does not know.
+        if sessions.owner.get(id) != Some(&key) {
             return Err(plain(StatusCode::NOT_FOUND, "Not Found: Session not found"));
         }
     }
@@ -263,12 +265,16 @@ async fn track_sessions(
         return;
     }
     // Over the cap: forget the sessions rmcp has closed (idle), then close the
-    // oldest still open.
+    // oldest still open. Only the sessions looked at here are dropped: others
+    // may have been opened meanwhile.
     let mut live = VecDeque::new();
+    let mut dropped = Vec::new();
     for id in mine {
         let arc: Arc<str> = Arc::from(id.as_str());
         if g.session_manager.has_session(&arc).await.unwrap_or(false) {
             live.push_back(id);
+        } else {
+            dropped.push(id);
         }
     }
     let mut closing = Vec::new();
@@ -279,11 +285,12 @@ async fn track_sessions(
     }
     {
         let mut s = g.sessions.lock().expect("session owners lock");
-        let known: Vec<String> = s.by_principal.get(key).cloned().unwrap_or_default().into();
-        for id in known.iter().filter(|id| !live.contains(id)) {
+        for id in dropped.iter().chain(&closing) {
             s.owner.remove(id);
         }
-        s.by_principal.insert(key.to_owned(), live);
+        if let Some(list) = s.by_principal.get_mut(key) {
+            list.retain(|id| !dropped.contains(id) && !closing.contains(id));
+        }
     }
     for id in closing {
         tracing::info!(
