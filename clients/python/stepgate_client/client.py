@@ -69,6 +69,18 @@ class StepgatePublishError(StepgateError):
     may not have reached stepgate: call again with the same step key."""
 
 
+class StepgateAwaitingApproval(StepgateError):
+    """The call is held for a person's approval (its tool's policy is
+    `approval`): raised instead of waiting when the call asked for it
+    (`on_approval="raise"`). The step is recorded; call it again with the same
+    step key to get its answer once a person has decided. `event` is the
+    approval event (schemas/approval.v1.json)."""
+
+    def __init__(self, message: str, event: Dict[str, Any]):
+        super().__init__(message)
+        self.event = event
+
+
 class StepgateClosed(StepgateError):
     """The client was closed while the call waited. Call again with the same step
     key on another client to get the answer."""
@@ -89,6 +101,7 @@ class _Core:
         results: str,
         config: Optional[Dict[str, Any]],
         metadata_timeout: float,
+        approvals: Optional[str] = None,
     ):
         self.intents, self.results = intents, results
         extra = dict(config or {})
@@ -123,6 +136,11 @@ class _Core:
                 if meta is None or meta.error is not None or not meta.partitions:
                     raise KafkaException(f"topic {topic} not found")
                 counts.append(len(meta.partitions))
+            # Approval events (a call held for a person) come in the step's
+            # partition of `approvals`, when that topic exists.
+            meta = md.get(approvals) if approvals else None
+            self.approvals = approvals if meta is not None and meta.error is None \
+                and len(meta.partitions or {}) >= counts[0] else None
         except BaseException:
             self.consumer.close()
             self._meta.close()
@@ -144,6 +162,7 @@ class _Core:
         self._followed: set = set()
         self._to_assign: List[TopicPartition] = []
         self._waiting: Dict[str, List[Deliver]] = {}
+        self._held: Dict[str, List[Deliver]] = {}
         self._closed = threading.Event()
         self._consumer_thread = threading.Thread(
             target=self._consume, name="stepgate-answers", daemon=True
@@ -171,22 +190,28 @@ class _Core:
         with self._follow_lock:
             if partition in self._followed:
                 return
-            tp = TopicPartition(self.results, partition)
-            deadline = time.monotonic() + self.metadata_timeout
-            while True:
-                try:
-                    _, high = self._meta.get_watermark_offsets(tp, timeout=self.metadata_timeout)
-                    break
-                except KafkaException:
-                    # A new topic's leader may not be known yet: ask again.
-                    if time.monotonic() >= deadline:
-                        raise
-                    time.sleep(0.1)
-            # Every answer to an intent published after this point is at or
-            # after `high`: reading from there misses none of them, however
-            # late the consumer thread takes the assignment up.
+            starts = []
+            for topic in (self.results, self.approvals):
+                if topic is None:
+                    continue
+                tp = TopicPartition(topic, partition)
+                deadline = time.monotonic() + self.metadata_timeout
+                while True:
+                    try:
+                        _, high = self._meta.get_watermark_offsets(
+                            tp, timeout=self.metadata_timeout)
+                        break
+                    except KafkaException:
+                        # A new topic's leader may not be known yet: ask again.
+                        if time.monotonic() >= deadline:
+                            raise
+                        time.sleep(0.1)
+                # Every answer to an intent published after this point is at
+                # or after `high`: reading from there misses none of them,
+                # however late the consumer thread takes the assignment up.
+                starts.append(TopicPartition(topic, partition, high))
             with self._lock:
-                self._to_assign.append(TopicPartition(self.results, partition, high))
+                self._to_assign.extend(starts)
             self._followed.add(partition)
 
     # -- waiters
@@ -208,6 +233,19 @@ class _Core:
                 pass
             if not waiters:
                 del self._waiting[call_id]
+
+    def watch_held(self, call_id: str, notify: Deliver) -> None:
+        """`notify(event)` when the call is held for approval."""
+        with self._lock:
+            self._held.setdefault(call_id, []).append(notify)
+
+    def unwatch_held(self, call_id: str, notify: Deliver) -> None:
+        with self._lock:
+            watchers = self._held.get(call_id)
+            if watchers and notify in watchers:
+                watchers.remove(notify)
+            if not watchers:
+                self._held.pop(call_id, None)
 
     def in_flight(self) -> int:
         with self._lock:
@@ -240,10 +278,21 @@ class _Core:
                 if msg.error():
                     continue
                 try:
-                    answer = json.loads(msg.value())
+                    value = json.loads(msg.value())
                 except (TypeError, ValueError):  # a null value, or not JSON
                     continue
-                self._dispatch(answer)
+                if self.approvals is not None and msg.topic() == self.approvals:
+                    self._held_event(value)
+                else:
+                    self._dispatch(value)
+
+    def _held_event(self, event: Any) -> None:
+        if not isinstance(event, dict) or event.get("event") != "requested":
+            return
+        with self._lock:
+            watchers = list(self._held.get(str(event.get("call_id")), ()))
+        for notify in watchers:
+            notify(event)
 
     # -- publishing
 
@@ -320,6 +369,22 @@ def _intent(
     return json.dumps(intent, separators=(",", ":")).encode("utf-8")
 
 
+def _held_notifier(on_approval: str, deliver: Deliver, workflow_id: str, step_index: int,
+                   tool: str) -> Optional[Deliver]:
+    """With on_approval="raise", what ends the call when it is held for approval."""
+    if on_approval == "wait":
+        return None
+    if on_approval != "raise":
+        raise ValueError(f'on_approval must be "wait" or "raise", not {on_approval!r}')
+
+    def held(event: Any) -> None:
+        deliver(StepgateAwaitingApproval(
+            f"step {step_index} of {workflow_id} ({tool}) is held for a person's approval; "
+            "call it again with the same step key for its answer once they decide", event))
+
+    return held
+
+
 def _timeout_text(workflow_id: str, step_index: int, tool: str, timeout: float) -> str:
     return f"no answer for step {step_index} of {workflow_id} ({tool}) in {timeout} s"
 
@@ -343,8 +408,9 @@ class Client:
         results: str = "stepgate.results",
         config: Optional[Dict[str, Any]] = None,
         metadata_timeout: float = 10.0,
+        approvals: Optional[str] = "stepgate.approvals",
     ):
-        self._core = _Core(brokers, intents, results, config, metadata_timeout)
+        self._core = _Core(brokers, intents, results, config, metadata_timeout, approvals)
         self.intents, self.results = intents, results
 
     @property
@@ -368,8 +434,13 @@ class Client:
         republish_after: float = 10.0,
         headers: Optional[Mapping[str, str]] = None,
         metadata: Optional[Mapping[str, Any]] = None,
+        on_approval: str = "wait",
     ) -> Answer:
-        """Publish one tool call and wait for its answer."""
+        """Publish one tool call and wait for its answer.
+
+        A call of an `approval` tool waits for a person's decision; with
+        `on_approval="raise"` it raises StepgateAwaitingApproval as soon as
+        stepgate holds it (the step stays recorded: call again later)."""
         core = self._core
         call_id = call_id or uuid.uuid4().hex
         value = _intent(workflow_id, step_index, tool, arguments, attempt, call_id, metadata)
@@ -388,6 +459,9 @@ class Client:
                     pass
 
         core.register(call_id, deliver)
+        held = _held_notifier(on_approval, deliver, workflow_id, step_index, tool)
+        if held is not None:
+            core.watch_held(call_id, held)
         try:
             deadline = time.monotonic() + timeout
             while True:
@@ -405,6 +479,8 @@ class Client:
                         ) from None
         finally:
             core.unregister(call_id, deliver)
+            if held is not None:
+                core.unwatch_held(call_id, held)
 
     def close(self) -> None:
         """Stop reading answers; calls still waiting raise StepgateClosed."""
@@ -433,8 +509,9 @@ class AsyncClient:
         results: str = "stepgate.results",
         config: Optional[Dict[str, Any]] = None,
         metadata_timeout: float = 10.0,
+        approvals: Optional[str] = "stepgate.approvals",
     ):
-        self._core = _Core(brokers, intents, results, config, metadata_timeout)
+        self._core = _Core(brokers, intents, results, config, metadata_timeout, approvals)
         self.intents, self.results = intents, results
         self._following: Dict[int, "asyncio.Future[None]"] = {}
 
@@ -446,10 +523,11 @@ class AsyncClient:
         results: str = "stepgate.results",
         config: Optional[Dict[str, Any]] = None,
         metadata_timeout: float = 10.0,
+        approvals: Optional[str] = "stepgate.approvals",
     ) -> "AsyncClient":
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
-            None, lambda: cls(brokers, intents, results, config, metadata_timeout)
+            None, lambda: cls(brokers, intents, results, config, metadata_timeout, approvals)
         )
 
     @property
@@ -471,6 +549,7 @@ class AsyncClient:
         republish_after: float = 10.0,
         headers: Optional[Mapping[str, str]] = None,
         metadata: Optional[Mapping[str, Any]] = None,
+        on_approval: str = "wait",
     ) -> Answer:
         """Publish one tool call and await its answer."""
         core = self._core
@@ -503,6 +582,9 @@ class AsyncClient:
                 pass
 
         core.register(call_id, deliver)
+        held = _held_notifier(on_approval, deliver, workflow_id, step_index, tool)
+        if held is not None:
+            core.watch_held(call_id, held)
         try:
             deadline = loop.time() + timeout
             while True:
@@ -523,6 +605,8 @@ class AsyncClient:
                         ) from None
         finally:
             core.unregister(call_id, deliver)
+            if held is not None:
+                core.unwatch_held(call_id, held)
             if not fut.done():
                 fut.cancel()
 

@@ -63,11 +63,11 @@ from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import InjectedToolCallId, StructuredTool
 from langgraph.graph import MessagesState
 from langgraph.prebuilt import InjectedState
-from langgraph.types import Command
+from langgraph.types import Command, interrupt
 from pydantic import BaseModel, Field, create_model
 
 from .answer import answer_text
-from .client import AsyncClient, Client, StepgateError
+from .client import AsyncClient, Client, StepgateAwaitingApproval, StepgateError
 
 NOT_ANSWERED = "not answered yet:"
 NOT_ANSWERED_TEXT = (
@@ -195,6 +195,18 @@ class _Step:
         })
 
 
+def _held(step: "_Step", held: StepgateAwaitingApproval) -> Dict[str, Any]:
+    """The interrupt's value for a call held for a person's approval."""
+    return {
+        "stepgate": "awaiting_approval",
+        "workflow_id": step.key[0],
+        "step_index": step.key[1],
+        "tool": step.name,
+        "arguments": held.event.get("arguments"),
+        "approve": f"stepgate approvals approve {step.key[0]} {step.key[1]} {step.name} --by <you>",
+    }
+
+
 def _json_args(arguments: Dict[str, Any]) -> Dict[str, Any]:
     out = {}
     for k, v in arguments.items():
@@ -255,9 +267,16 @@ def stepgate_tool(
         args = _json_args(arguments)
         for hop in range(2):
             wf, index = step.key
+            cid = f"{tool_call_id}~{hop}" if hop else tool_call_id
             try:
-                answer = client.call(wf, index, name, args, timeout=timeout,
-                                     call_id=f"{tool_call_id}~{hop}" if hop else tool_call_id)
+                try:
+                    answer = client.call(wf, index, name, args, timeout=timeout, call_id=cid,
+                                         on_approval="raise")
+                except StepgateAwaitingApproval as held:
+                    # The graph pauses here until resumed (Command(resume=...));
+                    # resumed, the tool runs again: the same step, its answer.
+                    interrupt(_held(step, held))
+                    answer = client.call(wf, index, name, args, timeout=timeout, call_id=cid)
             except StepgateError:  # a timeout, or a publish whose fate is unknown
                 return step.result(NOT_ANSWERED_TEXT, unanswered=True)
             if not (answer.identity_conflict and step.conflicted()):
@@ -271,13 +290,20 @@ def stepgate_tool(
         for hop in range(2):
             wf, index = step.key
             cid = f"{tool_call_id}~{hop}" if hop else tool_call_id
-            try:
+
+            async def call(on_approval: str) -> Any:
                 if isinstance(client, AsyncClient):
-                    answer = await client.call(wf, index, name, args, call_id=cid,
-                                               timeout=timeout)
-                else:
-                    answer = await asyncio.to_thread(client.call, wf, index, name, args,
-                                                     call_id=cid, timeout=timeout)
+                    return await client.call(wf, index, name, args, call_id=cid,
+                                             timeout=timeout, on_approval=on_approval)
+                return await asyncio.to_thread(client.call, wf, index, name, args, call_id=cid,
+                                               timeout=timeout, on_approval=on_approval)
+
+            try:
+                try:
+                    answer = await call("raise")
+                except StepgateAwaitingApproval as held:
+                    interrupt(_held(step, held))
+                    answer = await call("wait")
             except StepgateError:
                 return step.result(NOT_ANSWERED_TEXT, unanswered=True)
             if not (answer.identity_conflict and step.conflicted()):

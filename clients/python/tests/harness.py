@@ -175,6 +175,8 @@ DEFAULT_TOOLS = [
     # A tool whose calls are named by their recipient: a repeat to another
     # recipient is another call (identity_conflict), not a retry.
     ("mail", "keyed", "10s", 'identity = ["to"]\n'),
+    # Every call waits for a person's approval (`stepgate approvals approve`).
+    ("wire_approved", "unkeyed", "10s", 'policy = "approval"\n'),
 ]
 
 
@@ -236,6 +238,10 @@ level = "info,rdkafka=warn"
         return subprocess.run([stepgate_bin(), *args, "--config", str(self.config_path)],
                               capture_output=True, text=True, env=self._env(), timeout=180)
 
+    def cli(self, *args: str) -> subprocess.CompletedProcess:
+        """Another stepgate command against this stack's config."""
+        return self._stepgate(*args)
+
     def _create_topic(self, name: str, partitions: int) -> None:
         from confluent_kafka.admin import AdminClient, NewTopic
 
@@ -268,11 +274,13 @@ level = "info,rdkafka=warn"
     def client(self, **kw: Any):
         from stepgate_client import Client
 
+        kw.setdefault("approvals", f"{self.prefix}.approvals")
         return Client(self.brokers, intents=self.intents, results=self.results, **kw)
 
     def async_client(self, **kw: Any):
         from stepgate_client import AsyncClient
 
+        kw.setdefault("approvals", f"{self.prefix}.approvals")
         return AsyncClient(self.brokers, intents=self.intents, results=self.results, **kw)
 
     def stop(self) -> None:

@@ -236,3 +236,20 @@ def test_a_different_call_in_a_lost_call_s_step_moves_on_and_the_real_retry_gets
     assert alice.ok and alice.deduplicated and alice.output["echo"]["to"] == "alice"
     assert conflict.identity_conflict and "alice" in conflict.error.message
     assert sorted(c.body["to"] for c in stack.tools.invocations("mail", wf)) == ["alice", "bob"]
+
+
+def test_a_call_held_for_approval_raises_when_asked_and_its_repeat_gets_the_answer(stack, wf):
+    from stepgate_client import StepgateAwaitingApproval
+
+    with stack.client() as client:
+        with pytest.raises(StepgateAwaitingApproval) as held:
+            client.call(wf, 0, "wire_approved", {"amount": 900}, on_approval="raise",
+                        timeout=60)
+        assert held.value.event["event"] == "requested"
+        assert held.value.event["arguments"] == {"amount": 900}
+        assert stack.tools.count("wire_approved", wf) == 0
+        ok = stack.cli("approvals", "approve", wf, "0", "wire_approved", "--by", "alice")
+        assert ok.returncode == 0, ok.stdout + ok.stderr
+        answer = client.call(wf, 0, "wire_approved", {"amount": 900}, timeout=60)
+    assert answer.ok and answer.output["echo"] == {"amount": 900}
+    assert stack.tools.count("wire_approved", wf) == 1

@@ -277,3 +277,27 @@ def test_a_tool_from_a_tool_decorated_function_keeps_its_name_schema_and_docstri
         out = app.invoke({"messages": [HumanMessage("go")]}, {"configurable": {"thread_id": wf}})
     assert echoed(tool_outputs(out["messages"])[-1]) == \
         {"title": "t", "to": {"city": "Oslo"}, "priority": 3}
+
+
+def test_a_call_held_for_approval_is_an_interrupt_and_the_resumed_graph_gets_its_answer(
+        stack, wf):
+    from langgraph.types import Command
+
+    with stack.client() as client:
+        tool = stepgate_tool(client, "wire_approved", "Wire money.",
+                             {"amount": {"type": "integer"}})
+        model = langgraph_model([[("wire_approved", {"amount": 900})], "done"])
+        app = agent_graph([tool], model).compile(checkpointer=InMemorySaver())
+        config = {"configurable": {"thread_id": wf}}
+        out = app.invoke({"messages": [HumanMessage("pay")]}, config)
+        held = out["__interrupt__"][0].value
+        assert held["stepgate"] == "awaiting_approval" and held["arguments"] == {"amount": 900}
+        assert stack.tools.count("wire_approved") == len(
+            [c for c in stack.tools.invocations("wire_approved") if not c.workflow_id.startswith(wf)])
+        ok = stack.cli("approvals", "approve", held["workflow_id"], str(held["step_index"]),
+                       "wire_approved", "--by", "alice")
+        assert ok.returncode == 0, ok.stdout + ok.stderr
+        out = app.invoke(Command(resume="approved"), config)
+    assert echoed(tool_outputs(out["messages"])[-1]) == {"amount": 900}
+    calls = [c for c in stack.tools.invocations("wire_approved") if c.workflow_id.startswith(wf)]
+    assert len(calls) == 1
