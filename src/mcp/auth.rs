@@ -168,7 +168,10 @@ impl Authorizer {
     /// for them; a failure is logged, and the keys are fetched again when needed.
     pub async fn warm_up(&self) {
         if let Some(jwt) = &self.jwt
-            && let Err(e) = jwt.keys.refresh().await
+            && let Err(e) = {
+                *jwt.keys.attempted.lock().expect("jwks attempt lock") = Some(Instant::now());
+                jwt.keys.refresh().await
+            }
         {
             tracing::warn!(error = %e, "cannot fetch the MCP authorization server's JWK Set yet");
         }
@@ -393,6 +396,8 @@ struct Jwks {
     cache: RwLock<KeyCache>,
     /// One fetch at a time.
     fetching: tokio::sync::Mutex<()>,
+    /// When a fetch was last tried, successful or not.
+    attempted: std::sync::Mutex<Option<Instant>>,
 }
 
 #[derive(Default)]
@@ -416,6 +421,7 @@ impl Jwks {
             refresh,
             cache: RwLock::new(KeyCache::default()),
             fetching: tokio::sync::Mutex::new(()),
+            attempted: std::sync::Mutex::new(None),
         })
     }
 
@@ -429,23 +435,40 @@ impl Jwks {
         {
             return Ok(key.clone());
         }
-        let may_fetch = fetched_at.is_none_or(|t| t.elapsed() >= MIN_REFETCH);
-        if may_fetch {
-            let _one = self.fetching.lock().await;
-            // Another request may have fetched while this one waited.
-            let (_, again) = self.lookup(kid);
-            if again == fetched_at
-                && let Err(e) = self.refresh().await
-            {
-                tracing::warn!(error = %e, "cannot fetch the MCP authorization server's JWK Set");
-                if fetched_at.is_none() {
-                    return Err(e);
+        if self.may_fetch() {
+            // With a (stale) key in hand, a request does not wait for a fetch
+            // another is making; without one, it does.
+            let one = match &found {
+                Some(_) => self.fetching.try_lock().ok(),
+                None => Some(self.fetching.lock().await),
+            };
+            // Checked again: another request may have fetched meanwhile.
+            if one.is_some() && self.may_fetch() {
+                *self.attempted.lock().expect("jwks attempt lock") = Some(Instant::now());
+                if let Err(e) = self.refresh().await {
+                    tracing::warn!(error = %e, "cannot fetch the MCP authorization server's JWK Set");
                 }
             }
         }
-        self.lookup(kid).0.or(found).ok_or_else(|| {
-            AuthError::InvalidToken("the token's signing key is not one of the issuer's".into())
-        })
+        let (key, fetched_at) = self.lookup(kid);
+        match (key.or(found), fetched_at) {
+            (Some(key), _) => Ok(key),
+            (None, None) => Err(AuthError::KeysUnavailable(
+                "no JWK Set has been fetched yet".into(),
+            )),
+            (None, Some(_)) => Err(AuthError::InvalidToken(
+                "the token's signing key is not one of the issuer's".into(),
+            )),
+        }
+    }
+
+    /// Whether the last attempt to fetch (successful or not) is at least
+    /// [`MIN_REFETCH`] ago: a failing or slow issuer is not asked by every request.
+    fn may_fetch(&self) -> bool {
+        self.attempted
+            .lock()
+            .expect("jwks attempt lock")
+            .is_none_or(|t| t.elapsed() >= MIN_REFETCH)
     }
 
     fn lookup(&self, kid: Option<&str>) -> (Option<Key>, Option<Instant>) {
