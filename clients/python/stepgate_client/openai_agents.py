@@ -52,7 +52,13 @@ from agents import FunctionTool
 from agents.tool_context import ToolContext
 
 from .answer import MAX_CONFLICT_HOPS, Answer, answer_text
-from .client import AsyncClient, Client, StepgateError, StepgateTimeout
+from .client import (
+    AsyncClient,
+    Client,
+    StepgateAwaitingApproval,
+    StepgateError,
+    StepgateTimeout,
+)
 
 NOT_ANSWERED = (
     "not answered yet: this call may still be running. Call the tool again to get "
@@ -82,13 +88,17 @@ class StepgateRun:
     def __init__(self, workflow_id: str, next_step: int = 0,
                  unanswered: Optional[Dict[str, List[int]]] = None,
                  pending: Optional[Dict[str, str]] = None,
-                 save: Optional[SaveHook] = None):
+                 save: Optional[SaveHook] = None,
+                 calls: Optional[Dict[str, int]] = None):
         self.workflow_id = workflow_id
         self.next_step = next_step
         self.unanswered: Dict[str, List[int]] = {k: list(v) for k, v in (unanswered or {}).items()}
         # Steps published and not yet answered to the model: {step: tool}.
         # Restored as unanswered on resume.
         self.pending: Dict[int, str] = {int(k): v for k, v in (pending or {}).items()}
+        # Steps already given to a model call id (held calls, asked again
+        # after an interruption): the same call keeps its step.
+        self.calls: Dict[str, int] = dict(calls or {})
         self.save = save
 
     def take_step(self, tool: str) -> "tuple[int, bool]":
@@ -111,13 +121,16 @@ class StepgateRun:
         for step, tool in sorted(self.pending.items()):
             if step not in unanswered.setdefault(tool, []):
                 unanswered[tool].append(step)
-        return {"workflow_id": self.workflow_id, "next_step": self.next_step,
-                "unanswered": {k: sorted(v) for k, v in unanswered.items()}}
+        out = {"workflow_id": self.workflow_id, "next_step": self.next_step,
+               "unanswered": {k: sorted(v) for k, v in unanswered.items()}}
+        if self.calls:
+            out["calls"] = dict(self.calls)
+        return out
 
     @classmethod
     def resume(cls, state: dict, save: Optional[SaveHook] = None) -> "StepgateRun":
         return cls(state["workflow_id"], state["next_step"], state.get("unanswered"),
-                   state.get("pending"), save=save)
+                   state.get("pending"), save=save, calls=state.get("calls"))
 
     async def _saved(self) -> None:
         if self.save is not None:
@@ -151,11 +164,25 @@ async def call_async(client: Union[Client, AsyncClient], *args: Any, **kw: Any) 
     return await asyncio.to_thread(client.call, *args, **kw)
 
 
+def _position_lost(run: StepgateRun, step: int, tool: str) -> StepgatePositionLost:
+    return StepgatePositionLost(
+        f"step {step} of workflow {run.workflow_id!r} was already used by another run of "
+        f"this workflow (a run restarted without its saved state, or two runs with one id): "
+        f"its {tool!r} call was not performed, and the other call's answer is "
+        "withheld. Resume the run with StepgateRun.resume(saved_state), or start it under "
+        "a new workflow id."
+    )
+
+
 async def invoke_step(client: Union[Client, AsyncClient], run: StepgateRun, name: str,
                       arguments: Dict[str, Any], call_id: Optional[str],
                       timeout: float) -> str:
     """One tool call of a run through stepgate: the text for the model."""
-    step, fresh = run.take_step(name)
+    if call_id is not None and call_id in run.calls:
+        # A call whose step was taken before it was held for approval.
+        step, fresh = run.calls.pop(call_id), False
+    else:
+        step, fresh = run.take_step(name)
     for hop in range(MAX_CONFLICT_HOPS):
         run.pending[step] = name
         await run._saved()
@@ -182,13 +209,7 @@ async def invoke_step(client: Union[Client, AsyncClient], run: StepgateRun, name
         # of this workflow used the step. Its answer is not this call's.
         del run.pending[step]
         await run._saved()
-        raise StepgatePositionLost(
-            f"step {step} of workflow {run.workflow_id!r} was already used by another run of "
-            f"this workflow (a run restarted without its saved state, or two runs with one id): "
-            f"its {answer.tool!r} call was not performed, and the other call's answer is "
-            "withheld. Resume the run with StepgateRun.resume(saved_state), or start it under "
-            "a new workflow id."
-        )
+        raise _position_lost(run, step, name)
     del run.pending[step]
     await run._saved()
     return answer_text(answer)
@@ -202,13 +223,48 @@ def stepgate_tool(
     timeout: float = 60.0,
     context_attribute: str = "stepgate",
     strict_json_schema: bool = True,
+    approval: bool = False,
 ) -> FunctionTool:
-    """A function tool for `Agent(tools=[...])` whose calls go through stepgate."""
+    """A function tool for `Agent(tools=[...])` whose calls go through stepgate.
+
+    `approval=True`, for a tool whose stepgate policy is `approval`: each call
+    is published when the SDK asks whether it needs approval; if stepgate
+    holds it for a person, the run stops with the call among its
+    interruptions (`needs_approval`). Once the person has approved it in
+    stepgate (`stepgate approvals approve`), approve the interruption
+    (`state.approve(item)`) and run the state again: the call keeps its step
+    and gets its answer.
+    """
+    answered: Dict[str, Answer] = {}
 
     async def invoke(ctx: ToolContext[Any], input_json: str) -> str:
+        found = answered.pop(ctx.tool_call_id, None)
+        if found is not None:  # answered while the SDK asked about approval
+            return answer_text(found)
         run = run_of(ctx.context, context_attribute)
         arguments = json.loads(input_json or "{}")
         return await invoke_step(client, run, name, arguments, ctx.tool_call_id, timeout)
+
+    async def needs_approval(ctx: Any, arguments: Dict[str, Any], call_id: str) -> bool:
+        run = run_of(ctx.context, context_attribute)
+        if call_id in run.calls:
+            return False  # asked again after its interruption: invoke waits for it
+        step, fresh = run.take_step(name)
+        run.calls[call_id] = step
+        await run._saved()
+        try:
+            answer = await call_async(client, run.workflow_id, step, name, arguments,
+                                      call_id=call_id, timeout=timeout, on_approval="raise")
+        except StepgateAwaitingApproval:
+            return True
+        except StepgateError:
+            return False  # invoke asks again, at the same step
+        run.calls.pop(call_id, None)
+        await run._saved()
+        if fresh and (answer.deduplicated or answer.identity_conflict):
+            raise _position_lost(run, step, name)
+        answered[call_id] = answer
+        return False
 
     return FunctionTool(
         name=name,
@@ -216,6 +272,7 @@ def stepgate_tool(
         params_json_schema=params_json_schema,
         on_invoke_tool=invoke,
         strict_json_schema=strict_json_schema,
+        needs_approval=needs_approval if approval else False,
     )
 
 

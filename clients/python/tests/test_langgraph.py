@@ -165,7 +165,7 @@ def test_a_lost_answer_s_rephrased_retry_gets_the_first_result(stack, wf):
 
 
 def test_a_turn_s_parallel_calls_take_distinct_steps_and_run_side_by_side(stack, wf):
-    stack.tools.meet("meet_async", 3, 10.0)
+    stack.tools.meet("meet_async", 3, 25.0)
 
     class Model(AsyncModelMarker):
         def __init__(self):

@@ -127,7 +127,7 @@ def test_a_run_that_died_mid_call_resumes_and_its_retry_gets_the_answer(stack, w
 
 
 def test_a_turn_s_parallel_tool_calls_wait_side_by_side(stack, wf):
-    stack.tools.meet("meet_async", 3, 10.0)
+    stack.tools.meet("meet_async", 3, 25.0)
 
     async def main():
         async with await connect(stack) as client:
@@ -204,3 +204,34 @@ def test_alice_then_bob_both_emails_are_sent_once_and_alice_s_retry_gets_hers(st
     assert lost.tool_outputs()[0].startswith("not answered yet")
     assert "different target" in lost.tool_outputs()[0]
     assert ctx.state()["unanswered"] == {"mail": []}
+
+
+def test_a_call_held_for_approval_is_an_sdk_interruption_and_the_approved_run_gets_its_answer(
+        stack, wf):
+    AMOUNT = {"type": "object", "properties": {"amount": {"type": "integer"}},
+              "required": ["amount"], "additionalProperties": False}
+
+    async def main():
+        async with await AsyncClient.connect(stack.brokers, intents=stack.intents,
+                                             results=stack.results,
+                                             approvals=f"{stack.prefix}.approvals") as client:
+            tool = stepgate_tool(client, "wire_approved", "Wire money.", AMOUNT, approval=True)
+            model = agents_model([[("wire_approved", {"amount": 900})], "paid"])
+            agent = Agent(name="a", model=model, tools=[tool])
+            ctx = AppContext("u", StepgateRun(wf))
+            first = await Runner.run(agent, "pay", context=ctx)
+            interruptions = list(first.interruptions)
+            ran_before = stack.tools.count("wire_approved", wf)
+            ok = await asyncio.to_thread(stack.cli, "approvals", "approve", wf, "0",
+                                         "wire_approved", "--by", "alice")
+            assert ok.returncode == 0, ok.stdout + ok.stderr
+            state = first.to_state()
+            state.approve(interruptions[0])
+            second = await Runner.run(agent, state)
+            return interruptions, ran_before, second, model
+
+    interruptions, ran_before, second, model = run(main())
+    assert len(interruptions) == 1 and ran_before == 0
+    assert second.final_output == "paid"
+    assert json.loads(model.tool_outputs()[-1])["echo"] == {"amount": 900}
+    assert [c.step_index for c in stack.tools.invocations("wire_approved", wf)] == [0]
