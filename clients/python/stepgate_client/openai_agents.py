@@ -28,6 +28,11 @@ a `StepgateRun` the app keeps in its context (the context itself, its
 the conversation (`run.state()`; `save=` is called with it whenever it changes,
 *before* a call is published).
 
+Every agent of a run — after a handoff, or run as another agent's tool —
+reaches the same StepgateRun through the run's context, so their calls are
+numbered in one sequence and never share a step; independent runs that go on
+at the same time need workflow ids of their own.
+
 A call whose answer did not come in time leaves its step to the next call of
 the same tool in the run — the model's retry, however it rephrased the
 arguments — which then gets the first call's answer, and the tool runs once.
