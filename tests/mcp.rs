@@ -469,6 +469,10 @@ async fn mcp_over_http_is_an_oauth_resource_server_with_tenants() {
     assert_eq!(flood["status"], 429, "{r}");
     assert!(flood["retry_after"].as_str().is_some(), "{r}");
     assert_eq!(status("after_flood_other"), 200, "{r}");
+    // An address guessing tokens is stopped before they are checked.
+    let guessing = &r["guessing"]["limited"];
+    assert_eq!(guessing["status"], 429, "{r}");
+    assert!(guessing["retry_after"].as_str().is_some(), "{r}");
 
     // The keys were fetched at start and cached; fetched again for the
     // rotated key's kid, once however many tokens named it before it came.

@@ -7,7 +7,9 @@
 //! 3. A bearer token that names a [`Principal`] — 401 with a challenge that
 //!    points at the Protected Resource Metadata (RFC 9728), served at
 //!    `/.well-known/oauth-protected-resource` (and under `/mcp`).
-//! 4. The principal's request rate — 429.
+//! 4. The principal's request rate — 429; and an address that presented too
+//!    many refused tokens is refused for a while before its token is checked
+//!    — 429.
 //! 5. The body's size — 413; and a `tools/call` of a tool the principal's
 //!    scopes do not grant — 403 `insufficient_scope`.
 //! 6. An `Mcp-Session-Id` belongs to the principal that opened it (another's
@@ -26,7 +28,7 @@ use rmcp::transport::streamable_http_server::session::SessionManager;
 use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
 use serde_json::{Value, json};
 use std::collections::{BTreeSet, HashMap, VecDeque};
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::num::NonZeroU32;
 use std::sync::{Arc, Mutex};
 
@@ -46,6 +48,9 @@ pub struct Guard {
     pub max_body: usize,
     pub max_sessions: usize,
     pub limiter: DefaultKeyedRateLimiter<String>,
+    /// Refused tokens per client address ([`FAILED_AUTH_PER_SECOND`]), and
+    /// the addresses refused until a time for having too many.
+    pub failures: FailedAuth,
     pub sessions: Mutex<SessionOwners>,
     pub session_manager: Arc<LocalSessionManager>,
     /// The Protected Resource Metadata's URL, for challenges.
@@ -55,10 +60,64 @@ pub struct Guard {
 }
 
 impl Guard {
-    pub fn limiter(requests_per_second: u32, burst: u32) -> DefaultKeyedRateLimiter<String> {
+    pub fn limiter<K: std::hash::Hash + Eq + Clone>(
+        requests_per_second: u32,
+        burst: u32,
+    ) -> DefaultKeyedRateLimiter<K> {
         let rate = NonZeroU32::new(requests_per_second).unwrap_or(NonZeroU32::MIN);
         let burst = NonZeroU32::new(burst).unwrap_or(rate);
         DefaultKeyedRateLimiter::keyed(Quota::per_second(rate).allow_burst(burst))
+    }
+}
+
+/// Refused tokens an address may present per second, sustained and at once:
+/// each costs a check (a signature verification for a JWT), so a client
+/// guessing tokens is stopped (429) before it costs much.
+pub const FAILED_AUTH_PER_SECOND: u32 = 5;
+pub const FAILED_AUTH_BURST: u32 = 20;
+
+/// Refused tokens by client address.
+pub struct FailedAuth {
+    limiter: DefaultKeyedRateLimiter<IpAddr>,
+    blocked_until: Mutex<HashMap<IpAddr, std::time::Instant>>,
+}
+
+impl Default for FailedAuth {
+    fn default() -> Self {
+        FailedAuth {
+            limiter: Guard::limiter(FAILED_AUTH_PER_SECOND, FAILED_AUTH_BURST),
+            blocked_until: Mutex::new(HashMap::new()),
+        }
+    }
+}
+
+impl FailedAuth {
+    /// How long `ip` is still refused, if it is.
+    fn blocked(&self, ip: IpAddr) -> Option<std::time::Duration> {
+        let blocked = self.blocked_until.lock().expect("failed auth lock");
+        let until = *blocked.get(&ip)?;
+        until.checked_duration_since(std::time::Instant::now())
+    }
+
+    /// `ip` presented a token that was refused.
+    fn refused(&self, ip: IpAddr) {
+        if let Err(not_until) = self.limiter.check_key(&ip) {
+            let wait = not_until.wait_time_from(self.limiter.clock().now());
+            self.blocked_until
+                .lock()
+                .expect("failed auth lock")
+                .insert(ip, std::time::Instant::now() + wait);
+        }
+    }
+
+    /// Forget addresses no longer refused.
+    pub fn sweep(&self) {
+        self.limiter.retain_recent();
+        let now = std::time::Instant::now();
+        self.blocked_until
+            .lock()
+            .expect("failed auth lock")
+            .retain(|_, until| *until > now);
     }
 }
 
@@ -119,27 +178,28 @@ async fn admit(
     let principal = match &g.authorizer {
         None => Principal::anonymous(),
         Some(auth) => {
+            let ip = peer.map(|p| p.ip());
+            if let Some(wait) = ip.and_then(|ip| g.failures.blocked(ip)) {
+                return Err(too_many(wait));
+            }
             let authorization = parts
                 .headers
                 .get(header::AUTHORIZATION)
                 .and_then(|v| v.to_str().ok());
-            auth.authorize(authorization)
-                .await
-                .map_err(|e| unauthorized(g, &e))?
+            match auth.authorize(authorization).await {
+                Ok(p) => p,
+                Err(e) => {
+                    if let (AuthError::InvalidToken(_), Some(ip)) = (&e, ip) {
+                        g.failures.refused(ip);
+                    }
+                    return Err(unauthorized(g, &e));
+                }
+            }
         }
     };
     let key = principal.key();
     if let Err(not_until) = g.limiter.check_key(&key) {
-        let wait = not_until.wait_time_from(g.limiter.clock().now());
-        let mut r = plain(
-            StatusCode::TOO_MANY_REQUESTS,
-            "Too Many Requests: this caller's request rate is limited",
-        );
-        r.headers_mut().insert(
-            header::RETRY_AFTER,
-            HeaderValue::from(wait.as_secs().max(1)),
-        );
-        return Err(r);
+        return Err(too_many(not_until.wait_time_from(g.limiter.clock().now())));
     }
     let session = parts
         .headers
@@ -480,6 +540,19 @@ fn default_port(scheme: &str) -> Option<u16> {
 
 fn plain(status: StatusCode, text: &str) -> Response {
     (status, text.to_owned()).into_response()
+}
+
+/// 429, to be tried again after `wait`.
+fn too_many(wait: std::time::Duration) -> Response {
+    let mut r = plain(
+        StatusCode::TOO_MANY_REQUESTS,
+        "Too Many Requests: this caller's request rate is limited",
+    );
+    r.headers_mut().insert(
+        header::RETRY_AFTER,
+        HeaderValue::from(wait.as_secs().max(1)),
+    );
+    r
 }
 
 fn too_large_response(max: usize) -> Response {

@@ -361,6 +361,7 @@ impl McpFront {
             max_body: usize::try_from(cfg.max_request_bytes).unwrap_or(usize::MAX),
             max_sessions: cfg.max_sessions_per_principal as usize,
             limiter: http::Guard::limiter(cfg.requests_per_second, cfg.burst),
+            failures: http::FailedAuth::default(),
             sessions: Mutex::new(http::SessionOwners::default()),
             session_manager: session_manager.clone(),
             metadata_url,
@@ -390,7 +391,10 @@ impl McpFront {
             let mut every = tokio::time::interval(Duration::from_secs(60));
             loop {
                 tokio::select! {
-                    _ = every.tick() => limits.limiter.retain_recent(),
+                    _ = every.tick() => {
+                        limits.limiter.retain_recent();
+                        limits.failures.sweep();
+                    }
                     _ = sweep_stop.cancelled() => return,
                 }
             }

@@ -227,6 +227,19 @@ async def probes(out, tokens):
         out["rotated"] = {"kid": rotated, "status": r["status"], "attempts": attempts}
         out["old_key_after_rotation"] = await post(valid)
 
+        # Guessing tokens: an address that presents too many refused tokens is
+        # refused (429) before its tokens are checked. Last: it is this
+        # script's address.
+        guessing = {"sent": 0, "limited": None}
+        for n in range(10):
+            batch = await asyncio.gather(*[post(f"guess-{n}-{i}-0123456789abcdef") for i in range(20)])
+            guessing["sent"] += len(batch)
+            limited = [r for r in batch if r["status"] == 429]
+            if limited:
+                guessing["limited"] = limited[0]
+                break
+        out["guessing"] = guessing
+
 
 async def main():
     out, tokens = {}, []
