@@ -144,6 +144,21 @@ class StepgateRun:
                 await r
 
 
+def serialize_context(context: Any) -> Dict[str, Any]:
+    """A `context_serializer` for `RunState.to_json` when the run's context is
+    a StepgateRun: the numbering travels inside the SDK's own RunState. (An
+    app context of its own: put `run.state()` in its serializer.)"""
+    if not isinstance(context, StepgateRun):
+        raise TypeError(f"serialize_context: a StepgateRun context, not {type(context).__name__}")
+    return {"stepgate": context.state()}
+
+
+def deserialize_context(data: Any) -> StepgateRun:
+    """The `context_deserializer` for `RunState.from_json`, after
+    `serialize_context`."""
+    return StepgateRun.resume(dict(data)["stepgate"])
+
+
 def run_of(context: Any, attribute: str = "stepgate") -> StepgateRun:
     """The StepgateRun of a run context: the context itself, its `attribute`
     attribute, or its `attribute` key."""

@@ -235,3 +235,45 @@ def test_a_call_held_for_approval_is_an_sdk_interruption_and_the_approved_run_ge
     assert second.final_output == "paid"
     assert json.loads(model.tool_outputs()[-1])["echo"] == {"amount": 900}
     assert [c.step_index for c in stack.tools.invocations("wire_approved", wf)] == [0]
+
+
+def test_the_numbering_travels_in_the_sdk_s_run_state_across_a_process_restart(stack, wf):
+    """A run interrupted for an approval is saved as the SDK's RunState JSON
+    (the StepgateRun inside it), and resumed from that JSON alone with a new
+    StepgateRun object: the held call keeps its step and gets its answer."""
+    from agents import RunState
+
+    from stepgate_client.openai_agents import deserialize_context, serialize_context
+
+    AMOUNT = {"type": "object", "properties": {"amount": {"type": "integer"}},
+              "required": ["amount"], "additionalProperties": False}
+
+    async def main():
+        async with await AsyncClient.connect(stack.brokers, intents=stack.intents,
+                                             results=stack.results,
+                                             approvals=f"{stack.prefix}.approvals") as client:
+            tool = stepgate_tool(client, "wire_approved", "Wire money.", AMOUNT, approval=True)
+            model = agents_model([[("create_ticket", {"title": "before"})],
+                                  [("wire_approved", {"amount": 42})], "paid"])
+            tickets = stepgate_tool(client, "create_ticket", "Open a ticket.", TITLE)
+            agent = Agent(name="a", model=model, tools=[tool, tickets])
+            first = await Runner.run(agent, "pay", context=StepgateRun(wf))
+            saved = json.dumps(first.to_state().to_json(context_serializer=serialize_context))
+            assert len(first.interruptions) == 1
+            ok = await asyncio.to_thread(stack.cli, "approvals", "approve", wf, "1",
+                                         "wire_approved", "--by", "alice")
+            assert ok.returncode == 0, ok.stdout + ok.stderr
+            # A new process: the state from its JSON only.
+            state = await RunState.from_json(agent, json.loads(saved),
+                                             context_deserializer=deserialize_context)
+            state.approve(state.get_interruptions()[0])
+            second = await Runner.run(agent, state)
+            return saved, second, model
+
+    saved, second, model = run(main())
+    # The StepgateRun's state, with the held call's step, is in the RunState.
+    assert '"stepgate": {"workflow_id": ' in saved and '"calls": {' in saved, saved[:2000]
+    assert second.final_output == "paid"
+    assert json.loads(model.tool_outputs()[-1])["echo"] == {"amount": 42}
+    assert [c.step_index for c in stack.tools.invocations("wire_approved", wf)] == [1]
+    assert [c.step_index for c in stack.tools.invocations("create_ticket", wf)] == [0]
