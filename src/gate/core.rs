@@ -513,6 +513,7 @@ impl GateCore {
             record.rephrased = prev.rephrased;
             record.operator_log = prev.operator_log;
             record.evidence = prev.evidence;
+            record.settled_through = prev.settled_through;
         }
         if tool.ends_workflow() {
             batch.put_workflow_end(
@@ -653,6 +654,7 @@ impl GateCore {
                 record.operator_log.push(entry);
                 // The operator accounts for every run of the step.
                 record.open_dispatches.clear();
+                record.settled_through = record.dispatch;
                 let outcome = Outcome::Ok {
                     output: output.clone(),
                 };
@@ -661,6 +663,7 @@ impl GateCore {
             Action::ResolveNotExecuted => {
                 record.operator_log.push(entry);
                 record.open_dispatches.clear();
+                record.settled_through = record.dispatch;
                 let outcome = Outcome::Error {
                     error: ErrorBody {
                         kind: "not_executed".into(),
@@ -1003,8 +1006,22 @@ impl GateCore {
             return outcome;
         };
         let effectful = matches!(record.category, Category::Keyed | Category::Unkeyed);
-        let others_open = record.open_dispatches.iter().any(|d| *d != record.dispatch);
-        if !effectful || !others_open || !NOT_PERFORMED_KINDS.contains(&error.kind.as_str()) {
+        let not_performed = |status: &str, kind: Option<&str>| {
+            status == "not_invoked"
+                || (status == "error" && kind.is_some_and(|k| NOT_PERFORMED_KINDS.contains(&k)))
+        };
+        // An earlier run never heard from, or one that reported anything but
+        // "not performed" (an `ok` of the same key, say), may have acted.
+        let earlier_may_have_acted = record.open_dispatches.iter().any(|d| *d != record.dispatch)
+            || record.evidence.iter().any(|e| {
+                e.dispatch > record.settled_through
+                    && e.dispatch < record.dispatch
+                    && !not_performed(&e.status, e.kind.as_deref())
+            });
+        if !effectful
+            || !earlier_may_have_acted
+            || !NOT_PERFORMED_KINDS.contains(&error.kind.as_str())
+        {
             return outcome;
         }
         Outcome::InDoubt {
@@ -1197,6 +1214,6 @@ pub struct Purged {
 }
 
 #[cfg(test)]
-mod tests;
-#[cfg(test)]
 mod sim;
+#[cfg(test)]
+mod tests;

@@ -224,6 +224,10 @@ pub struct StepRecord {
     /// whatever the tool's category.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub not_invoked: Option<u32>,
+    /// Dispatches up to this one were accounted for by an operator's
+    /// resolution: their evidence no longer casts doubt on a later run.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub settled_through: u32,
     pub expires_at_ms: i64,
     /// When the first call was published (its Kafka timestamp), for latency metrics.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -255,6 +259,10 @@ pub struct Evidence {
 
 /// At most this many [`Evidence`] entries are kept per step (the newest).
 pub const MAX_EVIDENCE_KEPT: usize = 16;
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
+}
 
 /// A workflow ended by a `last_step` tool: its new steps are rejected.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -297,6 +305,7 @@ impl StepRecord {
             evidence: Vec::new(),
             open_dispatches: Vec::new(),
             not_invoked: None,
+            settled_through: 0,
             expires_at_ms,
             intent_ts_ms: None,
             operator_log: Vec::new(),

@@ -318,6 +318,26 @@ fn not_performed_from_a_re_run_while_an_earlier_run_is_unaccounted_for_is_in_dou
 }
 
 #[test]
+fn not_performed_after_an_earlier_run_reported_it_ran_is_in_doubt() {
+    // Found by the simulation (seed 0x5eed002a): run 1 reported `ok` late,
+    // as evidence; run 2 of the same key found the tool unreachable.
+    let mut f = Fixture::new();
+    let first = call_of(&f.intent(email("c1", "x"), 0));
+    let second = call_of(&f.tick(3001));
+    assert!(
+        results(&f.progress(finished(&first, Outcome::Ok { output: json!(1) }), 3100)).is_empty()
+    );
+    let unreachable = Outcome::Error {
+        error: ErrorBody {
+            kind: "tool_unreachable".into(),
+            message: "connection refused".into(),
+        },
+    };
+    let r = results(&f.progress(finished(&second, unreachable), 3500)).remove(0);
+    assert_eq!(r.status, Status::InDoubt, "{r:?}");
+}
+
+#[test]
 fn not_performed_of_the_only_run_is_told_as_such() {
     let mut f = Fixture::new();
     let call = call_of(&f.intent(email("c1", "x"), 0));

@@ -74,9 +74,9 @@ impl Texts {
     pub fn in_doubt_earlier_try(tool: &str, detail: &str) -> String {
         let detail = excerpt(detail);
         format!(
-            "The call to `{tool}` may have taken effect: an earlier try of this same call was \
-             started and never reported back, and the latest try ended without performing it \
-             ({detail}). Do not call `{tool}` again for this step: repeating it returns this \
+            "The call to `{tool}` may have taken effect: an earlier try of this same call may \
+             have performed it (it never reported back, or reported that it ran), and the \
+             latest try ended without performing it ({detail}). Do not call `{tool}` again for this step: repeating it returns this \
              same answer. Tell the user that the outcome is unconfirmed and a person must check \
              it before anything else is done about it."
         )
