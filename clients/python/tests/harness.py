@@ -293,6 +293,21 @@ level = "info,rdkafka=warn"
                 self.proc.wait()
         self.tools.close()
         self.dir.cleanup()
+        self._delete_topics()
+
+    def _delete_topics(self) -> None:
+        """The stack's topics are its own (random names): gone with it, so a
+        long-lived broker does not collect every run's partitions."""
+        from confluent_kafka.admin import AdminClient
+
+        admin = AdminClient({"bootstrap.servers": self.brokers})
+        names = [f"{self.prefix}.{k}" for k in ("intents", "results", "dlq", "progress",
+                                                 "changelog", "commands", "approvals")]
+        for f in admin.delete_topics(names, operation_timeout=30).values():
+            try:
+                f.result(60)
+            except Exception:  # noqa: BLE001  (best effort: already gone, or never made)
+                pass
 
 
 def _free_port() -> int:
