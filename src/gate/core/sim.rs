@@ -34,7 +34,10 @@
 //!   — a long run (`STEPGATE_SIM_STEPS` sets the steps per seed);
 //! - `STEPGATE_SIM_SEED=<seed> cargo test --lib gate::core::sim -- --nocapture`
 //!   — one seed, exactly as it ran;
-//! - `STEPGATE_SIM_KEEP_GOING=1` — go on past a failing seed, printing each.
+//! - `STEPGATE_SIM_KEEP_GOING=1` — go on past a failing seed, printing each;
+//!   `STEPGATE_SIM_BASE=<seed>` — the first of the run's consecutive seeds;
+//!   `STEPGATE_SIM_SLOW_COMMITS=1` — batches may stay open or committing past
+//!   the tools' deadlines (see [`COMMIT_WITHIN_MS`]).
 //!
 //! Not simulated: fast-path tools (they record nothing), retention purges, a
 //! frozen process that writes after it was fenced.
