@@ -76,6 +76,10 @@ pub struct GateCore {
     /// Invocations running in this process (kept across sessions: their
     /// outcomes still arrive), by step → dispatch.
     running: HashMap<(i32, StepKey), u32>,
+    /// Calls decided (their `started` record in a batch) whose commit has not
+    /// returned yet: not invoked, and not lost either — a commit slower than
+    /// the tool's deadline must not turn them into doubt before they start.
+    awaiting_commit: HashMap<(i32, StepKey), u32>,
     /// Per partition, the first intent offset not yet applied to the committed
     /// state; intents below it are re-read only to re-run fast-path calls.
     applied: HashMap<i32, i64>,
@@ -135,6 +139,7 @@ impl GateCore {
             immediate: Vec::new(),
             fast: BTreeMap::new(),
             running: HashMap::new(),
+            awaiting_commit: HashMap::new(),
             applied: HashMap::new(),
             unsure: Vec::new(),
             held: HashMap::new(),
@@ -168,6 +173,7 @@ impl GateCore {
     /// Forget everything in memory (a session restarts from committed state),
     /// except which invocations run.
     pub fn reset(&mut self) {
+        self.awaiting_commit.clear();
         self.due.clear();
         self.outs.clear();
         self.immediate.clear();
@@ -222,6 +228,10 @@ impl GateCore {
     /// whether their `started` records committed is unknown until the
     /// partition is loaded again.
     pub fn commit_unknown(&mut self, calls: impl IntoIterator<Item = (i32, Call)>) {
+        let calls: Vec<(i32, Call)> = calls.into_iter().collect();
+        for (p, call) in &calls {
+            self.awaiting_commit.remove(&(*p, call.step.clone()));
+        }
         self.unsure.extend(calls);
         // Bounded: a partition that never comes back would keep its entries
         // for good. The oldest go first; theirs is the old outcome (in doubt
@@ -247,6 +257,7 @@ impl GateCore {
 
     /// Forget a partition that moved away (its running calls still report).
     pub fn drop_partition(&mut self, partition: i32) {
+        self.awaiting_commit.retain(|(p, _), _| *p != partition);
         self.due.retain(|(_, p, _)| *p != partition);
         self.fast.retain(|(p, _), _| *p != partition);
         self.applied.remove(&partition);
@@ -263,6 +274,7 @@ impl GateCore {
 
     /// A started step's call was handed to the invoker (after its commit).
     pub fn invoked(&mut self, partition: i32, call: &Call) {
+        self.awaiting_commit.remove(&(partition, call.step.clone()));
         if call.fast_ref.is_none() {
             self.running
                 .insert((partition, call.step.clone()), call.dispatch);
@@ -557,6 +569,8 @@ impl GateCore {
         }
         record.deadline_ms = Some(deadline);
         self.due.insert((deadline, partition, record.step.clone()));
+        self.awaiting_commit
+            .insert((partition, record.step.clone()), record.dispatch);
         self.outs.push(Out::Invoke {
             partition,
             call: Call {
@@ -1126,8 +1140,12 @@ impl GateCore {
                 batch.put_step(store, p, &record)?;
                 continue;
             }
-            if self.running.get(&(p, step.clone())) == Some(&record.dispatch) {
-                // Queued for a slot or retrying: the invocation reports itself.
+            let key = (p, step.clone());
+            if self.running.get(&key) == Some(&record.dispatch)
+                || self.awaiting_commit.get(&key) == Some(&record.dispatch)
+            {
+                // Running here (queued for a slot, retrying) or waiting for the
+                // commit that starts it: the invocation reports itself.
                 let later = now_ms + ms(self.tool_deadline(&step.tool));
                 record.deadline_ms = Some(later);
                 self.due.insert((later, p, step));

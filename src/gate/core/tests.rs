@@ -50,9 +50,12 @@ impl Fixture {
         }
     }
 
-    /// What the gate does once a batch's transaction committed.
+    /// What the gate does once a batch's transaction committed. Its calls
+    /// leave the core's hands (to an invoker, or to one that is gone: a test
+    /// that keeps a call running here says so with `finished`/`invoked`).
     fn commit(&mut self, batch: Batch) {
         self.store.apply(&batch, &BTreeMap::new()).unwrap();
+        self.core.awaiting_commit.clear();
     }
 
     /// The decisions since the last call, fast-path calls (started at once)
@@ -754,4 +757,26 @@ fn a_repeat_naming_another_call_by_its_identity_is_a_conflict_not_a_retry() {
     // After settling too, bob's call never gets alice's answer.
     let r = results(&f.intent(mail("b2", "bob@example.com", "Hi"), 400)).remove(0);
     assert_eq!(r.error.unwrap().kind, "identity_conflict");
+}
+
+#[test]
+fn a_commit_slower_than_the_deadline_never_turns_its_call_into_doubt() {
+    // Found by the simulation with STEPGATE_SIM_SLOW_COMMITS=1 (seed
+    // 0x5eed001d): the deadline passed while the batch carrying `started`
+    // was still committing; the step was answered in doubt and then invoked.
+    let mut f = Fixture::new();
+    let wire = json!({"workflow_id": "wf", "step_index": 2, "tool": "wire", "arguments": {}, "call_id": "c1"});
+    let input = f.input("intents", wire.to_string().into_bytes());
+    let mut b = Batch::default();
+    f.core.on_intent(&f.store, &mut b, &input, 0).unwrap();
+    let call = call_of(&f.core.take_outs());
+    // The batch is still committing at the deadline: more time, no answer.
+    let mut later = Batch::default();
+    f.core.on_deadlines(&f.store, &mut later, 3001).unwrap();
+    assert!(results(&f.core.take_outs()).is_empty());
+    // It lands; the call starts here and reports.
+    f.store.apply(&b, &BTreeMap::new()).unwrap();
+    f.core.invoked(0, &call);
+    let r = results(&f.outcome(&call, Outcome::Ok { output: json!(1) }, 9000));
+    assert_eq!(r[0].status, Status::Ok);
 }
