@@ -195,7 +195,7 @@ impl Invoker {
             let invoked = match slot {
                 Some(_slot) => {
                     tools
-                        .invoke_if(&call, || owned.borrow().may_invoke(partition, epoch))
+                        .invoke_if(&call, &|| owned.borrow().may_invoke(partition, epoch))
                         .await
                 }
                 None => None,

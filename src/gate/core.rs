@@ -940,22 +940,13 @@ impl GateCore {
         let current = progress.dispatch == record.dispatch && record.phase == Phase::Started;
         if !current {
             // Settled or re-run meanwhile: evidence that this run never ran.
-            self.metrics.late_outcome(
-                &record.step,
-                progress.dispatch,
-                record.dispatch,
-                "not_invoked",
-                "stale_dispatch",
-            );
-            push_evidence(
+            self.note_evidence(
                 &mut record,
-                Evidence {
-                    dispatch: progress.dispatch,
-                    status: "not_invoked".into(),
-                    kind: None,
-                    why: "stale_dispatch".into(),
-                    at_ms: now_ms,
-                },
+                progress.dispatch,
+                "not_invoked",
+                None,
+                "stale_dispatch",
+                now_ms,
             );
         } else if self.stopping {
             record.not_invoked = Some(record.dispatch);
@@ -985,29 +976,38 @@ impl GateCore {
         why: &str,
         now_ms: i64,
     ) {
-        self.metrics.late_outcome(
-            &record.step,
-            dispatch,
-            record.dispatch,
-            outcome.label(),
-            why,
-        );
         let kind = match &outcome {
             Outcome::Ok { .. } => None,
             Outcome::Error { error } | Outcome::InDoubt { error } => Some(error.kind.clone()),
         };
-        push_evidence(
-            record,
-            Evidence {
-                dispatch,
-                status: outcome.label().to_owned(),
-                kind,
-                why: why.to_owned(),
-                at_ms: now_ms,
-            },
-        );
+        self.note_evidence(record, dispatch, outcome.label(), kind, why, now_ms);
         if record.late_outcome.is_none() {
             record.late_outcome = Some(outcome);
+        }
+    }
+
+    /// Log, count and keep in brief (the newest [`MAX_EVIDENCE_KEPT`]) what a
+    /// dispatch reported that did not settle its step.
+    fn note_evidence(
+        &self,
+        record: &mut StepRecord,
+        dispatch: u32,
+        status: &str,
+        kind: Option<String>,
+        why: &str,
+        now_ms: i64,
+    ) {
+        self.metrics
+            .late_outcome(&record.step, dispatch, record.dispatch, status, why);
+        record.evidence.push(Evidence {
+            dispatch,
+            status: status.to_owned(),
+            kind,
+            why: why.to_owned(),
+            at_ms: now_ms,
+        });
+        if let Some(over) = record.evidence.len().checked_sub(MAX_EVIDENCE_KEPT) {
+            record.evidence.drain(..over);
         }
     }
 
@@ -1204,14 +1204,6 @@ impl GateCore {
         }
         self.metrics.purged(out.removed);
         Ok(out)
-    }
-}
-
-/// Keep `e` on the record, the newest [`MAX_EVIDENCE_KEPT`] only.
-fn push_evidence(record: &mut StepRecord, e: Evidence) {
-    record.evidence.push(e);
-    if let Some(over) = record.evidence.len().checked_sub(MAX_EVIDENCE_KEPT) {
-        record.evidence.drain(..over);
     }
 }
 

@@ -142,7 +142,7 @@ impl ToolRegistry {
 
     /// Invoke a call's tool, with the retries its category allows.
     pub async fn invoke(&self, call: &Call) -> Outcome {
-        self.invoke_if(call, || true)
+        self.invoke_if(call, &|| true)
             .await
             .expect("a call that may always start is sent")
     }
@@ -151,14 +151,6 @@ impl ToolRegistry {
     /// was sent to the tool (checked before each try until one is sent, once
     /// the try holds its slot): `None` then, the call was never invoked.
     pub async fn invoke_if(
-        &self,
-        call: &Call,
-        may_send: impl Fn() -> bool + Sync,
-    ) -> Option<Outcome> {
-        self.invoke_checked(call, &may_send).await
-    }
-
-    async fn invoke_checked(
         &self,
         call: &Call,
         may_send: &(dyn Fn() -> bool + Sync),
