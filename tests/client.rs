@@ -67,7 +67,8 @@ async fn a_timed_out_call_is_republished_as_the_same_step() {
     assert_eq!(
         s.tools.count("create_ticket"),
         1,
-        "re-publishing never re-ran the tool"
+        "re-publishing never re-ran the tool\n{}",
+        s.log_tail(80)
     );
     let agent = s.agent();
     agent.answer("first", Duration::from_secs(10)).await;
