@@ -44,6 +44,17 @@ run's state never published) is answered as a repeat, the step was used by
 another life of this workflow — a run restarted without its state, or two
 runs sharing one id. The tool raises `StepgatePositionLost` (the run stops),
 and the model never sees the other call's answer.
+
+The numbering can instead be kept with the SDK's `Session`: with
+`context=SessionSteps(session)` each agent's `StepgateRun` (workflow
+`<session_id>/<agent name>`) is stored beside the session's items — for an
+`SQLiteSession`, in a `stepgate_steps` table of its database file — so a
+conversation resumed through its session continues its numbering, and trimming
+or summarising its items never renumbers a step.
+
+Through `stepgate mcp` (no Kafka client in the agent's process), the SDK's MCP
+servers get the step of each call in `_meta` from the same numbering:
+`MCPServerStreamableHttp(..., **mcp_step_hooks())` (see `MCPStepHooks`).
 """
 
 from __future__ import annotations
@@ -51,7 +62,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
-from typing import Any, Awaitable, Callable, Dict, List, Optional, Union
+from typing import Any, Awaitable, Callable, Collection, Dict, List, Optional, Tuple, Union
 
 from agents import FunctionTool
 from agents.tool_context import ToolContext
@@ -106,12 +117,14 @@ class StepgateRun:
         self.calls: Dict[str, int] = dict(calls or {})
         self.save = save
 
-    def take_step(self, tool: str) -> "tuple[int, bool]":
-        """The step of a new call of `tool`: an unanswered one first. Returns
-        (step, fresh): fresh when the step was never published by this run."""
+    def take_step(self, tool: str, skip: "Collection[int]" = ()) -> "tuple[int, bool]":
+        """The step of a new call of `tool`: an unanswered one first (but none
+        in `skip`). Returns (step, fresh): fresh when the step was never
+        published by this run."""
         waiting = self.unanswered.get(tool)
-        if waiting:
-            return waiting.pop(0), False
+        for i, step in enumerate(waiting or ()):
+            if step not in skip:
+                return waiting.pop(i), False
         step = self.next_step
         self.next_step += 1
         return step, True
@@ -161,7 +174,8 @@ def deserialize_context(data: Any) -> StepgateRun:
 
 def run_of(context: Any, attribute: str = "stepgate") -> StepgateRun:
     """The StepgateRun of a run context: the context itself, its `attribute`
-    attribute, or its `attribute` key."""
+    attribute, or its `attribute` key. (A `SessionSteps` there: see
+    `resolve_run`.)"""
     if isinstance(context, StepgateRun):
         return context
     found = getattr(context, attribute, None)
@@ -170,10 +184,246 @@ def run_of(context: Any, attribute: str = "stepgate") -> StepgateRun:
     if isinstance(found, StepgateRun):
         return found
     raise TypeError(
-        f"stepgate tools need a StepgateRun in the run's context: pass context=StepgateRun(...), "
-        f"or a context with a `{attribute}` attribute (or key) holding one; got "
-        f"{type(context).__name__}"
+        f"stepgate tools need a StepgateRun (or SessionSteps) in the run's context: pass "
+        f"context=StepgateRun(...) or SessionSteps(session), or a context with a `{attribute}` "
+        f"attribute (or key) holding one; got {type(context).__name__}"
     )
+
+
+# ---------------------------------------------------------------------------
+# The counter kept next to the app's Agents SDK Session.
+
+
+STEPS_TABLE = "stepgate_steps"
+
+
+class SQLiteStepStore:
+    """The step numbering of sessions in a SQLite file: one row per (session
+    id, agent name) in the table `stepgate_steps`, next to (never among) the
+    session's items — `SessionSteps`' store for an `SQLiteSession` with a file,
+    in that session's own database file.
+
+    Each write carries a version and replaces the row only if newer, so writes
+    that land out of order never step the counter back.
+    """
+
+    def __init__(self, path: "Union[str, Any]", table: str = STEPS_TABLE):
+        if str(path) == ":memory:":
+            raise ValueError("SQLiteStepStore needs a file (an in-memory database is not durable)")
+        self.path = str(path)
+        self.table = table
+        self._ready = False
+
+    def _connect(self):
+        import sqlite3
+
+        conn = sqlite3.connect(self.path, timeout=30.0)
+        if not self._ready:
+            with conn:
+                conn.execute(
+                    f"CREATE TABLE IF NOT EXISTS {self.table} ("
+                    "session_id TEXT NOT NULL, agent TEXT NOT NULL, state TEXT NOT NULL, "
+                    "version INTEGER NOT NULL, updated_at TEXT DEFAULT CURRENT_TIMESTAMP, "
+                    "PRIMARY KEY (session_id, agent))")
+            self._ready = True
+        return conn
+
+    def load(self, session_id: str, agent: str) -> Optional[Tuple[Dict[str, Any], int]]:
+        """(state, version) of the session's agent, or None if it has none."""
+        conn = self._connect()
+        try:
+            row = conn.execute(f"SELECT state, version FROM {self.table} "
+                               "WHERE session_id = ? AND agent = ?", (session_id, agent)).fetchone()
+        finally:
+            conn.close()
+        return (json.loads(row[0]), int(row[1])) if row else None
+
+    def save(self, session_id: str, agent: str, state: Dict[str, Any], version: int) -> None:
+        conn = self._connect()
+        try:
+            with conn:
+                conn.execute(
+                    f"INSERT INTO {self.table} (session_id, agent, state, version) "
+                    "VALUES (?, ?, ?, ?) ON CONFLICT (session_id, agent) DO UPDATE SET "
+                    "state = excluded.state, version = excluded.version, "
+                    "updated_at = CURRENT_TIMESTAMP "
+                    f"WHERE excluded.version > {self.table}.version",
+                    (session_id, agent, json.dumps(state), version))
+        finally:
+            conn.close()
+
+    def delete(self, session_id: str, agent: Optional[str] = None) -> None:
+        """Forget a session's numbering (every agent's, or one). Its workflows'
+        steps stay recorded in stepgate: a run of that session afterwards
+        cannot prove its position and refuses (`StepgatePositionLost`)."""
+        conn = self._connect()
+        try:
+            with conn:
+                if agent is None:
+                    conn.execute(f"DELETE FROM {self.table} WHERE session_id = ?", (session_id,))
+                else:
+                    conn.execute(f"DELETE FROM {self.table} WHERE session_id = ? AND agent = ?",
+                                 (session_id, agent))
+        finally:
+            conn.close()
+
+
+class _SessionMemoryStore:
+    """For an in-memory `SQLiteSession`: the numbering lives as long as the
+    session object, exactly as durable as its items."""
+
+    def __init__(self) -> None:
+        self.rows: Dict[Tuple[str, str], Tuple[Dict[str, Any], int]] = {}
+
+    def load(self, session_id: str, agent: str) -> Optional[Tuple[Dict[str, Any], int]]:
+        row = self.rows.get((session_id, agent))
+        return (json.loads(json.dumps(row[0])), row[1]) if row else None
+
+    def save(self, session_id: str, agent: str, state: Dict[str, Any], version: int) -> None:
+        row = self.rows.get((session_id, agent))
+        if row is None or version > row[1]:
+            self.rows[(session_id, agent)] = (json.loads(json.dumps(state)), version)
+
+    def delete(self, session_id: str, agent: Optional[str] = None) -> None:
+        for key in [k for k in self.rows if k[0] == session_id and agent in (None, k[1])]:
+            del self.rows[key]
+
+
+def _default_store(session: Any) -> Any:
+    try:
+        from agents.memory import SQLiteSession
+    except ImportError:  # pragma: no cover - every SDK with Session has it
+        SQLiteSession = ()  # type: ignore[assignment]
+    if isinstance(session, SQLiteSession):
+        if str(session.db_path) == ":memory:":
+            store = getattr(session, "_stepgate_steps", None)
+            if store is None:
+                store = _SessionMemoryStore()
+                session._stepgate_steps = store  # bound to the session object: as durable
+            return store
+        return SQLiteStepStore(session.db_path)
+    raise TypeError(
+        f"SessionSteps keeps an SQLiteSession's numbering in its database file; for a "
+        f"{type(session).__name__}, pass store= (an object with load(session_id, agent) -> "
+        "(state, version) | None and save(session_id, agent, state, version), kept as "
+        "durably as the session, e.g. SQLiteStepStore(path))"
+    )
+
+
+class SessionSteps:
+    """The step numbering of a conversation kept with its Agents SDK `Session`.
+
+        session = SQLiteSession("thread-42", "conversations.db")
+        steps = SessionSteps(session)        # put in the run's context (or as it)
+        await Runner.run(agent, "...", session=session, context=steps)
+
+    Each agent of the session (by name) has its own workflow,
+    `<workflow_prefix><session_id>/<agent name>`, and its counter is a
+    `StepgateRun` kept in `store` — for an `SQLiteSession`, the table
+    `stepgate_steps` in the session's own database file, keyed by the session
+    id and the agent's name. The counter is kept beside the session's items,
+    never among them: the items are the model's input, which apps trim
+    (`pop_item`), clear (`clear_session`) and replace with summaries, and a
+    counter that lived in them would be lost or rolled back with them. So a
+    conversation resumed through its session in a new process continues its
+    numbering, and no trimming ever renumbers a step.
+
+    It is saved (before each call is published) as `StepgateRun.save` is. A
+    session whose numbering was lost (another database, a deleted row) starts
+    again at 0 and cannot prove its position: its first call that another life
+    of the workflow already made raises `StepgatePositionLost`.
+
+    `agent=` keeps one counter under that name for every agent (needed by
+    `approval=True` tools, which the SDK asks about without naming the agent).
+    One run of a session at a time, as for the session itself.
+    """
+
+    def __init__(self, session: Any, store: Any = None, workflow_prefix: str = "",
+                 agent: Optional[str] = None):
+        self.session = session
+        self.session_id: str = session.session_id
+        self.store = store if store is not None else _default_store(session)
+        self.workflow_prefix = workflow_prefix
+        self.agent = agent
+        self.runs: Dict[str, StepgateRun] = {}
+        self._versions: Dict[str, int] = {}
+
+    def workflow_id(self, agent: str) -> str:
+        return f"{self.workflow_prefix}{self.session_id}/{agent}"
+
+    async def _store(self, method: str, *args: Any) -> Any:
+        f = getattr(self.store, method)
+        if inspect.iscoroutinefunction(f):
+            return await f(*args)
+        return await asyncio.to_thread(f, *args)
+
+    async def run(self, agent: Optional[str] = None) -> StepgateRun:
+        """The StepgateRun of `agent` (default: `agent=` given at creation),
+        loaded from the store on first use."""
+        name = agent if agent is not None else self.agent
+        if not name:
+            raise TypeError("SessionSteps.run: which agent's numbering? (pass agent=)")
+        run = self.runs.get(name)
+        if run is not None:
+            return run
+        row = await self._store("load", self.session_id, name)
+        if name in self.runs:  # loaded meanwhile by a parallel call
+            return self.runs[name]
+        if row is None:
+            run, version = StepgateRun(self.workflow_id(name)), 0
+        else:
+            state, version = row
+            if state.get("workflow_id") != self.workflow_id(name):
+                raise StepgateError(
+                    f"the stored numbering of session {self.session_id!r}, agent {name!r}, is "
+                    f"for workflow {state.get('workflow_id')!r}, not {self.workflow_id(name)!r} "
+                    "(another workflow_prefix?)")
+            run = StepgateRun.resume(state)
+        self._versions[name] = version
+        run.save = self._saver(name)
+        self.runs[name] = run
+        return run
+
+    def _saver(self, name: str) -> SaveHook:
+        def save(state: Dict[str, Any]) -> Awaitable[None]:
+            # The version is taken now, in the order the states were made, so
+            # the store keeps the newest however the writes are scheduled.
+            self._versions[name] += 1
+            return self._store("save", self.session_id, name, state, self._versions[name])
+        return save
+
+    def state(self) -> Dict[str, Dict[str, Any]]:
+        """The loaded agents' `StepgateRun.state()`, by agent name."""
+        return {name: run.state() for name, run in self.runs.items()}
+
+
+def _in_context(context: Any, attribute: str) -> Any:
+    if isinstance(context, (StepgateRun, SessionSteps)):
+        return context
+    found = getattr(context, attribute, None)
+    if found is None and isinstance(context, dict):
+        found = context.get(attribute)
+    return found
+
+
+async def resolve_run(wrapper: Any, attribute: str = "stepgate") -> StepgateRun:
+    """The StepgateRun of a tool call from its run context wrapper (a
+    `ToolContext`): a StepgateRun, or the calling agent's numbering in a
+    `SessionSteps` — the context itself, its `attribute` attribute or key."""
+    found = _in_context(wrapper.context, attribute)
+    if isinstance(found, StepgateRun):
+        return found
+    if isinstance(found, SessionSteps):
+        if found.agent is not None:
+            return await found.run()
+        agent = getattr(wrapper, "agent", None)
+        if agent is None:
+            raise TypeError(
+                "this tool call does not name its agent (the SDK asks approval tools without "
+                "one): give SessionSteps(..., agent=\"<name>\") to number every agent's calls "
+                "under one name")
+        return await found.run(agent.name)
+    return run_of(wrapper.context, attribute)  # raises, saying what is expected
 
 
 async def call_async(client: Union[Client, AsyncClient], *args: Any, **kw: Any) -> Answer:
@@ -189,8 +439,8 @@ def _position_lost(run: StepgateRun, step: int, tool: str) -> StepgatePositionLo
         f"step {step} of workflow {run.workflow_id!r} was already used by another run of "
         f"this workflow (a run restarted without its saved state, or two runs with one id): "
         f"its {tool!r} call was not performed, and the other call's answer is "
-        "withheld. Resume the run with StepgateRun.resume(saved_state), or start it under "
-        "a new workflow id."
+        "withheld. Resume the run with StepgateRun.resume(saved_state) (with a SessionSteps: "
+        "from the session's stored numbering), or start it under a new workflow id."
     )
 
 
@@ -261,12 +511,12 @@ def stepgate_tool(
         found = answered.pop(ctx.tool_call_id, None)
         if found is not None:  # answered while the SDK asked about approval
             return answer_text(found)
-        run = run_of(ctx.context, context_attribute)
+        run = await resolve_run(ctx, context_attribute)
         arguments = json.loads(input_json or "{}")
         return await invoke_step(client, run, name, arguments, ctx.tool_call_id, timeout)
 
     async def needs_approval(ctx: Any, arguments: Dict[str, Any], call_id: str) -> bool:
-        run = run_of(ctx.context, context_attribute)
+        run = await resolve_run(ctx, context_attribute)
         if call_id in run.calls:
             return False  # asked again after its interruption: invoke waits for it
         step, fresh = run.take_step(name)
@@ -321,3 +571,210 @@ def stepgate_function_tool(
                              strict_json_schema=schema.strict_json_schema)
 
     return make(func) if func is not None else make
+
+
+# ---------------------------------------------------------------------------
+# `stepgate mcp` from the Agents SDK's MCP servers: the step in `_meta`.
+
+
+def _caused_by(error: BaseException, kind: type) -> bool:
+    seen = set()
+    e: Optional[BaseException] = error
+    while e is not None and id(e) not in seen:
+        if isinstance(e, kind):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _fingerprint(arguments: Any) -> str:
+    return json.dumps(arguments, sort_keys=True, separators=(",", ":"), default=str)
+
+
+class StepgateMetaIgnored(StepgateError):
+    """The MCP server did not answer the step sent in `_meta` (not `stepgate
+    mcp`, or one that does not read `_meta`): nothing it answers is a step."""
+
+
+class MCPStepHooks:
+    """The step of each call to `stepgate mcp` through an Agents SDK MCP server
+    (`MCPServerStreamableHttp`, `MCPServerStdio`, …), from the run's durable
+    numbering — a `StepgateRun` or `SessionSteps` in the run's context, as for
+    `stepgate_tool` — with no Kafka client in the agent's process:
+
+        hooks = mcp_step_hooks()
+        async with MCPServerStreamableHttp(name="stepgate", params={...}, **hooks) as stepgate:
+            agent = Agent(name="support", mcp_servers=[stepgate])
+            await Runner.run(agent, "...", session=session, context=SessionSteps(session))
+
+    Three hooks, all needed (`hooks.kwargs()`, or `**hooks`):
+
+    - `tool_meta_resolver`: takes the call's step as `stepgate_tool` does (the
+      first unanswered step of that tool, else the next one), saves the
+      numbering with the step pending, and returns stepgate's `_meta`:
+      `workflow_id`, `step_index`, `attempt` (0).
+    - `custom_data_extractor`: reads the result's `_meta` (`stepgate/status`,
+      `stepgate/deduplicated`, …). An answer settles the step. A result
+      without stepgate's answer (stepgate had none in time, the call was
+      refused) leaves the step to the next call of the tool — the model's
+      retry — which gets its answer. A fresh step answered as a repeat raises
+      `StepgatePositionLost`; a retry whose identity arguments differ
+      (`identity_conflict`) gives the step back for its real retry, and the
+      same arguments never take that step again.
+    - `failure_error_function`: a call that failed in the client (a timeout,
+      a lost connection) leaves its step to the model's retry as well; the
+      model reads `failure_error_function`'s text (the SDK's default unless
+      given). `StepgatePositionLost` is never turned into text: the run stops.
+    """
+
+    def __init__(self, context_attribute: str = "stepgate",
+                 failure_error_function: Optional[Callable[[Any, Exception], Any]] = None):
+        self.context_attribute = context_attribute
+        self._failure_text = failure_error_function
+        # Calls resolved and not yet settled: {tool_call_id: (run, step, fresh, tool, args)}.
+        self.inflight: Dict[str, Tuple[StepgateRun, int, bool, str, str]] = {}
+        # Steps a call conflicted with: {(workflow_id, step): {argument fingerprints}}.
+        self.conflicts: Dict[Tuple[str, int], set] = {}
+
+    def kwargs(self) -> Dict[str, Any]:
+        """The keyword arguments for an Agents SDK MCP server."""
+        return {"tool_meta_resolver": self.tool_meta_resolver,
+                "custom_data_extractor": self.custom_data_extractor,
+                "failure_error_function": self.failure_error_function}
+
+    def keys(self):  # `**hooks`
+        return self.kwargs().keys()
+
+    def __getitem__(self, key: str) -> Any:
+        return self.kwargs()[key]
+
+    async def tool_meta_resolver(self, ctx: Any) -> Dict[str, Any]:
+        wrapper = ctx.run_context
+        call_id = getattr(wrapper, "tool_call_id", None)
+        if not call_id:
+            raise StepgateError("stepgate's MCP hooks need the SDK's tool call id (ToolContext)")
+        run = await resolve_run(wrapper, self.context_attribute)
+        tool = ctx.tool_name
+        args = _fingerprint(ctx.arguments or {})
+        skip = {step for (wf, step), seen in self.conflicts.items()
+                if wf == run.workflow_id and args in seen}
+        step, fresh = run.take_step(tool, skip)
+        run.pending[step] = tool
+        self.inflight[call_id] = (run, step, fresh, tool, args)
+        await run._saved()  # before the call is sent
+        return {"workflow_id": run.workflow_id, "step_index": step, "attempt": 0}
+
+    async def _unanswered(self, call_id: str, front: bool = False) -> None:
+        entry = self.inflight.pop(call_id, None)
+        if entry is None:
+            return
+        run, step, _, tool, _ = entry
+        run.pending.pop(step, None)
+        waiting = run.unanswered.setdefault(tool, [])
+        if step not in waiting:
+            waiting.insert(0, step) if front else waiting.append(step)
+        await run._saved()
+
+    async def custom_data_extractor(self, ctx: Any) -> None:
+        call_id = getattr(ctx.run_context, "tool_call_id", None)
+        entry = self.inflight.get(call_id) if call_id else None
+        if entry is None:
+            return None
+        run, step, fresh, tool, args = entry
+        meta = dict(ctx.result_meta or {})
+        if "stepgate/status" not in meta:
+            # No answer of stepgate's: not answered in time, or refused
+            # before it was asked. The step goes to the model's retry.
+            await self._unanswered(call_id)
+            return None
+        if (meta.get("stepgate/workflow_id"), meta.get("stepgate/step_index")) != \
+                (run.workflow_id, step):
+            await self._unanswered(call_id)
+            raise StepgateMetaIgnored(
+                f"the MCP server answered {tool!r} as step {meta.get('stepgate/step_index')} of "
+                f"{meta.get('stepgate/workflow_id')!r}, not the step sent in _meta (step {step} of "
+                f"{run.workflow_id!r}): is it `stepgate mcp`, and does it read _meta?")
+        conflict = meta.get("stepgate/error_kind") == "identity_conflict"
+        if conflict and not fresh:
+            # The unanswered step belongs to another call (its identity
+            # arguments differ): it stays open for that call's real retry.
+            self.conflicts.setdefault((run.workflow_id, step), set()).add(args)
+            await self._unanswered(call_id, front=True)
+            return None
+        del self.inflight[call_id]
+        run.pending.pop(step, None)
+        await run._saved()
+        if fresh and (meta.get("stepgate/deduplicated") or conflict):
+            raise _position_lost(run, step, tool)
+        self.conflicts.pop((run.workflow_id, step), None)
+        return None
+
+    async def failure_error_function(self, ctx: Any, error: Exception) -> Optional[str]:
+        if _caused_by(error, StepgatePositionLost) or _caused_by(error, StepgateMetaIgnored):
+            return None  # not text for the model: the run stops
+        call_id = getattr(ctx, "tool_call_id", None)
+        if call_id:
+            await self._unanswered(call_id)
+        if self._failure_text is None:
+            from agents.tool import default_tool_error_function
+
+            return default_tool_error_function(ctx, error)
+        text = self._failure_text(ctx, error)
+        return await text if inspect.isawaitable(text) else text
+
+
+def mcp_step_hooks(context_attribute: str = "stepgate",
+                   failure_error_function: Optional[Callable[[Any, Exception], Any]] = None
+                   ) -> MCPStepHooks:
+    """stepgate's hooks for an Agents SDK MCP server connected to `stepgate
+    mcp`: `MCPServerStreamableHttp(..., **mcp_step_hooks())`. See
+    `MCPStepHooks`."""
+    return MCPStepHooks(context_attribute, failure_error_function)
+
+
+
+def mcp_handshake_client_factory(headers: Optional[Dict[str, str]] = None, timeout: Any = None,
+                                 auth: Any = None) -> Any:
+    """An `httpx_client_factory` for `MCPServerStreamableHttp` (in `params`)
+    that has the SDK connect to `stepgate mcp` with MCP's initialize handshake.
+
+    With the MCP Python SDK 2.x, the Agents SDK first probes `server/discover`
+    and, when the server answers it, speaks protocol 2026-07-28. `stepgate mcp`
+    (rmcp 3.11) answers it, but its results lack the `resultType` field the
+    Python SDK requires at that version, so listing the tools fails
+    (`ListToolsResult: resultType Field required`). This client answers the
+    probe itself with "method not found", so the SDK uses the handshake
+    (2025-11-25), which both speak. Every other request goes to the server.
+    With the MCP Python SDK 1.x (no probe) it is a plain client.
+    """
+    from importlib.metadata import version
+
+    v2 = int(version("mcp").split(".")[0]) >= 2
+    httpx = __import__("httpx2" if v2 else "httpx")
+    kw: Dict[str, Any] = {"headers": headers, "auth": auth, "follow_redirects": True}
+    if timeout is not None:
+        kw["timeout"] = timeout
+    if not v2:
+        return httpx.AsyncClient(**kw)
+
+    class NoDiscover(httpx.AsyncBaseTransport):
+        def __init__(self) -> None:
+            self.inner = httpx.AsyncHTTPTransport()
+
+        async def handle_async_request(self, request: Any) -> Any:
+            if request.method == "POST":
+                try:
+                    body = json.loads(request.content or b"null")
+                except ValueError:
+                    body = None
+                if isinstance(body, dict) and body.get("method") == "server/discover":
+                    return httpx.Response(200, request=request, json={
+                        "jsonrpc": "2.0", "id": body.get("id"),
+                        "error": {"code": -32601, "message": "Method not found"}})
+            return await self.inner.handle_async_request(request)
+
+        async def aclose(self) -> None:
+            await self.inner.aclose()
+
+    return httpx.AsyncClient(transport=NoDiscover(), **kw)

@@ -95,6 +95,7 @@ class ToolServer:
         self.rendezvous: Dict[str, Tuple[int, float]] = {}
         self.inside: Dict[str, int] = {}
         self.most_inside: Dict[str, int] = {}
+        self.held: Dict[str, float] = {}
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -130,6 +131,9 @@ class ToolServer:
             self.most_inside[name] = max(self.most_inside.get(name, 0), self.inside[name])
             self.lock.notify_all()
             together = self.inside[name]
+            if name in self.held:
+                limit = self.held[name]
+                self.lock.wait_for(lambda: name not in self.held, timeout=limit)
             if name in self.rendezvous:
                 n, limit = self.rendezvous[name]
                 self.lock.wait_for(lambda: self.inside[name] >= n or self.most_inside[name] >= n,
@@ -150,6 +154,16 @@ class ToolServer:
         with self.lock:
             self.rendezvous[tool] = (n, limit)
             self.most_inside[tool] = 0
+
+    def hold(self, tool: str, limit: float = 60.0) -> None:
+        """Calls of `tool` wait inside until `release(tool)` (or `limit` s pass)."""
+        with self.lock:
+            self.held[tool] = limit
+
+    def release(self, tool: str) -> None:
+        with self.lock:
+            self.held.pop(tool, None)
+            self.lock.notify_all()
 
     def invocations(self, tool: Optional[str] = None, workflow_id: Optional[str] = None):
         with self.lock:
