@@ -149,7 +149,7 @@ def test_through_stepgate_mcp_two_calls_run_twice_and_a_retry_of_a_step_runs_onc
         try:
             lost, lost_model, _ = await run_through(
                 front, hooks, db, wf, [[("slow", {"title": "Refund issued"})], "done"],
-                timeout=1.0)
+                timeout=3.0)
             await asyncio.to_thread(wait_for, lambda: stack.tools.count("slow", workflow) == 1,
                                     60, "the lost call reached the tool")
         finally:
@@ -213,7 +213,7 @@ def test_through_stepgate_mcp_another_recipient_never_takes_a_lost_call_s_step(
         stack.tools.hold("mail")
         try:
             await run_through(front, hooks, db, wf,
-                              [[("mail", {"to": "alice", "subject": "Hi"})], "done"], timeout=1.0)
+                              [[("mail", {"to": "alice", "subject": "Hi"})], "done"], timeout=3.0)
             await asyncio.to_thread(wait_for, lambda: stack.tools.count("mail", workflow) == 1,
                                     60, "alice's email reached the tool")
         finally:
