@@ -188,3 +188,70 @@ def test_parallel_calls_save_the_newest_numbering(stack, wf, tmp_path):
     assert sorted(c.step_index for c in stack.tools.invocations("meet_async", f"{wf}/support")) \
         == [0, 1, 2]
     assert stored(db, wf) == {"workflow_id": f"{wf}/support", "next_step": 3, "unanswered": {}}
+
+
+def test_a_held_approval_call_keeps_its_step_in_the_session_s_numbering(stack, wf, tmp_path):
+    """`approval=True` tools are asked about without their agent: with
+    `SessionSteps(session, agent=...)` the held call's step is stored, and the
+    run resumed in a new process after the person approved gets its answer."""
+    from agents import RunState
+
+    db = str(tmp_path / "conversations.db")
+    AMOUNT = {"type": "object", "properties": {"amount": {"type": "integer"}},
+              "required": ["amount"], "additionalProperties": False}
+
+    async def main():
+        async with await AsyncClient.connect(stack.brokers, intents=stack.intents,
+                                             results=stack.results,
+                                             approvals=f"{stack.prefix}.approvals") as client:
+            tool = stepgate_tool(client, "wire_approved", "Wire money.", AMOUNT, approval=True)
+            model = agents_model([[("wire_approved", {"amount": 7})], "paid"])
+            agent = Agent(name="payments", model=model, tools=[tool])
+            session = SQLiteSession(wf, db)
+            first = await Runner.run(agent, "pay", session=session,
+                                     context=SessionSteps(session, agent="payments"))
+            assert len(first.interruptions) == 1
+            saved = json.dumps(first.to_state().to_json(context_serializer=lambda c: {}))
+            held = stored(db, wf, "payments")
+            ok = await asyncio.to_thread(stack.cli, "approvals", "approve", f"{wf}/payments", "0",
+                                         "wire_approved", "--by", "alice")
+            assert ok.returncode == 0, ok.stdout + ok.stderr
+            # A new process: the numbering from the session's database only.
+            session = SQLiteSession(wf, db)
+            steps = SessionSteps(session, agent="payments")
+            state = await RunState.from_json(agent, json.loads(saved),
+                                             context_deserializer=lambda _: steps)
+            state.approve(state.get_interruptions()[0])
+            second = await Runner.run(agent, state, session=session)
+            return held, second, model
+
+    held, second, model = asyncio.run(main())
+    assert list(held["calls"].values()) == [0], held
+    assert second.final_output == "paid"
+    assert json.loads(model.tool_outputs()[-1])["echo"] == {"amount": 7}
+    assert [c.step_index for c in stack.tools.invocations("wire_approved", f"{wf}/payments")] \
+        == [0]
+    assert "calls" not in stored(db, wf, "payments")
+
+
+def test_an_approval_tool_without_a_named_agent_says_what_to_do(stack, wf, tmp_path):
+    db = str(tmp_path / "conversations.db")
+
+    async def main():
+        async with await connect(stack) as client:
+            tool = stepgate_tool(client, "wire_approved", "Wire money.", TITLE, approval=True)
+            session = SQLiteSession(wf, db)
+            with pytest.raises(Exception) as e:
+                await Runner.run(Agent(name="a", model=agents_model([[("wire_approved",
+                                                                       {"title": "x"})]]),
+                                       tools=[tool]),
+                                 "pay", session=session, context=SessionSteps(session))
+            return e.value
+
+    error = asyncio.run(main())
+    chain, e = [], error
+    while e is not None:
+        chain.append(str(e))
+        e = e.__cause__ or e.__context__
+    assert any('SessionSteps(..., agent="<name>")' in m for m in chain), chain
+    assert stack.tools.count("wire_approved", f"{wf}/a") == 0
