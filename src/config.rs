@@ -1,10 +1,25 @@
-//! Configuration: one TOML file, every key overridable by a `STEPGATE_…` variable.
+//! Configuration: one TOML file, every key settable by a `STEPGATE_…` variable,
+//! whether or not the file has it.
 //!
-//! The env name of a key is its path in upper case joined by `_`:
-//! `[kafka] brokers` → `STEPGATE_KAFKA_BROKERS`, `[tools.send_email] url` →
-//! `STEPGATE_TOOLS_SEND_EMAIL_URL`. librdkafka pass-through properties go under
-//! `[kafka.client]`; from the environment, `STEPGATE_KAFKA_CLIENT_SASL_MECHANISM`
-//! sets `sasl.mechanism`.
+//! The env name of a key is its path in upper case, each character other than
+//! a letter or a digit made `_`, joined by `_`: `[kafka] brokers` →
+//! `STEPGATE_KAFKA_BROKERS`, `[tools.send_email] url` →
+//! `STEPGATE_TOOLS_SEND_EMAIL_URL`. A value is read as the key's type: a
+//! number, `true`/`false`, a string (durations too), a list as `a,b` or a JSON
+//! array, a table (`input_schema`, `mcp.auth.tokens`) as JSON.
+//!
+//! - Name-keyed tables take the rest of the name as the entry: librdkafka
+//!   properties (`[kafka.client]`): `STEPGATE_KAFKA_CLIENT_SASL_MECHANISM` →
+//!   `sasl.mechanism`; tool headers: `STEPGATE_TOOLS_PAY_HEADERS_X_API_KEY` →
+//!   `x-api-key`; `[mcp.auth.scopes]`: lower case. An entry the file already
+//!   has keeps its own spelling.
+//! - Tools: a tool is defined in the file; the environment sets its keys. The
+//!   tool is found among the file's tools by its name in variable form (so
+//!   `send_email` and `send-email` read alike); a variable that fits the keys
+//!   of two tools is refused, never guessed.
+//! - Any other `STEPGATE_*` variable is refused at start, with the nearest
+//!   known name, unless [`NOT_CONFIG_VARIABLES`] / [`NOT_CONFIG_PREFIXES`]
+//!   list it (the CLI's, the tests') or an `env:` value of the config names it.
 
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -104,6 +119,96 @@ impl Default for KafkaConfig {
             client: BTreeMap::new(),
         }
     }
+}
+
+/// `[kafka.client]` properties that stepgate sets itself, because the
+/// guarantee rests on them or because a key of its own sets them: each is
+/// refused at start ([`Config::validate`]) with why, and what to do instead.
+/// Everything else (TLS, SASL, timeouts, `message.max.bytes`, `partitioner`:
+/// every record stepgate writes names its partition, only DLQ copies do not,
+/// …) passes through to every client.
+pub const REFUSED_CLIENT_PROPERTIES: &[(&str, &str)] = &[
+    (
+        "isolation.level",
+        "stepgate reads only committed records (read_committed); read_uncommitted would act on intents, outcomes and state of transactions that were aborted. Remove it.",
+    ),
+    (
+        "enable.auto.commit",
+        "the gate commits its input offsets inside each transaction, with the records they caused; an automatic commit would move past inputs whose outcome was never written. Remove it.",
+    ),
+    (
+        "enable.auto.offset.store",
+        "the gate stores its input offsets only inside each transaction; an automatic store would let a commit skip inputs whose outcome was never written. Remove it.",
+    ),
+    (
+        "auto.offset.reset",
+        "stepgate chooses where each reader starts (the gate at the beginning of a partition with no committed offset, a restore at its stored offset or nowhere); `latest` would skip intents published before the group first committed. Remove it.",
+    ),
+    (
+        "partition.assignment.strategy",
+        "the gate needs range assignment, which gives partition p of `intents` and of `progress` to the same process; another strategy splits a workflow's inputs between two gates. Remove it.",
+    ),
+    (
+        "group.protocol",
+        "the gate uses the classic group protocol with range assignment, which keeps co-partitioned topics on one process; the broker-side protocol (KIP-848) assigns partitions by its own rule. Remove it.",
+    ),
+    (
+        "group.remote.assignor",
+        "the gate uses the classic group protocol with range assignment; a broker-side assignor would split co-partitioned topics between processes. Remove it.",
+    ),
+    (
+        "group.id",
+        "stepgate names every consumer group itself (the gates', and one per restore or operator read); set `kafka.gate_group` instead.",
+    ),
+    (
+        "group.instance.id",
+        "stepgate derives the static membership of each consumer from `kafka.instance_id`, which must differ between processes; set `kafka.instance_id` instead.",
+    ),
+    (
+        "transactional.id",
+        "stepgate derives the transactional id from `kafka.instance_id`, so that a restarted process fences its predecessor's transactions; a fixed id shared by processes would fence live gates or let a zombie commit. Set `kafka.instance_id` instead.",
+    ),
+    (
+        "enable.idempotence",
+        "stepgate's transactions and operator commands need the idempotent producer (no duplicate or reordered record on a retry). Remove it.",
+    ),
+    (
+        "acks",
+        "a transaction must commit only records every in-sync replica has (acks=all), or a broker failover loses an outcome that was answered. Remove it.",
+    ),
+    (
+        "request.required.acks",
+        "a transaction must commit only records every in-sync replica has (acks=all), or a broker failover loses an outcome that was answered. Remove it.",
+    ),
+    (
+        "max.in.flight.requests.per.connection",
+        "the idempotent producer keeps records in order only with at most 5 requests in flight, which librdkafka's default already is. Remove it.",
+    ),
+    (
+        "max.in.flight",
+        "the idempotent producer keeps records in order only with at most 5 requests in flight, which librdkafka's default already is. Remove it.",
+    ),
+    (
+        "transaction.timeout.ms",
+        "stepgate sets it from `kafka.transaction_timeout`; set that instead.",
+    ),
+    (
+        "session.timeout.ms",
+        "stepgate sets it from `kafka.session_timeout`; set that instead.",
+    ),
+    (
+        "bootstrap.servers",
+        "stepgate sets it from `kafka.brokers` (which its clients and checks all read); set that instead.",
+    ),
+];
+
+/// Why a `[kafka.client]` property may not be set, when it may not.
+pub fn refused_client_property(name: &str) -> Option<&'static str> {
+    let name = name.trim().to_ascii_lowercase();
+    REFUSED_CLIENT_PROPERTIES
+        .iter()
+        .find(|(refused, _)| *refused == name)
+        .map(|(_, why)| *why)
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -568,7 +673,8 @@ impl McpConfig {
 
 impl Config {
     /// Read a TOML file (or defaults when `path` is None), apply `STEPGATE_*`
-    /// overrides from `env`, and validate.
+    /// overrides from `env` (refusing a variable that names no key; see the
+    /// module's doc), and validate.
     pub fn load(
         path: Option<&Path>,
         env: impl IntoIterator<Item = (String, String)>,
@@ -588,7 +694,8 @@ impl Config {
         env: impl IntoIterator<Item = (String, String)>,
     ) -> Result<Config, ConfigError> {
         let file: toml::Table = toml::from_str(text).map_err(|e| syntax_error(&e, text))?;
-        // Merge the file over the defaults so every key has a known type for env parsing.
+        // The file over the defaults: the env overlay finds the file's tools
+        // and map entries in it.
         let mut merged = toml::Table::try_from(Config::default())
             .map_err(|e| ConfigError::Parse(e.to_string()))?;
         merge(&mut merged, file);
@@ -641,6 +748,14 @@ impl Config {
         }
         if self.kafka.partitions < 1 {
             return Err(invalid("kafka.partitions", "must be at least 1"));
+        }
+        for name in self.kafka.client.keys() {
+            if let Some(why) = refused_client_property(name) {
+                return Err(invalid(
+                    &format!("kafka.client.\"{name}\""),
+                    &format!("cannot be set: {why}"),
+                ));
+            }
         }
         let names = self.kafka.topics.all();
         for (i, a) in names.iter().enumerate() {
@@ -967,84 +1082,500 @@ fn syntax_error(e: &toml::de::Error, text: &str) -> ConfigError {
     ConfigError::Parse(format!("{}{}", at.unwrap_or_default(), e.message()))
 }
 
-fn env_name(path: &[&str]) -> String {
-    let mut s = String::from("STEPGATE");
-    for p in path {
-        s.push('_');
-        s.extend(p.chars().map(|c| {
-            if c.is_ascii_alphanumeric() {
-                c.to_ascii_uppercase()
-            } else {
-                '_'
-            }
-        }));
-    }
-    s
+/// `STEPGATE_*` variables that are not config keys: accepted, and left to
+/// whoever reads them — the CLI's own (`env = …` of its arguments in
+/// `src/cli.rs`) and those of the test suites, benchmarks and scripts (a
+/// `stepgate` process they start inherits them). Every other `STEPGATE_*`
+/// variable must name a config key, or be named by an `env:` value of the
+/// config (a tool header's, a static MCP token's); see [`Config::from_toml_str`].
+pub const NOT_CONFIG_VARIABLES: &[&str] = &[
+    // src/cli.rs
+    "STEPGATE_CONFIG",
+    "STEPGATE_OPERATOR",
+    // tests/, benches/, deploy/local/
+    "STEPGATE_BIN",
+    "STEPGATE_NEED_KAFKA",
+    "STEPGATE_KEEP_KAFKA",
+    "STEPGATE_CRASH_MATRIX",
+    "STEPGATE_CRASH_SEED",
+    "STEPGATE_FUZZ_CASES",
+    "STEPGATE_LONG_FAULTS",
+    "STEPGATE_K8S_SCHEMAS",
+    "STEPGATE_BENCH_RUN_ID",
+    "STEPGATE_CACHE",
+    "STEPGATE_PEERS_DIR",
+];
+
+/// Prefixes of `STEPGATE_*` variables that are not config keys: the test
+/// hooks (`STEPGATE_TEST_CRASH_BEFORE_COMMIT`, …) and the gate simulation's
+/// settings (`STEPGATE_SIM_SEED`, …). No config section has these names.
+pub const NOT_CONFIG_PREFIXES: &[&str] = &["STEPGATE_TEST_", "STEPGATE_SIM_"];
+
+/// Whether a `STEPGATE_*` variable is one stepgate's config leaves alone.
+pub fn is_not_config_variable(name: &str) -> bool {
+    NOT_CONFIG_VARIABLES.contains(&name) || NOT_CONFIG_PREFIXES.iter().any(|p| name.starts_with(p))
 }
 
-fn apply_env(root: &mut toml::Table, env: &[(String, String)]) -> Result<(), ConfigError> {
-    fn walk(
-        table: &mut toml::Table,
-        path: &mut Vec<String>,
-        env: &[(String, String)],
-    ) -> Result<(), ConfigError> {
-        for (k, v) in table.iter_mut() {
-            path.push(k.clone());
-            let is_client_map = path.len() == 2 && path[0] == "kafka" && path[1] == "client";
-            match v {
-                toml::Value::Table(t) if !is_client_map => walk(t, path, env)?,
-                toml::Value::Table(_) => {}
-                leaf => {
-                    let parts: Vec<&str> = path.iter().map(String::as_str).collect();
-                    let name = env_name(&parts);
-                    if let Some((_, raw)) = env.iter().find(|(k, _)| *k == name) {
-                        *leaf = parse_like(leaf, raw).map_err(|message| ConfigError::Env {
-                            var: name.clone(),
-                            message,
-                        })?;
+/// How an environment value is read for a key: as the type of the key.
+#[derive(Debug, Clone, PartialEq)]
+enum Kind {
+    Int,
+    Float,
+    Bool,
+    Str,
+    /// Comma-separated items, or a JSON array.
+    List(Box<Kind>),
+    /// JSON: a table (`input_schema`) or an array of tables (`mcp.auth.tokens`).
+    Json,
+}
+
+/// How the rest of a variable names a key of a name-keyed table.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum MapKeys {
+    /// A librdkafka property: `SSL_CA_LOCATION` → `ssl.ca.location`.
+    Property,
+    /// An HTTP header: `X_API_KEY` → `x-api-key`.
+    Header,
+    /// As written, in lower case: `SUPPORT` → `support`.
+    Lower,
+}
+
+/// One settable key: its variable name (after `STEPGATE_`, or after
+/// `STEPGATE_TOOLS_<TOOL>_` for a tool's), its path and its type.
+#[derive(Debug)]
+struct Leaf {
+    env: String,
+    path: Vec<String>,
+    kind: Kind,
+}
+
+/// A table keyed by names (`[kafka.client]`, a tool's `headers`,
+/// `[mcp.auth.scopes]`): `<env>_<NAME>` sets its entry `NAME`.
+#[derive(Debug)]
+struct MapAt {
+    env: String,
+    path: Vec<String>,
+    kind: Kind,
+    keys: MapKeys,
+}
+
+/// Every key the environment can set, from the typed defaults.
+#[derive(Debug)]
+struct EnvSchema {
+    leaves: Vec<Leaf>,
+    maps: Vec<MapAt>,
+    /// A tool's keys, relative to `[tools.<name>]`.
+    tool_leaves: Vec<Leaf>,
+    tool_maps: Vec<MapAt>,
+}
+
+/// The keys whose default is unset, so that a serialized default does not
+/// show them: given a value here so that the schema knows them and their type
+/// (`every_key_is_in_the_env_schema` checks that none is missed).
+const UNSET_BY_DEFAULT: &str = r#"
+[kafka]
+executor_group = ""
+[kafka.topics]
+calls = ""
+[state]
+decisions_retention = "1d"
+[gate]
+commit_interval = "1s"
+fast_path_timeout = "1s"
+[executor]
+commit_interval = "1s"
+[mcp]
+resource = ""
+[mcp.auth]
+issuer = ""
+jwks_url = ""
+[[mcp.auth.tokens]]
+name = ""
+token = "env:X"
+scopes = []
+"#;
+
+/// A tool with every key set (`mcp`, which excludes `url`, is added in
+/// [`EnvSchema::new`]).
+const TOOL_WITH_EVERY_KEY: &str = r#"
+category = "keyed"
+policy = "in_doubt"
+url = "http://h/x"
+mcp_tool = "x"
+description = ""
+input_schema = { type = "object" }
+timeout = "1s"
+retries = 1
+backoff = "1s"
+record = false
+idempotency_header = "Idempotency-Key"
+idempotency_field = "a"
+annotations = { readOnlyHint = false, idempotentHint = false, destructiveHint = false, openWorldHint = false }
+max_output_bytes = 1
+max_concurrency = 1
+queue_timeout = "1s"
+headers = { H = "v" }
+busy_statuses = [409]
+busy_wait = "1s"
+identity = ["/a"]
+"#;
+
+/// The variable-name form of a key path: upper case, anything but a letter
+/// or digit `_`, parts joined by `_`.
+fn env_part<S: AsRef<str>>(path: &[S]) -> String {
+    let parts: Vec<String> = path
+        .iter()
+        .map(|p| {
+            p.as_ref()
+                .chars()
+                .map(|c| {
+                    if c.is_ascii_alphanumeric() {
+                        c.to_ascii_uppercase()
+                    } else {
+                        '_'
                     }
+                })
+                .collect()
+        })
+        .collect();
+    parts.join("_")
+}
+
+fn kind_of(v: &toml::Value) -> Kind {
+    match v {
+        toml::Value::Integer(_) => Kind::Int,
+        toml::Value::Float(_) => Kind::Float,
+        toml::Value::Boolean(_) => Kind::Bool,
+        toml::Value::Array(a) => match a.first() {
+            Some(toml::Value::Table(_)) => Kind::Json,
+            Some(item) => Kind::List(Box::new(kind_of(item))),
+            None => Kind::List(Box::new(Kind::Str)),
+        },
+        _ => Kind::Str,
+    }
+}
+
+impl EnvSchema {
+    fn new() -> EnvSchema {
+        let mut sample =
+            toml::Table::try_from(Config::default()).expect("the default config serialises");
+        sample.remove("tools");
+        merge(
+            &mut sample,
+            toml::from_str(UNSET_BY_DEFAULT).expect("UNSET_BY_DEFAULT is TOML"),
+        );
+        let mut tool: toml::Table =
+            toml::from_str(TOOL_WITH_EVERY_KEY).expect("TOOL_WITH_EVERY_KEY is TOML");
+        tool.insert("mcp".into(), toml::Value::String(String::new()));
+        let (mut leaves, mut maps) = (Vec::new(), Vec::new());
+        collect(&sample, &mut Vec::new(), false, &mut leaves, &mut maps);
+        let (mut tool_leaves, mut tool_maps) = (Vec::new(), Vec::new());
+        collect(
+            &tool,
+            &mut Vec::new(),
+            true,
+            &mut tool_leaves,
+            &mut tool_maps,
+        );
+        EnvSchema {
+            leaves,
+            maps,
+            tool_leaves,
+            tool_maps,
+        }
+    }
+
+    /// The key a `STEPGATE_*` variable sets, with its type; `Ok(None)` when it
+    /// names none. `root` is the config as read from the file (its tools,
+    /// its map entries).
+    fn target(&self, var: &str, root: &toml::Table) -> Result<Option<(Vec<String>, Kind)>, String> {
+        let Some(rest) = var.strip_prefix("STEPGATE_") else {
+            return Ok(None);
+        };
+        if let Some(t) = find(&self.leaves, &self.maps, rest, root, &[]) {
+            return Ok(Some(t));
+        }
+        let Some(rest) = rest.strip_prefix("TOOLS_") else {
+            return Ok(None);
+        };
+        let tools = root.get("tools").and_then(toml::Value::as_table);
+        let mut found = Vec::new();
+        for (name, t) in tools.into_iter().flatten() {
+            let Some(suffix) = rest
+                .strip_prefix(env_part(&[name]).as_str())
+                .and_then(|s| s.strip_prefix('_'))
+            else {
+                continue;
+            };
+            let empty = toml::Table::new();
+            let t = t.as_table().unwrap_or(&empty);
+            let prefix = ["tools".to_owned(), name.clone()];
+            if let Some(target) = find(&self.tool_leaves, &self.tool_maps, suffix, t, &prefix) {
+                found.push((name, target));
+            }
+        }
+        match found.len() {
+            0 => Ok(None),
+            1 => Ok(found.pop().map(|(_, t)| t)),
+            _ => Err(format!(
+                "names a key of more than one tool ({}): their names differ only in characters that are `_` in a variable name. Rename one of the tools, or set the key in the file",
+                found
+                    .iter()
+                    .map(|(n, (p, _))| format!("`{n}`: `{}`", p.join(".")))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )),
+        }
+    }
+
+    /// Every variable name the config knows, for the nearest-name hint.
+    fn known_names(&self, root: &toml::Table) -> Vec<String> {
+        let mut out: Vec<String> = self
+            .leaves
+            .iter()
+            .map(|l| format!("STEPGATE_{}", l.env))
+            .collect();
+        let entries = |maps: &[MapAt], table: &toml::Table, prefix: &str, out: &mut Vec<String>| {
+            for m in maps {
+                if let Some(t) = lookup(table, &m.path).and_then(toml::Value::as_table) {
+                    out.extend(
+                        t.keys()
+                            .map(|k| format!("{prefix}{}_{}", m.env, env_part(&[k]))),
+                    );
                 }
             }
-            path.pop();
+        };
+        entries(&self.maps, root, "STEPGATE_", &mut out);
+        for (name, t) in root
+            .get("tools")
+            .and_then(toml::Value::as_table)
+            .into_iter()
+            .flatten()
+        {
+            let prefix = format!("STEPGATE_TOOLS_{}_", env_part(&[name]));
+            out.extend(
+                self.tool_leaves
+                    .iter()
+                    .map(|l| format!("{prefix}{}", l.env)),
+            );
+            if let Some(t) = t.as_table() {
+                entries(&self.tool_maps, t, &prefix, &mut out);
+            }
         }
-        Ok(())
+        out.extend(NOT_CONFIG_VARIABLES.iter().map(|s| s.to_string()));
+        out
     }
-    walk(root, &mut Vec::new(), env)?;
-    // librdkafka properties: STEPGATE_KAFKA_CLIENT_SSL_CA_LOCATION → ssl.ca.location
-    let prefix = "STEPGATE_KAFKA_CLIENT_";
-    let client = root
-        .get_mut("kafka")
-        .and_then(|k| k.as_table_mut())
-        .and_then(|k| {
-            k.entry("client")
-                .or_insert_with(|| toml::Value::Table(toml::Table::new()))
-                .as_table_mut()
+}
+
+/// The leaves and name-keyed tables under `table`.
+fn collect(
+    table: &toml::Table,
+    path: &mut Vec<String>,
+    tool: bool,
+    leaves: &mut Vec<Leaf>,
+    maps: &mut Vec<MapAt>,
+) {
+    for (k, v) in table {
+        path.push(k.clone());
+        let p: Vec<&str> = path.iter().map(String::as_str).collect();
+        let map = match (tool, p.as_slice()) {
+            (false, ["kafka", "client"]) => Some((MapKeys::Property, Kind::Str)),
+            (false, ["mcp", "auth", "scopes"]) => {
+                Some((MapKeys::Lower, Kind::List(Box::new(Kind::Str))))
+            }
+            (true, ["headers"]) => Some((MapKeys::Header, Kind::Str)),
+            _ => None,
+        };
+        let json = tool && p.as_slice() == ["input_schema"];
+        match (map, v) {
+            (Some((keys, kind)), _) => maps.push(MapAt {
+                env: env_part(path),
+                path: path.clone(),
+                kind,
+                keys,
+            }),
+            (None, toml::Value::Table(t)) if !json => collect(t, path, tool, leaves, maps),
+            (None, v) => leaves.push(Leaf {
+                env: env_part(path),
+                path: path.clone(),
+                kind: if json { Kind::Json } else { kind_of(v) },
+            }),
+        }
+        path.pop();
+    }
+}
+
+fn lookup<'a>(table: &'a toml::Table, path: &[String]) -> Option<&'a toml::Value> {
+    let (first, rest) = path.split_first()?;
+    let v = table.get(first)?;
+    if rest.is_empty() {
+        Some(v)
+    } else {
+        lookup(v.as_table()?, rest)
+    }
+}
+
+/// The key `rest` (a variable name without its prefix) sets among `leaves`
+/// and `maps`; `table` holds the entries the file gave the maps, and `prefix`
+/// goes before the path.
+fn find(
+    leaves: &[Leaf],
+    maps: &[MapAt],
+    rest: &str,
+    table: &toml::Table,
+    prefix: &[String],
+) -> Option<(Vec<String>, Kind)> {
+    let full = |p: &[String]| prefix.iter().chain(p).cloned().collect::<Vec<_>>();
+    if let Some(l) = leaves.iter().find(|l| l.env == rest) {
+        return Some((full(&l.path), l.kind.clone()));
+    }
+    for m in maps {
+        let Some(name) = rest
+            .strip_prefix(m.env.as_str())
+            .and_then(|r| r.strip_prefix('_'))
+            .filter(|r| !r.is_empty())
+        else {
+            continue;
+        };
+        // An entry the file has, under its own spelling; else the rule.
+        let existing = lookup(table, &m.path)
+            .and_then(toml::Value::as_table)
+            .and_then(|t| t.keys().find(|k| env_part(&[k]) == name).cloned());
+        let key = existing.unwrap_or_else(|| {
+            let lower = name.to_ascii_lowercase();
+            match m.keys {
+                MapKeys::Property => lower.replace('_', "."),
+                MapKeys::Header => lower.replace('_', "-"),
+                MapKeys::Lower => lower,
+            }
         });
-    if let Some(client) = client {
-        for (k, v) in env {
-            if let Some(rest) = k.strip_prefix(prefix) {
-                let prop = rest.to_ascii_lowercase().replace('_', ".");
-                client.insert(prop, toml::Value::String(v.clone()));
+        let mut path = full(&m.path);
+        path.push(key);
+        return Some((path, m.kind.clone()));
+    }
+    None
+}
+
+/// Set `path` in `root` to `value`, making the tables on the way.
+fn set_at(root: &mut toml::Table, path: &[String], value: toml::Value) {
+    let (last, parents) = path.split_last().expect("a key path is not empty");
+    let mut table = root;
+    for p in parents {
+        let entry = table
+            .entry(p.clone())
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        if !entry.is_table() {
+            *entry = toml::Value::Table(toml::Table::new());
+        }
+        table = entry.as_table_mut().expect("made a table above");
+    }
+    table.insert(last.clone(), value);
+}
+
+/// An environment value read as the key's type. An error never quotes a
+/// string value (it may be a secret).
+fn parse_env_value(kind: &Kind, raw: &str) -> Result<toml::Value, String> {
+    let t = raw.trim();
+    Ok(match kind {
+        Kind::Int => toml::Value::Integer(
+            t.parse()
+                .map_err(|_| format!("expected an integer, got `{raw}`"))?,
+        ),
+        Kind::Float => toml::Value::Float(
+            t.parse()
+                .map_err(|_| format!("expected a number, got `{raw}`"))?,
+        ),
+        Kind::Bool => toml::Value::Boolean(
+            t.parse()
+                .map_err(|_| format!("expected true or false, got `{raw}`"))?,
+        ),
+        Kind::Str => toml::Value::String(raw.to_owned()),
+        Kind::List(_) if t.starts_with('[') => parse_json(t)?,
+        Kind::List(item) => toml::Value::Array(
+            t.split(',')
+                .map(str::trim)
+                .filter(|s| !s.is_empty())
+                .map(|s| parse_env_value(item, s))
+                .collect::<Result<_, _>>()?,
+        ),
+        Kind::Json => parse_json(t)?,
+    })
+}
+
+fn parse_json(t: &str) -> Result<toml::Value, String> {
+    let v: serde_json::Value =
+        serde_json::from_str(t).map_err(|e| format!("expected JSON ({e})"))?;
+    toml::Value::try_from(v).map_err(|_| "this JSON has no TOML form (a `null` has none)".into())
+}
+
+/// Every `env:NAME` a string value of the config names.
+fn env_references(v: &toml::Value, out: &mut Vec<String>) {
+    match v {
+        toml::Value::String(s) => {
+            if let Some(name) = s.strip_prefix("env:") {
+                out.push(name.to_owned());
+            }
+        }
+        toml::Value::Array(a) => a.iter().for_each(|v| env_references(v, out)),
+        toml::Value::Table(t) => t.values().for_each(|v| env_references(v, out)),
+        _ => {}
+    }
+}
+
+/// Apply the `STEPGATE_*` variables of `env` to `root` (the defaults with the
+/// file over them). Each must set a key (then read as the key's type), be in
+/// [`NOT_CONFIG_VARIABLES`]/[`NOT_CONFIG_PREFIXES`], or be named by an `env:`
+/// value of the config; any other is refused, with the nearest known name.
+fn apply_env(root: &mut toml::Table, env: &[(String, String)]) -> Result<(), ConfigError> {
+    let schema = EnvSchema::new();
+    let mut unknown = Vec::new();
+    let mut sets = Vec::new();
+    for (var, raw) in env {
+        match schema.target(var, root) {
+            Ok(Some((path, kind))) => {
+                let value = parse_env_value(&kind, raw).map_err(|message| ConfigError::Env {
+                    var: var.clone(),
+                    message,
+                })?;
+                sets.push((path, value));
+            }
+            Ok(None) => unknown.push(var),
+            Err(message) => {
+                return Err(ConfigError::Env {
+                    var: var.clone(),
+                    message,
+                });
             }
         }
     }
+    for (path, value) in sets {
+        set_at(root, &path, value);
+    }
+    let mut referenced = Vec::new();
+    env_references(&toml::Value::Table(root.clone()), &mut referenced);
+    unknown.sort();
+    if let Some(var) = unknown
+        .into_iter()
+        .find(|v| !is_not_config_variable(v) && !referenced.contains(v))
+    {
+        let nearest = schema
+            .known_names(root)
+            .into_iter()
+            .min_by_key(|k| strsim::levenshtein(k, var))
+            .unwrap_or_default();
+        let tools = if var.starts_with("STEPGATE_TOOLS_") {
+            " (the environment sets the keys of the tools the config file defines: a tool is added in the file)"
+        } else {
+            ""
+        };
+        return Err(ConfigError::Env {
+            var: var.clone(),
+            message: format!(
+                "is not a stepgate setting; did you mean `{nearest}`? Every `STEPGATE_*` variable sets a config key (`[section] key` is `STEPGATE_SECTION_KEY`){tools}: correct its name, or unset it"
+            ),
+        });
+    }
     Ok(())
-}
-
-fn parse_like(existing: &toml::Value, raw: &str) -> Result<toml::Value, String> {
-    Ok(match existing {
-        toml::Value::Integer(_) => toml::Value::Integer(
-            raw.trim()
-                .parse()
-                .map_err(|_| format!("expected an integer, got `{raw}`"))?,
-        ),
-        toml::Value::Boolean(_) => toml::Value::Boolean(
-            raw.trim()
-                .parse()
-                .map_err(|_| format!("expected true or false, got `{raw}`"))?,
-        ),
-        _ => toml::Value::String(raw.to_owned()),
-    })
 }
 
 #[cfg(test)]
@@ -1476,5 +2007,370 @@ timeout = "5s"
         assert_eq!(default_instance_id(), default_instance_id());
         assert_eq!(KafkaConfig::default().instance_id, default_instance_id());
         assert!(!default_instance_id().is_empty());
+    }
+
+    #[test]
+    fn client_properties_that_break_the_guarantee_are_refused() {
+        // Each refused property, with what its message must say.
+        let cases = [
+            ("isolation.level", "read_uncommitted", "read_committed"),
+            ("enable.auto.commit", "true", "inside each transaction"),
+            (
+                "enable.auto.offset.store",
+                "true",
+                "only inside each transaction",
+            ),
+            ("auto.offset.reset", "latest", "would skip intents"),
+            (
+                "partition.assignment.strategy",
+                "roundrobin",
+                "range assignment",
+            ),
+            ("group.protocol", "consumer", "KIP-848"),
+            ("group.remote.assignor", "uniform", "broker-side assignor"),
+            ("group.id", "g", "set `kafka.gate_group` instead"),
+            ("group.instance.id", "i", "set `kafka.instance_id` instead"),
+            ("transactional.id", "t", "fences its predecessor"),
+            ("enable.idempotence", "false", "idempotent producer"),
+            ("acks", "1", "acks=all"),
+            ("request.required.acks", "1", "acks=all"),
+            ("max.in.flight.requests.per.connection", "20", "at most 5"),
+            ("max.in.flight", "20", "at most 5"),
+            ("transaction.timeout.ms", "60000", "set that instead"),
+            ("session.timeout.ms", "60000", "`kafka.session_timeout`"),
+            ("bootstrap.servers", "h:9092", "`kafka.brokers`"),
+        ];
+        assert_eq!(cases.len(), REFUSED_CLIENT_PROPERTIES.len());
+        for (name, value, says) in cases {
+            let e = Config::from_toml_str(
+                &format!("[kafka.client]\n\"{name}\" = \"{value}\"\n"),
+                env(&[]),
+            )
+            .unwrap_err()
+            .to_string();
+            assert!(e.contains(&format!("kafka.client.\"{name}\"")), "{e}");
+            assert!(
+                e.contains("cannot be set") && e.contains(says),
+                "{name}: {e}"
+            );
+            // From the environment too.
+            let var = format!("STEPGATE_KAFKA_CLIENT_{}", env_part(&[name]));
+            let e = Config::from_toml_str("", env(&[(var.as_str(), value)]))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(says), "{var}: {e}");
+        }
+        // In any case.
+        let e = Config::from_toml_str("[kafka.client]\n\"ACKS\" = \"1\"\n", env(&[])).unwrap_err();
+        assert!(e.to_string().contains("acks=all"), "{e}");
+        // What stepgate does not rely on passes through.
+        let c = Config::from_toml_str(
+            "[kafka.client]\n\"security.protocol\" = \"ssl\"\npartitioner = \"murmur2_random\"\n\
+             \"message.max.bytes\" = \"2000000\"\n\"linger.ms\" = \"5\"\n",
+            env(&[]),
+        )
+        .unwrap();
+        assert_eq!(c.kafka.client["partitioner"], "murmur2_random");
+    }
+
+    #[test]
+    fn every_property_stepgate_sets_is_refused_or_tunable() {
+        // What stepgate sets that an operator may tune (performance, not the
+        // guarantee). Anything else it sets must be refused in `[kafka.client]`.
+        const TUNABLE: [&str; 7] = [
+            "linger.ms",
+            "message.max.bytes",
+            "max.poll.interval.ms",
+            "statistics.interval.ms",
+            "fetch.wait.max.ms",
+            "queued.max.messages.kbytes",
+            "fetch.queue.backoff.ms",
+        ];
+        let k = KafkaConfig::default();
+        let consumer = crate::kafka::txn_consumer_config(&k, "g", "i");
+        let producer = crate::kafka::txn_producer_config(&k, "t");
+        for (name, _) in consumer
+            .config_map()
+            .into_iter()
+            .chain(producer.config_map())
+        {
+            assert!(
+                TUNABLE.contains(&name) || refused_client_property(name).is_some(),
+                "stepgate sets `{name}`: refuse it in [kafka.client] (REFUSED_CLIENT_PROPERTIES) or list it as tunable here"
+            );
+        }
+    }
+
+    #[test]
+    fn env_sets_keys_the_file_does_not_have() {
+        let c = Config::from_toml_str(
+            SAMPLE,
+            env(&[
+                ("STEPGATE_STATE_DECISIONS_RETENTION", "30d"),
+                ("STEPGATE_MCP_RESOURCE", "https://mcp.example.com/mcp"),
+                ("STEPGATE_MCP_ALLOWED_HOSTS", "a.example, b.example"),
+                ("STEPGATE_MCP_AUTH_SCOPES_SUPPORT", "send_email"),
+                ("STEPGATE_TOOLS_SEND_EMAIL_MAX_CONCURRENCY", "4"),
+                ("STEPGATE_TOOLS_SEND_EMAIL_RECORD", "true"),
+                ("STEPGATE_TOOLS_SEND_EMAIL_BUSY_STATUSES", "409,503"),
+                ("STEPGATE_TOOLS_SEND_EMAIL_IDENTITY", "[\"to\", \"/cc\"]"),
+                (
+                    "STEPGATE_TOOLS_SEND_EMAIL_HEADERS_X_API_KEY",
+                    "env:MAIL_KEY",
+                ),
+                (
+                    "STEPGATE_TOOLS_SEND_EMAIL_ANNOTATIONS_READONLYHINT",
+                    "false",
+                ),
+                (
+                    "STEPGATE_TOOLS_SEND_EMAIL_INPUT_SCHEMA",
+                    r#"{"type": "object", "required": ["to"]}"#,
+                ),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(
+            c.state.decisions_retention.unwrap().0,
+            Duration::from_secs(30 * 86400)
+        );
+        assert_eq!(
+            c.mcp.resource.as_deref(),
+            Some("https://mcp.example.com/mcp")
+        );
+        assert_eq!(c.mcp.allowed_hosts, ["a.example", "b.example"]);
+        assert_eq!(c.mcp.auth.scopes["support"], ["send_email"]);
+        let t = &c.tools["send_email"];
+        assert_eq!(t.max_concurrency, Some(4));
+        assert!(t.record);
+        assert_eq!(t.busy_statuses, [409, 503]);
+        assert_eq!(t.identity, ["/to", "/cc"]);
+        assert_eq!(
+            t.headers["x-api-key"].source,
+            HeaderSource::Env("MAIL_KEY".into())
+        );
+        assert_eq!(t.annotations.unwrap().read_only, Some(false));
+        assert_eq!(t.input_schema.as_ref().unwrap()["required"][0], "to");
+        // A value of the wrong type names the variable, and never quotes JSON.
+        let e = Config::from_toml_str(
+            SAMPLE,
+            env(&[("STEPGATE_TOOLS_SEND_EMAIL_INPUT_SCHEMA", "{hunter2")]),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("STEPGATE_TOOLS_SEND_EMAIL_INPUT_SCHEMA"), "{e}");
+        assert!(e.contains("expected JSON") && !e.contains("hunter2"), "{e}");
+        let e = Config::from_toml_str(
+            SAMPLE,
+            env(&[("STEPGATE_TOOLS_SEND_EMAIL_BUSY_STATUSES", "409,soon")]),
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("expected an integer"), "{e}");
+    }
+
+    #[test]
+    fn a_misspelled_variable_is_refused_naming_the_nearest() {
+        for (var, nearest) in [
+            ("STEPGATE_GATE_MAX_BATHC", "STEPGATE_GATE_MAX_BATCH"),
+            ("STEPGATE_KAFKA_BROKER", "STEPGATE_KAFKA_BROKERS"),
+            ("STEPGATE_STATE_RETENTON", "STEPGATE_STATE_RETENTION"),
+            (
+                "STEPGATE_TOOLS_SEND_MAIL_URL",
+                "STEPGATE_TOOLS_SEND_EMAIL_URL",
+            ),
+            (
+                "STEPGATE_TOOLS_SEND_EMAIL_TIMEOUTS",
+                "STEPGATE_TOOLS_SEND_EMAIL_TIMEOUT",
+            ),
+            ("STEPGATE_CONFIGG", "STEPGATE_CONFIG"),
+        ] {
+            let e = Config::from_toml_str(SAMPLE, env(&[(var, "1")]))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(var), "{e}");
+            assert!(e.contains("is not a stepgate setting"), "{e}");
+            assert!(
+                e.contains(&format!("did you mean `{nearest}`?")),
+                "{var}: {e}"
+            );
+        }
+        // A tool the file does not define is not made from the environment.
+        let e = Config::from_toml_str(SAMPLE, env(&[("STEPGATE_TOOLS_REFUND_URL", "http://h/r")]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("a tool is added in the file"), "{e}");
+    }
+
+    #[test]
+    fn variables_that_are_not_config_keys_are_accepted() {
+        let mut vars: Vec<(&str, &str)> = NOT_CONFIG_VARIABLES.iter().map(|v| (*v, "1")).collect();
+        vars.extend([
+            ("STEPGATE_TEST_CRASH_BEFORE_COMMIT", "1"),
+            ("STEPGATE_SIM_SEED", "7"),
+            // Named by the config: a header's value comes from it.
+            ("STEPGATE_PAY_TOKEN", "Bearer x"),
+            ("PATH", "/bin"),
+        ]);
+        let c = Config::from_toml_str(
+            "[tools.pay]\ncategory = \"keyed\"\nurl = \"http://h/pay\"\n\
+             headers = { Authorization = \"env:STEPGATE_PAY_TOKEN\" }\n",
+            env(&vars),
+        )
+        .unwrap();
+        assert_eq!(c.tools["pay"].url, "http://h/pay");
+        // The same variable, named by nothing, is refused.
+        let e = Config::from_toml_str("", env(&[("STEPGATE_PAY_TOKEN", "Bearer x")])).unwrap_err();
+        assert!(e.to_string().contains("not a stepgate setting"), "{e}");
+    }
+
+    #[test]
+    fn the_cli_variables_are_allow_listed() {
+        use clap::CommandFactory;
+        fn walk(cmd: &clap::Command, found: &mut Vec<String>) {
+            for a in cmd.get_arguments() {
+                if let Some(v) = a.get_env() {
+                    found.push(v.to_string_lossy().into_owned());
+                }
+            }
+            for sub in cmd.get_subcommands() {
+                walk(sub, found);
+            }
+        }
+        let mut found = Vec::new();
+        walk(&crate::cli::Cli::command(), &mut found);
+        assert!(found.contains(&"STEPGATE_CONFIG".to_owned()), "{found:?}");
+        for v in found.iter().filter(|v| v.starts_with("STEPGATE_")) {
+            assert!(
+                is_not_config_variable(v),
+                "the CLI reads {v}: add it to NOT_CONFIG_VARIABLES"
+            );
+        }
+    }
+
+    #[test]
+    fn tool_names_with_underscores_resolve_against_the_file() {
+        let tools = "[tools.a]\ncategory = \"keyed\"\nurl = \"http://h/a\"\n\
+                     [tools.a_b]\ncategory = \"keyed\"\nurl = \"http://h/ab\"\n\
+                     [tools.send-email]\ncategory = \"keyed\"\nurl = \"http://h/s\"\n";
+        let c = Config::from_toml_str(
+            tools,
+            env(&[
+                ("STEPGATE_TOOLS_A_B_URL", "http://h/ab2"),
+                ("STEPGATE_TOOLS_A_RETRIES", "5"),
+                ("STEPGATE_TOOLS_SEND_EMAIL_RETRIES", "4"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(c.tools["a_b"].url, "http://h/ab2");
+        assert_eq!(c.tools["a"].url, "http://h/a");
+        assert_eq!(c.tools["a"].retries, 5);
+        assert_eq!(c.tools["send-email"].retries, 4);
+        // Fits two tools: `p`'s header `url`, and `p_headers`'s url. Refused.
+        let e = Config::from_toml_str(
+            "[tools.p]\ncategory = \"keyed\"\nurl = \"http://h/p\"\n\
+             [tools.p_headers]\ncategory = \"keyed\"\nurl = \"http://h/ph\"\n",
+            env(&[("STEPGATE_TOOLS_P_HEADERS_URL", "http://h/x")]),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("more than one tool"), "{e}");
+        assert!(e.contains("`p`: `tools.p.headers.url`"), "{e}");
+        assert!(e.contains("`p_headers`: `tools.p_headers.url`"), "{e}");
+    }
+
+    /// The fields a type's `Deserialize` asks for (its `deserialize_struct`).
+    fn fields_of<T: serde::de::DeserializeOwned>() -> &'static [&'static str] {
+        use serde::de::{Error as _, Visitor};
+        struct Probe(std::cell::Cell<&'static [&'static str]>);
+        impl<'de> serde::Deserializer<'de> for &Probe {
+            type Error = serde::de::value::Error;
+            fn deserialize_any<V: Visitor<'de>>(self, _: V) -> Result<V::Value, Self::Error> {
+                Err(Self::Error::custom("probe"))
+            }
+            fn deserialize_struct<V: Visitor<'de>>(
+                self,
+                _: &'static str,
+                fields: &'static [&'static str],
+                _: V,
+            ) -> Result<V::Value, Self::Error> {
+                self.0.set(fields);
+                Err(Self::Error::custom("probe"))
+            }
+            serde::forward_to_deserialize_any! {
+                bool i8 i16 i32 i64 i128 u8 u16 u32 u64 u128 f32 f64 char str string
+                bytes byte_buf option unit unit_struct newtype_struct seq tuple
+                tuple_struct map enum identifier ignored_any
+            }
+        }
+        let probe = Probe(std::cell::Cell::new(&[]));
+        let _ = T::deserialize(&probe);
+        probe.0.get()
+    }
+
+    #[test]
+    fn every_key_is_in_the_env_schema() {
+        let s = EnvSchema::new();
+        let settable = |leaves: &[Leaf], maps: &[MapAt], path: &[&str]| {
+            leaves.iter().any(|l| {
+                l.path
+                    .starts_with(&path.iter().map(|p| p.to_string()).collect::<Vec<_>>())
+            }) || maps.iter().any(|m| m.path == path)
+        };
+        let fixed = [
+            ("", fields_of::<Config>()),
+            ("kafka", fields_of::<KafkaConfig>()),
+            ("kafka.topics", fields_of::<TopicsConfig>()),
+            ("state", fields_of::<StateConfig>()),
+            ("gate", fields_of::<GateConfig>()),
+            ("executor", fields_of::<ExecutorConfig>()),
+            ("http", fields_of::<HttpConfig>()),
+            ("log", fields_of::<LogConfig>()),
+            ("mcp", fields_of::<McpConfig>()),
+            ("mcp.auth", fields_of::<McpAuthConfig>()),
+        ];
+        for (at, fields) in fixed {
+            assert!(!fields.is_empty(), "{at}");
+            for f in fields {
+                let path: Vec<&str> = at
+                    .split('.')
+                    .filter(|p| !p.is_empty())
+                    .chain([*f])
+                    .collect();
+                if path == ["tools"] {
+                    continue;
+                }
+                assert!(
+                    settable(&s.leaves, &s.maps, &path),
+                    "`{}` cannot be set from the environment: give it a value in UNSET_BY_DEFAULT",
+                    path.join(".")
+                );
+            }
+        }
+        for (at, fields) in [
+            ("", fields_of::<ToolConfig>()),
+            ("annotations", fields_of::<ToolAnnotations>()),
+        ] {
+            assert!(!fields.is_empty(), "tools.*.{at}");
+            for f in fields {
+                let path: Vec<&str> = at
+                    .split('.')
+                    .filter(|p| !p.is_empty())
+                    .chain([*f])
+                    .collect();
+                assert!(
+                    settable(&s.tool_leaves, &s.tool_maps, &path),
+                    "`tools.<name>.{}` cannot be set from the environment: give it a value in TOOL_WITH_EVERY_KEY",
+                    path.join(".")
+                );
+            }
+        }
+        // The samples are real configs, and no two keys share a variable.
+        let _: ToolConfig = toml::from_str(TOOL_WITH_EVERY_KEY).unwrap();
+        let mut sample = toml::Table::try_from(Config::default()).unwrap();
+        merge(&mut sample, toml::from_str(UNSET_BY_DEFAULT).unwrap());
+        let _: Config = toml::Value::Table(sample).try_into().unwrap();
+        let mut names: Vec<&str> = s.leaves.iter().map(|l| l.env.as_str()).collect();
+        names.sort();
+        names.dedup();
+        assert_eq!(names.len(), s.leaves.len());
     }
 }
