@@ -23,13 +23,17 @@
 
 use super::Try;
 use crate::contract::{Call, ErrorBody, Outcome, Texts};
+use crate::redact::redact_url_in;
 use crate::tools::ToolConfig;
 use reqwest::header::HeaderMap;
 use rmcp::model::{CallToolRequestParams, CallToolResult, ClientCapabilities, ClientConfig};
 use rmcp::model::{ContentBlock, ErrorCode, Implementation};
 use rmcp::service::{RoleClient, RunningService, ServiceError, ServiceExt};
 use rmcp::transport::StreamableHttpClientTransport;
-use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
+use rmcp::transport::streamable_http_client::{
+    SseError, StreamableHttpClient, StreamableHttpClientTransportConfig, StreamableHttpError,
+    StreamableHttpPostResponse, StreamableHttpResponseLimits,
+};
 use serde_json::{Map, Value, json};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -39,6 +43,134 @@ use tokio::sync::Mutex;
 pub const META_IDEMPOTENCY_KEY: &str = "idempotency_key";
 
 type Session = RunningService<RoleClient, ClientConfig>;
+
+/// The HTTP client of MCP sessions: reqwest's, its errors without their URL.
+/// A reqwest error prints the URL it was for, query and all (`?token=…`), and
+/// rmcp puts transport errors into its own log lines and into the errors it
+/// returns; every text below goes through [`redact_url_in`] as well.
+#[derive(Clone)]
+struct WithoutUrls(reqwest::Client);
+
+fn url_free(e: StreamableHttpError<reqwest::Error>) -> StreamableHttpError<reqwest::Error> {
+    match e {
+        StreamableHttpError::Client(e) => StreamableHttpError::Client(e.without_url()),
+        other => other,
+    }
+}
+
+type Headers = HashMap<reqwest::header::HeaderName, reqwest::header::HeaderValue>;
+type Events = futures::stream::BoxStream<'static, Result<sse_stream::Sse, SseError>>;
+
+impl StreamableHttpClient for WithoutUrls {
+    type Error = reqwest::Error;
+
+    async fn post_message(
+        &self,
+        uri: Arc<str>,
+        message: rmcp::model::ClientJsonRpcMessage,
+        session_id: Option<Arc<str>>,
+        auth_header: Option<String>,
+        custom_headers: Headers,
+    ) -> Result<StreamableHttpPostResponse, StreamableHttpError<reqwest::Error>> {
+        self.0
+            .post_message(uri, message, session_id, auth_header, custom_headers)
+            .await
+            .map_err(url_free)
+    }
+
+    async fn post_message_with_max_sse_event_size(
+        &self,
+        uri: Arc<str>,
+        message: rmcp::model::ClientJsonRpcMessage,
+        session_id: Option<Arc<str>>,
+        auth_header: Option<String>,
+        custom_headers: Headers,
+        max_sse_event_size: usize,
+    ) -> Result<StreamableHttpPostResponse, StreamableHttpError<reqwest::Error>> {
+        self.0
+            .post_message_with_max_sse_event_size(
+                uri,
+                message,
+                session_id,
+                auth_header,
+                custom_headers,
+                max_sse_event_size,
+            )
+            .await
+            .map_err(url_free)
+    }
+
+    async fn post_message_with_response_limits(
+        &self,
+        uri: Arc<str>,
+        message: rmcp::model::ClientJsonRpcMessage,
+        session_id: Option<Arc<str>>,
+        auth_header: Option<String>,
+        custom_headers: Headers,
+        limits: StreamableHttpResponseLimits,
+    ) -> Result<StreamableHttpPostResponse, StreamableHttpError<reqwest::Error>> {
+        self.0
+            .post_message_with_response_limits(
+                uri,
+                message,
+                session_id,
+                auth_header,
+                custom_headers,
+                limits,
+            )
+            .await
+            .map_err(url_free)
+    }
+
+    async fn delete_session(
+        &self,
+        uri: Arc<str>,
+        session_id: Arc<str>,
+        auth_header: Option<String>,
+        custom_headers: Headers,
+    ) -> Result<(), StreamableHttpError<reqwest::Error>> {
+        self.0
+            .delete_session(uri, session_id, auth_header, custom_headers)
+            .await
+            .map_err(url_free)
+    }
+
+    async fn get_stream(
+        &self,
+        uri: Arc<str>,
+        session_id: Option<Arc<str>>,
+        last_event_id: Option<String>,
+        auth_header: Option<String>,
+        custom_headers: Headers,
+    ) -> Result<Events, StreamableHttpError<reqwest::Error>> {
+        self.0
+            .get_stream(uri, session_id, last_event_id, auth_header, custom_headers)
+            .await
+            .map_err(url_free)
+    }
+
+    async fn get_stream_with_max_sse_event_size(
+        &self,
+        uri: Arc<str>,
+        session_id: Option<Arc<str>>,
+        last_event_id: Option<String>,
+        auth_header: Option<String>,
+        custom_headers: Headers,
+        max_sse_event_size: usize,
+    ) -> Result<Events, StreamableHttpError<reqwest::Error>> {
+        self.0
+            .get_stream_with_max_sse_event_size(
+                uri,
+                session_id,
+                last_event_id,
+                auth_header,
+                custom_headers,
+                max_sse_event_size,
+            )
+            .await
+            .map_err(url_free)
+    }
+}
 /// One endpoint's session, once opened. Each call holds it while its request
 /// runs: a session taken out of its slot is closed when its last call ends.
 type Slot = Arc<Mutex<Option<Arc<Session>>>>;
@@ -87,7 +219,8 @@ impl McpSessions {
                     .saturating_mul(2)
                     .max(65_536),
             );
-        let transport = StreamableHttpClientTransport::with_client(http.clone(), config);
+        let transport =
+            StreamableHttpClientTransport::with_client(WithoutUrls(http.clone()), config);
         let client = ClientConfig::new(
             ClientCapabilities::default(),
             Implementation::new("stepgate", env!("CARGO_PKG_VERSION")),
@@ -100,7 +233,9 @@ impl McpSessions {
                     humantime::format_duration(tool.timeout.0)
                 )
             })?
-            .map_err(|e| format!("no MCP session could be opened ({e})"))?;
+            .map_err(|e| {
+                redact_url_in(&format!("no MCP session could be opened ({e})"), &tool.url)
+            })?;
         let session = Arc::new(session);
         *open = Some(session.clone());
         Ok(session)
@@ -187,14 +322,18 @@ pub(super) async fn try_once(
         Ok(Err(ServiceError::McpError(e))) if refused(e.code) => Try::Done(Outcome::Error {
             error: ErrorBody {
                 kind: "tool_refused".into(),
-                message: Texts::mcp_refused(&step.tool, e.code.0, &e.message),
+                message: Texts::mcp_refused(
+                    &step.tool,
+                    e.code.0,
+                    &redact_url_in(&e.message, &tool.url),
+                ),
             },
         }),
         Ok(Err(e)) => {
             if transport_broken(&session, &e) {
                 sessions.retire(&tool.url, &session).await;
             }
-            Try::MaybeRan(format!("MCP: {e}"))
+            Try::MaybeRan(redact_url_in(&format!("MCP: {e}"), &tool.url))
         }
     }
 }
@@ -227,7 +366,7 @@ fn outcome(tool: &ToolConfig, name: &str, result: CallToolResult) -> Outcome {
         return Outcome::Error {
             error: ErrorBody {
                 kind: "tool_error".into(),
-                message: Texts::tool_reported_error(name, &text()),
+                message: Texts::tool_reported_error(name, &redact_url_in(&text(), &tool.url)),
             },
         };
     }

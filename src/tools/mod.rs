@@ -395,7 +395,10 @@ impl ToolRegistry {
             let body = read_prefix(&mut resp, ERROR_BODY_PREFIX).await;
             // A refusal often quotes the credential it refused ("invalid API
             // key …"); the excerpt goes to a model and into Kafka records.
-            let excerpt = without_secrets(&String::from_utf8_lossy(&body), extra_headers);
+            let excerpt = crate::redact::redact_url_in(
+                &without_secrets(&String::from_utf8_lossy(&body), extra_headers),
+                &tool.url,
+            );
             return Try::Done(Outcome::Error {
                 error: ErrorBody {
                     kind: "tool_refused".into(),
@@ -526,6 +529,8 @@ fn in_doubt(tool: &str, detail: &str) -> Outcome {
     }
 }
 
+/// A transport error as text: what happened, never the URL (reqwest's own
+/// text names it, with any credential in it).
 fn describe(e: &reqwest::Error) -> String {
     if e.is_timeout() {
         "timed out".into()

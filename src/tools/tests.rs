@@ -838,3 +838,85 @@ async fn an_output_nested_deeper_than_arguments_may_be_is_an_error_that_says_it_
         error.message
     );
 }
+
+/// A port nothing listens on (bound, then dropped).
+fn closed_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().port()
+}
+
+/// The texts of an outcome that a model, a record or a log gets.
+fn texts(o: &Outcome) -> String {
+    format!("{o:?} {}", serde_json::to_string(o).unwrap())
+}
+
+#[tokio::test]
+async fn an_http_tool_url_with_credentials_never_reaches_an_error_text() {
+    let secret_url = |addr: &str| {
+        format!("http://bot:hunter2-pw@{addr}/r?api_key=hunter3-key&signature=hunter4-sig&q=1")
+    };
+    // Nothing listens: refused, for every try.
+    let url = secret_url(&format!("127.0.0.1:{}", closed_port()));
+    let o = registry_with("keyed", &url, "timeout = \"2s\"\nbackoff = \"10ms\"\n")
+        .invoke(&call())
+        .await;
+    assert_eq!(kind(&o), ("error", "tool_unreachable".into()));
+    let t = texts(&o);
+    assert!(t.contains("connection refused"), "{t}");
+    for secret in ["hunter2", "hunter3", "hunter4"] {
+        assert!(!t.contains(secret), "{t}");
+    }
+    // A tool that times out: in doubt, with no URL either.
+    let (slow, _, _) = server(vec![200], Duration::from_secs(5)).await;
+    let addr = slow.trim_start_matches("http://").trim_end_matches("/r");
+    let o = registry_with("unkeyed", &secret_url(addr), "timeout = \"200ms\"\n")
+        .invoke(&call())
+        .await;
+    assert_eq!(kind(&o).0, "in_doubt");
+    let t = texts(&o);
+    assert!(t.contains("timed out"), "{t}");
+    assert!(!t.contains("hunter"), "{t}");
+    // A refusal that quotes the request's URL: its credentials are cut out.
+    let addr = serve(|_| {
+        Router::new().route(
+            "/r",
+            post(|uri: axum::http::Uri| async move {
+                (StatusCode::FORBIDDEN, format!("no access for {uri}"))
+            }),
+        )
+    })
+    .await;
+    let o = registry_with("keyed", &secret_url(&addr.to_string()), "")
+        .invoke(&call())
+        .await;
+    assert_eq!(kind(&o), ("error", "tool_refused".into()));
+    let t = texts(&o);
+    assert!(t.contains("no access for /r?api_key=redacted"), "{t}");
+    assert!(!t.contains("hunter"), "{t}");
+}
+
+#[tokio::test]
+async fn an_mcp_tool_url_with_credentials_never_reaches_an_error_text() {
+    let url = format!(
+        "http://bot:hunter2-pw@127.0.0.1:{}/mcp?access_token=hunter3-tok&key=hunter4-key",
+        closed_port()
+    );
+    let cfg = Config::from_toml_str(
+        &format!(
+            "[tools.t]\ncategory = \"keyed\"\nmcp = \"{url}\"\ntimeout = \"2s\"\nbackoff = \"10ms\"\n"
+        ),
+        Vec::new(),
+    )
+    .unwrap();
+    let o = ToolRegistry::new(&cfg.tools, cfg.executor.concurrency)
+        .invoke(&call())
+        .await;
+    assert_eq!(kind(&o), ("error", "tool_unreachable".into()));
+    let t = texts(&o);
+    assert!(t.contains("no MCP session could be opened"), "{t}");
+    for secret in ["hunter2", "hunter3", "hunter4"] {
+        assert!(!t.contains(secret), "{t}");
+    }
+    // rmcp's own texts (and log lines) get reqwest's error without its URL.
+    assert!(!t.contains("access_token"), "{t}");
+}
