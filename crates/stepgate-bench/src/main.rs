@@ -7,7 +7,12 @@
 //! paced phase (a fixed rate below capacity; latency), then the answers are
 //! checked intent by intent. Then the sequential mode: one agent, one call at a
 //! time on a fresh deployment (new steps, then repeats of them).
+//!
+//! `flood`: a flood of new steps behind a slow unkeyed tool, once with the
+//! invoker's bounds and once without them (issue #29): stepgate's RSS over
+//! time, and every intent answered once, `ok`, each call made once.
 
+mod flood;
 mod passthrough;
 mod report;
 mod scale;
@@ -68,6 +73,15 @@ enum Cmd {
         common: Common,
         #[command(flatten)]
         scale: ScaleOpts,
+    },
+    /// A flood of new steps behind a slow `unkeyed` tool: stepgate's RSS while
+    /// it drains, with the invoker's bounds (`executor.max_queued_*` defaults)
+    /// and with them lifted; every intent answered once, none `in_doubt`.
+    Flood {
+        #[command(flatten)]
+        common: Common,
+        #[command(flatten)]
+        flood: flood::FloodOpts,
     },
     /// The passthrough itself (started by the bench as a child process).
     #[command(hide = true)]
@@ -249,6 +263,7 @@ fn main() -> anyhow::Result<()> {
                 bench(common, Some(compare), None, false).await
             }
             Cmd::Scale { common, scale } => bench(common, None, Some(scale), true).await,
+            Cmd::Flood { common, flood } => flood::run(common, flood).await,
         }
     })
 }
@@ -260,32 +275,9 @@ async fn bench(
     scale: Option<ScaleOpts>,
     floods: bool,
 ) -> anyhow::Result<()> {
-    let exe = std::env::current_exe()?;
-    let stepgate = common
-        .stepgate_bin
-        .clone()
-        .unwrap_or_else(|| exe.with_file_name("stepgate"));
-    anyhow::ensure!(
-        stepgate.exists(),
-        "no stepgate binary at {} (cargo build --release, or --stepgate-bin)",
-        stepgate.display()
-    );
-    // bench.sh names the run, so that the durable peers' figures carry its id.
-    let run_id = match std::env::var("STEPGATE_BENCH_RUN_ID") {
-        Ok(id) if !id.is_empty() => id,
-        _ => format!(
-            "sgb{:x}",
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)?
-                .as_secs()
-                & 0xff_ffff
-        ),
-    };
-    let work = common
-        .work_dir
-        .clone()
-        .unwrap_or_else(|| std::env::temp_dir().join(&run_id));
-    std::fs::create_dir_all(&work)?;
+    let stepgate = stepgate_bin(&common)?;
+    let run_id = run_id()?;
+    let work = work_dir(&common, &run_id)?;
     let bench = Bench {
         tool: ToolServer::start().await?,
         broker: systems::broker_pid(&common.brokers),
@@ -330,6 +322,46 @@ async fn bench(
         bail!("correctness checks failed: {}", failed.join("; "));
     }
     Ok(())
+}
+
+/// The stepgate binary: `--stepgate-bin`, or the one next to this binary.
+fn stepgate_bin(common: &Common) -> anyhow::Result<PathBuf> {
+    let exe = std::env::current_exe()?;
+    let stepgate = common
+        .stepgate_bin
+        .clone()
+        .unwrap_or_else(|| exe.with_file_name("stepgate"));
+    anyhow::ensure!(
+        stepgate.exists(),
+        "no stepgate binary at {} (cargo build --release, or --stepgate-bin)",
+        stepgate.display()
+    );
+    Ok(stepgate)
+}
+
+/// The run's id: `STEPGATE_BENCH_RUN_ID` (bench.sh names the run, so that the
+/// durable peers' figures carry its id), or one from the clock.
+fn run_id() -> anyhow::Result<String> {
+    Ok(match std::env::var("STEPGATE_BENCH_RUN_ID") {
+        Ok(id) if !id.is_empty() => id,
+        _ => format!(
+            "sgb{:x}",
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)?
+                .as_secs()
+                & 0xff_ffff
+        ),
+    })
+}
+
+/// The scratch directory, created.
+fn work_dir(common: &Common, run_id: &str) -> anyhow::Result<PathBuf> {
+    let work = common
+        .work_dir
+        .clone()
+        .unwrap_or_else(|| std::env::temp_dir().join(run_id));
+    std::fs::create_dir_all(&work)?;
+    Ok(work)
 }
 
 /// The systems of `compare`.

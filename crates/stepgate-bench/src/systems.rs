@@ -446,6 +446,27 @@ impl StepgateSetup {
         })
     }
 
+    /// Add `lines` (`key = value`) to the config's `[table]`, which `write`
+    /// wrote.
+    pub fn add_keys(&self, table: &str, lines: &[String]) -> anyhow::Result<()> {
+        let text = std::fs::read_to_string(&self.config)?;
+        let header = format!("[{table}]\n");
+        let at = text
+            .find(&header)
+            .with_context(|| format!("no [{table}] in {}", self.config.display()))?
+            + header.len();
+        let mut added = String::new();
+        for l in lines {
+            added.push_str(l);
+            added.push('\n');
+        }
+        std::fs::write(
+            &self.config,
+            format!("{}{added}{}", &text[..at], &text[at..]),
+        )?;
+        Ok(())
+    }
+
     /// Every topic of the deployment, as stepgate itself names them.
     pub fn topics(&self) -> Vec<String> {
         match stepgate::config::Config::load(Some(&self.config), Vec::new()) {

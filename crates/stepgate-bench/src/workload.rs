@@ -155,14 +155,20 @@ pub fn partition_of(workflow: &str, partitions: i32) -> i32 {
     stepgate::contract::partition_for(workflow, partitions)
 }
 
-/// Intent v1 JSON; `call_id` carries the intent's index.
-pub fn payload(spec: &Spec, index: usize) -> String {
+/// Intent v1 JSON; `call_id` carries the intent's index. `pad`: that many more
+/// bytes of arguments (a `body` of filler text; 0: none).
+pub fn payload(spec: &Spec, index: usize, pad: usize) -> String {
     let subject = match spec.kind {
         Kind::Rephrased => format!("Your order {} is confirmed", spec.step),
         _ => format!("Order {} confirmed", spec.step),
     };
+    // `,"body":""` is 10 bytes of the padding.
+    let body = match pad {
+        0 => String::new(),
+        n => format!(r#","body":"{}""#, "x".repeat(n.saturating_sub(10))),
+    };
     format!(
-        r#"{{"workflow_id":"{wf}","step_index":{step},"tool":"{TOOL}","arguments":{{"to":"{wf}@example.com","subject":"{subject}"}},"call_id":"c{index}"}}"#,
+        r#"{{"workflow_id":"{wf}","step_index":{step},"tool":"{TOOL}","arguments":{{"to":"{wf}@example.com","subject":"{subject}"{body}}},"call_id":"c{index}"}}"#,
         wf = spec.workflow,
         step = spec.step
     )
@@ -190,6 +196,10 @@ pub struct Tracker {
     pub not_ok: u64,
     pub unknown: u64,
     pub sample_wrong: Option<String>,
+    /// First answers by `status`.
+    statuses: BTreeMap<String, u64>,
+    /// Intents whose first answer was `in_doubt`.
+    in_doubt: Vec<usize>,
 }
 
 #[derive(Deserialize)]
@@ -221,6 +231,11 @@ impl Tracker {
             return;
         }
         self.arrived[i] = Some(at);
+        let status = a.status.unwrap_or("(none)");
+        *self.statuses.entry(status.to_owned()).or_insert(0) += 1;
+        if status == "in_doubt" {
+            self.in_doubt.push(i);
+        }
         let want = match self.expect {
             Expect::StepLog => Some(self.kinds[i] != Kind::First),
             Expect::FastPath => Some(false),
@@ -267,6 +282,8 @@ pub struct Verdict {
     pub not_ok: u64,
     pub unknown: u64,
     pub sample_wrong: Option<String>,
+    /// First answers by `status` (every intent of the run, not only the range).
+    pub statuses: BTreeMap<String, u64>,
 }
 
 /// Publishes intents and reads answers.
@@ -277,6 +294,8 @@ pub struct Agent {
     tracker: Arc<Mutex<Tracker>>,
     stop: Arc<AtomicBool>,
     reader: Option<std::thread::JoinHandle<()>>,
+    /// Bytes of filler added to every intent's arguments.
+    pad: usize,
 }
 
 /// Counts failed deliveries.
@@ -343,6 +362,8 @@ impl Agent {
             not_ok: 0,
             unknown: 0,
             sample_wrong: None,
+            statuses: BTreeMap::new(),
+            in_doubt: Vec::new(),
         }));
         let stop = Arc::new(AtomicBool::new(false));
         let (t, s) = (tracker.clone(), stop.clone());
@@ -369,7 +390,14 @@ impl Agent {
             tracker,
             stop,
             reader: Some(reader),
+            pad: 0,
         })
+    }
+
+    /// Add about `bytes` of filler to every intent's arguments.
+    pub fn with_padding(mut self, bytes: usize) -> Agent {
+        self.pad = bytes;
+        self
     }
 
     /// Publish `specs` as intents `first..`, as fast as possible or at `rate`
@@ -385,7 +413,7 @@ impl Agent {
                     std::thread::sleep(due - now);
                 }
             }
-            let body = payload(spec, i);
+            let body = payload(spec, i, self.pad);
             let partition = partition_of(&spec.workflow, self.partitions);
             self.tracker.lock().expect("tracker lock").sent[i] = Some(Instant::now());
             let rec = BaseRecord::to(&self.topic)
@@ -450,7 +478,13 @@ impl Agent {
             not_ok: t.not_ok,
             unknown: t.unknown,
             sample_wrong: t.sample_wrong.clone(),
+            statuses: t.statuses.clone(),
         }
+    }
+
+    /// The intents whose first answer was `in_doubt`.
+    pub fn in_doubt(&self) -> Vec<usize> {
+        self.tracker.lock().expect("tracker lock").in_doubt.clone()
     }
 }
 
