@@ -427,8 +427,19 @@ pub struct McpConfig {
     pub allowed_origins: Vec<String>,
     /// The largest request body in bytes; larger gets 413.
     pub max_request_bytes: u64,
-    /// Open MCP sessions per principal: opening one more closes its oldest.
+    /// Open MCP sessions per principal: opening one more closes its least
+    /// recently used.
     pub max_sessions_per_principal: u32,
+    /// Open MCP sessions on this front, all principals together. A new
+    /// session beyond it closes the least recently used one if that has been
+    /// idle for `session_idle_timeout`; otherwise the new one is refused (503
+    /// with `Retry-After`) and no open session is touched.
+    pub max_sessions: u32,
+    /// A session without a request for this long is closed (and its step
+    /// counter forgotten); a request naming it afterwards gets 404 with a text
+    /// saying to start a new session. Keep it above `stepgate mcp --timeout`:
+    /// a call in flight counts as idle time.
+    pub session_idle_timeout: Dur,
     /// Requests per second a principal may make, sustained (429 beyond).
     pub requests_per_second: u32,
     /// Requests a principal may make at once above the sustained rate.
@@ -444,6 +455,8 @@ impl Default for McpConfig {
             allowed_origins: Vec::new(),
             max_request_bytes: 1024 * 1024,
             max_sessions_per_principal: 16,
+            max_sessions: 10_000,
+            session_idle_timeout: dur("30m"),
             requests_per_second: 20,
             burst: 40,
             auth: McpAuthConfig::default(),
@@ -560,12 +573,19 @@ impl McpConfig {
                 "mcp.max_sessions_per_principal",
                 self.max_sessions_per_principal.into(),
             ),
+            ("mcp.max_sessions", self.max_sessions.into()),
             ("mcp.requests_per_second", self.requests_per_second.into()),
             ("mcp.burst", self.burst.into()),
         ] {
             if n == 0 {
                 return Err(invalid(field, "must be at least 1".into()));
             }
+        }
+        if self.session_idle_timeout.0 < std::time::Duration::from_secs(1) {
+            return Err(invalid(
+                "mcp.session_idle_timeout",
+                "must be at least 1s".into(),
+            ));
         }
         let a = &self.auth;
         match (&a.issuer, &a.jwks_url) {

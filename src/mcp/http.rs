@@ -12,11 +12,15 @@
 //!    — 429.
 //! 5. The body's size — 413; and a `tools/call` of a tool the principal's
 //!    scopes do not grant — 403 `insufficient_scope`.
-//! 6. An `Mcp-Session-Id` belongs to the principal that opened it (another's
-//!    is answered as unknown, 404); a principal's sessions are capped, its
-//!    oldest closed beyond the cap.
+//! 6. An `Mcp-Session-Id` names an open session of the principal (one that
+//!    is closed, evicted, from before a restart, or another's is answered as
+//!    unknown: 404 with [`UNKNOWN_SESSION`]); a principal's sessions are
+//!    capped, its least recently used closed beyond the cap; and a new session
+//!    beyond `mcp.max_sessions` closes the least recently used one if it is
+//!    idle, else is refused — 503 with `Retry-After` (see [`super::sessions`]).
 
 use super::auth::{AuthError, Authorizer, Principal};
+use super::sessions::{FrontSessionManager, Reserve, Sessions, UNKNOWN_SESSION};
 use axum::body::{Body, Bytes};
 use axum::extract::{ConnectInfo, Request, State};
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
@@ -25,9 +29,8 @@ use axum::response::{IntoResponse, Response};
 use governor::clock::Clock;
 use governor::{DefaultKeyedRateLimiter, Quota};
 use rmcp::transport::streamable_http_server::session::SessionManager;
-use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
 use serde_json::{Value, json};
-use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeSet, HashMap};
 use std::net::{IpAddr, SocketAddr};
 use std::num::NonZeroU32;
 use std::sync::{Arc, Mutex};
@@ -46,13 +49,13 @@ pub struct Guard {
     pub loopback: bool,
     pub allowed_origins: Vec<String>,
     pub max_body: usize,
-    pub max_sessions: usize,
     pub limiter: DefaultKeyedRateLimiter<String>,
     /// Refused tokens per client address ([`FAILED_AUTH_PER_SECOND`]), and
     /// the addresses refused until a time for having too many.
     pub failures: FailedAuth,
-    pub sessions: Mutex<SessionOwners>,
-    pub session_manager: Arc<LocalSessionManager>,
+    /// The open sessions: their owners, last uses and caps.
+    pub sessions: Arc<Sessions>,
+    pub session_manager: Arc<FrontSessionManager>,
     /// The Protected Resource Metadata's URL, for challenges.
     pub metadata_url: String,
     /// The Protected Resource Metadata document.
@@ -119,13 +122,6 @@ impl FailedAuth {
             .expect("failed auth lock")
             .retain(|_, until| *until > now);
     }
-}
-
-/// Which principal opened each session, and each principal's, oldest first.
-#[derive(Default)]
-pub struct SessionOwners {
-    owner: HashMap<String, String>,
-    by_principal: HashMap<String, VecDeque<String>>,
 }
 
 /// The metadata document's URL for `resource` (RFC 9728 §3.1: the well-known
@@ -208,11 +204,11 @@ async fn admit(
         .map(str::to_owned);
     if let Some(id) = &session {
         // Every session is recorded with its owner before the response that
-        // names it leaves; one that is not (closed, evicted) or is another
-        // principal's is answered as rmcp answers a session it does not know.
-        let sessions = g.sessions.lock().expect("session owners lock");
-        if sessions.owner.get(id) != Some(&key) {
-            return Err(plain(StatusCode::NOT_FOUND, "Not Found: Session not found"));
+        // names it leaves; one that is not open (closed, evicted, opened
+        // before a restart) or is another principal's is unknown — the same
+        // answer for each, so nothing of another's session is told.
+        if !g.sessions.touch(id, &key) {
+            return Err(unknown_session());
         }
     }
     Ok((principal, session))
@@ -258,6 +254,8 @@ pub async fn guard(State(g): State<Arc<Guard>>, request: Request, next: Next) ->
     let key = principal.key();
     let mut parts = parts;
     let method = parts.method.clone();
+    // A new session's place under `mcp.max_sessions` until it is claimed.
+    let mut reservation = None;
     let body = if method == Method::POST {
         let length = parts
             .headers
@@ -276,91 +274,136 @@ pub async fn guard(State(g): State<Arc<Guard>>, request: Request, next: Next) ->
         if let Some(tool) = forbidden_tool(&bytes, &g.tools, &principal) {
             return insufficient_scope(&g, &tool);
         }
+        if session.is_none() && opens_session(&bytes) {
+            match place_for_a_session(&g).await {
+                Ok(place) => reservation = Some(place),
+                Err(refusal) => return refusal,
+            }
+        }
         Body::from(bytes)
     } else {
         body
     };
     parts.extensions.insert(Arc::new(principal));
     let response = next.run(Request::from_parts(parts, body)).await;
+    if session.is_some() {
+        // rmcp closed it after the guard let the request through.
+        return rmcp_unknown_session(response).await;
+    }
     let opened = response
         .headers()
         .get("mcp-session-id")
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned);
-    let closed = method == Method::DELETE && response.status().is_success();
-    track_sessions(&g, &key, session.as_deref(), opened, closed).await;
+    if let Some(opened) = opened {
+        // Claimed before the response that names it leaves.
+        let beyond = g.sessions.claim(&opened, &key);
+        if let Some(place) = reservation.take() {
+            place.opened();
+        }
+        for id in beyond {
+            tracing::info!(
+                principal = key,
+                "closing the least recently used MCP session of a principal at its cap"
+            );
+            let _ = g
+                .session_manager
+                .close_session(&Arc::from(id.as_str()))
+                .await;
+        }
+    }
+    drop(reservation);
     response
 }
 
-/// Records a session the response opened (closing the principal's oldest
-/// beyond the cap), or forgets one a DELETE closed.
-async fn track_sessions(
-    g: &Guard,
-    key: &str,
-    session: Option<&str>,
-    opened: Option<String>,
-    closed: bool,
-) {
-    if let Some(id) = session {
-        if closed {
-            let mut s = g.sessions.lock().expect("session owners lock");
-            s.owner.remove(id);
-            if let Some(list) = s.by_principal.get_mut(key) {
-                list.retain(|x| x != id);
+/// Whether a request body opens a session (an `initialize`, or a batch with one).
+fn opens_session(body: &Bytes) -> bool {
+    let Ok(value) = serde_json::from_slice::<Value>(body) else {
+        return false;
+    };
+    let is_initialize = |m: &Value| m.get("method").and_then(Value::as_str) == Some("initialize");
+    match &value {
+        Value::Array(a) => a.iter().any(is_initialize),
+        v => is_initialize(v),
+    }
+}
+
+/// A place for a new session under `mcp.max_sessions`: closing the least
+/// recently used session if it is idle beyond `mcp.session_idle_timeout`, and
+/// otherwise refusing (503) — an open session in use is never closed for it.
+async fn place_for_a_session(g: &Guard) -> Result<super::sessions::Reservation, Response> {
+    // Each round closes one idle session; a few rounds make room unless other
+    // requests take the places as fast.
+    for _ in 0..8 {
+        match g.sessions.reserve() {
+            Reserve::Granted(place) => return Ok(place),
+            Reserve::Evict(id) => {
+                tracing::info!(
+                    open = g.sessions.open(),
+                    cap = g.sessions.cap(),
+                    "closing the least recently used MCP session, idle beyond \
+                     mcp.session_idle_timeout, for a new one"
+                );
+                let _ = g
+                    .session_manager
+                    .close_session(&Arc::from(id.as_str()))
+                    .await;
+                g.sessions.count_eviction();
             }
-        }
-        return;
-    }
-    let Some(opened) = opened else {
-        return;
-    };
-    let mine = {
-        let mut s = g.sessions.lock().expect("session owners lock");
-        s.owner.insert(opened.clone(), key.to_owned());
-        let list = s.by_principal.entry(key.to_owned()).or_default();
-        list.push_back(opened);
-        list.clone()
-    };
-    if mine.len() <= g.max_sessions {
-        return;
-    }
-    // Over the cap: forget the sessions rmcp has closed (idle), then close the
-    // oldest still open. Only the sessions looked at here are dropped: others
-    // may have been opened meanwhile.
-    let mut live = VecDeque::new();
-    let mut dropped = Vec::new();
-    for id in mine {
-        let arc: Arc<str> = Arc::from(id.as_str());
-        if g.session_manager.has_session(&arc).await.unwrap_or(false) {
-            live.push_back(id);
-        } else {
-            dropped.push(id);
+            Reserve::Full(wait) => return Err(no_place_for_a_session(g, wait)),
         }
     }
-    let mut closing = Vec::new();
-    while live.len() > g.max_sessions {
-        if let Some(oldest) = live.pop_front() {
-            closing.push(oldest);
-        }
+    Err(no_place_for_a_session(g, std::time::Duration::from_secs(1)))
+}
+
+/// 503: every open session was used within the idle bound.
+fn no_place_for_a_session(g: &Guard, wait: std::time::Duration) -> Response {
+    let wait = wait.as_secs().max(1);
+    tracing::warn!(
+        open = g.sessions.open(),
+        cap = g.sessions.cap(),
+        retry_after = wait,
+        "a new MCP session refused: every open session is in use"
+    );
+    let mut r = plain(
+        StatusCode::SERVICE_UNAVAILABLE,
+        &format!(
+            "Service Unavailable: this server already has its most MCP sessions open ({cap}, \
+             mcp.max_sessions), each used within the last {idle}, so it opens no new one: it \
+             does not close a session in use. No session was opened and nothing was performed. \
+             Try again in {wait} s (Retry-After), when the least recently used session will \
+             have been idle long enough to be closed, or close sessions no longer needed (a \
+             DELETE with their Mcp-Session-Id).",
+            cap = g.sessions.cap(),
+            idle = humantime::format_duration(g.sessions.idle()),
+        ),
+    );
+    r.headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from(wait));
+    r
+}
+
+/// 404 for a session that is not open: what happened and what to do.
+fn unknown_session() -> Response {
+    plain(StatusCode::NOT_FOUND, UNKNOWN_SESSION)
+}
+
+/// rmcp's own 404 for a session it does not have (closed after the guard let
+/// the request through), with [`UNKNOWN_SESSION`]'s text instead of its own.
+async fn rmcp_unknown_session(response: Response) -> Response {
+    const RMCP_TEXT: &[u8] = b"Not Found: Session not found";
+    if response.status() != StatusCode::NOT_FOUND {
+        return response;
     }
-    {
-        let mut s = g.sessions.lock().expect("session owners lock");
-        for id in dropped.iter().chain(&closing) {
-            s.owner.remove(id);
-        }
-        if let Some(list) = s.by_principal.get_mut(key) {
-            list.retain(|id| !dropped.contains(id) && !closing.contains(id));
-        }
+    let (parts, body) = response.into_parts();
+    // Only a small body known in full (rmcp's is): a stream is passed on.
+    if axum::body::HttpBody::size_hint(&body).exact() != Some(RMCP_TEXT.len() as u64) {
+        return Response::from_parts(parts, body);
     }
-    for id in closing {
-        tracing::info!(
-            principal = key,
-            "closing the oldest MCP session of a principal at its cap"
-        );
-        let _ = g
-            .session_manager
-            .close_session(&Arc::from(id.as_str()))
-            .await;
+    match axum::body::to_bytes(body, RMCP_TEXT.len()).await {
+        Ok(bytes) if bytes.as_ref() == RMCP_TEXT => unknown_session(),
+        Ok(bytes) => Response::from_parts(parts, Body::from(bytes)),
+        Err(_) => unknown_session(),
     }
 }
 

@@ -18,6 +18,14 @@
 //! after a different call of the same tool. Stateless HTTP requests (protocol
 //! 2026-07-28 has no sessions) must carry the step in `_meta`.
 //!
+//! **Sessions** ([`sessions`]): a session's counter lives exactly as long as
+//! the session, and is never made again for an id that had one — a request
+//! naming a session this process does not know (closed, idle beyond
+//! `mcp.session_idle_timeout`, or opened before a restart) is refused with a
+//! text saying to start a new session, never numbered from step 0 again. At
+//! most `mcp.max_sessions` are open: beyond it the least recently used goes if
+//! it is idle that long, and otherwise a new session is refused (503).
+//!
 //! **Who may call.** Over HTTP the front is an OAuth 2.1 resource server
 //! ([`auth`], [`http`]): each request's bearer token names a principal, which
 //! lists and calls only the tools its scopes grant and names only workflows in
@@ -27,6 +35,7 @@
 
 pub mod auth;
 pub mod http;
+pub mod sessions;
 
 use crate::client::{Client, ClientError, StepCall};
 use crate::config::{Config, McpConfig};
@@ -40,6 +49,7 @@ use rmcp::model::{
 use rmcp::service::{RequestContext, RoleServer};
 use rmcp::{ErrorData as McpError, ServerHandler};
 use serde_json::{Map, Value, json};
+use sessions::{FrontSessionManager, Sessions};
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -50,9 +60,6 @@ use tokio_util::sync::CancellationToken;
 pub const META_WORKFLOW_ID: &str = "workflow_id";
 pub const META_STEP_INDEX: &str = "step_index";
 pub const META_ATTEMPT: &str = "attempt";
-
-/// Sessions whose step counters are kept; the oldest is forgotten beyond this.
-const MAX_SESSIONS: usize = 10_000;
 
 #[derive(Debug, Error)]
 pub enum McpFrontError {
@@ -112,20 +119,16 @@ struct Shared {
     tools: BTreeMap<String, ToolConfig>,
     /// `[mcp]`: authorization and limits of the HTTP front.
     config: McpConfig,
-    /// Steps by session id, for calls without a step in `_meta`.
-    sessions: Mutex<Sessions>,
-}
-
-#[derive(Default)]
-struct Sessions {
-    by_id: HashMap<String, Arc<SessionSteps>>,
-    /// Session ids, oldest first, to forget beyond [`MAX_SESSIONS`].
-    order: VecDeque<String>,
+    /// How long a call waits for stepgate's answer.
+    timeout: Duration,
+    /// The HTTP sessions, with the steps of each for calls without a step in
+    /// `_meta`.
+    sessions: Arc<Sessions>,
 }
 
 /// The steps of one MCP session.
 #[derive(Default)]
-struct SessionSteps {
+pub struct SessionSteps {
     state: Mutex<StepState>,
 }
 
@@ -225,9 +228,10 @@ impl Drop for Pending {
 #[derive(Clone)]
 pub struct McpFront {
     shared: Arc<Shared>,
-    /// The session of a stdio server (one per process); HTTP sessions are
-    /// named by their `Mcp-Session-Id`.
-    stdio_session: Option<String>,
+    /// The session of a stdio server (one per process) and its steps; HTTP
+    /// sessions are named by their `Mcp-Session-Id`, their steps in
+    /// [`Shared::sessions`].
+    stdio_session: Option<(String, Arc<SessionSteps>)>,
 }
 
 impl McpFront {
@@ -241,7 +245,12 @@ impl McpFront {
                 client,
                 tools: config.tools.clone(),
                 config: config.mcp.clone(),
-                sessions: Mutex::new(Sessions::default()),
+                timeout,
+                sessions: Sessions::new(
+                    usize::try_from(config.mcp.max_sessions).unwrap_or(usize::MAX),
+                    config.mcp.session_idle_timeout.into(),
+                    usize::try_from(config.mcp.max_sessions_per_principal).unwrap_or(usize::MAX),
+                ),
             }),
             stdio_session: None,
         })
@@ -258,7 +267,10 @@ impl McpFront {
             Transport::Stdio => {
                 use rmcp::ServiceExt;
                 let front = McpFront {
-                    stdio_session: Some(format!("stdio-{}", random_id())),
+                    stdio_session: Some((
+                        format!("stdio-{}", random_id()),
+                        Arc::new(SessionSteps::default()),
+                    )),
                     ..self
                 };
                 let service = front
@@ -300,7 +312,6 @@ impl McpFront {
         insecure_no_auth: bool,
         stop: CancellationToken,
     ) -> Result<(), McpFrontError> {
-        use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
         use rmcp::transport::{StreamableHttpServerConfig, StreamableHttpService};
         let cfg = self.shared.config.clone();
         let listen_error = |source| McpFrontError::Listen {
@@ -348,7 +359,17 @@ impl McpFront {
             .with_max_request_body_bytes(
                 usize::try_from(cfg.max_request_bytes).unwrap_or(usize::MAX),
             );
-        let session_manager = Arc::new(LocalSessionManager::default());
+        let sessions = self.shared.sessions.clone();
+        if sessions.idle() <= self.shared.timeout {
+            // rmcp's keep-alive counts a call in flight as idle time.
+            tracing::warn!(
+                idle = %humantime::format_duration(sessions.idle()),
+                timeout = %humantime::format_duration(self.shared.timeout),
+                "mcp.session_idle_timeout is not above --timeout: a session whose only call takes \
+                 longer than it is closed before the call is answered"
+            );
+        }
+        let session_manager = Arc::new(FrontSessionManager::new(sessions.clone()));
         let guard = Arc::new(http::Guard {
             authorizer,
             tools: self.shared.tools.keys().cloned().collect(),
@@ -359,16 +380,15 @@ impl McpFront {
             loopback,
             allowed_origins,
             max_body: usize::try_from(cfg.max_request_bytes).unwrap_or(usize::MAX),
-            max_sessions: cfg.max_sessions_per_principal as usize,
             limiter: http::Guard::limiter(cfg.requests_per_second, cfg.burst),
             failures: http::FailedAuth::default(),
-            sessions: Mutex::new(http::SessionOwners::default()),
+            sessions,
             session_manager: session_manager.clone(),
             metadata_url,
             metadata,
         });
         let front = self;
-        let service: StreamableHttpService<McpFront, LocalSessionManager> =
+        let service: StreamableHttpService<McpFront, FrontSessionManager> =
             StreamableHttpService::new(move || Ok(front.clone()), session_manager, config);
         let mcp = axum::Router::new().nest_service("/mcp", service).layer(
             axum::middleware::from_fn_with_state(guard.clone(), http::guard),
@@ -417,7 +437,7 @@ impl McpFront {
     /// stdio, the `Mcp-Session-Id` on HTTP.
     fn session_id(&self, ctx: &RequestContext<RoleServer>) -> Option<String> {
         match &self.stdio_session {
-            Some(id) => Some(id.clone()),
+            Some((id, _)) => Some(id.clone()),
             None => Some(
                 ctx.extensions
                     .get::<axum::http::request::Parts>()?
@@ -443,21 +463,14 @@ impl McpFront {
             .cloned()
     }
 
-    /// The steps of session `id`.
-    fn session_steps(&self, id: &str) -> Arc<SessionSteps> {
-        let mut sessions = self.shared.sessions.lock().expect("sessions lock");
-        if let Some(steps) = sessions.by_id.get(id) {
-            return steps.clone();
+    /// The steps of the session a request came in: this process's on stdio;
+    /// over HTTP, those of the open session `id`, or `None` when it is not
+    /// open (they are never made here: see [`sessions`]).
+    fn session_steps(&self, id: &str) -> Option<Arc<SessionSteps>> {
+        match &self.stdio_session {
+            Some((_, steps)) => Some(steps.clone()),
+            None => self.shared.sessions.steps(id),
         }
-        if sessions.order.len() >= MAX_SESSIONS
-            && let Some(oldest) = sessions.order.pop_front()
-        {
-            sessions.by_id.remove(&oldest);
-        }
-        let steps = Arc::new(SessionSteps::default());
-        sessions.by_id.insert(id.to_owned(), steps.clone());
-        sessions.order.push_back(id.to_owned());
-        steps
     }
 
     /// The tools `principal` may call.
@@ -715,7 +728,18 @@ impl ServerHandler for McpFront {
                     ))
                     .map(Into::into);
                 };
-                let steps = self.session_steps(&session);
+                let Some(steps) = self.session_steps(&session) else {
+                    // Closed or evicted between the guard and here: its
+                    // counter is gone, and is not made again at step 0.
+                    return error_result(format!(
+                        "This call to `{tool}` was not performed: its MCP session is no longer \
+                         open on this server (closed, or idle for longer than the server keeps \
+                         an unused session), and a call without a step in `_meta` is numbered \
+                         by its session. Start a new MCP session and call the tool again there, \
+                         or send `_meta.workflow_id` and `_meta.step_index` with the call."
+                    ))
+                    .map(Into::into);
+                };
                 let (call, step) = steps.take(&tool, &ctx.ct);
                 pending = Some(Pending {
                     steps,
@@ -818,6 +842,11 @@ scopes = ["s"]
             ),
             ("[mcp]\nresource = \"mcp.example.com\"", "mcp.resource"),
             ("[mcp]\nmax_request_bytes = 0", "mcp.max_request_bytes"),
+            ("[mcp]\nmax_sessions = 0", "mcp.max_sessions"),
+            (
+                "[mcp]\nsession_idle_timeout = \"500ms\"",
+                "mcp.session_idle_timeout",
+            ),
         ] {
             let e = load(bad).expect_err(bad).to_string();
             assert!(e.contains(field), "{bad}: {e}");
