@@ -56,6 +56,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 key: Some(e.key),
                 payload: e.value,
                 headers: Vec::new(),
+                timestamp_ms: None,
             })
             .collect();
         stepgate::kafka::send_all(&producer, &records).await?;

@@ -144,6 +144,9 @@ pub struct Replayed {
     pub offset: i64,
     pub timestamp_ms: i64,
     pub value: Vec<u8>,
+    /// An intent the gate re-routed to its workflow's partition: a copy of
+    /// one published elsewhere, not a call of its own.
+    pub forwarded: bool,
 }
 
 /// `stepgate audit`: replay the intents, results and commands topics (from
@@ -180,6 +183,7 @@ pub fn replay_topic(
             offset: m.offset(),
             timestamp_ms: m.timestamp().to_millis().unwrap_or(0),
             value: m.payload().unwrap_or_default().to_vec(),
+            forwarded: kafka::has_header(m, crate::contract::headers::FORWARDED_FROM),
         });
         if out.len() % 10_000 == 0 {
             progress(out.len());
@@ -228,7 +232,7 @@ pub fn build(
         }
     }
     let mut steps: BTreeMap<(String, u64, String, u64), StepAudit> = BTreeMap::new();
-    for i in intents {
+    for i in intents.iter().filter(|i| !i.forwarded) {
         // Invalid intents were answered `rejected` and are in the DLQ; an
         // intent for a tool no longer configured is still audited.
         let Some(intent) = lenient(&i.value) else {
@@ -603,6 +607,7 @@ mod tests {
             offset,
             timestamp_ms: ts,
             value: v.to_string().into_bytes(),
+            forwarded: false,
         }
     }
 

@@ -249,6 +249,20 @@ pub enum StepsCommand {
         #[command(flatten)]
         deployment: Deployment,
     },
+    /// List the steps no one has settled (in doubt, awaiting approval,
+    /// started), across all workflows, oldest first. They are kept past the
+    /// retention until resolved.
+    List {
+        /// Only unresolved steps (the one listing there is: reading every
+        /// settled step would mean the whole state).
+        #[arg(long, required = true)]
+        unresolved: bool,
+        /// Print the records as JSON.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        deployment: Deployment,
+    },
 }
 
 #[derive(Debug, Subcommand)]

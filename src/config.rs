@@ -330,6 +330,11 @@ pub struct GateConfig {
     /// elsewhere could run again. `false` accepts any partition — only for
     /// producers with a partitioner of their own that never changes.
     pub check_partition: bool,
+    /// With `check_partition`: an intent found outside its workflow's
+    /// partition is re-routed there, in the gate's transaction, and answered in
+    /// the partition it reached — whatever partitioner the agent's client used.
+    /// `false` refuses it (`wrong_partition`) instead.
+    pub forward_wrong_partition: bool,
     /// `/healthz` fails when the gate's loop has made no progress for this
     /// long (a stuck process is restarted by its orchestrator). Above the
     /// longest legitimate wait: a commit retried through a broker outage.
@@ -345,6 +350,7 @@ impl Default for GateConfig {
             fast_path_timeout: None,
             max_intent_bytes: 1024 * 1024,
             check_partition: true,
+            forward_wrong_partition: true,
             stall_timeout: dur("5m"),
         }
     }
@@ -362,6 +368,12 @@ pub struct ExecutorConfig {
     /// On shutdown, how long in-flight calls may finish before the process exits
     /// (unfinished ones stay `started` and the gate's deadline settles them).
     pub drain_timeout: Dur,
+    /// Most calls handed to the invoker and not finished (running, or queued
+    /// for a slot). At this, the gate pauses reading `intents` until a quarter
+    /// has drained: a flood behind a slow tool waits in Kafka, not in memory.
+    pub max_queued_calls: usize,
+    /// ... and most bytes of their arguments.
+    pub max_queued_bytes: usize,
 }
 
 impl Default for ExecutorConfig {
@@ -370,6 +382,8 @@ impl Default for ExecutorConfig {
             concurrency: 64,
             commit_interval: None,
             drain_timeout: dur("20s"),
+            max_queued_calls: 1024,
+            max_queued_bytes: 64 << 20,
         }
     }
 }
@@ -794,6 +808,12 @@ impl Config {
         }
         if self.gate.max_batch == 0 {
             return Err(invalid("gate.max_batch", "must be at least 1"));
+        }
+        if self.executor.max_queued_calls == 0 || self.executor.max_queued_bytes == 0 {
+            return Err(invalid(
+                "executor.max_queued_calls",
+                "`executor.max_queued_calls` and `executor.max_queued_bytes` must be at least 1: at the bound the gate pauses its intents",
+            ));
         }
         if self.executor.concurrency == 0 {
             return Err(invalid("executor.concurrency", "must be at least 1"));

@@ -240,6 +240,26 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
             }
             Ok(())
         }
+        Command::Steps {
+            action:
+                StepsCommand::List {
+                    unresolved: _,
+                    json,
+                    deployment,
+                },
+        } => {
+            let cfg = load(&deployment)?;
+            let k = cfg.kafka.clone();
+            let steps =
+                tokio::task::spawn_blocking(move || stepgate::operator::unresolved_steps(&k))
+                    .await??;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&steps)?);
+            } else {
+                print!("{}", stepgate::operator::render_unresolved(&steps));
+            }
+            Ok(())
+        }
         Command::Resolve {
             step,
             executed,

@@ -136,6 +136,57 @@ pub fn workflow_steps(
     Err(OperatorError::UnknownWorkflow(workflow_id.to_owned()))
 }
 
+/// Every step no one has settled yet — `in_doubt`, awaiting approval, or
+/// `started` — across the changelog, oldest first. They are kept past the
+/// retention until resolved. Blocking; reads the whole changelog.
+pub fn unresolved_steps(cfg: &KafkaConfig) -> Result<Vec<StepRecord>, OperatorError> {
+    let partitions = kafka::check_layout(cfg)? as i32;
+    let all: Vec<i32> = (0..partitions).collect();
+    let mut latest: BTreeMap<(i32, Vec<u8>), Option<StepRecord>> = BTreeMap::new();
+    read_to_end(cfg, &cfg.topics.changelog, &all, |p, key, value| {
+        let Some(key) = key else { return };
+        if let Some((_, _, record)) = changelog_step(key, value) {
+            latest.insert((p, key.to_vec()), record);
+        }
+    })?;
+    let mut out: Vec<StepRecord> = latest
+        .into_values()
+        .flatten()
+        .filter(|r| r.phase.unresolved())
+        .collect();
+    out.sort_by_key(|r| r.intended_at_ms);
+    Ok(out)
+}
+
+/// Unresolved steps as a table for people.
+pub fn render_unresolved(steps: &[StepRecord]) -> String {
+    use std::fmt::Write as _;
+    let mut s = format!("{} unresolved step(s)\n", steps.len());
+    let _ = writeln!(
+        s,
+        "{:<24} {:<6} {:<24} {:<8} {:<18} {:<9} {:<8} INTENDED",
+        "WORKFLOW", "STEP", "TOOL", "ATTEMPT", "STATE", "PARTITION", "DISPATCH"
+    );
+    for r in steps {
+        let intended = chrono::DateTime::from_timestamp_millis(r.intended_at_ms)
+            .map(crate::contract::timestamp)
+            .unwrap_or_default();
+        let _ = writeln!(
+            s,
+            "{:<24} {:<6} {:<24} {:<8} {:<18} {:<9} {:<8} {}",
+            r.step.workflow_id,
+            r.step.step_index,
+            r.step.tool,
+            r.step.attempt,
+            r.phase.as_str(),
+            r.partition,
+            r.dispatch,
+            intended
+        );
+    }
+    s
+}
+
 /// Write `action` about `step` to the commands topic, bound to the run of the
 /// step it decides (`run`, the record's dispatch; by default the current one),
 /// then wait (up to `wait`) until a gate applied it — the changelog shows it —

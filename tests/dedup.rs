@@ -155,13 +155,14 @@ async fn attempt_one_runs_again_with_its_own_key() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_intent_outside_its_workflows_partition_is_refused_in_the_partition_it_reached() {
+async fn an_intent_outside_its_workflows_partition_is_rerouted_and_answered_in_the_partition_it_reached()
+ {
     let mut s = Stack::new(StackOptions::default()).await;
     s.start().await;
     let agent = s.agent();
-    let owner = stepgate::contract::partition_for("same-key", 4);
     // One step published to every partition, as four clients with different
-    // partitioners would: only the workflow's own partition may run it.
+    // partitioners would: it runs once, in its workflow's partition, and each
+    // call is answered in the partition it was published to.
     for p in 0..4 {
         let i = intent(
             "same-key",
@@ -180,6 +181,69 @@ async fn an_intent_outside_its_workflows_partition_is_refused_in_the_partition_i
                     "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
                 )],
             )
+            .await;
+    }
+    let mut first = Vec::new();
+    for p in 0..4 {
+        agent.answer(&format!("p{p}"), WAIT).await;
+        let (partition, r) = agent.answers(&format!("p{p}")).remove(0);
+        assert_eq!(partition, p, "answered in the partition the intent reached");
+        assert_eq!(r.status, Status::Ok, "{r:?}");
+        if !r.deduplicated {
+            first.push(p);
+        }
+    }
+    assert_eq!(first.len(), 1, "one first answer, three repeats: {first:?}");
+    assert_eq!(s.tools.count("send_email"), 1, "run once, in its partition");
+    let calls = s.tools.calls("send_email");
+    assert!(
+        calls
+            .iter()
+            .all(|c| c.headers.get("traceparent").map(String::as_str)
+                == Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"))
+    );
+    let results = agent.results.all();
+    assert!(
+        results
+            .iter()
+            .all(|r| r.headers.iter().any(|(k, _)| k == "traceparent")),
+        "traceparent reaches the result"
+    );
+    let m = s
+        .metrics_until(
+            "stepgate_intents_forwarded_total{tool=\"send_email\"} 3",
+            WAIT,
+        )
+        .await;
+    assert!(
+        m.contains("stepgate_intents_received_total 4"),
+        "counted once each"
+    );
+}
+
+/// `gate.forward_wrong_partition = false`: an intent outside its workflow's
+/// partition is refused where it reached, not run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_forwarding_an_intent_outside_its_workflows_partition_is_refused_where_it_reached()
+{
+    let mut s = Stack::new(StackOptions {
+        configure: |c| c.gate.forward_wrong_partition = false,
+        ..StackOptions::default()
+    })
+    .await;
+    s.start().await;
+    let agent = s.agent();
+    let owner = stepgate::contract::partition_for("same-key", 4);
+    for p in 0..4 {
+        let i = intent(
+            "same-key",
+            100,
+            "send_email",
+            json!({"q": p}),
+            &format!("p{p}"),
+        );
+        agent
+            .send_raw("same-key", i.to_string().as_bytes(), Some(p), &[])
             .await;
     }
     for p in 0..4 {
@@ -201,22 +265,84 @@ async fn an_intent_outside_its_workflows_partition_is_refused_in_the_partition_i
         }
     }
     assert_eq!(s.tools.count("send_email"), 1, "run once, in its partition");
-    let calls = s.tools.calls("send_email");
-    assert!(
-        calls
-            .iter()
-            .all(|c| c.headers.get("traceparent").map(String::as_str)
-                == Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"))
-    );
-    let results = agent.results.all();
-    assert!(
-        results
-            .iter()
-            .all(|r| r.headers.iter().any(|(k, _)| k == "traceparent")),
-        "traceparent reaches the result"
-    );
     let dlq = s.reader("dlq").wait_for(3, WAIT).await;
     assert!(dlq.iter().all(|r| r.value["reason"] == "wrong_partition"));
+}
+
+/// A step's first call from a client on Java's partitioner (murmur2), its
+/// rephrased retry from one on librdkafka's default (`consistent_random`,
+/// CRC32) that puts it in another partition: one invocation, and the retry
+/// gets the first answer in the partition it was sent to.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_from_a_client_on_the_default_partitioner_gets_the_first_answer_where_it_was_sent()
+{
+    use rdkafka::producer::{FutureProducer, FutureRecord};
+    let mut s = Stack::new(StackOptions::default()).await;
+    s.start().await;
+    let agent = s.agent();
+    let default_partitioner: FutureProducer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", &s.config.kafka.brokers)
+        .set("linger.ms", "0")
+        .create()
+        .unwrap();
+    let intents = s.config.kafka.topics.intents.clone();
+    // A workflow whose CRC32 partition is not its murmur2 one (found by
+    // publishing: the client's partitioner is what the test is about).
+    let mut found = None;
+    for n in 0..64 {
+        let wf = format!("wf-default-{n}");
+        let owner = stepgate::contract::partition_for(&wf, 4);
+        let (m, d) = (format!("m-{n}"), format!("d-{n}"));
+        let first = intent(
+            &wf,
+            1,
+            "send_email",
+            json!({"subject": "Order confirmed"}),
+            &m,
+        );
+        agent
+            .send_raw(&wf, first.to_string().as_bytes(), None, &[])
+            .await;
+        let first = agent.answer(&m, WAIT).await;
+        assert_eq!(agent.answers(&m)[0].0, owner);
+        let retry = intent(
+            &wf,
+            1,
+            "send_email",
+            json!({"subject": "Your order is confirmed"}),
+            &d,
+        )
+        .to_string();
+        let partition = default_partitioner
+            .send(
+                FutureRecord::to(&intents).key(&wf).payload(&retry),
+                Duration::from_secs(10),
+            )
+            .await
+            .map_err(|(e, _)| e)
+            .unwrap()
+            .partition;
+        let r = agent.answer(&d, WAIT).await;
+        let (answered_in, _) = agent.answers(&d).remove(0);
+        assert_eq!(answered_in, partition, "answered where it was sent");
+        assert_eq!(r.status, first.status);
+        assert_eq!(r.output, first.output, "the first answer");
+        assert!(r.deduplicated);
+        if partition != owner {
+            found = Some(wf);
+            break;
+        }
+    }
+    let wf = found.expect("a workflow the two partitioners place apart, in 64 tries");
+    let calls = s.tools.calls("send_email");
+    assert_eq!(
+        calls
+            .iter()
+            .filter(|c| c.headers.get("stepgate-workflow-id") == Some(&wf))
+            .count(),
+        1,
+        "one invocation of the step"
+    );
 }
 
 /// `gate.check_partition = false`: any partition is accepted (for producers

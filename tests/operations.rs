@@ -593,3 +593,127 @@ async fn audit_reports_a_recorded_workload() {
     );
     assert_eq!(s.tools.count("send_email"), 1, "the audit touched nothing");
 }
+
+/// Backpressure: a flood behind a slow tool with a small invoker bound. The
+/// gate pauses its intents while the invoker is full and resumes as it
+/// drains: every intent is answered once, `ok`, none in doubt, the tool run
+/// once per call, and the queue never grows past its bound and the batches
+/// being decided.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_behind_a_slow_tool_pauses_intents_and_every_call_is_answered_once() {
+    const CALLS: usize = 60;
+    const MAX_QUEUED: usize = 6;
+    const MAX_BATCH: usize = 4;
+    let mut s = Stack::new(StackOptions {
+        configure: |c| {
+            c.executor.concurrency = 2;
+            c.executor.max_queued_calls = MAX_QUEUED;
+            c.gate.max_batch = MAX_BATCH;
+        },
+        ..StackOptions::default()
+    })
+    .await;
+    s.start().await;
+    s.tools.script(
+        "create_ticket",
+        vec![Reply::Delay(Duration::from_millis(150))],
+    );
+    let agent = s.agent();
+    for i in 0..CALLS {
+        agent
+            .send(&intent(
+                &format!("flood-{i}"),
+                0,
+                "create_ticket",
+                json!({"title": format!("t{i}")}),
+                &format!("f{i}"),
+            ))
+            .await;
+    }
+    // Sample the queue while the flood drains.
+    let mut most = 0;
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    while (0..CALLS).any(|i| agent.answers(&format!("f{i}")).is_empty()) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "not every call was answered:\n{}",
+            s.log_tail(40)
+        );
+        let m = s.metrics().await;
+        if let Some(v) = metric_value(&m, "stepgate_invoker_queued_calls") {
+            most = most.max(v as usize);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for i in 0..CALLS {
+        let a = agent.answers(&format!("f{i}"));
+        assert_eq!(a.len(), 1, "one answer for f{i}");
+        assert_eq!(a[0].1.status, Status::Ok, "f{i}: {:?}", a[0].1);
+    }
+    assert_eq!(s.tools.count("create_ticket"), CALLS, "each call ran once");
+    // The bound, plus what the batches in hand (one deciding, one
+    // committing) can hand over before the pause takes.
+    assert!(
+        most <= MAX_QUEUED + 2 * MAX_BATCH,
+        "queued {most} calls at most"
+    );
+    let m = s.metrics().await;
+    assert!(
+        metric_value(&m, "stepgate_intents_pauses_total").unwrap_or(0.0) >= 1.0,
+        "the intents were paused at least once"
+    );
+    assert_eq!(metric_value(&m, "stepgate_intents_paused"), Some(0.0));
+    assert_eq!(metric_value(&m, "stepgate_invoker_queued_calls"), Some(0.0));
+    assert!(
+        !m.contains("stepgate_in_doubt_steps_total{"),
+        "none in doubt"
+    );
+}
+
+/// The value of an unlabelled series in a Prometheus text exposition.
+fn metric_value(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+/// Partitions added to every topic of a running deployment: a workflow's
+/// partition (murmur2 % count) moves away from its recorded steps. The
+/// running gate stops at the rebalance, and a gate started afresh refuses,
+/// each saying why — never deduplicating in the wrong partition.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_count_changed_under_a_running_deployment_is_refused() {
+    use rdkafka::admin::{AdminClient, AdminOptions, NewPartitions};
+    let mut s = Stack::new(StackOptions::default()).await;
+    s.start().await;
+    let agent = s.agent();
+    let r = agent
+        .call(intent("grow-1", 0, "send_email", json!({}), "g0"))
+        .await;
+    assert_eq!(r.status, Status::Ok);
+    let admin: AdminClient<rdkafka::client::DefaultClientContext> = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .create()
+        .unwrap();
+    let topics = s.config.kafka.topics.all();
+    let grow: Vec<NewPartitions> = topics.iter().map(|t| NewPartitions::new(t, 6)).collect();
+    for r in admin
+        .create_partitions(&grow, &AdminOptions::new())
+        .await
+        .unwrap()
+    {
+        r.unwrap();
+    }
+    let said = "has 6 partitions, but this deployment's state was written with 4";
+    let status = s.exited(Duration::from_secs(120)).await;
+    assert!(!status.success());
+    assert!(s.log().contains(said), "{}", s.log_tail(30));
+    // A gate started afresh on the grown topics refuses too: the group's
+    // committed offsets say which count its state was written with.
+    s.spawn(&[], &[]);
+    let status = s.exited(Duration::from_secs(120)).await;
+    assert!(!status.success());
+    let log = s.log();
+    assert!(log.matches(said).count() >= 2, "{}", s.log_tail(30));
+    assert!(log.contains("Growing partitions"));
+    assert_eq!(s.tools.count("send_email"), 1);
+}

@@ -562,3 +562,103 @@ async fn a_resolve_re_sent_after_a_second_run_started_is_refused_as_stale() {
         .await;
     assert!(out.status.success(), "{}{}", stdout(&out), stderr(&out));
 }
+
+/// An `in_doubt` step and a held approval outlive a retention of a few
+/// seconds: a later retry is answered in doubt (not run again), the approval
+/// still applies, and `steps list --unresolved` shows both until then.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unresolved_steps_outlive_the_retention() {
+    let mut s = Stack::new(StackOptions {
+        tool_tables: POLICY_TOOLS.to_owned(),
+        configure: |c| {
+            c.state.retention = dur("3s");
+            c.state.purge_interval = dur("200ms");
+        },
+        ..StackOptions::default()
+    })
+    .await;
+    s.start().await;
+    let agent = s.agent();
+    s.tools
+        .script("wire", vec![Reply::Status(503), Reply::Status(503)]);
+    let doubt = agent
+        .call(intent("keep-1", 0, "wire", json!({"amount": 1}), "k0"))
+        .await;
+    assert_eq!(doubt.status, Status::InDoubt);
+    let wired = s.tools.count("wire");
+    agent
+        .send(&intent(
+            "keep-1",
+            1,
+            "wire_approved",
+            json!({"amount": 900}),
+            "k1",
+        ))
+        .await;
+    // A settled step recorded after both: once it is purged, the purge has
+    // gone past both unresolved records' retention.
+    let done = agent
+        .call(intent("keep-1", 2, "send_email", json!({}), "k2"))
+        .await;
+    assert_eq!(done.status, Status::Ok);
+    s.metrics_until("stepgate_steps_purged_total 1", Duration::from_secs(60))
+        .await;
+    let shown = steps(&s, "keep-1").await;
+    assert_eq!(step_of(&shown, 0)["phase"], "in_doubt");
+    assert_eq!(step_of(&shown, 1)["phase"], "awaiting_approval");
+    assert!(
+        shown["steps"].as_array().unwrap().len() == 2,
+        "the settled step is gone: {shown}"
+    );
+    let list = s.cli(&["steps", "list", "--unresolved", "--json"]).await;
+    assert!(list.status.success(), "{}", stderr(&list));
+    let listed: Value = serde_json::from_slice(&list.stdout).unwrap();
+    let phases: Vec<&str> = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["phase"].as_str().unwrap())
+        .collect();
+    assert_eq!(phases, ["in_doubt", "awaiting_approval"], "{listed}");
+    let text = s.cli(&["steps", "list", "--unresolved"]).await;
+    assert!(
+        stdout(&text).contains("2 unresolved step(s)"),
+        "{}",
+        stdout(&text)
+    );
+    s.metrics_until(
+        r#"stepgate_open_steps{phase="in_doubt"} 1"#,
+        Duration::from_secs(60),
+    )
+    .await;
+    // The retry, past the retention: in doubt, not run again.
+    let retry = agent
+        .call(intent(
+            "keep-1",
+            0,
+            "wire",
+            json!({"amount": "1 EUR"}),
+            "k0b",
+        ))
+        .await;
+    assert_eq!(retry.status, Status::InDoubt);
+    assert!(retry.deduplicated);
+    same_but_call_id(&doubt, &retry);
+    assert_eq!(s.tools.count("wire"), wired, "not run again");
+    // The approval, past the retention, still applies.
+    let ok = s
+        .cli(&[
+            "approvals",
+            "approve",
+            "keep-1",
+            "1",
+            "wire_approved",
+            "--by",
+            "alice",
+        ])
+        .await;
+    assert!(ok.status.success(), "{}{}", stdout(&ok), stderr(&ok));
+    let approved = agent.answer("k1", Duration::from_secs(20)).await;
+    assert_eq!(approved.status, Status::Ok);
+    assert_eq!(s.tools.count("wire_approved"), 1);
+}

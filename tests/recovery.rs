@@ -666,3 +666,127 @@ async fn a_commit_the_broker_acknowledged_and_lost_is_written_again() {
     assert_eq!(agent.answers("m1").len(), 1, "one answer per call_id");
     assert_eq!(s.tools.count("wire"), 1, "the tool ran once");
 }
+
+/// Set a topic's config `name` to `value`, keeping its other dynamic configs
+/// (AlterConfigs replaces a topic's whole set).
+async fn set_topic_config(topic: &str, name: &str, value: &str) {
+    use rdkafka::admin::{AdminClient, AdminOptions, AlterConfig, ConfigSource, ResourceSpecifier};
+    let admin: AdminClient<rdkafka::client::DefaultClientContext> = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .create()
+        .unwrap();
+    let opts = AdminOptions::new().request_timeout(Some(Duration::from_secs(30)));
+    let described = admin
+        .describe_configs([&ResourceSpecifier::Topic(topic)], &opts)
+        .await
+        .unwrap();
+    let current = described.into_iter().next().unwrap().unwrap();
+    let kept: Vec<(String, String)> = current
+        .entries
+        .into_iter()
+        .filter(|e| matches!(e.source, ConfigSource::DynamicTopic) && e.name != name)
+        .filter_map(|e| Some((e.name, e.value?)))
+        .collect();
+    let mut alter = AlterConfig::new(ResourceSpecifier::Topic(topic)).set(name, value);
+    for (k, v) in &kept {
+        alter = alter.set(k, v);
+    }
+    let r = admin.alter_configs([&alter], &opts).await.unwrap();
+    r.into_iter().next().unwrap().unwrap();
+}
+
+/// A topic's `max.message.bytes` lowered below a step record after the gate
+/// started: every batch carrying that record is refused. The failures are
+/// counted (`stepgate_gate_session_failures_total{reason="record_refused"}`),
+/// the gate narrows its batches to one input, and after 3 refusals sets the
+/// input aside — dead-lettered and answered `rejected` — so the steps behind
+/// it in the partition flow again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_kafka_keeps_refusing_is_counted_and_its_input_set_aside() {
+    let mut s = Stack::new(StackOptions::default()).await;
+    s.start().await;
+    let agent = s.agent();
+    let warm = agent
+        .call(intent(
+            "refused-1",
+            0,
+            "send_email",
+            json!({"subject": "hi"}),
+            "r0",
+        ))
+        .await;
+    assert_eq!(warm.status, Status::Ok);
+    set_topic_config(
+        &s.config.kafka.topics.changelog,
+        "max.message.bytes",
+        "4096",
+    )
+    .await;
+    // Random text: its step record stays over 4 KiB whatever the compression.
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    let noise: String = (0..24_000)
+        .map(|_| {
+            // xorshift64: incompressible enough for any codec.
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            char::from(b"0123456789abcdef"[(x % 16) as usize])
+        })
+        .collect();
+    agent
+        .send(&intent(
+            "refused-1",
+            1,
+            "send_email",
+            json!({"subject": "big", "body": noise}),
+            "r1",
+        ))
+        .await;
+    agent
+        .send(&intent(
+            "refused-1",
+            2,
+            "send_email",
+            json!({"subject": "small"}),
+            "r2",
+        ))
+        .await;
+    let big = agent.answer("r1", Duration::from_secs(120)).await;
+    assert_eq!(big.status, Status::Rejected, "{big:?}");
+    let e = big.error.unwrap();
+    assert_eq!(e.kind, "unprocessable");
+    let small = agent.answer("r2", Duration::from_secs(60)).await;
+    assert_eq!(small.status, Status::Ok, "the partition goes on: {small:?}");
+    assert_eq!(
+        s.tools
+            .calls("send_email")
+            .iter()
+            .filter(|c| c.headers.get("stepgate-step-index").map(String::as_str) == Some("1"))
+            .count(),
+        0,
+        "the refused step never started"
+    );
+    let dlq = s.reader("dlq").wait_for(1, WAIT).await;
+    assert_eq!(
+        dlq[0].value["reason"], "unprocessable",
+        "{:?}",
+        dlq[0].value
+    );
+    assert!(
+        dlq[0].value["message"]
+            .as_str()
+            .unwrap()
+            .contains("refused by Kafka"),
+        "{:?}",
+        dlq[0].value
+    );
+    let m = s.metrics().await;
+    let failures: f64 = m
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix(r#"stepgate_gate_session_failures_total{reason="record_refused"} "#)
+        })
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0.0);
+    assert!(failures >= 3.0, "refusals counted: {failures}\n{m}");
+}

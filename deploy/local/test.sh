@@ -20,9 +20,13 @@ if [[ "${STEPGATE_KEEP_KAFKA:-0}" != 1 ]]; then
 fi
 
 cargo fmt --check
-cargo clippy --all-targets -- -D warnings
+# `test-hooks`: the fault-injection hooks (STEPGATE_TEST_*) the crash and
+# recovery tests drive; release builds never have them.
+cargo clippy --all-targets --features test-hooks -- -D warnings
 # `cargo test` (default targets) builds the examples as programs, which
 # --all-targets builds only as test harnesses: tests/tool_ledger.rs runs
 # examples/ticket_tool.
-cargo test --no-run
-cargo test --all-targets
+cargo test --no-run --features test-hooks
+cargo test --all-targets --features test-hooks
+# And that without the feature the hooks' variables do nothing.
+cargo test --lib -- hook_tests

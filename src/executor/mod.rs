@@ -16,6 +16,11 @@
 //! changes while it waits — is never invoked and reports
 //! [`ProgressEvent::NotInvoked`]: its step's owner may run it at once, and never
 //! answers it `in_doubt`.
+//!
+//! The calls handed over and not finished are bounded
+//! (`executor.max_queued_calls`, `executor.max_queued_bytes` of arguments):
+//! [`Invoker::is_full`] tells the gate to pause reading `intents` (Kafka keeps
+//! the flood, not this process's memory), [`Invoker::has_room`] to resume.
 
 use crate::config::Config;
 use crate::contract::{Call, Progress, ProgressEvent};
@@ -122,6 +127,10 @@ pub struct Invoker {
     metrics: Arc<Metrics>,
     tx: mpsc::UnboundedSender<Finished>,
     running: Arc<AtomicUsize>,
+    /// Bytes of the arguments of the calls counted in `running`.
+    queued_bytes: Arc<AtomicUsize>,
+    max_calls: usize,
+    max_bytes: usize,
     ownership: Ownership,
 }
 
@@ -140,6 +149,9 @@ impl Invoker {
             metrics,
             tx,
             running: Arc::new(AtomicUsize::new(0)),
+            queued_bytes: Arc::new(AtomicUsize::new(0)),
+            max_calls: config.executor.max_queued_calls.max(1),
+            max_bytes: config.executor.max_queued_bytes.max(1),
             ownership: Ownership::new(),
         };
         (invoker, rx)
@@ -156,16 +168,33 @@ impl Invoker {
         self.running.load(Ordering::Acquire)
     }
 
+    /// At its bound of queued calls or bytes: take no more intents in.
+    pub fn is_full(&self) -> bool {
+        self.running() >= self.max_calls
+            || self.queued_bytes.load(Ordering::Acquire) >= self.max_bytes
+    }
+
+    /// Drained to three quarters of both bounds: take intents in again (the
+    /// gap keeps a full invoker from pausing and resuming on every call).
+    pub fn has_room(&self) -> bool {
+        self.running() <= self.max_calls / 4 * 3
+            && self.queued_bytes.load(Ordering::Acquire) <= self.max_bytes / 4 * 3
+    }
+
     /// Run `call` (of a step in `partition`) as soon as a slot is free.
     pub fn start(&self, partition: i32, call: Call) {
         crash_point::before_invoke();
-        self.running.fetch_add(1, Ordering::Relaxed);
-        let (tools, pool, metrics, tx, running) = (
+        let bytes = call.arguments.text_len();
+        self.running.fetch_add(1, Ordering::AcqRel);
+        self.queued_bytes.fetch_add(bytes, Ordering::AcqRel);
+        self.metrics.invoker_queue(1, bytes);
+        let (tools, pool, metrics, tx, running, all_bytes) = (
             self.tools.clone(),
             self.pool.clone(),
             self.metrics.clone(),
             self.tx.clone(),
             self.running.clone(),
+            self.queued_bytes.clone(),
         );
         let mut owned = self.ownership.0.subscribe();
         // Taken now: a call handed over before its partition is owned here
@@ -187,6 +216,7 @@ impl Invoker {
                 _ = owned.wait_for(|o| !o.may_invoke(partition, epoch)) => None,
                 slot = pool.acquire_owned() => slot.ok(),
             };
+            metrics.invoker_waited(handed.elapsed());
             // Checked again with the slot held: nothing is invoked for a
             // partition this process no longer owns, or while it stops.
             // (A tool's own slots are waited for inside the registry: the
@@ -231,7 +261,9 @@ impl Invoker {
             });
             // After the send: once `running()` reads 0, every outcome is on
             // the channel (a drain that stops then misses none).
-            running.fetch_sub(1, Ordering::Release);
+            all_bytes.fetch_sub(bytes, Ordering::AcqRel);
+            running.fetch_sub(1, Ordering::AcqRel);
+            metrics.invoker_queue(-1, bytes);
         };
         tokio::spawn(tracing::Instrument::instrument(task, span));
     }
@@ -246,7 +278,7 @@ mod crash_point {
     use std::sync::atomic::{AtomicU64, Ordering};
 
     fn hit(var: &str, count: &AtomicU64) {
-        let Some(n) = std::env::var(var).ok().and_then(|v| v.parse::<u64>().ok()) else {
+        let Some(n) = crate::test_hook(var).and_then(|v| v.parse::<u64>().ok()) else {
             return;
         };
         if count.fetch_add(1, Ordering::SeqCst) + 1 == n {

@@ -39,6 +39,16 @@ pub enum Out {
         partition: i32,
         event: ApprovalEvent,
     },
+    /// An intent found outside its workflow's partition, re-routed there
+    /// (intents topic, `partition`) with its key, value, timestamp and headers,
+    /// and the headers naming where it came from and where it is answered.
+    Forward {
+        partition: i32,
+        key: Option<Vec<u8>>,
+        payload: Option<Vec<u8>>,
+        headers: Vec<(String, Option<Vec<u8>>)>,
+        timestamp_ms: Option<i64>,
+    },
     /// A refused input, with its original key and headers.
     Dlq {
         key: Option<Vec<u8>>,
@@ -54,6 +64,7 @@ pub struct GateSettings {
     pub in_doubt_grace: Duration,
     pub max_intent_bytes: usize,
     pub check_partition: bool,
+    pub forward_wrong_partition: bool,
 }
 
 pub struct GateCore {
@@ -132,6 +143,7 @@ impl GateCore {
                 in_doubt_grace: config.gate.in_doubt_grace.0,
                 max_intent_bytes: config.gate.max_intent_bytes,
                 check_partition: config.gate.check_partition,
+                forward_wrong_partition: config.gate.forward_wrong_partition,
             },
             metrics,
             due: BTreeSet::new(),
@@ -294,9 +306,11 @@ impl GateCore {
         // (re-read because a fast-path call before it was unanswered): only
         // fast-path calls, which record nothing, are run again.
         let replayed = self.applied.get(&p).is_some_and(|a| input.offset < *a);
-        if !replayed {
+        // A re-routed intent was counted where it was published.
+        if !replayed && !input.forwarded() {
             self.metrics.intent_received();
         }
+        let reply = input.reply_partition(self.intent_partitions);
         let payload = input.payload.as_deref().unwrap_or_default();
         let intent = match parse_intent(payload, self.settings.max_intent_bytes, &self.tool_names) {
             Ok(i) => i,
@@ -313,6 +327,37 @@ impl GateCore {
             && owner != p
         {
             if replayed {
+                return Ok(());
+            }
+            // Re-routed to the owner in this batch's transaction (with this
+            // input's offset: once), deduplicated there, answered here. Never
+            // twice: a re-routed copy found outside its partition too (the
+            // partition count changed in between) is refused.
+            if self.settings.forward_wrong_partition && !input.forwarded() {
+                self.metrics.intent_forwarded(&intent.tool);
+                let mut headers: Vec<_> = input
+                    .headers
+                    .iter()
+                    .filter(|(k, _)| {
+                        !k.eq_ignore_ascii_case(crate::contract::headers::REPLY_PARTITION)
+                    })
+                    .cloned()
+                    .collect();
+                headers.push((
+                    crate::contract::headers::REPLY_PARTITION.to_owned(),
+                    Some(p.to_string().into_bytes()),
+                ));
+                headers.push((
+                    crate::contract::headers::FORWARDED_FROM.to_owned(),
+                    Some(format!("{p}:{}", input.offset).into_bytes()),
+                ));
+                self.outs.push(Out::Forward {
+                    partition: owner,
+                    key: input.key.clone(),
+                    payload: input.payload.clone(),
+                    headers,
+                    timestamp_ms: input.timestamp_ms,
+                });
                 return Ok(());
             }
             let rejection = Rejection {
@@ -394,6 +439,7 @@ impl GateCore {
                 dispatch: 1,
                 deadline_ms: 0,
                 intent_ts_ms: input.timestamp_ms,
+                reply_partition: reply,
             };
             self.fast.insert((p, input.offset), entry);
             self.metrics.fast_path_call(&step);
@@ -444,7 +490,7 @@ impl GateCore {
                         let answer = first.for_repeat(intent.call_id);
                         self.metrics.repeat(&step, false, rephrased);
                         self.outs.push(Out::Result {
-                            partition: p,
+                            partition: reply,
                             result: answer,
                             traceparent,
                             since_ms: input.timestamp_ms,
@@ -462,6 +508,7 @@ impl GateCore {
                             call_id: intent.call_id,
                             intent_ts_ms: input.timestamp_ms,
                             traceparent,
+                            reply_partition: Some(reply).filter(|r| *r != p),
                         };
                         if let Err(why) = record.add_waiter(waiter) {
                             if why == NotWaiting::OverBudget {
@@ -495,6 +542,7 @@ impl GateCore {
         now_ms: i64,
     ) -> Result<(), StateError> {
         let p = input.partition;
+        let reply = input.reply_partition(self.intent_partitions);
         let step = intent.step_key();
         let traceparent = input.traceparent();
         let awaits_approval = tool.awaits_approval();
@@ -508,6 +556,7 @@ impl GateCore {
             metadata: intent.metadata.clone(),
             traceparent: traceparent.clone(),
             intent_ts_ms: input.timestamp_ms,
+            reply_partition: Some(reply).filter(|r| *r != p),
             ..StepRecord::new(
                 step.clone(),
                 tool.category,
@@ -736,6 +785,11 @@ impl GateCore {
 
     /// The intents topic's partition count (read at each session's start and
     /// assignment: adding partitions moves workflows).
+    /// The intents topic's partition count, once known.
+    pub fn intent_partitions(&self) -> Option<i32> {
+        self.intent_partitions
+    }
+
     pub fn set_intent_partitions(&mut self, n: i32) {
         self.intent_partitions = Some(n);
     }
@@ -777,7 +831,7 @@ impl GateCore {
         let payload = input.payload.as_deref().unwrap_or_default();
         if let Some(addr) = &rejection.address {
             self.outs.push(Out::Result {
-                partition: input.partition,
+                partition: input.reply_partition(self.intent_partitions),
                 result: ToolResult {
                     workflow_id: addr.step.workflow_id.clone(),
                     step_index: addr.step.step_index,
@@ -866,7 +920,7 @@ impl GateCore {
                 let result =
                     ToolResult::from_outcome(&entry.step, entry.call_id, outcome, at(now_ms));
                 self.outs.push(Out::Result {
-                    partition: p,
+                    partition: entry.reply_partition,
                     result,
                     traceparent: entry.traceparent,
                     since_ms: entry.intent_ts_ms,
@@ -1078,7 +1132,7 @@ impl GateCore {
             ToolResult::from_outcome(&record.step, record.call_id.clone(), outcome, at(now_ms));
         if answer_caller {
             self.outs.push(Out::Result {
-                partition: p,
+                partition: record.reply_partition.unwrap_or(p),
                 result: result.clone(),
                 traceparent: record.traceparent.clone(),
                 since_ms: record.intent_ts_ms,
@@ -1086,7 +1140,7 @@ impl GateCore {
         }
         for w in record.waiters.drain(..) {
             self.outs.push(Out::Result {
-                partition: p,
+                partition: w.reply_partition.unwrap_or(p),
                 result: result.for_repeat(w.call_id),
                 traceparent: w.traceparent,
                 since_ms: w.intent_ts_ms,
@@ -1188,6 +1242,15 @@ impl GateCore {
             out.more |= expired.len() >= limit;
             for (expires_at, step) in expired {
                 match batch.step(store, p, &step)? {
+                    // Unresolved (in doubt, held for approval, started): kept
+                    // until someone settles it, whatever the retention — its
+                    // next retry must not find it gone and run it again. Its
+                    // settlement sets a retention from then (`settle`).
+                    Some(mut r) if r.expires_at_ms == expires_at && r.phase.unresolved() => {
+                        r.expires_at_ms = KEPT_UNTIL_RESOLVED;
+                        batch.put_step(store, p, &r)?;
+                        out.kept += 1;
+                    }
                     Some(r) if r.expires_at_ms == expires_at => {
                         batch.delete_step(store, p, &step)?;
                         if batch
@@ -1203,9 +1266,18 @@ impl GateCore {
             }
         }
         self.metrics.purged(out.removed);
+        if out.kept > 0 {
+            tracing::info!(
+                kept = out.kept,
+                "unresolved steps past their retention kept until resolved (`stepgate steps list --unresolved`)"
+            );
+        }
         Ok(out)
     }
 }
+
+/// The expiry of a step record kept until resolved: never reached.
+pub const KEPT_UNTIL_RESOLVED: i64 = i64::MAX;
 
 /// Error kinds that say the tool did not perform the action.
 const NOT_PERFORMED_KINDS: &[&str] = &["tool_refused", "tool_unreachable", "tool_redirected"];
@@ -1218,6 +1290,8 @@ const MAX_UNSURE: usize = 10_000;
 pub struct Purged {
     /// Step records removed.
     pub removed: usize,
+    /// Unresolved step records past their retention, kept until resolved.
+    pub kept: usize,
     /// Some partition had more expired records than the round's limit: the
     /// gate goes on at its next tick instead of waiting `purge_interval`.
     pub more: bool,

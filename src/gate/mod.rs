@@ -55,12 +55,123 @@ pub enum GateError {
     /// member id was taken by another consumer): only a new one goes on.
     #[error("the gate's consumer failed for good ({0}): starting a new one")]
     FatalConsumer(String),
+    /// The topics' layout breaks deduplication (partition counts changed
+    /// under running workflows, or unequal): the gate stops rather than
+    /// deduplicate in the wrong partition.
+    #[error("{0}")]
+    Layout(String),
+}
+
+impl GateError {
+    /// The `reason` label of `stepgate_gate_session_failures_total`.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            e if e.refused_record().is_some() => "record_refused",
+            GateError::Kafka(KafkaError::Transaction(_)) => "transaction",
+            GateError::Kafka(_) => "kafka",
+            GateError::State(_) => "state",
+            GateError::Rebalanced => "rebalanced",
+            GateError::Unassigned(_) => "unassigned",
+            GateError::Restore(_) => "restore",
+            GateError::Join(_) => "internal",
+            GateError::FatalConsumer(_) => "fatal_consumer",
+            GateError::Layout(_) => "layout",
+        }
+    }
+
+    /// The broker (or the producer's own limit) refused a record for what it
+    /// is — too large for the topic, a topic this gate may not write, an
+    /// invalid record — rather than for its own state: sent again, it fails
+    /// again. Its code's name.
+    fn refused_record(&self) -> Option<&'static str> {
+        use rdkafka::types::RDKafkaErrorCode as C;
+        let GateError::Kafka(KafkaError::MessageProduction(code)) = self else {
+            return None;
+        };
+        match code {
+            C::MessageSizeTooLarge => Some("message_size_too_large"),
+            C::MessageBatchTooLarge => Some("message_batch_too_large"),
+            C::TopicAuthorizationFailed => Some("topic_authorization_failed"),
+            C::InvalidRecord => Some("invalid_record"),
+            C::PolicyViolation => Some("policy_violation"),
+            C::InvalidMessage => Some("invalid_message"),
+            _ => None,
+        }
+    }
 }
 
 /// The offset-metadata tag carrying, per intents partition, the first offset
 /// not yet applied: the committed offset may lag it (held at an unanswered
 /// fast-path call), and intents re-read below it are not applied twice.
 const APPLIED_TAG: &str = "stepgate-applied:";
+
+/// The committed offset's metadata: the applied mark and the intents topic's
+/// partition count it was written with (`stepgate-applied:<n> partitions:<m>`).
+fn applied_metadata(applied: i64, partitions: Option<i32>) -> String {
+    match partitions {
+        Some(n) => format!("{APPLIED_TAG}{applied} partitions:{n}"),
+        None => format!("{APPLIED_TAG}{applied}"),
+    }
+}
+
+/// [`applied_metadata`] read back (either part may be missing: written by an
+/// earlier version, or by another tool).
+fn parse_applied(meta: &str) -> (Option<i64>, Option<i32>) {
+    let Some(rest) = meta.strip_prefix(APPLIED_TAG) else {
+        return (None, None);
+    };
+    let mut parts = rest.split_whitespace();
+    let applied = parts.next().and_then(|s| s.parse().ok());
+    let partitions = parts
+        .find_map(|p| p.strip_prefix("partitions:"))
+        .and_then(|s| s.parse().ok());
+    (applied, partitions)
+}
+
+/// The partition counts of [`layout_topics`], as read now, against what the
+/// state was written with: a changed or unequal layout stops the gate.
+fn check_layout(
+    core: &mut GateCore,
+    t: &crate::config::TopicsConfig,
+    n: &[usize],
+) -> Result<(), GateError> {
+    let (intents, results) = (n[0] as i32, n[1] as i32);
+    if let Some(was) = core.intent_partitions()
+        && was != intents
+    {
+        return Err(layout_changed(&t.intents, was, intents));
+    }
+    if results < intents || n[4] as i32 != intents || n[5] as i32 != intents {
+        return Err(GateError::Layout(format!(
+            "the topics' partition counts no longer agree (`{}` {intents}, `{}` {results}, `{}` {}, `{}` {}): results needs at least as many partitions as intents and the internal topics exactly as many. stepgate stops rather than answer in the wrong partition; see docs/runbook.md \"Growing partitions\".",
+            t.intents, t.results, t.progress, n[4], t.changelog, n[5]
+        )));
+    }
+    core.set_intent_partitions(intents);
+    Ok(())
+}
+
+/// The topics whose partition counts [`check_layout`] reads, in its order.
+fn layout_topics(t: &crate::config::TopicsConfig) -> [String; 6] {
+    [
+        t.intents.clone(),
+        t.results.clone(),
+        t.approvals.clone(),
+        t.dlq.clone(),
+        t.progress.clone(),
+        t.changelog.clone(),
+    ]
+}
+
+/// How often a running gate reads the topics' partition counts again (a
+/// consumer sees new partitions only at its next metadata refresh, minutes later).
+const LAYOUT_EVERY: Duration = Duration::from_secs(10);
+
+fn layout_changed(intents: &str, was: i32, now: i32) -> GateError {
+    GateError::Layout(format!(
+        "`{intents}` has {now} partitions, but this deployment's state was written with {was}: a workflow lives in partition murmur2(workflow_id) % partitions, so workflows have moved away from their recorded steps, and a retry of a recorded step would run again. stepgate stops rather than deduplicate in the wrong partition. Never change the partition count in place: create a new topic set with the count you want and cut agents over to it (docs/runbook.md \"Growing partitions\"); to go back, restore the old count."
+    ))
+}
 
 /// Per-partition bookkeeping of an owned partition.
 struct Owned {
@@ -104,8 +215,13 @@ pub async fn run(
             linger: Linger::default(),
             poison: &mut poison,
             last_commits: &mut last_commits,
+            paused: BTreeSet::new(),
         };
         let result = session.run(&mut core, &mut outcomes, &shutdown).await;
+        if !session.paused.is_empty() {
+            // The consumer (and its pause) is gone with the session.
+            metrics.intents_paused(false);
+        }
         // Its partitions may go to another gate now: calls still queued here
         // are handed back not invoked (settled by the next session or owner).
         invoker.ownership().clear();
@@ -117,8 +233,14 @@ pub async fn run(
             Err(GateError::Rebalanced) => {
                 info!("partitions revoked mid-batch: resuming from the last committed transaction");
             }
+            // Not something a new session mends: stop, saying why.
+            Err(e @ GateError::Layout(_)) => {
+                metrics.session_failed(e.reason());
+                return Err(e);
+            }
             Err(e) => {
-                error!(error = %crate::telemetry::error_chain(&e), "gate session failed; resuming from the last committed transaction");
+                metrics.session_failed(e.reason());
+                error!(error = %crate::telemetry::error_chain(&e), reason = e.reason(), "gate session failed; resuming from the last committed transaction");
                 if !kafka::wait_before_restart(&shutdown, &mut backoff).await {
                     return Ok(());
                 }
@@ -147,6 +269,8 @@ struct Session<'a> {
     poison: &'a mut Poison,
     /// The producers' last acknowledged transactions, checked by the next session.
     last_commits: &'a mut lost::LastCommits,
+    /// `intents` partitions paused while the invoker is full (backpressure).
+    paused: BTreeSet<i32>,
 }
 
 /// Inputs whose processing failed on a record stepgate cannot read, counted
@@ -158,6 +282,13 @@ struct Session<'a> {
 #[derive(Default)]
 struct Poison {
     failures: HashMap<(String, i32, i64), (u32, String)>,
+    /// Batches whose records the broker refused for what they are (see
+    /// [`GateError::refused_record`]), by their first input. Kept apart from
+    /// `failures`: the input itself is processed fine each time.
+    refused: HashMap<(String, i32, i64), (u32, String)>,
+    /// After a refusal, this many batches of one input each follow, so the
+    /// input whose records are refused is the first of its batch.
+    careful: u32,
 }
 
 impl Poison {
@@ -173,14 +304,40 @@ impl Poison {
         e.1 = crate::telemetry::error_chain(error);
     }
 
+    /// One-input batches after a refused record.
+    const CAREFUL_BATCHES: u32 = 64;
+
+    /// A batch starting with `first` was refused (its session fails).
+    fn refused(&mut self, first: (String, i32, i64), error: &GateError) {
+        let e = self.refused.entry(first).or_default();
+        e.0 += 1;
+        e.1 = format!(
+            "a record it produces is refused by Kafka: {}",
+            crate::telemetry::error_chain(error)
+        );
+        self.careful = Self::CAREFUL_BATCHES;
+    }
+
+    /// A batch starting with `first` committed.
+    fn committed(&mut self, first: Option<&(String, i32, i64)>) {
+        if let Some(k) = first
+            && !self.refused.is_empty()
+        {
+            self.refused.remove(k);
+        }
+        self.careful = self.careful.saturating_sub(1);
+    }
+
     /// The error to set this input aside with, once it failed often enough.
     /// (Every input asks: nothing is built while no input has failed.)
     fn set_aside(&self, input: &Input) -> Option<&str> {
-        if self.failures.is_empty() {
+        if self.failures.is_empty() && self.refused.is_empty() {
             return None;
         }
+        let key = Self::key(input);
         self.failures
-            .get(&Self::key(input))
+            .get(&key)
+            .or_else(|| self.refused.get(&key))
             .filter(|(n, _)| *n >= Self::SET_ASIDE_AFTER)
             .map(|(_, e)| e.as_str())
     }
@@ -260,6 +417,9 @@ struct Pending {
     outcomes: Vec<Finished>,
     /// Outcomes of partitions owned elsewhere, handed over through `progress`.
     orphans: Vec<Finished>,
+    /// Its first input (topic, partition, offset): the one set aside if its
+    /// records keep being refused.
+    first_input: Option<(String, i32, i64)>,
 }
 
 impl Pending {
@@ -271,6 +431,7 @@ impl Pending {
             others_next: BTreeMap::new(),
             outcomes: Vec::new(),
             orphans: Vec::new(),
+            first_input: None,
         }
     }
 
@@ -338,6 +499,7 @@ struct InFlight {
     /// Per intents partition: (applied, committed) once this batch commits.
     offsets: BTreeMap<i32, (i64, i64)>,
     started: Instant,
+    first_input: Option<(String, i32, i64)>,
 }
 
 impl Session<'_> {
@@ -417,10 +579,16 @@ impl Session<'_> {
         let mut healthy_since = Instant::now();
         let stuck_after = k.session_timeout.0 * 3;
         let mut unassigned_since = Instant::now();
+        let mut last_layout = Instant::now();
+        let mut layout: Option<JoinHandle<Result<Vec<usize>, kafka::KafkaSetupError>>> = None;
         let mut tick = tokio::time::interval(TICK);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let max_batch = self.config.gate.max_batch;
         loop {
+            let max_batch = if self.poison.careful > 0 {
+                1
+            } else {
+                self.config.gate.max_batch
+            };
             self.health.beat();
             stall_point::maybe_stall();
             let linger = self.linger.waiting();
@@ -480,6 +648,24 @@ impl Session<'_> {
                         unassigned_since = Instant::now();
                     }
                     self.check_progress_read(core, consumer);
+                    // The layout, read again now and then (in a task: a
+                    // broker outage must not hold the loop).
+                    if layout.as_ref().is_some_and(JoinHandle::is_finished) {
+                        match layout.take().expect("checked").await {
+                            Ok(Ok(n)) => check_layout(core, &k.topics, &n)?,
+                            Ok(Err(e)) => {
+                                warn!(error = %e, "could not read the topics' partition counts")
+                            }
+                            Err(e) => warn!(error = %e, "partition count task failed"),
+                        }
+                    } else if layout.is_none() && last_layout.elapsed() >= LAYOUT_EVERY {
+                        last_layout = Instant::now();
+                        let (k, names) = (k.clone(), layout_topics(&k.topics));
+                        layout = Some(tokio::task::spawn_blocking(move || {
+                            let names: Vec<&str> = names.iter().map(String::as_str).collect();
+                            kafka::partition_counts(&k, &names)
+                        }));
+                    }
                     let now = now_ms();
                     // Outcomes may be queued behind an outage (ours or the
                     // broker's): only settle deadlines after a grace period of
@@ -529,6 +715,7 @@ impl Session<'_> {
             for (p, call) in core.take_immediate() {
                 self.invoker.start(p, call);
             }
+            self.apply_backpressure(consumer);
             // Group commit: a batch closes when the previous commit returns
             // (and the outcomes worth waiting for are in).
             if in_flight.is_none()
@@ -540,6 +727,60 @@ impl Session<'_> {
                 *pending = Pending::on_top_of(Some(f.batch.clone()));
                 *in_flight = Some(f);
             }
+        }
+    }
+
+    /// Backpressure, as Kafka Streams and Vector do it: while the invoker is
+    /// full, the `intents` partitions are paused — the consumer keeps polling
+    /// (outcomes, commands, the group's heartbeat go on) but fetches no
+    /// intents, which wait in Kafka; resumed once it has drained to room
+    /// ([`Invoker::has_room`]). Nothing is refused or lost: a paused partition
+    /// resumes from the position after its last input read.
+    fn apply_backpressure(&mut self, consumer: &Arc<TxnConsumer>) {
+        let full = if self.paused.is_empty() {
+            self.invoker.is_full()
+        } else {
+            !self.invoker.has_room()
+        };
+        let intents = &self.config.kafka.topics.intents;
+        let list = |ps: &[i32]| {
+            let mut tpl = TopicPartitionList::new();
+            for &p in ps {
+                tpl.add_partition(intents, p);
+            }
+            tpl
+        };
+        if full {
+            // Partitions assigned while paused are paused too.
+            let more: Vec<i32> = self.assigned.difference(&self.paused).copied().collect();
+            if more.is_empty() {
+                return;
+            }
+            match consumer.pause(&list(&more)) {
+                Ok(()) => {
+                    if self.paused.is_empty() {
+                        info!(
+                            queued = self.invoker.running(),
+                            "the invoker is full: intents paused until it drains (executor.max_queued_calls / max_queued_bytes)"
+                        );
+                        self.metrics.intents_paused(true);
+                    }
+                    self.paused.extend(more);
+                }
+                Err(e) => warn!(error = %e, "could not pause the intents partitions"),
+            }
+        } else if !self.paused.is_empty() {
+            let back: Vec<i32> = self.paused.intersection(&self.assigned).copied().collect();
+            if let Err(e) = consumer.resume(&list(&back)) {
+                warn!(error = %e, "could not resume the intents partitions; trying again");
+                return;
+            }
+            info!(
+                queued = self.invoker.running(),
+                "the invoker has room: intents resumed"
+            );
+            self.paused.clear();
+            self.metrics.intents_paused(false);
         }
     }
 
@@ -600,6 +841,9 @@ impl Session<'_> {
                 .insert((input.topic.clone(), input.partition), input.offset + 1);
         }
         pending.inputs += 1;
+        if pending.first_input.is_none() {
+            pending.first_input = Some(Poison::key(&input));
+        }
         Ok(())
     }
 
@@ -656,15 +900,7 @@ impl Session<'_> {
                 // Partitions added to `intents` trigger a rebalance: re-read
                 // the count the partition check uses.
                 let k = self.config.kafka.clone();
-                let t = &k.topics;
-                let topics = [
-                    t.intents.clone(),
-                    t.results.clone(),
-                    t.approvals.clone(),
-                    t.dlq.clone(),
-                    t.progress.clone(),
-                    t.changelog.clone(),
-                ];
+                let topics = layout_topics(&k.topics);
                 let names = topics.clone();
                 let counts = tokio::task::spawn_blocking(move || {
                     let names: Vec<&str> = names.iter().map(String::as_str).collect();
@@ -672,7 +908,7 @@ impl Session<'_> {
                 })
                 .await;
                 match &counts {
-                    Ok(Ok(n)) => core.set_intent_partitions(n[0] as i32),
+                    Ok(Ok(n)) => check_layout(core, &self.config.kafka.topics, n)?,
                     Ok(Err(e)) => {
                         warn!(error = %e, "could not read the intents topic's partition count; keeping the last one")
                     }
@@ -739,6 +975,7 @@ impl Session<'_> {
                 self.invoker.ownership().remove(ps.iter().copied());
                 for p in ps {
                     self.assigned.remove(&p);
+                    self.paused.remove(&p);
                     self.owned.remove(&p);
                     self.progress_ends.remove(&p);
                     core.drop_partition(p);
@@ -836,10 +1073,16 @@ impl Session<'_> {
                 Err(e) => return Err(e.into()),
             }
         };
-        let applied = meta
-            .strip_prefix(APPLIED_TAG)
-            .and_then(|s| s.parse::<i64>().ok())
-            .map_or(committed, |a| a.max(committed));
+        let (applied, written_with) = parse_applied(&meta);
+        let applied = applied.map_or(committed, |a| a.max(committed));
+        // The partition count the group's offsets were committed with: a
+        // workflow's partition is murmur2 % count, so another count moves
+        // workflows away from their recorded steps.
+        if let (Some(was), Some(now)) = (written_with, core.intent_partitions())
+            && was != now
+        {
+            return Err(layout_changed(&self.config.kafka.topics.intents, was, now));
+        }
         let started = Instant::now();
         info!(
             partition = p,
@@ -976,6 +1219,20 @@ impl Session<'_> {
                     &event.step.workflow_id,
                     &event,
                 )),
+                Out::Forward {
+                    partition,
+                    key,
+                    payload,
+                    headers,
+                    timestamp_ms,
+                } => records.push(OutRecord {
+                    topic: t.intents.clone(),
+                    partition: Some(partition),
+                    key,
+                    payload,
+                    headers,
+                    timestamp_ms,
+                }),
                 Out::Dlq {
                     key,
                     headers,
@@ -986,6 +1243,7 @@ impl Session<'_> {
                     key,
                     payload: Some(record.to_json()),
                     headers,
+                    timestamp_ms: None,
                 }),
             }
         }
@@ -998,6 +1256,7 @@ impl Session<'_> {
             key: Some(e.key),
             payload: e.value,
             headers: Vec::new(),
+            timestamp_ms: None,
         }));
         // Offsets: every intents partition this batch consumed from or writes
         // for (so a fenced member's transaction cannot commit), and any whose
@@ -1019,7 +1278,7 @@ impl Session<'_> {
                 topic: t.intents.clone(),
                 partition: *p,
                 offset: commit,
-                metadata: Some(format!("{APPLIED_TAG}{applied}")),
+                metadata: Some(applied_metadata(applied, core.intent_partitions())),
             });
         }
         for ((topic, p), next) in &pending.others_next {
@@ -1100,6 +1359,7 @@ impl Session<'_> {
             outcomes: pending.outcomes,
             offsets,
             started,
+            first_input: pending.first_input,
         })
     }
 
@@ -1123,9 +1383,14 @@ impl Session<'_> {
             Err(e) => {
                 self.backlog.extend(f.outcomes);
                 core.commit_unknown(f.invokes);
+                if let (Some(code), Some(first)) = (e.refused_record(), f.first_input) {
+                    warn!(topic = %first.0, partition = first.1, offset = first.2, code, "Kafka refused a record of a batch: the next batches take one input each, and an input whose records are refused {} times is set aside", Poison::SET_ASIDE_AFTER);
+                    self.poison.refused(first, &e);
+                }
                 return Err(e);
             }
         };
+        self.poison.committed(f.first_input.as_ref());
         let t = Instant::now();
         self.store.apply(&f.batch, &landed.changelog_next)?;
         self.metrics.state_written(t.elapsed());
@@ -1289,8 +1554,7 @@ mod stall_point {
     pub fn maybe_stall() {
         static AT: OnceLock<Option<Instant>> = OnceLock::new();
         let at = AT.get_or_init(|| {
-            std::env::var("STEPGATE_TEST_STALL_AFTER")
-                .ok()
+            crate::test_hook("STEPGATE_TEST_STALL_AFTER")
                 .and_then(|s| s.parse().ok())
                 .map(|s| Instant::now() + Duration::from_secs(s))
         });
@@ -1312,7 +1576,7 @@ mod crash_point {
 
     /// A test hook's N, read from the environment once (not on every commit).
     fn hook(cell: &'static OnceLock<Option<u64>>, name: &str) -> Option<u64> {
-        *cell.get_or_init(|| std::env::var(name).ok().and_then(|v| v.parse().ok()))
+        *cell.get_or_init(|| crate::test_hook(name).and_then(|v| v.parse().ok()))
     }
 
     pub fn before_commit() {
@@ -1382,4 +1646,21 @@ mod crash_point {
 
 fn now_ms() -> i64 {
     chrono::Utc::now().timestamp_millis()
+}
+
+/// Without the `test-hooks` feature, the gate's hooks do nothing even with
+/// their variables set (checked by a unit test of a build without it).
+#[cfg(all(test, not(feature = "test-hooks")))]
+pub(crate) fn test_hooks_inert() {
+    for v in [
+        "STEPGATE_TEST_LOSE_COMMIT_MARKER",
+        "STEPGATE_TEST_LOSE_COMMIT_REPLY",
+        "STEPGATE_TEST_CRASH_BEFORE_COMMIT",
+    ] {
+        // SAFETY: no other test of this binary reads these variables.
+        unsafe { std::env::set_var(v, "1") };
+    }
+    assert!(!crash_point::lose_commit_marker(true));
+    assert!(crash_point::lose_commit_reply(true).is_ok());
+    crash_point::before_commit(); // would abort the test binary
 }

@@ -790,6 +790,8 @@ pub struct OutRecord {
     /// None for a tombstone.
     pub payload: Option<Vec<u8>>,
     pub headers: Vec<(String, Option<Vec<u8>>)>,
+    /// The record's timestamp (ms since the epoch); None: the producer's clock.
+    pub timestamp_ms: Option<i64>,
 }
 
 impl OutRecord {
@@ -807,6 +809,7 @@ impl OutRecord {
             key: Some(workflow_id.as_bytes().to_vec()),
             payload: Some(payload),
             headers: Vec::new(),
+            timestamp_ms: None,
         }
     }
 
@@ -847,6 +850,9 @@ pub async fn send_all(
             }
             if let Some(k) = &r.key {
                 rec = rec.key(k.as_slice());
+            }
+            if let Some(ts) = r.timestamp_ms {
+                rec = rec.timestamp(ts);
             }
             if !r.headers.is_empty() {
                 let mut h = OwnedHeaders::new_with_capacity(r.headers.len());
@@ -937,6 +943,29 @@ impl Input {
             .and_then(|v| String::from_utf8(v.clone()).ok())
             .filter(|tp| crate::contract::headers::is_valid_traceparent(tp))
     }
+
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .and_then(|(_, v)| v.as_deref())
+            .and_then(|v| std::str::from_utf8(v).ok())
+    }
+
+    /// An intent the gate re-routed from the partition the agent published to.
+    pub fn forwarded(&self) -> bool {
+        self.header(crate::contract::headers::FORWARDED_FROM)
+            .is_some()
+    }
+
+    /// Where this input's answer goes: the partition the agent published to
+    /// (for a re-routed intent, the one its header names; `partitions` bounds it).
+    pub fn reply_partition(&self, partitions: Option<i32>) -> i32 {
+        self.header(crate::contract::headers::REPLY_PARTITION)
+            .and_then(|v| v.parse::<i32>().ok())
+            .filter(|r| *r >= 0 && partitions.is_none_or(|n| *r < n))
+            .unwrap_or(self.partition)
+    }
 }
 
 /// Copy a consumed message out of librdkafka's buffers. Never panics, whatever
@@ -952,6 +981,13 @@ pub fn to_input(m: &rdkafka::message::BorrowedMessage<'_>) -> Input {
         headers: raw_headers(m),
         timestamp_ms: m.timestamp().to_millis(),
     }
+}
+
+/// Whether a consumed message has a header of this name (case-insensitive).
+pub fn has_header(m: &rdkafka::message::BorrowedMessage<'_>, name: &str) -> bool {
+    raw_headers(m)
+        .iter()
+        .any(|(k, _)| k.eq_ignore_ascii_case(name))
 }
 
 /// A message's headers, names read as bytes. rdkafka's own `Headers::iter`,

@@ -44,7 +44,7 @@ use crate::tools::{Category, ToolConfig};
 use auth::Principal;
 use rmcp::model::{
     CallToolRequestParams, CallToolResponse, CallToolResult, ListToolsResult,
-    PaginatedRequestParams, ServerCapabilities, ServerConfig,
+    PaginatedRequestParams, ProtocolVersion, ServerCapabilities, ServerConfig,
 };
 use rmcp::service::{RequestContext, RoleServer};
 use rmcp::{ErrorData as McpError, ServerHandler};
@@ -638,6 +638,17 @@ fn random_id() -> String {
 }
 
 impl ServerHandler for McpFront {
+    /// Up to 2025-11-25, the last revision with the initialize handshake.
+    /// rmcp 3.11 also speaks the 2026-07-28 draft, but its results there lack
+    /// the `resultType` that revision requires: the MCP Python SDK 2.x (and
+    /// the OpenAI Agents SDK on it) probes `server/discover`, picks 2026-07-28
+    /// and then cannot parse `tools/list`. Offered once it conforms (#28).
+    fn supported_protocol_versions(&self) -> std::borrow::Cow<'static, [ProtocolVersion]> {
+        std::borrow::Cow::Borrowed(ProtocolVersion::known_up_to(
+            &ProtocolVersion::LATEST_WITH_INITIALIZE,
+        ))
+    }
+
     fn get_info(&self) -> ServerConfig {
         ServerConfig::new(ServerCapabilities::builder().enable_tools().build()).with_instructions(
             "Each tool call here is a durable step that runs at most once. Send \

@@ -55,6 +55,15 @@ impl Phase {
         }
     }
 
+    /// Nobody has settled it yet: it may have taken effect and its answer is
+    /// not final (or a person still has to decide). Never purged by retention.
+    pub fn unresolved(self) -> bool {
+        matches!(
+            self,
+            Phase::Intended | Phase::Started | Phase::InDoubt | Phase::AwaitingApproval
+        )
+    }
+
     /// No outcome yet: repeats wait for it.
     pub fn in_flight(self) -> bool {
         matches!(
@@ -73,6 +82,10 @@ pub struct Waiter {
     pub intent_ts_ms: Option<i64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub traceparent: Option<String>,
+    /// The partition its answer goes to, when not the step's: the repeat was
+    /// published to another partition and re-routed here.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reply_partition: Option<i32>,
 }
 
 /// A repeat whose arguments differ from the first call's: the same step, rephrased
@@ -238,6 +251,10 @@ pub struct StepRecord {
     /// The input partition the step lives in (where operator commands go).
     #[serde(default)]
     pub partition: i32,
+    /// Where the first caller's answer goes, when not `partition`: its intent
+    /// was published to another partition and re-routed here.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reply_partition: Option<i32>,
 }
 
 /// An outcome that did not settle its step, in brief.
@@ -310,6 +327,7 @@ impl StepRecord {
             intent_ts_ms: None,
             operator_log: Vec::new(),
             partition,
+            reply_partition: None,
         }
     }
 
@@ -372,4 +390,6 @@ pub struct FastEntry {
     pub deadline_ms: i64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub intent_ts_ms: Option<i64>,
+    /// Where its answer goes (the partition the agent published to).
+    pub reply_partition: i32,
 }

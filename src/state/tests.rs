@@ -258,6 +258,7 @@ fn a_full_record_round_trips_and_json_records_still_read() {
         call_id: Some("c-2".into()),
         intent_ts_ms: Some(5),
         traceparent: None,
+        reply_partition: Some(3),
     }];
     r.rephrased = vec![RephrasedCall {
         call_id: None,
@@ -304,6 +305,7 @@ fn a_step_record_stays_within_its_budgets() {
         call_id: Some(id),
         intent_ts_ms: None,
         traceparent: None,
+        reply_partition: None,
     };
     assert_eq!(
         r.add_waiter(waiter("first".into())),

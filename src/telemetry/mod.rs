@@ -38,6 +38,8 @@ pub struct Metrics {
     late_outcomes: IntCounterVec,
     not_invoked: IntCounterVec,
     identity_conflicts: IntCounterVec,
+    intents_forwarded: IntCounterVec,
+    session_failures: IntCounterVec,
     operator_commands: IntCounterVec,
     approvals_requested: IntCounterVec,
     steps_purged: IntCounter,
@@ -52,6 +54,11 @@ pub struct Metrics {
     commit_latency: Histogram,
     state_write_latency: Histogram,
     state_records: IntGauge,
+    invoker_queued_calls: IntGauge,
+    invoker_queued_bytes: IntGauge,
+    invoker_paused: IntGauge,
+    invoker_pauses: IntCounter,
+    invoker_wait: Histogram,
     state_disk_bytes: IntGauge,
     state_memory: prometheus::IntGaugeVec,
 }
@@ -176,6 +183,16 @@ impl Metrics {
         .expect("metric names are valid");
         r.register(Box::new(commit_latency.clone()))
             .expect("registered once");
+        let invoker_wait = Histogram::with_opts(
+            HistogramOpts::new(
+                "stepgate_invoker_wait_seconds",
+                "From a call's hand-over to the invoker to its pool slot (or to its not being invoked).",
+            )
+            .buckets(buckets.clone()),
+        )
+        .expect("metric names are valid");
+        r.register(Box::new(invoker_wait.clone()))
+            .expect("registered once");
         let state_write_latency = Histogram::with_opts(
             HistogramOpts::new(
                 "stepgate_state_write_seconds",
@@ -264,6 +281,18 @@ impl Metrics {
                 "Calls never invoked because, while they waited for a slot, their partition moved (partition_moved) or the process began to stop (stopping): handed to the step's owner, which runs them at once.",
                 &["tool", "why"],
             ),
+            session_failures: counter_vec(
+                &r,
+                "stepgate_gate_session_failures_total",
+                "Gate sessions that failed and started over from the last commit, by reason (record_refused: Kafka refused a record for what it is; transaction, kafka, state, restore, unassigned, fatal_consumer, internal).",
+                &["reason"],
+            ),
+            intents_forwarded: counter_vec(
+                &r,
+                "stepgate_intents_forwarded_total",
+                "Intents found outside their workflow's partition (a client on another partitioner), re-routed to it and answered where they were published.",
+                &["tool"],
+            ),
             identity_conflicts: counter_vec(
                 &r,
                 "stepgate_identity_conflicts_total",
@@ -307,6 +336,27 @@ impl Metrics {
                 "stepgate_state_restored_records_total",
                 "Changelog records applied while restoring partitions.",
             ),
+            invoker_queued_calls: gauge(
+                &r,
+                "stepgate_invoker_queued_calls",
+                "Calls handed to the invoker and not finished (running or waiting for a slot); bounded by executor.max_queued_calls.",
+            ),
+            invoker_queued_bytes: gauge(
+                &r,
+                "stepgate_invoker_queued_bytes",
+                "Bytes of arguments of those calls; bounded by executor.max_queued_bytes.",
+            ),
+            invoker_paused: gauge(
+                &r,
+                "stepgate_intents_paused",
+                "1 while the gate has paused reading intents because the invoker is full (backpressure), else 0.",
+            ),
+            invoker_pauses: counter(
+                &r,
+                "stepgate_intents_pauses_total",
+                "Times the gate paused reading intents because the invoker was full.",
+            ),
+            invoker_wait,
             state_records: gauge(
                 &r,
                 "stepgate_state_records",
@@ -498,6 +548,34 @@ impl Metrics {
             "no local state for this partition's changelog: restoring it from the start"
         );
         self.full_restores.inc();
+    }
+
+    /// A call of `bytes` of arguments handed to the invoker (`+1`) or
+    /// finished there (`-1`).
+    pub fn invoker_queue(&self, delta: i64, bytes: usize) {
+        self.invoker_queued_calls.add(delta);
+        self.invoker_queued_bytes.add(delta * bytes as i64);
+    }
+
+    pub fn invoker_waited(&self, waited: Duration) {
+        self.invoker_wait.observe(waited.as_secs_f64());
+    }
+
+    pub fn intents_paused(&self, paused: bool) {
+        if paused {
+            self.invoker_pauses.inc();
+        }
+        self.invoker_paused.set(i64::from(paused));
+    }
+
+    pub fn session_failed(&self, reason: &str) {
+        self.session_failures.with_label_values(&[reason]).inc();
+    }
+
+    pub fn intent_forwarded(&self, tool: &str) {
+        self.intents_forwarded
+            .with_label_values(&[self.tool_label(tool)])
+            .inc();
     }
 
     pub fn identity_conflict(&self, step: &crate::contract::StepKey) {

@@ -29,7 +29,6 @@ from stepgate_client.openai_agents import (  # noqa: E402
     SessionSteps,
     SQLiteStepStore,
     StepgatePositionLost,
-    mcp_handshake_client_factory,
     mcp_step_hooks,
 )
 
@@ -82,8 +81,7 @@ scopes = ["all"]
         return MCPServerStreamableHttp(
             name="stepgate",
             params={"url": self.url, "headers": {"Authorization": f"Bearer {self.token}"},
-                    "timeout": 10, "sse_read_timeout": 300,
-                    "httpx_client_factory": mcp_handshake_client_factory},
+                    "timeout": 10, "sse_read_timeout": 300},
             client_session_timeout_seconds=timeout,
             **hooks,
         )

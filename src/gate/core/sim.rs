@@ -733,7 +733,7 @@ impl World {
                     pr.open.evs.push(Ev::Answer { result, dispatch });
                 }
                 Out::Invoke { partition, call } => pr.open.evs.push(Ev::Invoke(partition, call)),
-                Out::Approval { .. } | Out::Dlq { .. } => {}
+                Out::Approval { .. } | Out::Dlq { .. } | Out::Forward { .. } => {}
             }
         }
         // Calls started at once: those whose commit was reported failed and

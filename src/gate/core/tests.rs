@@ -557,6 +557,7 @@ fn expired_records_are_purged_then_a_repeat_runs_again() {
             .unwrap(),
         Purged {
             removed: 1,
+            kept: 0,
             more: false
         }
     );
@@ -589,6 +590,7 @@ fn a_purge_backlog_is_taken_in_chunks_each_past_the_last() {
         r,
         Purged {
             removed: 10,
+            kept: 0,
             more: true
         }
     );
@@ -599,6 +601,7 @@ fn a_purge_backlog_is_taken_in_chunks_each_past_the_last() {
         r,
         Purged {
             removed: 10,
+            kept: 0,
             more: true
         }
     );
@@ -611,6 +614,7 @@ fn a_purge_backlog_is_taken_in_chunks_each_past_the_last() {
         r,
         Purged {
             removed: 5,
+            kept: 0,
             more: false
         }
     );
@@ -779,4 +783,262 @@ fn a_commit_slower_than_the_deadline_never_turns_its_call_into_doubt() {
     f.core.invoked(0, &call);
     let r = results(&f.outcome(&call, Outcome::Ok { output: json!(1) }, 9000));
     assert_eq!(r[0].status, Status::Ok);
+}
+
+/// An input at partition `p`, with headers.
+fn input_at(
+    f: &mut Fixture,
+    p: i32,
+    v: &serde_json::Value,
+    headers: Vec<(String, Option<Vec<u8>>)>,
+) -> Input {
+    let mut input = f.input("intents", v.to_string().into_bytes());
+    input.partition = p;
+    input.headers = headers;
+    input.timestamp_ms = Some(777);
+    input
+}
+
+fn feed(f: &mut Fixture, input: &Input, now: i64) -> Vec<Out> {
+    let mut b = Batch::default();
+    f.core.on_intent(&f.store, &mut b, input, now).unwrap();
+    f.commit(b);
+    f.outs()
+}
+
+/// An outcome of a call this process ran, for partition `p`.
+fn outcome_at(f: &mut Fixture, p: i32, call: &Call, outcome: Outcome, now: i64) -> Vec<Out> {
+    f.core.finished(p, &call.step, call.dispatch);
+    let mut b = Batch::default();
+    f.core
+        .on_outcome(&f.store, &mut b, p, finished(call, outcome), now)
+        .unwrap();
+    f.commit(b);
+    f.outs()
+}
+
+fn answered_in(outs: &[Out]) -> Vec<(i32, ToolResult)> {
+    outs.iter()
+        .filter_map(|o| match o {
+            Out::Result {
+                partition, result, ..
+            } => Some((*partition, result.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn an_intent_outside_its_partition_is_rerouted_and_answered_where_it_was_published() {
+    let mut f = Fixture::new();
+    f.core.set_intent_partitions(4);
+    let owner = crate::contract::partition_for("wf", 4);
+    let elsewhere = (owner + 1) % 4;
+    let tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    // A client on another partitioner: the first call lands elsewhere.
+    let first = input_at(
+        &mut f,
+        elsewhere,
+        &email("c1", "Order confirmed"),
+        vec![("traceparent".into(), Some(tp.as_bytes().to_vec()))],
+    );
+    let outs = feed(&mut f, &first, 1000);
+    let [
+        Out::Forward {
+            partition,
+            key,
+            payload,
+            headers,
+            timestamp_ms,
+        },
+    ] = outs.as_slice()
+    else {
+        panic!("one re-routed copy, nothing run or answered: {outs:?}");
+    };
+    assert_eq!(*partition, owner);
+    assert_eq!((key, payload), (&first.key, &first.payload));
+    assert_eq!(*timestamp_ms, Some(777), "the agent's publish time is kept");
+    let copy = Input {
+        partition: owner,
+        offset: 50,
+        headers: headers.clone(),
+        ..first.clone()
+    };
+    assert!(copy.forwarded());
+    assert_eq!(copy.reply_partition(Some(4)), elsewhere);
+    assert_eq!(copy.traceparent().as_deref(), Some(tp));
+    // In its partition it is a new step: run once, answered where it was published.
+    let call = call_of(&feed(&mut f, &copy, 1001));
+    assert_eq!(call.traceparent.as_deref(), Some(tp));
+    // A rephrased retry published to the owner partition waits for it.
+    let retry = input_at(
+        &mut f,
+        owner,
+        &email("c2", "Your order is confirmed"),
+        vec![],
+    );
+    assert!(feed(&mut f, &retry, 1002).is_empty());
+    let outs = outcome_at(
+        &mut f,
+        owner,
+        &call,
+        Outcome::Ok {
+            output: json!({"id": 1}),
+        },
+        1100,
+    );
+    let mut got = answered_in(&outs);
+    got.sort_by_key(|(p, _)| *p);
+    let mut want = vec![(elsewhere, "c1", false), (owner, "c2", true)];
+    want.sort_by_key(|(p, _, _)| *p);
+    assert_eq!(
+        got.iter()
+            .map(|(p, r)| (*p, r.call_id.as_deref().unwrap(), r.deduplicated))
+            .collect::<Vec<_>>(),
+        want
+    );
+    // A repeat re-routed from a third partition: answered from the record, there.
+    let third = (owner + 2) % 4;
+    let late = input_at(
+        &mut f,
+        owner,
+        &email("c3", "Order confirmed!"),
+        vec![
+            (
+                crate::contract::headers::REPLY_PARTITION.into(),
+                Some(third.to_string().into_bytes()),
+            ),
+            (
+                crate::contract::headers::FORWARDED_FROM.into(),
+                Some(format!("{third}:9").into_bytes()),
+            ),
+        ],
+    );
+    let got = answered_in(&feed(&mut f, &late, 1200));
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].0, third);
+    assert!(got[0].1.deduplicated && got[0].1.status == Status::Ok);
+    // A re-routed copy found outside its partition again (the partition count
+    // changed in between) is refused, never re-routed twice.
+    let mut astray = late.clone();
+    astray.partition = elsewhere;
+    let outs = feed(&mut f, &astray, 1300);
+    assert!(!outs.iter().any(|o| matches!(o, Out::Forward { .. })));
+    let got = answered_in(&outs);
+    assert_eq!(got[0].0, third, "refused where the agent waits");
+    assert_eq!(got[0].1.error.as_ref().unwrap().kind, "wrong_partition");
+}
+
+#[test]
+fn with_forwarding_off_an_intent_outside_its_partition_is_refused() {
+    let mut f = Fixture::new();
+    f.core.settings.forward_wrong_partition = false;
+    f.core.set_intent_partitions(4);
+    let elsewhere = (crate::contract::partition_for("wf", 4) + 1) % 4;
+    let input = input_at(&mut f, elsewhere, &email("c1", "Hi"), vec![]);
+    let outs = feed(&mut f, &input, 1000);
+    let got = answered_in(&outs);
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].0, elsewhere);
+    assert_eq!(got[0].1.error.as_ref().unwrap().kind, "wrong_partition");
+    assert!(outs.iter().any(|o| matches!(o, Out::Dlq { .. })));
+}
+
+#[test]
+fn a_read_rerouted_to_its_partition_is_answered_where_it_was_published() {
+    let mut f = Fixture::new();
+    f.core.set_intent_partitions(4);
+    let owner = crate::contract::partition_for("wf", 4);
+    let elsewhere = (owner + 3) % 4;
+    let search = json!({"workflow_id": "wf", "step_index": 2, "tool": "search",
+        "arguments": {"q": "x"}, "call_id": "s1"});
+    let copy = input_at(
+        &mut f,
+        owner,
+        &search,
+        vec![
+            (
+                crate::contract::headers::REPLY_PARTITION.into(),
+                Some(elsewhere.to_string().into_bytes()),
+            ),
+            (
+                crate::contract::headers::FORWARDED_FROM.into(),
+                Some(format!("{elsewhere}:3").into_bytes()),
+            ),
+        ],
+    );
+    let call = call_of(&feed(&mut f, &copy, 1000));
+    let got = answered_in(&outcome_at(
+        &mut f,
+        owner,
+        &call,
+        Outcome::Ok { output: json!(1) },
+        1001,
+    ));
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].0, elsewhere);
+}
+
+#[test]
+fn unresolved_steps_outlive_the_retention_and_expire_once_settled() {
+    let mut f = Fixture::new();
+    let hour = 3_600_000;
+    // An unkeyed call whose outcome never came: in doubt at its deadline.
+    let wire = json!({"workflow_id": "wf", "step_index": 1, "tool": "wire",
+        "arguments": {"amount": 5}, "call_id": "w1"});
+    let call = call_of(&f.intent(wire.clone(), 0));
+    let outs = f.tick(60_000);
+    assert_eq!(results(&outs)[0].status, Status::InDoubt);
+    // Long past the retention: kept, not purged.
+    let mut b = Batch::default();
+    let r = f.core.purge(&f.store, &mut b, [0], 10 * hour, 100).unwrap();
+    assert_eq!((r.removed, r.kept), (0, 1));
+    f.commit(b);
+    let kept = f.store.step(0, &call.step).unwrap().expect("kept");
+    assert_eq!(kept.phase, Phase::InDoubt);
+    assert_eq!(kept.expires_at_ms, KEPT_UNTIL_RESOLVED);
+    // Nothing more to do for it in later rounds.
+    let mut b = Batch::default();
+    let r = f
+        .core
+        .purge(&f.store, &mut b, [0], 100 * hour, 100)
+        .unwrap();
+    assert_eq!(r, Purged::default());
+    // Its retry, days later, is answered in doubt, not run again.
+    let mut retry = wire.clone();
+    retry["call_id"] = json!("w2");
+    let outs = f.intent(retry, 100 * hour);
+    assert!(
+        !outs.iter().any(|o| matches!(o, Out::Invoke { .. })),
+        "{outs:?}"
+    );
+    assert_eq!(results(&outs)[0].status, Status::InDoubt);
+    // Settled by an operator: expires a retention later, like any settled step.
+    let resolve = Command {
+        id: "op-1".into(),
+        step: call.step.clone(),
+        action: Action::ResolveExecuted {
+            output: json!({"ok": true}),
+        },
+        by: "ops".into(),
+        at: "2026-12-02T00:00:00Z".into(),
+        reason: None,
+        run: None,
+    };
+    let input = f.input("commands", serde_json::to_vec(&resolve).unwrap());
+    let mut b = Batch::default();
+    f.core
+        .on_command(&f.store, &mut b, &input, 101 * hour)
+        .unwrap();
+    f.commit(b);
+    f.outs();
+    let settled = f.store.step(0, &call.step).unwrap().unwrap();
+    assert_eq!(settled.phase, Phase::Completed);
+    assert_eq!(settled.expires_at_ms, 102 * hour);
+    let mut b = Batch::default();
+    let r = f
+        .core
+        .purge(&f.store, &mut b, [0], 102 * hour, 100)
+        .unwrap();
+    assert_eq!((r.removed, r.kept), (1, 0));
 }

@@ -11,6 +11,7 @@ fn record(topic: &str, key: &str, value: &str) -> OutRecord {
         key: Some(key.as_bytes().to_vec()),
         payload: Some(value.as_bytes().to_vec()),
         headers: Vec::new(),
+        timestamp_ms: None,
     }
 }
 

@@ -41,6 +41,13 @@ pub mod headers {
     pub const STEP_INDEX: &str = "Stepgate-Step-Index";
     pub const ATTEMPT: &str = "Stepgate-Attempt";
     pub const TRACEPARENT: &str = "traceparent";
+    /// On an intent the gate re-routed to its workflow's partition: the
+    /// partition the agent published it to, where its answer is written.
+    /// Written by the gate only.
+    pub const REPLY_PARTITION: &str = "stepgate-reply-partition";
+    /// On a re-routed intent: `<partition>:<offset>` of the record the agent
+    /// published (for audits).
+    pub const FORWARDED_FROM: &str = "stepgate-forwarded-from";
 
     /// Whether `tp` is a W3C `traceparent` worth carrying: version `00` exactly as
     /// `00-<32 hex>-<16 hex>-<2 hex>` (lowercase), or a later version (not `ff`)
