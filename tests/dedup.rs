@@ -154,6 +154,24 @@ async fn attempt_one_runs_again_with_its_own_key() {
     assert_eq!(calls[1].headers["stepgate-step-index"], "1");
 }
 
+const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+
+/// One call of workflow `same-key` published to each of the 4 partitions (call
+/// id `p<partition>`), as clients with different partitioners would.
+async fn to_every_partition(
+    agent: &Agent,
+    tool: &str,
+    step: fn(i32) -> u64,
+    headers: &[(&str, &str)],
+) {
+    for p in 0..4 {
+        let i = intent("same-key", step(p), tool, json!({"q": p}), &format!("p{p}"));
+        agent
+            .send_raw("same-key", i.to_string().as_bytes(), Some(p), headers)
+            .await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_intent_outside_its_workflows_partition_is_rerouted_and_answered_in_the_partition_it_reached()
  {
@@ -163,26 +181,13 @@ async fn an_intent_outside_its_workflows_partition_is_rerouted_and_answered_in_t
     // One step published to every partition, as four clients with different
     // partitioners would: it runs once, in its workflow's partition, and each
     // call is answered in the partition it was published to.
-    for p in 0..4 {
-        let i = intent(
-            "same-key",
-            100,
-            "send_email",
-            json!({"q": p}),
-            &format!("p{p}"),
-        );
-        agent
-            .send_raw(
-                "same-key",
-                i.to_string().as_bytes(),
-                Some(p),
-                &[(
-                    "traceparent",
-                    "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
-                )],
-            )
-            .await;
-    }
+    to_every_partition(
+        &agent,
+        "send_email",
+        |_| 100,
+        &[("traceparent", TRACEPARENT)],
+    )
+    .await;
     let mut first = Vec::new();
     for p in 0..4 {
         agent.answer(&format!("p{p}"), WAIT).await;
@@ -199,8 +204,7 @@ async fn an_intent_outside_its_workflows_partition_is_rerouted_and_answered_in_t
     assert!(
         calls
             .iter()
-            .all(|c| c.headers.get("traceparent").map(String::as_str)
-                == Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"))
+            .all(|c| c.headers.get("traceparent").map(String::as_str) == Some(TRACEPARENT))
     );
     let results = agent.results.all();
     assert!(
@@ -234,18 +238,7 @@ async fn without_forwarding_an_intent_outside_its_workflows_partition_is_refused
     s.start().await;
     let agent = s.agent();
     let owner = stepgate::contract::partition_for("same-key", 4);
-    for p in 0..4 {
-        let i = intent(
-            "same-key",
-            100,
-            "send_email",
-            json!({"q": p}),
-            &format!("p{p}"),
-        );
-        agent
-            .send_raw("same-key", i.to_string().as_bytes(), Some(p), &[])
-            .await;
-    }
+    to_every_partition(&agent, "send_email", |_| 100, &[]).await;
     for p in 0..4 {
         agent.answer(&format!("p{p}"), WAIT).await;
         let (partition, r) = agent.answers(&format!("p{p}")).remove(0);
@@ -357,18 +350,7 @@ async fn without_the_partition_check_answers_go_to_the_intents_partition_whateve
     .await;
     s.start().await;
     let agent = s.agent();
-    for p in 0..4 {
-        let i = intent(
-            "same-key",
-            100 + p as u64,
-            "search",
-            json!({"q": p}),
-            &format!("p{p}"),
-        );
-        agent
-            .send_raw("same-key", i.to_string().as_bytes(), Some(p), &[])
-            .await;
-    }
+    to_every_partition(&agent, "search", |p| 100 + p as u64, &[]).await;
     for p in 0..4 {
         agent.answer(&format!("p{p}"), WAIT).await;
         let (partition, r) = agent.answers(&format!("p{p}")).remove(0);
