@@ -589,3 +589,28 @@ fn assert_succeeded(out: &std::process::Output, what: &str) {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// Release builds never carry the fault-injection hooks: `test-hooks` is not a
+/// default feature, and no build of the image or the benchmarks enables it
+/// (without it, `STEPGATE_TEST_*` does nothing: `cargo test --lib -- hook_tests`
+/// without the feature checks that).
+#[test]
+fn release_builds_do_not_enable_the_test_hooks() {
+    let manifest: toml::Table = std::fs::read_to_string(root().join("Cargo.toml"))
+        .unwrap()
+        .parse()
+        .unwrap();
+    let features = manifest["features"].as_table().unwrap();
+    assert!(features.contains_key("test-hooks"));
+    let default = features["default"].as_array().unwrap();
+    assert!(
+        !default.iter().any(|f| f.as_str() == Some("test-hooks")),
+        "test-hooks must not be a default feature"
+    );
+    for file in ["Dockerfile", "benches/bench.sh", "deploy/local/demo.sh"] {
+        let text = std::fs::read_to_string(root().join(file)).unwrap();
+        for line in text.lines().filter(|l| l.contains("cargo build")) {
+            assert!(!line.contains("test-hooks"), "{file}: {line}");
+        }
+    }
+}
