@@ -73,9 +73,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let fresh = StateStore::open(target.path())?;
     let t = Instant::now();
     let kafka = config.kafka.clone();
-    let applied =
-        tokio::task::block_in_place(|| stepgate::state::restore_partition(&kafka, &fresh, 0))?
-            .records;
+    // An empty store: nothing local to trust or not.
+    let trust = stepgate::state::Trust::from_delete_retention(None);
+    let applied = tokio::task::block_in_place(|| {
+        stepgate::state::restore_partition(&kafka, &fresh, 0, &trust)
+    })?
+    .records;
     let took = t.elapsed().as_secs_f64();
     println!(
         "restored {applied} changelog records ({n} steps) in {took:.1} s: {:.0} records/s, {:.0} steps/s; peak RSS {} MiB",

@@ -127,12 +127,23 @@ pub async fn start(
     {
         let path = config.state.path.clone();
         let cache = config.state.block_cache_mib.max(1) << 20;
-        let store = tokio::task::spawn_blocking(move || StateStore::open_with_cache(&path, cache))
-            .await?
-            .map_err(|source| AppError::State {
-                path: config.state.path.display().to_string(),
-                source,
-            })?;
+        // A gate runs on the state from here: if the last one did not stop
+        // gracefully, no partition's local state is trusted (each is restored
+        // from its changelog's start when assigned; docs/guarantees.md).
+        let store = tokio::task::spawn_blocking(move || {
+            let store = StateStore::open_with_cache(&path, cache)?;
+            if store.begin_gate()? {
+                tracing::warn!(
+                    "the last gate process on this state did not stop cleanly: each partition's local state will be restored from its changelog's start"
+                );
+            }
+            Ok::<_, StateError>(store)
+        })
+        .await?
+        .map_err(|source| AppError::State {
+            path: config.state.path.display().to_string(),
+            source,
+        })?;
         let (c, m, h, s) = (
             config.clone(),
             metrics.clone(),

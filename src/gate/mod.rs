@@ -216,6 +216,7 @@ pub async fn run(
             poison: &mut poison,
             last_commits: &mut last_commits,
             paused: BTreeSet::new(),
+            trust: None,
         };
         let result = session.run(&mut core, &mut outcomes, &shutdown).await;
         if !session.paused.is_empty() {
@@ -229,7 +230,12 @@ pub async fn run(
         health.set_gate_ready(false);
         core.reset();
         match result {
-            Ok(()) => return Ok(()),
+            // Stopped gracefully (its last batches committed and applied): the
+            // next process on this state may trust it.
+            Ok(()) => {
+                store.end_gate()?;
+                return Ok(());
+            }
             Err(GateError::Rebalanced) => {
                 info!("partitions revoked mid-batch: resuming from the last committed transaction");
             }
@@ -271,6 +277,9 @@ struct Session<'a> {
     last_commits: &'a mut lost::LastCommits,
     /// `intents` partitions paused while the invoker is full (backpressure).
     paused: BTreeSet<i32>,
+    /// How old a partition's local state may be and still be resumed from
+    /// (from the changelog's `delete.retention.ms`, read once per session).
+    trust: Option<crate::state::Trust>,
 }
 
 /// Inputs whose processing failed on a record stepgate cannot read, counted
@@ -1090,10 +1099,20 @@ impl Session<'_> {
             changelog_from = ?self.store.changelog_next(p).ok().flatten(),
             "restoring the partition's state from the changelog"
         );
+        let trust = match self.trust {
+            Some(t) => t,
+            None => {
+                let d = kafka::changelog_delete_retention(&self.config.kafka).await;
+                let t = crate::state::Trust::from_delete_retention(d);
+                info!(delete_retention = ?d, max_age = ?t.max_age, "a partition's local state is resumed from only if it was in sync with the changelog more recently than max_age");
+                *self.trust.insert(t)
+            }
+        };
         let store = self.store.clone();
         let cfg = self.config.kafka.clone();
-        let mut restoring =
-            tokio::task::spawn_blocking(move || crate::state::restore_partition(&cfg, &store, p));
+        let mut restoring = tokio::task::spawn_blocking(move || {
+            crate::state::restore_partition(&cfg, &store, p, &trust)
+        });
         // A long restore is progress, not a stall.
         let restored = loop {
             tokio::select! {
@@ -1101,8 +1120,8 @@ impl Session<'_> {
                 _ = tokio::time::sleep(Duration::from_secs(1)) => self.health.beat(),
             }
         };
-        if restored.full {
-            self.metrics.full_restore(p);
+        if let Some(reason) = restored.reason {
+            self.metrics.full_restore(p, reason.label());
         }
         let n = restored.records;
         info!(

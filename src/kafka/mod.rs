@@ -229,6 +229,41 @@ pub async fn check_topic_sizes(
     }
 }
 
+/// The changelog topic's `delete.retention.ms` (how long compaction keeps a
+/// tombstone readable), as the broker applies it (the topic's own, else the
+/// broker's default). None, with a warning, when the broker does not say (no
+/// DescribeConfigs permission, a mock cluster).
+pub async fn changelog_delete_retention(cfg: &KafkaConfig) -> Option<Duration> {
+    use rdkafka::admin::ResourceSpecifier;
+    let read = async {
+        let admin: AdminClient<DefaultClientContext> = base_config(cfg).create()?;
+        let opts = AdminOptions::new().request_timeout(Some(Duration::from_secs(10)));
+        let spec = ResourceSpecifier::Topic(cfg.topics.changelog.as_str());
+        let described = admin.describe_configs([&spec], &opts).await?;
+        let value = described
+            .into_iter()
+            .next()
+            .and_then(|r| r.ok())
+            .and_then(|c| {
+                c.get("delete.retention.ms")
+                    .and_then(|e| e.value.as_deref())
+                    .and_then(|v| v.parse::<u64>().ok())
+            });
+        Ok::<_, KafkaError>(value)
+    };
+    match read.await {
+        Ok(Some(ms)) => Some(Duration::from_millis(ms)),
+        Ok(None) => {
+            tracing::warn!(topic = %cfg.topics.changelog, "the changelog's delete.retention.ms is not known: Kafka's default (24 h) is assumed when judging whether a partition's local state is recent enough to resume from");
+            None
+        }
+        Err(e) => {
+            tracing::warn!(topic = %cfg.topics.changelog, error = %e, "cannot read the changelog's delete.retention.ms: Kafka's default (24 h) is assumed when judging whether a partition's local state is recent enough to resume from");
+            None
+        }
+    }
+}
+
 /// The context of consumers that read partitions to their end (restore, audit,
 /// operator reads): reaching the end is how they know they are done, so
 /// librdkafka's partition-EOF events are not logged as errors.

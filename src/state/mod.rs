@@ -6,7 +6,9 @@
 //! - `fast`: unused (fast-path calls of earlier versions; kept so old state opens);
 //! - `expiry`: `(partition, expires_at, step)` index for retention purges;
 //! - `workflows`: workflows ended by a `last_step` tool;
-//! - `meta`: per partition, the next changelog offset the local state reflects.
+//! - `meta`: per partition, the next changelog offset the local state reflects
+//!   and when it was last known in sync with the changelog; whether a gate
+//!   process runs on the state (see [`StateStore::begin_gate`]).
 //!
 //! Every key starts with the input partition (4 bytes, big endian), so a
 //! partition's state can be listed and restored on its own.
@@ -18,6 +20,12 @@
 //! partition's changelog is replayed from that offset (or from its start when the
 //! offset is missing), so the local state can lag Kafka but never be ahead of it,
 //! nor hold a history Kafka aborted.
+//!
+//! **A stale cache is never trusted** ([`StateStore::resume_point`]): the offset
+//! is resumed from only while the state is younger than the changelog's
+//! `delete.retention.ms` (past it, compaction may have removed tombstones the
+//! state never read), and not after an unclean shutdown (the state may hold a
+//! batch whose commit marker the broker lost, which Kafka then aborted).
 
 mod record;
 mod restore;
@@ -28,7 +36,7 @@ pub use record::{
     check_record_sizes,
 };
 pub use restore::{
-    RebuildError, Rebuilt, RestoreError, Restored, rebuild_state, restore_partition,
+    RebuildError, Rebuilt, RestoreError, Restored, Trust, rebuild_state, restore_partition,
 };
 
 use crate::contract::{StepKey, codec};
@@ -38,6 +46,7 @@ use rocksdb::{
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
+use std::time::Duration;
 use thiserror::Error;
 
 #[derive(Debug, Error)]
@@ -111,6 +120,9 @@ impl Cf {
 }
 
 const META: &str = "meta";
+/// Set in `meta` (synced) while a gate process runs on the state; removed
+/// (synced) when it stops gracefully.
+const RUNNING: &[u8] = b"running";
 /// Set in `meta` once the attention index covers every step record.
 const ATTENTION_INDEXED: &[u8] = b"attention-indexed";
 
@@ -205,6 +217,97 @@ impl StateStore {
             .and_then(|b| b.try_into().ok().map(i64::from_be_bytes)))
     }
 
+    /// When (wall clock, ms) the local state of `partition` was last known in
+    /// sync with its changelog: its last restore, or the last committed batch
+    /// this process applied to it (None: unknown — a state written by an
+    /// earlier version, or left by a process that did not stop cleanly).
+    pub fn synced_at(&self, partition: i32) -> Result<Option<i64>, StateError> {
+        Ok(self
+            .db
+            .get_cf(self.meta(), sync_key(partition))?
+            .and_then(|b| b.try_into().ok().map(i64::from_be_bytes)))
+    }
+
+    /// Whether a restore of `partition` may resume from the offset its local
+    /// state reflects, or must start over from the changelog's start.
+    ///
+    /// Resuming is only sound while the state is contiguous with the
+    /// changelog: nothing after the offset may have been removed before it is
+    /// read. Compaction removes a tombstone `delete.retention.ms` after it
+    /// cleaned its segment — at the earliest that long after it was written —
+    /// so a state last in sync less than that ago (less a margin:
+    /// [`Trust::max_age`]) cannot have missed one; an older one can (a step it
+    /// holds `started` may have been settled and purged elsewhere since). A
+    /// state of unknown age (an unclean shutdown, an earlier version) is not
+    /// resumed from either. Whether the offset is still in the log is checked
+    /// by the read itself (an out-of-range position starts over).
+    pub fn resume_point(
+        &self,
+        partition: i32,
+        now_ms: i64,
+        trust: &Trust,
+    ) -> Result<Resume, StateError> {
+        let Some(next) = self.changelog_next(partition)? else {
+            return Ok(Resume::Full(FullReason::NoLocalState));
+        };
+        let Some(at) = self.synced_at(partition)? else {
+            return Ok(Resume::Full(FullReason::UnknownAge));
+        };
+        let age = Duration::from_millis(now_ms.saturating_sub(at).max(0) as u64);
+        if age >= trust.max_age {
+            return Ok(Resume::Full(FullReason::Stale {
+                age,
+                max_age: trust.max_age,
+            }));
+        }
+        Ok(Resume::From(next))
+    }
+
+    /// A gate process starts on this state. If the last one did not stop
+    /// gracefully ([`StateStore::end_gate`] never ran: killed, crashed, power
+    /// lost), no partition's local state is trusted: it may hold a batch whose
+    /// commit the broker acknowledged and then lost (its transaction later
+    /// aborted), which only that process could have written again
+    /// (`gate::lost`). Each partition's sync time is dropped, so its next
+    /// restore — in this process or a later one — starts from the changelog's
+    /// start. Returns whether the last stop was unclean. Synced.
+    pub fn begin_gate(&self) -> Result<bool, StateError> {
+        let unclean = self.db.get_cf(self.meta(), RUNNING)?.is_some();
+        let mut wb = WriteBatch::default();
+        if unclean {
+            for (key, _) in self.meta_prefix(SYNC_PREFIX)? {
+                wb.delete_cf(self.meta(), key);
+            }
+        }
+        wb.put_cf(self.meta(), RUNNING, now_ms().to_be_bytes());
+        self.write_synced(wb)?;
+        Ok(unclean)
+    }
+
+    /// The gate process stopped gracefully: every batch it applied had
+    /// committed, and none it committed is missing. Synced (with every
+    /// unsynced write before it).
+    pub fn end_gate(&self) -> Result<(), StateError> {
+        let mut wb = WriteBatch::default();
+        wb.delete_cf(self.meta(), RUNNING);
+        self.write_synced(wb)
+    }
+
+    fn meta_prefix(&self, prefix: &[u8]) -> Result<Vec<Raw>, StateError> {
+        let mut out = Vec::new();
+        for item in self
+            .db
+            .iterator_cf(self.meta(), IteratorMode::From(prefix, Direction::Forward))
+        {
+            let (k, v) = item?;
+            if !k.starts_with(prefix) {
+                break;
+            }
+            out.push((k.to_vec(), v.to_vec()));
+        }
+        Ok(out)
+    }
+
     /// Apply a committed batch (not synced: a crash loses at most what the
     /// changelog holds and the next assignment replays). `changelog_next` gives,
     /// per partition, the changelog offset the batch brings the state to.
@@ -220,8 +323,13 @@ impl StateStore {
                 None => wb.delete_cf(self.cf(*cf), key),
             }
         }
+        // The batch committed, so this process owned its partitions (its
+        // transaction was fenced by the group's generation): what it applied
+        // is all the changelog holds up to `next`.
+        let now = now_ms();
         for (p, next) in changelog_next {
             wb.put_cf(self.meta(), clog_key(*p), next.to_be_bytes());
+            wb.put_cf(self.meta(), sync_key(*p), now.to_be_bytes());
         }
         self.db.write(wb)?;
         Ok(())
@@ -435,6 +543,7 @@ impl StateStore {
             wb.delete_range_cf(self.cf(cf), from, to);
         }
         wb.delete_cf(self.meta(), clog_key(partition));
+        wb.delete_cf(self.meta(), sync_key(partition));
         for old in [b"seq/".as_slice(), b"undo/"] {
             // Crash-reconciliation records of versions before the changelog
             // became the source of truth.
@@ -509,13 +618,20 @@ impl StateStore {
         Ok(())
     }
 
-    /// Mark a restored partition as reflecting its changelog up to `next`
-    /// (synced: the restore's unsynced writes become durable with it).
+    /// Mark a restored partition as reflecting its changelog up to `next`,
+    /// in sync with it now (synced: the restore's unsynced writes become
+    /// durable with it).
     pub fn finish_restore(&self, partition: i32, next: Option<i64>) -> Result<(), StateError> {
         let mut wb = WriteBatch::default();
         match next {
-            Some(n) => wb.put_cf(self.meta(), clog_key(partition), n.to_be_bytes()),
-            None => wb.delete_cf(self.meta(), clog_key(partition)),
+            Some(n) => {
+                wb.put_cf(self.meta(), clog_key(partition), n.to_be_bytes());
+                wb.put_cf(self.meta(), sync_key(partition), now_ms().to_be_bytes());
+            }
+            None => {
+                wb.delete_cf(self.meta(), clog_key(partition));
+                wb.delete_cf(self.meta(), sync_key(partition));
+            }
         }
         self.write_synced(wb)
     }
@@ -834,6 +950,52 @@ fn partition_of(key: &[u8]) -> i32 {
 
 fn clog_key(partition: i32) -> Vec<u8> {
     [b"clog/".as_slice(), &partition.to_be_bytes()].concat()
+}
+
+const SYNC_PREFIX: &[u8] = b"sync/";
+
+fn sync_key(partition: i32) -> Vec<u8> {
+    [SYNC_PREFIX, &partition.to_be_bytes()].concat()
+}
+
+fn now_ms() -> i64 {
+    chrono::Utc::now().timestamp_millis()
+}
+
+/// Whether a partition's restore resumes from its local offset ([`StateStore::resume_point`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Resume {
+    /// From this changelog offset: the local state is contiguous with it.
+    From(i64),
+    /// From the changelog's start, over a wiped partition.
+    Full(FullReason),
+}
+
+/// Why a partition is restored from the changelog's start.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FullReason {
+    /// Nothing local (a new owner, a new or lost disk).
+    NoLocalState,
+    /// When the local state was last in sync is not known: the last process
+    /// on it did not stop cleanly, or an earlier version wrote it.
+    UnknownAge,
+    /// Last in sync longer ago than the changelog's tombstones are kept.
+    Stale { age: Duration, max_age: Duration },
+    /// The changelog does not hold the local offset (recreated, or its start
+    /// moved past it).
+    OutOfRange,
+}
+
+impl FullReason {
+    /// A short machine-readable name (logs).
+    pub fn label(self) -> &'static str {
+        match self {
+            FullReason::NoLocalState => "no_local_state",
+            FullReason::UnknownAge => "unknown_age",
+            FullReason::Stale { .. } => "stale",
+            FullReason::OutOfRange => "out_of_range",
+        }
+    }
 }
 
 fn push_workflow(buf: &mut Vec<u8>, workflow_id: &str) {

@@ -1,9 +1,10 @@
 //! Restore: a partition's local state brought up to its changelog's end, and
 //! a whole state rebuilt from the changelog (`stepgate state rebuild`). The
 //! changelog is the source of truth; RocksDB reflects it up to an offset kept
-//! per partition (`meta`), from which a restore resumes.
+//! per partition (`meta`), from which a restore resumes — only while the state
+//! is known contiguous with the changelog ([`StateStore::resume_point`]).
 
-use super::{StateError, StateStore};
+use super::{FullReason, Resume, StateError, StateStore};
 use crate::config::KafkaConfig;
 use crate::kafka;
 use rdkafka::consumer::Consumer;
@@ -28,18 +29,62 @@ pub enum RestoreError {
 /// How long a restore may take before the session gives up and retries.
 const RESTORE_LIMIT: Duration = Duration::from_secs(600);
 
+/// What a local state's age is judged by.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Trust {
+    /// A partition's local state last in sync with its changelog at least
+    /// this long ago is not resumed from (see [`Trust::from_delete_retention`]).
+    pub max_age: Duration,
+}
+
+impl Trust {
+    /// Kafka's default `delete.retention.ms` (24 h), assumed when the
+    /// changelog's cannot be read.
+    pub const DEFAULT_DELETE_RETENTION: Duration = Duration::from_secs(24 * 3600);
+
+    /// From the changelog topic's `delete.retention.ms` (None: unreadable,
+    /// Kafka's default assumed), less a margin: a tenth of it (clock skew
+    /// between the gate's host and the broker) and the longest a restore may
+    /// read ([`RESTORE_LIMIT`]: a tombstone must still be there when the read
+    /// reaches it). A retention under ~11 minutes leaves no local state
+    /// trusted: every restore is full.
+    pub fn from_delete_retention(delete_retention: Option<Duration>) -> Trust {
+        let d = delete_retention.unwrap_or(Self::DEFAULT_DELETE_RETENTION);
+        Trust {
+            max_age: d.saturating_sub(d / 10).saturating_sub(RESTORE_LIMIT),
+        }
+    }
+}
+
 /// Bring a partition's local state up to its changelog's end (read_committed:
 /// only committed batches), from the offset the state last reflected — or
-/// from the start, over a wiped partition, when that is unknown or the topic
-/// is not the one it was read from. Blocking.
+/// from the start, over a wiped partition, when that is unknown, too old to
+/// be contiguous with the changelog, or not in the changelog (see
+/// [`StateStore::resume_point`]). Blocking.
 pub fn restore_partition(
     cfg: &KafkaConfig,
     store: &StateStore,
     p: i32,
+    trust: &Trust,
 ) -> Result<Restored, RestoreError> {
     let group = format!("{}-restore", cfg.gate_group);
     let deadline = Instant::now() + RESTORE_LIMIT;
-    let mut from = store.changelog_next(p)?;
+    let now_ms = chrono::Utc::now().timestamp_millis();
+    let (mut from, mut reason) = match store.resume_point(p, now_ms, trust)? {
+        Resume::From(next) => (Some(next), None),
+        Resume::Full(why) => {
+            if why != FullReason::NoLocalState {
+                warn!(
+                    partition = p,
+                    reason = why.label(),
+                    detail = ?why,
+                    local = ?store.changelog_next(p)?,
+                    "the local state of this partition is not known to be contiguous with its changelog: restoring it from the changelog's start"
+                );
+            }
+            (None, Some(why))
+        }
+    };
     loop {
         let full = from.is_none();
         if full {
@@ -78,7 +123,11 @@ pub fn restore_partition(
             kafka::ReadEnd::Reached => {
                 n += store.apply_changelog(&buf)?;
                 store.finish_restore(p, Some(next))?;
-                return Ok(Restored { records: n, full });
+                return Ok(Restored {
+                    records: n,
+                    full,
+                    reason,
+                });
             }
             kafka::ReadEnd::TimedOut => {
                 return Err(RestoreError::Timeout {
@@ -95,6 +144,7 @@ pub fn restore_partition(
                     "the changelog does not hold the offset the local state reflects (recreated?): restoring from its start"
                 );
                 from = None;
+                reason = Some(FullReason::OutOfRange);
             }
         }
     }
@@ -107,6 +157,8 @@ pub struct Restored {
     pub records: usize,
     /// Whether it started from the changelog's start (over a wiped partition).
     pub full: bool,
+    /// Why it did (None when it resumed).
+    pub reason: Option<FullReason>,
 }
 
 /// What [`rebuild_state`] did.
@@ -149,7 +201,8 @@ pub fn rebuild_state(
     let store = StateStore::open(path)?;
     let mut records = 0;
     for p in 0..partitions as i32 {
-        let n = restore_partition(cfg, &store, p)?.records;
+        // A new directory: nothing local to trust or not.
+        let n = restore_partition(cfg, &store, p, &Trust::from_delete_retention(None))?.records;
         records += n;
         progress(p, partitions, n);
     }

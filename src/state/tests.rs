@@ -446,3 +446,122 @@ fn a_step_record_must_fit_the_producer_with_its_outputs() {
     assert!(e.contains("`tools.t.max_output_bytes` is 2000000"), "{e}");
     assert!(e.contains("Lower it to at most 1474560"), "{e}");
 }
+
+#[test]
+fn a_local_state_is_resumed_from_only_while_younger_than_the_tombstones() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = StateStore::open(dir.path()).unwrap();
+    let trust = Trust {
+        max_age: Duration::from_secs(3600),
+    };
+    let now = chrono::Utc::now().timestamp_millis();
+    assert_eq!(
+        s.resume_point(1, now, &trust).unwrap(),
+        Resume::Full(FullReason::NoLocalState)
+    );
+    let mut b = Batch::default();
+    b.put_step(&s, 1, &record(1, Phase::Started, i64::MAX))
+        .unwrap();
+    s.apply(&b, &at(1, 7)).unwrap();
+    let synced = s.synced_at(1).unwrap().expect("a committed batch sets it");
+    assert!((synced - now).abs() < 60_000, "{synced} vs {now}");
+    assert_eq!(s.resume_point(1, now, &trust).unwrap(), Resume::From(7));
+    assert_eq!(
+        s.resume_point(1, synced + 3_599_000, &trust).unwrap(),
+        Resume::From(7)
+    );
+    // Past the changelog's delete.retention.ms (less the margin): a tombstone
+    // written after the offset may be gone.
+    match s.resume_point(1, synced + 3_600_000, &trust).unwrap() {
+        Resume::Full(FullReason::Stale { age, max_age }) => {
+            assert_eq!(age, Duration::from_secs(3600));
+            assert_eq!(max_age, trust.max_age);
+        }
+        other => panic!("{other:?}"),
+    }
+    // A restore brings it in sync again.
+    s.finish_restore(1, Some(9)).unwrap();
+    let later = s.synced_at(1).unwrap().unwrap();
+    assert!(later >= synced);
+    assert_eq!(
+        s.resume_point(1, later + 1000, &trust).unwrap(),
+        Resume::From(9)
+    );
+    // A state written before the sync time was kept: its age is unknown.
+    let mut wb = WriteBatch::default();
+    wb.delete_cf(s.meta(), sync_key(1));
+    s.db.write(wb).unwrap();
+    assert_eq!(
+        s.resume_point(1, later, &trust).unwrap(),
+        Resume::Full(FullReason::UnknownAge)
+    );
+    s.finish_restore(1, Some(9)).unwrap();
+    s.wipe_partition(1).unwrap();
+    assert_eq!(s.synced_at(1).unwrap(), None);
+}
+
+#[test]
+fn the_margin_under_delete_retention_leaves_small_retentions_untrusted() {
+    let day = Trust::from_delete_retention(None);
+    assert_eq!(
+        day,
+        Trust::from_delete_retention(Some(Trust::DEFAULT_DELETE_RETENTION))
+    );
+    assert!(day.max_age < Duration::from_secs(22 * 3600), "{day:?}");
+    assert!(day.max_age > Duration::from_secs(21 * 3600), "{day:?}");
+    assert_eq!(
+        Trust::from_delete_retention(Some(Duration::from_secs(1))).max_age,
+        Duration::ZERO
+    );
+}
+
+#[test]
+fn after_an_unclean_stop_no_partition_is_resumed_from() {
+    let dir = tempfile::tempdir().unwrap();
+    let trust = Trust {
+        max_age: Duration::from_secs(3600),
+    };
+    let now = || chrono::Utc::now().timestamp_millis();
+    {
+        let s = StateStore::open(dir.path()).unwrap();
+        assert!(!s.begin_gate().unwrap(), "a new state");
+        let mut b = Batch::default();
+        b.put_step(&s, 0, &record(1, Phase::Started, i64::MAX))
+            .unwrap();
+        b.put_step(&s, 5, &record(2, Phase::Started, i64::MAX))
+            .unwrap();
+        s.apply(&b, &BTreeMap::from([(0, 3), (5, 4)])).unwrap();
+        s.end_gate().unwrap();
+    }
+    {
+        // Stopped gracefully: trusted.
+        let s = StateStore::open(dir.path()).unwrap();
+        assert!(!s.begin_gate().unwrap());
+        assert_eq!(s.resume_point(0, now(), &trust).unwrap(), Resume::From(3));
+        assert_eq!(s.resume_point(5, now(), &trust).unwrap(), Resume::From(4));
+        // ... and then killed (no end_gate).
+    }
+    {
+        let s = StateStore::open(dir.path()).unwrap();
+        assert!(s.begin_gate().unwrap(), "the last stop was unclean");
+        for p in [0, 5] {
+            assert_eq!(
+                s.resume_point(p, now(), &trust).unwrap(),
+                Resume::Full(FullReason::UnknownAge)
+            );
+        }
+        // Partition 0 restored in this process is trusted from then on;
+        // partition 5 never was, and stays untrusted after a graceful stop.
+        s.wipe_partition(0).unwrap();
+        s.finish_restore(0, Some(3)).unwrap();
+        assert_eq!(s.resume_point(0, now(), &trust).unwrap(), Resume::From(3));
+        s.end_gate().unwrap();
+    }
+    let s = StateStore::open(dir.path()).unwrap();
+    assert!(!s.begin_gate().unwrap());
+    assert_eq!(s.resume_point(0, now(), &trust).unwrap(), Resume::From(3));
+    assert_eq!(
+        s.resume_point(5, now(), &trust).unwrap(),
+        Resume::Full(FullReason::UnknownAge)
+    );
+}

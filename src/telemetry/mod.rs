@@ -319,7 +319,7 @@ impl Metrics {
             full_restores: counter(
                 &r,
                 "stepgate_state_full_restores_total",
-                "Partitions restored from the start of their changelog (a new or lost disk, or a recreated changelog) rather than from the offset the local state reflected.",
+                "Partitions restored from the start of their changelog (a new or lost disk, a local state older than the changelog's delete.retention.ms or left by an unclean shutdown, or a recreated changelog) rather than from the offset the local state reflected.",
             ),
             outcomes_handed_over: counter(
                 &r,
@@ -542,10 +542,12 @@ impl Metrics {
         }
     }
 
-    pub fn full_restore(&self, partition: i32) {
+    /// A partition restored from its changelog's start, and why
+    /// (`state::FullReason::label`).
+    pub fn full_restore(&self, partition: i32, reason: &str) {
         info!(
             partition,
-            "no local state for this partition's changelog: restoring it from the start"
+            reason, "the partition's state was restored from its changelog's start"
         );
         self.full_restores.inc();
     }
