@@ -670,34 +670,6 @@ async fn a_commit_the_broker_acknowledged_and_lost_is_written_again() {
     assert_eq!(s.tools.count("wire"), 1, "the tool ran once");
 }
 
-/// Set a topic's config `name` to `value`, keeping its other dynamic configs
-/// (AlterConfigs replaces a topic's whole set).
-async fn set_topic_config(topic: &str, name: &str, value: &str) {
-    use rdkafka::admin::{AdminClient, AdminOptions, AlterConfig, ConfigSource, ResourceSpecifier};
-    let admin: AdminClient<rdkafka::client::DefaultClientContext> = rdkafka::ClientConfig::new()
-        .set("bootstrap.servers", brokers())
-        .create()
-        .unwrap();
-    let opts = AdminOptions::new().request_timeout(Some(Duration::from_secs(30)));
-    let described = admin
-        .describe_configs([&ResourceSpecifier::Topic(topic)], &opts)
-        .await
-        .unwrap();
-    let current = described.into_iter().next().unwrap().unwrap();
-    let kept: Vec<(String, String)> = current
-        .entries
-        .into_iter()
-        .filter(|e| matches!(e.source, ConfigSource::DynamicTopic) && e.name != name)
-        .filter_map(|e| Some((e.name, e.value?)))
-        .collect();
-    let mut alter = AlterConfig::new(ResourceSpecifier::Topic(topic)).set(name, value);
-    for (k, v) in &kept {
-        alter = alter.set(k, v);
-    }
-    let r = admin.alter_configs([&alter], &opts).await.unwrap();
-    r.into_iter().next().unwrap().unwrap();
-}
-
 /// A topic's `max.message.bytes` lowered below a step record after the gate
 /// started: every batch carrying that record is refused. The failures are
 /// counted (`stepgate_gate_session_failures_total{reason="record_refused"}`),

@@ -227,31 +227,3 @@ async fn changelog_records(brokers: &str, topic: &str, workflow: &str) -> Vec<bo
     .await
     .unwrap()
 }
-
-/// Set a topic's config `name` to `value`, keeping its other dynamic configs
-/// (AlterConfigs replaces a topic's whole set).
-async fn set_topic_config(topic: &str, name: &str, value: &str) {
-    use rdkafka::admin::{AdminClient, AdminOptions, AlterConfig, ConfigSource, ResourceSpecifier};
-    let admin: AdminClient<rdkafka::client::DefaultClientContext> = ClientConfig::new()
-        .set("bootstrap.servers", brokers())
-        .create()
-        .unwrap();
-    let opts = AdminOptions::new().request_timeout(Some(Duration::from_secs(30)));
-    let described = admin
-        .describe_configs([&ResourceSpecifier::Topic(topic)], &opts)
-        .await
-        .unwrap();
-    let current = described.into_iter().next().unwrap().unwrap();
-    let kept: Vec<(String, String)> = current
-        .entries
-        .into_iter()
-        .filter(|e| matches!(e.source, ConfigSource::DynamicTopic) && e.name != name)
-        .filter_map(|e| Some((e.name, e.value?)))
-        .collect();
-    let mut alter = AlterConfig::new(ResourceSpecifier::Topic(topic)).set(name, value);
-    for (k, v) in &kept {
-        alter = alter.set(k, v);
-    }
-    let r = admin.alter_configs([&alter], &opts).await.unwrap();
-    r.into_iter().next().unwrap().unwrap();
-}

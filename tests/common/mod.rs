@@ -30,6 +30,34 @@ pub fn brokers() -> String {
     std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into())
 }
 
+/// Set a topic's config `name` to `value`, keeping its other dynamic configs
+/// (AlterConfigs replaces a topic's whole set).
+pub async fn set_topic_config(topic: &str, name: &str, value: &str) {
+    use rdkafka::admin::{AdminClient, AdminOptions, AlterConfig, ConfigSource, ResourceSpecifier};
+    let admin: AdminClient<rdkafka::client::DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .create()
+        .unwrap();
+    let opts = AdminOptions::new().request_timeout(Some(Duration::from_secs(30)));
+    let described = admin
+        .describe_configs([&ResourceSpecifier::Topic(topic)], &opts)
+        .await
+        .unwrap();
+    let current = described.into_iter().next().unwrap().unwrap();
+    let kept: Vec<(String, String)> = current
+        .entries
+        .into_iter()
+        .filter(|e| matches!(e.source, ConfigSource::DynamicTopic) && e.name != name)
+        .filter_map(|e| Some((e.name, e.value?)))
+        .collect();
+    let mut alter = AlterConfig::new(ResourceSpecifier::Topic(topic)).set(name, value);
+    for (k, v) in &kept {
+        alter = alter.set(k, v);
+    }
+    let r = admin.alter_configs([&alter], &opts).await.unwrap();
+    r.into_iter().next().unwrap().unwrap();
+}
+
 pub fn random_name(prefix: &str) -> String {
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
