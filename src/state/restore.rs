@@ -96,17 +96,33 @@ pub fn restore_partition(
             Some(_) => kafka::resume_consumer(cfg, &group)?,
             None => kafka::read_to_end_consumer(cfg, &group)?,
         };
+        // From the start: at the log's first offset, asked for explicitly (a
+        // logical "beginning" cost about a second per partition here), and
+        // not read at all when the log holds nothing, not even an open
+        // transaction's records.
+        let start = match from {
+            Some(o) => o,
+            None => {
+                let (low, high) =
+                    consumer.fetch_watermarks(&cfg.topics.changelog, p, Duration::from_secs(30))?;
+                if low >= high {
+                    store.finish_restore(p, Some(high.max(0)))?;
+                    return Ok(Restored {
+                        records: 0,
+                        full,
+                        reason,
+                    });
+                }
+                low
+            }
+        };
         let mut tpl = TopicPartitionList::new();
-        tpl.add_partition_offset(
-            &cfg.topics.changelog,
-            p,
-            from.map_or(Offset::Beginning, Offset::Offset),
-        )?;
+        tpl.add_partition_offset(&cfg.topics.changelog, p, Offset::Offset(start))?;
         consumer.assign(&tpl)?;
         drop(tpl);
         let mut buf = Vec::with_capacity(10_000);
         let mut n = 0;
-        let mut next = from.unwrap_or(0);
+        let mut next = start;
         let end = kafka::read_to_end(&consumer, BTreeSet::from([p]), Some(deadline), |m| {
             next = next.max(m.offset() + 1);
             if let Some(k) = m.key() {
