@@ -128,39 +128,35 @@ fn parse_applied(meta: &str) -> (Option<i64>, Option<i32>) {
     (applied, partitions)
 }
 
-/// The partition counts of [`layout_topics`], as read now, against what the
-/// state was written with: a changed or unequal layout stops the gate.
+/// The topics' partition counts ([`kafka::layout_counts`]), as read now,
+/// against what the state was written with: a changed layout, or one the
+/// start-up check refuses, stops the gate.
 fn check_layout(
     core: &mut GateCore,
     t: &crate::config::TopicsConfig,
     n: &[usize],
 ) -> Result<(), GateError> {
-    let (intents, results) = (n[0] as i32, n[1] as i32);
+    let intents = n[0] as i32;
     if let Some(was) = core.intent_partitions()
         && was != intents
     {
         return Err(layout_changed(&t.intents, was, intents));
     }
-    if results < intents || n[4] as i32 != intents || n[5] as i32 != intents {
-        return Err(GateError::Layout(format!(
-            "the topics' partition counts no longer agree (`{}` {intents}, `{}` {results}, `{}` {}, `{}` {}): results needs at least as many partitions as intents and the internal topics exactly as many. stepgate stops rather than answer in the wrong partition; see docs/runbook.md \"Growing partitions\".",
-            t.intents, t.results, t.progress, n[4], t.changelog, n[5]
-        )));
-    }
+    kafka::check_counts(t, n).map_err(|e| {
+        GateError::Layout(format!(
+            "{e} The running gate stops rather than answer in the wrong partition (docs/runbook.md \"Growing partitions\")."
+        ))
+    })?;
     core.set_intent_partitions(intents);
     Ok(())
 }
 
-/// The topics whose partition counts [`check_layout`] reads, in its order.
-fn layout_topics(t: &crate::config::TopicsConfig) -> [String; 6] {
-    [
-        t.intents.clone(),
-        t.results.clone(),
-        t.approvals.clone(),
-        t.dlq.clone(),
-        t.progress.clone(),
-        t.changelog.clone(),
-    ]
+/// [`kafka::layout_counts`] in a task (a broker outage must not hold the loop).
+fn read_layout(
+    k: &crate::config::KafkaConfig,
+) -> JoinHandle<Result<Vec<usize>, kafka::KafkaSetupError>> {
+    let k = k.clone();
+    tokio::task::spawn_blocking(move || kafka::layout_counts(&k))
 }
 
 /// How often a running gate reads the topics' partition counts again (a
@@ -669,11 +665,7 @@ impl Session<'_> {
                         }
                     } else if layout.is_none() && last_layout.elapsed() >= LAYOUT_EVERY {
                         last_layout = Instant::now();
-                        let (k, names) = (k.clone(), layout_topics(&k.topics));
-                        layout = Some(tokio::task::spawn_blocking(move || {
-                            let names: Vec<&str> = names.iter().map(String::as_str).collect();
-                            kafka::partition_counts(&k, &names)
-                        }));
+                        layout = Some(read_layout(k));
                     }
                     let now = now_ms();
                     // Outcomes may be queued behind an outage (ours or the
@@ -908,16 +900,10 @@ impl Session<'_> {
                 info!(partitions = ?ps, "partitions assigned");
                 // Partitions added to `intents` trigger a rebalance: re-read
                 // the count the partition check uses.
-                let k = self.config.kafka.clone();
-                let topics = layout_topics(&k.topics);
-                let names = topics.clone();
-                let counts = tokio::task::spawn_blocking(move || {
-                    let names: Vec<&str> = names.iter().map(String::as_str).collect();
-                    kafka::partition_counts(&k, &names)
-                })
-                .await;
+                let t = self.config.kafka.topics.clone();
+                let counts = read_layout(&self.config.kafka).await;
                 match &counts {
-                    Ok(Ok(n)) => check_layout(core, &self.config.kafka.topics, n)?,
+                    Ok(Ok(n)) => check_layout(core, &t, n)?,
                     Ok(Err(e)) => {
                         warn!(error = %e, "could not read the intents topic's partition count; keeping the last one")
                     }
@@ -929,14 +915,17 @@ impl Session<'_> {
                 if !self.ever_assigned
                     && let (Ok(Ok(n)), Some(&p)) = (&counts, ps.iter().next())
                 {
-                    let written: Vec<(String, i32)> = topics[1..]
-                        .iter()
-                        .zip(&n[1..])
-                        .flat_map(|(t, &n)| (0..n as i32).map(move |q| (t.clone(), q)))
+                    // The topics this gate writes: all but intents and commands.
+                    let written: Vec<(String, i32)> = t
+                        .all()
+                        .into_iter()
+                        .zip(n)
+                        .filter(|(name, _)| **name != t.intents && **name != t.commands)
+                        .flat_map(|(name, &n)| (0..n as i32).map(move |q| (name.clone(), q)))
                         .collect();
                     let started = Instant::now();
                     let ends = producer.all.iter().map(|pr| {
-                        kafka::end_hanging_transactions(pr, consumer, &written, (&topics[0], p))
+                        kafka::end_hanging_transactions(pr, consumer, &written, (&t.intents, p))
                     });
                     for r in futures::future::join_all(ends).await {
                         if let Err(e) = r {

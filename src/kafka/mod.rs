@@ -709,9 +709,22 @@ pub fn partition_counts(cfg: &KafkaConfig, topics: &[&str]) -> Result<Vec<usize>
 
 /// Refuse to start on a topic layout that would misroute answers.
 pub fn check_layout(cfg: &KafkaConfig) -> Result<usize, KafkaSetupError> {
-    let t = &cfg.topics;
-    let names: Vec<&str> = t.all().iter().map(|s| s.as_str()).collect();
-    let counts = partition_counts(cfg, &names)?;
+    check_counts(&cfg.topics, &layout_counts(cfg)?)
+}
+
+/// The partition counts of every topic, in the order of
+/// [`TopicsConfig::all`](crate::config::TopicsConfig::all). Blocking.
+pub fn layout_counts(cfg: &KafkaConfig) -> Result<Vec<usize>, KafkaSetupError> {
+    let names: Vec<&str> = cfg.topics.all().iter().map(|s| s.as_str()).collect();
+    partition_counts(cfg, &names)
+}
+
+/// [`layout_counts`] that would misroute answers are refused; the intents
+/// topic's count otherwise.
+pub fn check_counts(
+    t: &crate::config::TopicsConfig,
+    counts: &[usize],
+) -> Result<usize, KafkaSetupError> {
     let (intents, results, progress, changelog, commands) =
         (counts[0], counts[1], counts[3], counts[4], counts[5]);
     if results < intents {
