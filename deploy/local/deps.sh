@@ -16,6 +16,7 @@ if [[ "${STEPGATE_NEED_KAFKA:-0}" == 1 ]]; then
   command -v java >/dev/null 2>&1 || missing+=(openjdk-17-jre-headless)
   command -v mvn >/dev/null 2>&1 || missing+=(maven)
   command -v kcat >/dev/null 2>&1 || missing+=(kcat)                  # interop tests
+  command -v openssl >/dev/null 2>&1 || missing+=(openssl)            # kafka.sh's SASL_SSL certificates
   command -v docker-compose >/dev/null 2>&1 || missing+=(docker-compose) # validates docker-compose.yml
   command -v python3 >/dev/null 2>&1 || missing+=(python3 python3-pip)
 fi

@@ -13,8 +13,10 @@ STEPGATE_NEED_KAFKA=1 bash deploy/local/deps.sh
 if ! bash deploy/local/kafka.sh status >/dev/null 2>&1; then
   bash deploy/local/kafka.sh stop --wipe
 fi
-bash deploy/local/kafka.sh start
+coordinates="$(bash deploy/local/kafka.sh start)"
 export KAFKA_BROKERS="127.0.0.1:${KAFKA_PORT:-9092}"
+# Its SASL_SSL listener's address, user, password and CA (tests/secured.rs).
+export "$(grep '^KAFKA_SASL_SSL_ENV=' <<<"$coordinates")"
 if [[ "${STEPGATE_KEEP_KAFKA:-0}" != 1 ]]; then
   trap 'bash deploy/local/kafka.sh stop' EXIT
 fi
