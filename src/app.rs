@@ -52,6 +52,9 @@ pub enum AppError {
 /// `topics create` check before anything starts.
 pub async fn check_record_limits(cfg: &Config) -> Result<(), KafkaSetupError> {
     crate::state::check_record_sizes(cfg)?;
+    // First reach the brokers: a refused login or TLS handshake is named here,
+    // not left to the size check's DescribeConfigs to time out.
+    kafka::check_connection(&cfg.kafka).await?;
     kafka::check_topic_sizes(&cfg.kafka, cfg.gate.max_intent_bytes).await
 }
 

@@ -20,6 +20,10 @@ use tokio::sync::mpsc;
 pub enum KafkaSetupError {
     #[error("Kafka")]
     Kafka(#[from] KafkaError),
+    /// The brokers could not be reached, or refused the login or the TLS
+    /// handshake ([`stepgate_client::connect`]).
+    #[error(transparent)]
+    Connect(#[from] stepgate_client::ConnectError),
     #[error(
         "topic `{0}` does not exist: create the topics with `stepgate topics create --config <file>`"
     )]
@@ -688,23 +692,36 @@ pub async fn end_hanging_transactions(
 }
 
 /// Partition counts of the topics, or an error naming the missing one.
+/// A refused login or TLS handshake fails at once, naming its cause.
 pub fn partition_counts(cfg: &KafkaConfig, topics: &[&str]) -> Result<Vec<usize>, KafkaSetupError> {
-    let consumer: BaseConsumer = base_config(cfg).create()?;
-    let md = consumer.fetch_metadata(None, Duration::from_secs(15))?;
-    let counts = topics
+    let md = stepgate_client::connect::topic_partitions(
+        &base_config(cfg),
+        None,
+        Duration::from_secs(15),
+    )?;
+    topics
         .iter()
         .map(|t| {
-            md.topics()
-                .iter()
-                .find(|mt| mt.name() == *t && mt.error().is_none())
-                .map(|mt| mt.partitions().len())
+            md.iter()
+                .find(|mt| mt.name == *t && mt.ok)
+                .map(|mt| mt.partitions)
                 .filter(|n| *n > 0)
                 .ok_or_else(|| KafkaSetupError::MissingTopic((*t).to_owned()))
         })
-        .collect();
-    drop(md);
-    drop(consumer);
-    counts
+        .collect()
+}
+
+/// Reach the brokers once, before anything else asks them: a refused login,
+/// a failed TLS handshake or no broker at all is an error naming its cause
+/// within 15 s, where a later request would only time out.
+pub async fn check_connection(cfg: &KafkaConfig) -> Result<(), KafkaSetupError> {
+    let c = base_config(cfg);
+    tokio::task::spawn_blocking(move || {
+        stepgate_client::connect::topic_partitions(&c, None, Duration::from_secs(15))
+    })
+    .await
+    .map_err(|_| KafkaError::Canceled)??;
+    Ok(())
 }
 
 /// Refuse to start on a topic layout that would misroute answers.
@@ -748,6 +765,7 @@ pub async fn create_topics(
     cfg: &KafkaConfig,
     state: &crate::config::StateConfig,
 ) -> Result<Vec<(String, bool)>, KafkaSetupError> {
+    check_connection(cfg).await?;
     let admin: AdminClient<DefaultClientContext> = base_config(cfg).create()?;
     let t = &cfg.topics;
     let retention_ms = state.retention.0.as_millis().max(1).to_string();

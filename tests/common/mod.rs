@@ -915,3 +915,75 @@ pub fn same_but_call_id(a: &ToolResult, b: &ToolResult) {
     b2.deduplicated = a.deduplicated;
     assert_eq!(a, &b2);
 }
+
+// ------------------------------------------------------------ SASL_SSL listener
+
+/// The test broker's SASL_SSL listener (SCRAM over TLS with a throwaway CA):
+/// `deploy/local/kafka.sh start` writes its coordinates to `sasl_ssl.env` in
+/// its data dir and prints that path as `KAFKA_SASL_SSL_ENV`.
+#[derive(Clone, Debug)]
+pub struct Secured {
+    pub brokers: String,
+    pub mechanism: String,
+    pub username: String,
+    pub password: String,
+    /// The CA that signed the broker's certificate.
+    pub ca: String,
+    /// A CA that signed nothing the broker presents.
+    pub untrusted_ca: String,
+}
+
+/// [`Secured`] from `KAFKA_SASL_SSL_ENV`, else from the data dir that
+/// `deploy/local/kafka.sh` uses for the port of [`brokers`].
+pub fn secured() -> Secured {
+    let path = std::env::var("KAFKA_SASL_SSL_ENV").unwrap_or_else(|_| {
+        let cache = std::env::var("STEPGATE_CACHE").unwrap_or_else(|_| {
+            format!(
+                "{}/.cache/stepgate",
+                std::env::var("HOME").unwrap_or_default()
+            )
+        });
+        let b = brokers();
+        let port = b.rsplit(':').next().unwrap_or("9092").to_owned();
+        format!("{cache}/kafka-run-{port}/sasl_ssl.env")
+    });
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| {
+        panic!(
+            "no SASL_SSL listener's coordinates at {path} ({e}): start the test broker with `deploy/local/kafka.sh start` (a broker started by an older kafka.sh has no SASL_SSL listener: `kafka.sh stop --wipe` first), or set KAFKA_SASL_SSL_ENV"
+        )
+    });
+    let vars: HashMap<&str, &str> = text
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| l.split_once('='))
+        .collect();
+    let get = |k: &str| {
+        vars.get(k)
+            .unwrap_or_else(|| panic!("{path} has no {k}"))
+            .to_string()
+    };
+    Secured {
+        brokers: get("KAFKA_SASL_SSL_BROKERS"),
+        mechanism: get("KAFKA_SASL_MECHANISM"),
+        username: get("KAFKA_SASL_USERNAME"),
+        password: get("KAFKA_SASL_PASSWORD"),
+        ca: get("KAFKA_SSL_CA_LOCATION"),
+        untrusted_ca: get("KAFKA_SSL_UNTRUSTED_CA_LOCATION"),
+    }
+}
+
+impl Secured {
+    /// `[kafka.client]` for this listener, trusting `ca`, without the password
+    /// (which a deployment gives through the environment).
+    pub fn client_properties(&self, ca: &str) -> std::collections::BTreeMap<String, String> {
+        [
+            ("security.protocol", "SASL_SSL"),
+            ("sasl.mechanism", self.mechanism.as_str()),
+            ("sasl.username", self.username.as_str()),
+            ("ssl.ca.location", ca),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect()
+    }
+}

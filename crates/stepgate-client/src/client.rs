@@ -30,6 +30,8 @@ use tokio_util::sync::CancellationToken;
 pub enum ClientError {
     #[error("Kafka")]
     Kafka(#[from] KafkaError),
+    #[error(transparent)]
+    Connect(#[from] crate::connect::ConnectError),
     #[error("no answer for step {step} within {waited:?} ({publishes} publishes)")]
     Timeout {
         step: StepKey,
@@ -352,18 +354,18 @@ fn answers_consumer(options: &ClientOptions, group: &str) -> Result<StreamConsum
 }
 
 /// The number of partitions of `topic`, or None when it does not exist.
+/// A refused login or TLS handshake is reported as such, at once
+/// ([`crate::connect`]).
 fn partition_count(options: &ClientOptions, topic: &str) -> Result<Option<i32>, ClientError> {
-    let meta: BaseConsumer = options.kafka_config().create()?;
-    let md = meta.fetch_metadata(Some(topic), Duration::from_secs(15))?;
-    let partitions = md
-        .topics()
-        .first()
-        .filter(|t| t.error().is_none())
-        .map(|t| t.partitions().len() as i32)
-        .filter(|n| *n > 0);
-    drop(md);
-    drop(meta);
-    Ok(partitions)
+    let topics = crate::connect::topic_partitions(
+        &options.kafka_config(),
+        Some(topic),
+        Duration::from_secs(15),
+    )?;
+    Ok(topics
+        .into_iter()
+        .find(|t| t.name == topic && t.ok && t.partitions > 0)
+        .map(|t| t.partitions as i32))
 }
 
 /// How many steps a [`Workflow::call`] moves on past identity conflicts

@@ -18,7 +18,9 @@
 //! ```
 
 mod client;
+pub mod connect;
 pub mod contract;
 pub mod redact;
 
 pub use client::{Client, ClientError, ClientOptions, StepCall, Workflow};
+pub use connect::ConnectError;
