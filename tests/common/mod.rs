@@ -30,6 +30,16 @@ pub fn brokers() -> String {
     std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into())
 }
 
+/// The replication factor of the tests' topics: `KAFKA_REPLICATION_FACTOR`
+/// (3 on `deploy/local/cluster.sh`'s cluster, whose `min.insync.replicas` is
+/// 2), else 1.
+pub fn replication_factor() -> i32 {
+    std::env::var("KAFKA_REPLICATION_FACTOR")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1)
+}
+
 /// Set a topic's config `name` to `value`, keeping its other dynamic configs
 /// (AlterConfigs replaces a topic's whole set).
 pub async fn set_topic_config(topic: &str, name: &str, value: &str) {
@@ -347,6 +357,7 @@ pub fn test_config(prefix: &str, state: PathBuf, http: &str) -> Config {
             gate_group: format!("{prefix}-gate"),
             instance_id: format!("{prefix}-0"),
             transaction_timeout: dur("10s"),
+            replication_factor: replication_factor(),
             ..KafkaConfig::default()
         },
         state: StateConfig {
