@@ -458,6 +458,19 @@ pub struct McpConfig {
     pub requests_per_second: u32,
     /// Requests a principal may make at once above the sustained rate.
     pub burst: u32,
+    /// Tasks (a `tools/call` with `params.task`, protocol 2025-11-25) held
+    /// at once; a task still waiting for its answer is never dropped for a
+    /// new one, which is refused instead.
+    pub max_tasks: u32,
+    /// A task's lifetime: its call waits up to this for stepgate's answer
+    /// (at least `stepgate mcp --timeout`), and a finished task is kept this
+    /// long after it was made (and 10 minutes after it finished). A client
+    /// may ask for less.
+    pub task_ttl: Dur,
+    /// A call from a client that accepts tasks the 2026-07-28 way (the
+    /// `io.modelcontextprotocol/tasks` extension) and not answered within
+    /// this is answered with its step's task instead.
+    pub task_after: Dur,
     pub auth: McpAuthConfig,
 }
 
@@ -473,6 +486,9 @@ impl Default for McpConfig {
             session_idle_timeout: dur("30m"),
             requests_per_second: 20,
             burst: 40,
+            max_tasks: 10_000,
+            task_ttl: dur("1h"),
+            task_after: dur("20s"),
             auth: McpAuthConfig::default(),
         }
     }
@@ -590,6 +606,7 @@ impl McpConfig {
             ("mcp.max_sessions", self.max_sessions.into()),
             ("mcp.requests_per_second", self.requests_per_second.into()),
             ("mcp.burst", self.burst.into()),
+            ("mcp.max_tasks", self.max_tasks.into()),
         ] {
             if n == 0 {
                 return Err(invalid(field, "must be at least 1".into()));
@@ -600,6 +617,9 @@ impl McpConfig {
                 "mcp.session_idle_timeout",
                 "must be at least 1s".into(),
             ));
+        }
+        if self.task_ttl.0 < std::time::Duration::from_secs(1) {
+            return Err(invalid("mcp.task_ttl", "must be at least 1s".into()));
         }
         let a = &self.auth;
         match (&a.issuer, &a.jwks_url) {

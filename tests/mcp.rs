@@ -195,6 +195,7 @@ fn network_mcp_section(issuer: &str) -> String {
         r#"
 allowed_origins = ["http://app.test"]
 max_sessions_per_principal = 3
+task_after = "3s"
 
 [auth]
 issuer = "{issuer}"
@@ -202,6 +203,7 @@ jwks_url = "{issuer}/jwks"
 
 [auth.scopes]
 tickets = ["create_ticket"]
+reports = ["export_report"]
 search = ["search"]
 admin = ["*"]
 
@@ -256,6 +258,7 @@ impl OauthFront {
             tools: vec![
                 ("create_ticket", "keyed", "5s"),
                 ("search", "read_only", "5s"),
+                ("export_report", "keyed", "150s"),
             ],
             ..StackOptions::default()
         })
@@ -424,7 +427,7 @@ async fn mcp_over_http_is_an_oauth_resource_server_with_tenants() {
         );
         assert_eq!(
             r[k]["json"]["scopes_supported"],
-            json!(["admin", "search", "tickets"]),
+            json!(["admin", "reports", "search", "tickets"]),
             "{r}"
         );
     }
@@ -493,16 +496,16 @@ async fn mcp_over_http_is_an_oauth_resource_server_with_tenants() {
     f.assert_no_token_reached_a_tool(&tokens);
 }
 
-/// The official TypeScript SDK's client (npm `@modelcontextprotocol/sdk`,
-/// installed once under Cargo's target tmp dir) authorized by the test
-/// issuer through the SDK's own client_credentials flow: it lists the tools
-/// its scopes grant, a repeated step gets the first answer, another tenant's
-/// workflow is refused, and the tool ran once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn mcp_typescript_sdk_client_is_authorized_by_the_issuer() {
+/// A directory with the official TypeScript SDK (npm
+/// `@modelcontextprotocol/sdk`, installed once under Cargo's target tmp dir)
+/// and `script` from tests/interop (ESM resolves packages from the script's
+/// own directory).
+fn ts_sdk_with(script: &str) -> std::path::PathBuf {
+    static INSTALL: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let root = env!("CARGO_MANIFEST_DIR");
     let node = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("mcp-ts-sdk");
     let sdk = node.join("node_modules/@modelcontextprotocol/sdk/package.json");
+    let _one_at_a_time = INSTALL.lock().unwrap_or_else(|e| e.into_inner());
     if !sdk.exists() {
         std::fs::create_dir_all(&node).unwrap();
         let out = Command::new("npm")
@@ -517,12 +520,18 @@ async fn mcp_typescript_sdk_client_is_authorized_by_the_issuer() {
             String::from_utf8_lossy(&out.stderr)
         );
     }
-    // ESM resolves packages from the script's own directory.
-    std::fs::copy(
-        format!("{root}/tests/interop/mcp_ts_client.mjs"),
-        node.join("mcp_ts_client.mjs"),
-    )
-    .unwrap();
+    std::fs::copy(format!("{root}/tests/interop/{script}"), node.join(script)).unwrap();
+    node
+}
+
+/// The official TypeScript SDK's client (npm `@modelcontextprotocol/sdk`,
+/// installed once under Cargo's target tmp dir) authorized by the test
+/// issuer through the SDK's own client_credentials flow: it lists the tools
+/// its scopes grant, a repeated step gets the first answer, another tenant's
+/// workflow is refused, and the tool ran once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mcp_typescript_sdk_client_is_authorized_by_the_issuer() {
+    let node = ts_sdk_with("mcp_ts_client.mjs");
     let f = OauthFront::start(json!({
         "agent-t": {"secret": "secret-t", "scopes": ["tickets"]},
     }))
@@ -801,4 +810,312 @@ scopes = ["search"]
     ] {
         assert_eq!(post(Some(host)), "403", "Host: {host}\n{}", front_log());
     }
+}
+
+/// A tool that takes 90 s, called from the official TypeScript SDK client,
+/// whose requests give up at 60 s: as a task (the SDK asks for one because
+/// the tool lists `execution.taskSupport`) it is created at once, polled
+/// with `tasks/get` and its answer read past the 60 s; a plain call of
+/// another step gives up at 60 s, and that step re-issued (rephrased) as a
+/// task attaches to it. Each step's effect happens once, counted at a tool
+/// that deduplicates by `Idempotency-Key` and records raw invocations.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mcp_a_tool_slower_than_the_host_timeout_completes_as_a_task() {
+    let node = ts_sdk_with("mcp_ts_tasks.mjs");
+    let f = OauthFront::start(json!({
+        "agent-r": {"secret": "secret-r", "scopes": ["reports"]},
+    }))
+    .await;
+    f.s.tools.script(
+        "export_report",
+        vec![Reply::Provider(Duration::from_secs(90))],
+    );
+    let out = Command::new("node")
+        .arg(node.join("mcp_ts_tasks.mjs"))
+        .args([&f.url, &f.issuer, "agent-r", "secret-r", "export_report"])
+        .output()
+        .expect("node runs");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "mcp_ts_tasks.mjs:\n{stdout}\n{}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        f.logs()
+    );
+    let r: Value = serde_json::from_str(stdout.trim().lines().last().unwrap_or("")).unwrap();
+    assert_eq!(r["protocol"], "2025-11-25", "{r}");
+    assert_eq!(
+        r["tasks_capability"]["requests"]["tools"]["call"],
+        json!({}),
+        "{r}"
+    );
+    assert_eq!(r["task_support"], "optional", "{r}");
+
+    // Step 0 as a task: made at once, working, then completed with the answer.
+    let task = &r["task"];
+    assert!(task["task_id"].is_string(), "{r}");
+    assert!(task["created_ms"].as_u64().unwrap() < 30_000, "{r}");
+    assert_eq!(task["statuses"], json!(["working", "completed"]), "{r}");
+    assert!(task["error"].is_null(), "{r}");
+    assert!(task["done_ms"].as_u64().unwrap() >= 60_000, "{r}");
+    assert_eq!(task["result"]["is_error"], false, "{r}");
+    assert_eq!(
+        task["result"]["meta"]["io.modelcontextprotocol/related-task"]["taskId"], task["task_id"],
+        "{r}"
+    );
+    // Step 1 as a plain call: the SDK gave up at 60 s, before the answer...
+    assert!(
+        r["plain"]["error"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("timed out")
+            || r["plain"]["error"]
+                .as_str()
+                .unwrap_or_default()
+                .contains("Timeout"),
+        "{r}"
+    );
+    // ...and re-issued as a task it attached to the step still running: the
+    // step's first answer, not a second run.
+    let again = &r["reissued"];
+    assert!(again["error"].is_null(), "{r}");
+    assert_eq!(again["result"]["is_error"], false, "{r}");
+    assert_eq!(again["result"]["meta"]["stepgate/step_index"], 1, "{r}");
+    assert_eq!(
+        again["result"]["structured"]["echo"]["month"], "2026-10",
+        "{r}"
+    );
+    // Step 0 repeated as a plain call: its answer, at once.
+    assert_eq!(
+        r["again"]["structured"], task["result"]["structured"],
+        "{r}"
+    );
+    assert_eq!(r["again"]["meta"]["stepgate/deduplicated"], true, "{r}");
+
+    // One effect per step, at a tool that deduplicates by key and counts
+    // every invocation.
+    assert_eq!(f.s.tools.performed("export_report"), 2, "{}", f.logs());
+    assert_eq!(f.s.tools.count("export_report"), 2, "{}", f.logs());
+}
+
+/// The MCP Inspector's CLI mode (npm `@modelcontextprotocol/inspector`
+/// 0.15.0, the last that runs on Node 20; installed once under Cargo's target
+/// tmp dir) against a front on loopback without authorization: it lists the
+/// tools and calls one, which runs once. (It has no option to send a token or
+/// `_meta`: its calls are named by their MCP session.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mcp_inspector_cli_lists_and_calls_a_tool() {
+    let node = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("mcp-inspector");
+    let cli = node.join("node_modules/@modelcontextprotocol/inspector-cli/build/index.js");
+    if !cli.exists() {
+        std::fs::create_dir_all(&node).unwrap();
+        let out = Command::new("npm")
+            .args(["install", "--no-audit", "--no-fund", "--prefix"])
+            .arg(&node)
+            .arg("@modelcontextprotocol/inspector@0.15.0")
+            .output()
+            .expect("npm runs");
+        assert!(
+            out.status.success(),
+            "npm install @modelcontextprotocol/inspector: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let mut s = Stack::new(StackOptions {
+        tools: vec![("create_ticket", "keyed", "5s")],
+        ..StackOptions::default()
+    })
+    .await;
+    s.start().await;
+    let work = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let _front = Killed(
+        Command::new(stepgate_bin())
+            .args(["mcp", "--config"])
+            .arg(&s.config_path)
+            .arg("--listen")
+            .arg(format!("127.0.0.1:{port}"))
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(work.path().join("mcp-front.log")).unwrap())
+            .spawn()
+            .expect("stepgate binary starts"),
+    );
+    wait_listening(port, "stepgate mcp listens").await;
+    let url = format!("http://127.0.0.1:{port}/mcp");
+    let inspector = |args: &[&str]| -> Value {
+        let out = Command::new("node")
+            .arg(&cli)
+            .arg(&url)
+            .args(args)
+            .output()
+            .expect("node runs");
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "inspector {args:?}:\n{stdout}\n{}\n--- mcp front ---\n{}",
+            String::from_utf8_lossy(&out.stderr),
+            std::fs::read_to_string(work.path().join("mcp-front.log")).unwrap_or_default()
+        );
+        serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{e}: {stdout}"))
+    };
+    let list = inspector(&["--method", "tools/list"]);
+    let names: Vec<&str> = list["tools"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|t| t["name"].as_str())
+        .collect();
+    assert_eq!(names, ["create_ticket"], "{list}");
+    let called = inspector(&[
+        "--method",
+        "tools/call",
+        "--tool-name",
+        "create_ticket",
+        "--tool-arg",
+        "title=Printer on fire",
+    ]);
+    assert_eq!(called["isError"], false, "{called}");
+    assert_eq!(
+        called["structuredContent"]["echo"]["title"], "Printer on fire",
+        "{called}"
+    );
+    assert_eq!(s.tools.count("create_ticket"), 1);
+}
+
+/// The current revision, 2026-07-28, from the official Rust SDK's client
+/// (rmcp): `server/discover`, sessionless requests with the step in `_meta`,
+/// and the tasks extension. A call the front cannot answer within
+/// `mcp.task_after` (3 s here) is answered with its step's task; the same
+/// step's call again gets that task; `tasks/get` completes it with the answer;
+/// another principal cannot see it. The tool ran once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mcp_current_revision_answers_a_slow_call_with_its_steps_task() {
+    use rmcp::model::{
+        CallToolRequestParams, CallToolResponse, ClientConfig, GetTaskParams, ProtocolVersion,
+        TaskStatus,
+    };
+    use rmcp::service::{ClientLifecycleMode, ClientServiceExt as _};
+    use rmcp::transport::StreamableHttpClientTransport;
+    use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
+
+    let f = OauthFront::start(json!({})).await;
+    f.s.tools.script(
+        "export_report",
+        vec![Reply::Provider(Duration::from_secs(10))],
+    );
+    let connect = |token: &str, tasks: bool| {
+        let transport = StreamableHttpClientTransport::from_config(
+            StreamableHttpClientTransportConfig::with_uri(f.url.clone()).auth_header(token),
+        );
+        let mut capabilities = json!({});
+        if tasks {
+            capabilities = json!({"extensions": {"io.modelcontextprotocol/tasks": {}}});
+        }
+        let config: ClientConfig = serde_json::from_value(json!({
+            "protocolVersion": "2026-07-28",
+            "capabilities": capabilities,
+            "clientInfo": {"name": "stepgate-rmcp-test", "version": "0"},
+        }))
+        .unwrap();
+        config.serve_with_lifecycle(
+            transport,
+            ClientLifecycleMode::Discover {
+                preferred_versions: vec![ProtocolVersion::V_2026_07_28],
+            },
+        )
+    };
+    let call = |step: u64, month: &str| -> CallToolRequestParams {
+        serde_json::from_value(json!({
+            "name": "export_report",
+            "arguments": {"month": month},
+            "_meta": {"workflow_id": "ops/rmcp-wf", "step_index": step},
+        }))
+        .unwrap()
+    };
+    let client = connect(OPS_TOKEN, true).await.expect("discover");
+    let negotiated = client
+        .peer()
+        .peer_info()
+        .map(|i| i.protocol_version.to_string());
+    assert_eq!(negotiated.as_deref(), Some("2026-07-28"));
+    let tools = client.list_all_tools().await.expect("tools/list");
+    assert!(tools.iter().any(|t| t.name == "export_report"));
+
+    let started = std::time::Instant::now();
+    let CallToolResponse::Task(task) = client
+        .call_tool_once(call(0, "2026-11"))
+        .await
+        .expect("tools/call")
+    else {
+        panic!("a call slower than task_after is answered with a task");
+    };
+    assert!(started.elapsed() < Duration::from_secs(9), "{task:?}");
+    assert_eq!(task.task.status, TaskStatus::Working);
+    let id = task.task.task_id.clone();
+    // The same step, rephrased, while its task stands: that task.
+    let CallToolResponse::Task(again) = client
+        .call_tool_once(call(0, "November 2026"))
+        .await
+        .expect("tools/call again")
+    else {
+        panic!("the step's second call is answered with its task");
+    };
+    assert_eq!(again.task.task_id, id);
+    // Another principal does not see it (the same text as for no task).
+    let flood = connect(FLOOD_TOKEN, true).await.expect("discover");
+    let foreign = flood.get_task(GetTaskParams::new(id.clone())).await;
+    let missing = flood.get_task(GetTaskParams::new("sg-none")).await;
+    let text = |r: &Result<_, rmcp::ServiceError>| match r {
+        Err(rmcp::ServiceError::McpError(e)) => e.message.to_string(),
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(
+        text(&foreign).replace(id.as_str(), "ID"),
+        text(&missing).replace("sg-none", "ID")
+    );
+    // Polled to completion.
+    let done = loop {
+        let t = client
+            .get_task(GetTaskParams::new(id.clone()))
+            .await
+            .expect("tasks/get");
+        if t.task.status() != TaskStatus::Working {
+            break t;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "{t:?}\n{}",
+            f.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let result = serde_json::to_value(&done).unwrap();
+    assert_eq!(result["status"], "completed", "{result}");
+    assert_eq!(result["result"]["isError"], false, "{result}");
+    assert_eq!(
+        result["result"]["structuredContent"]["echo"]["month"], "2026-11",
+        "{result}"
+    );
+    // A client without the extension gets the answer itself.
+    let plain = connect(OPS_TOKEN, false).await.expect("discover");
+    let CallToolResponse::Complete(r) = plain
+        .call_tool_once(call(0, "Nov"))
+        .await
+        .expect("tools/call")
+    else {
+        panic!("no task for a client that did not declare the extension");
+    };
+    let r = serde_json::to_value(&r).unwrap();
+    assert_eq!(r["_meta"]["stepgate/deduplicated"], true, "{r}");
+    assert_eq!(
+        r["structuredContent"],
+        result["result"]["structuredContent"]
+    );
+    assert_eq!(f.s.tools.performed("export_report"), 1, "{}", f.logs());
+    assert_eq!(f.s.tools.count("export_report"), 1, "{}", f.logs());
+    let _ = (
+        client.cancel().await,
+        flood.cancel().await,
+        plain.cancel().await,
+    );
 }

@@ -21,6 +21,7 @@
 
 use super::auth::{AuthError, Authorizer, Principal};
 use super::sessions::{FrontSessionManager, Reserve, Sessions, UNKNOWN_SESSION};
+use super::tasks;
 use axum::body::{Body, Bytes};
 use axum::extract::{ConnectInfo, Request, State};
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
@@ -60,6 +61,8 @@ pub struct Guard {
     pub metadata_url: String,
     /// The Protected Resource Metadata document.
     pub metadata: Value,
+    /// The front, for the requests answered here ([`super::tasks`]).
+    pub front: super::McpFront,
 }
 
 impl Guard {
@@ -256,6 +259,8 @@ pub async fn guard(State(g): State<Arc<Guard>>, request: Request, next: Next) ->
     let method = parts.method.clone();
     // A new session's place under `mcp.max_sessions` until it is claimed.
     let mut reservation = None;
+    // A response that announces the tasks (see `tasks::amend`).
+    let mut amended = None;
     let body = if method == Method::POST {
         let length = parts
             .headers
@@ -274,6 +279,21 @@ pub async fn guard(State(g): State<Arc<Guard>>, request: Request, next: Next) ->
         if let Some(tool) = forbidden_tool(&bytes, &g.tools, &principal) {
             return insufficient_scope(&g, &tool);
         }
+        if let Ok(message) = serde_json::from_slice::<Value>(&bytes) {
+            let revision = parts
+                .headers
+                .get("mcp-protocol-version")
+                .and_then(|v| v.to_str().ok());
+            if tasks::is_ours(&message, revision) {
+                return tasks::answer(&g.front, &principal, session.as_deref(), &message).await;
+            }
+            // `execution.taskSupport` is 2025-11-25's vocabulary only.
+            amended = match message.get("method").and_then(Value::as_str) {
+                Some("initialize") => Some("initialize"),
+                Some("tools/list") if revision == Some(tasks::TASKS_PROTOCOL) => Some("tools/list"),
+                _ => None,
+            };
+        }
         if session.is_none() && opens_session(&bytes) {
             match place_for_a_session(&g).await {
                 Ok(place) => reservation = Some(place),
@@ -285,7 +305,10 @@ pub async fn guard(State(g): State<Arc<Guard>>, request: Request, next: Next) ->
         body
     };
     parts.extensions.insert(Arc::new(principal));
-    let response = next.run(Request::from_parts(parts, body)).await;
+    let mut response = next.run(Request::from_parts(parts, body)).await;
+    if let Some(method) = amended {
+        response = tasks::amend_response(method, response).await;
+    }
     if session.is_some() {
         // rmcp closed it after the guard let the request through.
         return rmcp_unknown_session(response).await;

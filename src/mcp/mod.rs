@@ -36,6 +36,7 @@
 pub mod auth;
 pub mod http;
 pub mod sessions;
+pub mod tasks;
 
 use crate::client::{Client, ClientError, StepCall};
 use crate::config::{Config, McpConfig};
@@ -43,8 +44,9 @@ use crate::contract::{Status, ToolResult};
 use crate::tools::{Category, ToolConfig};
 use auth::Principal;
 use rmcp::model::{
-    CallToolRequestParams, CallToolResponse, CallToolResult, ListToolsResult,
-    PaginatedRequestParams, ProtocolVersion, ServerCapabilities, ServerConfig,
+    CallToolRequestParams, CallToolResponse, CallToolResult, CancelTaskParams, CreateTaskResult,
+    GetTaskParams, GetTaskResult, ListToolsResult, PaginatedRequestParams, ProtocolVersion,
+    ServerCapabilities, ServerConfig,
 };
 use rmcp::service::{RequestContext, RoleServer};
 use rmcp::{ErrorData as McpError, ServerHandler};
@@ -124,6 +126,8 @@ struct Shared {
     /// The HTTP sessions, with the steps of each for calls without a step in
     /// `_meta`.
     sessions: Arc<Sessions>,
+    /// Calls made tasks ([`tasks`]).
+    tasks: tasks::Tasks,
 }
 
 /// The steps of one MCP session.
@@ -250,6 +254,11 @@ impl McpFront {
                     usize::try_from(config.mcp.max_sessions).unwrap_or(usize::MAX),
                     config.mcp.session_idle_timeout.into(),
                     usize::try_from(config.mcp.max_sessions_per_principal).unwrap_or(usize::MAX),
+                ),
+                tasks: tasks::Tasks::new(
+                    usize::try_from(config.mcp.max_tasks).unwrap_or(usize::MAX),
+                    config.mcp.task_ttl.into(),
+                    timeout,
                 ),
             }),
             stdio_session: None,
@@ -386,6 +395,7 @@ impl McpFront {
             session_manager: session_manager.clone(),
             metadata_url,
             metadata,
+            front: self.clone(),
         });
         let front = self;
         let service: StreamableHttpService<McpFront, FrontSessionManager> =
@@ -500,7 +510,9 @@ impl McpFront {
                 })
             })
             .collect();
-        json!({ "tools": tools })
+        // The results built here from JSON say `resultType` themselves
+        // (2026-07-28 requires it; rmcp strips it for older revisions).
+        json!({ "tools": tools, "resultType": "complete" })
     }
 }
 
@@ -600,6 +612,7 @@ fn to_mcp(answer: &ToolResult) -> Result<CallToolResult, McpError> {
         (status, _, None) => format!("The call ended `{}`.", status.as_str()),
     };
     let mut result = json!({
+        "resultType": "complete",
         "content": [{"type": "text", "text": text}],
         "isError": answer.status != Status::Ok,
         "_meta": {
@@ -620,8 +633,12 @@ fn to_mcp(answer: &ToolResult) -> Result<CallToolResult, McpError> {
 }
 
 fn error_result(text: String) -> Result<CallToolResult, McpError> {
-    serde_json::from_value(json!({"content": [{"type": "text", "text": text}], "isError": true}))
-        .map_err(|e| McpError::internal_error(e.to_string(), None))
+    serde_json::from_value(json!({
+        "resultType": "complete",
+        "content": [{"type": "text", "text": text}],
+        "isError": true,
+    }))
+    .map_err(|e| McpError::internal_error(e.to_string(), None))
 }
 
 fn random_id() -> String {
@@ -638,19 +655,17 @@ fn random_id() -> String {
 }
 
 impl ServerHandler for McpFront {
-    /// Up to 2025-11-25, the last revision with the initialize handshake.
-    /// rmcp 3.11 also speaks the 2026-07-28 draft, but its results there lack
-    /// the `resultType` that revision requires: the MCP Python SDK 2.x (and
-    /// the OpenAI Agents SDK on it) probes `server/discover`, picks 2026-07-28
-    /// and then cannot parse `tools/list`. Offered once it conforms (#28).
+    /// Every revision rmcp knows, up to the current one (2026-07-28:
+    /// sessionless, `server/discover`). A call without `_meta` needs a
+    /// session, which that revision does not have: it is refused with a text
+    /// saying to name the step.
     fn supported_protocol_versions(&self) -> std::borrow::Cow<'static, [ProtocolVersion]> {
-        std::borrow::Cow::Borrowed(ProtocolVersion::known_up_to(
-            &ProtocolVersion::LATEST_WITH_INITIALIZE,
-        ))
+        std::borrow::Cow::Borrowed(ProtocolVersion::known_up_to(&ProtocolVersion::LATEST))
     }
 
     fn get_info(&self) -> ServerConfig {
-        ServerConfig::new(ServerCapabilities::builder().enable_tools().build()).with_instructions(
+        let capabilities = ServerCapabilities::builder().enable_tools().enable_tasks();
+        ServerConfig::new(capabilities.build()).with_instructions(
             "Each tool call here is a durable step that runs at most once. Send \
              `_meta.workflow_id` and `_meta.step_index` (and `_meta.attempt` for a deliberate \
              re-run) with every tools/call: a call repeating a step gets that step's first \
@@ -678,14 +693,151 @@ impl ServerHandler for McpFront {
         request: CallToolRequestParams,
         ctx: RequestContext<RoleServer>,
     ) -> Result<CallToolResponse, McpError> {
-        let tool = request.name.to_string();
         let Some(principal) = self.principal(&ctx) else {
             return Err(McpError::invalid_request(
                 "the request is not authorized",
                 None,
             ));
         };
-        if !self.shared.tools.contains_key(&tool) || !principal.may_call(&tool) {
+        // rmcp hands the request's `_meta` over in the context.
+        let meta = match &request.meta {
+            Some(m) if !m.0.0.is_empty() => &m.0.0,
+            _ => &ctx.meta.0.0,
+        };
+        let session = self.session_id(&ctx);
+        let tool = request.name.to_string();
+        let (call, pending) = match self.prepare_call(
+            &principal,
+            session.as_deref(),
+            &tool,
+            request.arguments.unwrap_or_default(),
+            meta,
+            &ctx.ct,
+        )? {
+            Prepared::Refused(result) => return Ok(result.into()),
+            Prepared::Step { call, pending } => (call, pending),
+        };
+        // A session-numbered call stays a plain one: its step is the
+        // session's to hand to a retry once the request is gone.
+        if pending.is_none()
+            && ctx
+                .client_capabilities()
+                .is_some_and(|c| c.supports_tasks())
+        {
+            return self.call_as_task(&principal, &tool, call).await;
+        }
+        tokio::select! {
+            answer = self.answer(&tool, call, pending, None) => answer.map(Into::into),
+            // The client gave up on this call: its step stays unanswered.
+            _ = ctx.ct.cancelled() => {
+                Err(McpError::internal_error("the call was cancelled", None))
+            }
+        }
+    }
+
+    /// `tasks/get` (the 2026-07-28 tasks extension): the task, with the
+    /// call's result once it has one.
+    async fn get_task(
+        &self,
+        request: GetTaskParams,
+        ctx: RequestContext<RoleServer>,
+    ) -> Result<GetTaskResult, McpError> {
+        let task = self.own_task(&request.task_id, &ctx)?;
+        Ok(GetTaskResult::new(task.detailed()))
+    }
+
+    /// `tasks/cancel`: the task stops waiting; the step, handed over
+    /// already, is not undone (the task's status message says so).
+    async fn cancel_task(
+        &self,
+        request: CancelTaskParams,
+        ctx: RequestContext<RoleServer>,
+    ) -> Result<(), McpError> {
+        let task = self.own_task(&request.task_id, &ctx)?;
+        task.cancel_wait()
+            .map_err(|text| McpError::invalid_params(text, None))
+    }
+}
+
+impl McpFront {
+    /// The task `id` of the request's principal (another's reads as unknown).
+    fn own_task(
+        &self,
+        id: &str,
+        ctx: &RequestContext<RoleServer>,
+    ) -> Result<Arc<tasks::Task>, McpError> {
+        let principal = self
+            .principal(ctx)
+            .ok_or_else(|| McpError::invalid_request("the request is not authorized", None))?;
+        self.shared
+            .tasks
+            .get(&principal.key(), id)
+            .ok_or_else(|| McpError::invalid_params(tasks::unknown_task(id), None))
+    }
+
+    /// A call from a client that accepts tasks (the 2026-07-28 extension):
+    /// answered within `mcp.task_after`, or else with its step's task, which
+    /// `tasks/get` completes with the answer. The same step's call again,
+    /// while its task stands, gets that task.
+    async fn call_as_task(
+        &self,
+        principal: &Principal,
+        tool: &str,
+        call: StepCall,
+    ) -> Result<CallToolResponse, McpError> {
+        let tasks = &self.shared.tasks;
+        let owner = principal.key();
+        let step = call.step_key().to_string();
+        let task = match tasks.of_step(&owner, &step).filter(|t| t.live()) {
+            Some(task) => task,
+            None => {
+                let ttl = tasks.ttl_for(None);
+                let cancel = CancellationToken::new();
+                tasks::start(self, &owner, Some(step), tool, call, None, ttl, cancel)
+                    .map(|(task, _)| task)
+                    .map_err(|f| McpError::internal_error(tasks::full(f).1, None))?
+            }
+        };
+        let wait = Duration::from(self.shared.config.task_after);
+        let _ = tokio::time::timeout(wait, task.finished()).await;
+        match task.completed() {
+            Some(result) => serde_json::from_value::<CallToolResult>(result)
+                .map(Into::into)
+                .map_err(|e| McpError::internal_error(e.to_string(), None)),
+            None => Ok(CreateTaskResult::new(task.detailed().task).into()),
+        }
+    }
+}
+
+/// A `tools/call` made into a step, or refused with a text for the model.
+enum Prepared {
+    Refused(CallToolResult),
+    Step {
+        call: StepCall,
+        /// A session-numbered step, left for the session's next call of the
+        /// tool unless answered.
+        pending: Option<Pending>,
+    },
+}
+
+impl McpFront {
+    /// The step a `tools/call` of `tool` by `principal` (in `session`, if it
+    /// came in one) is, or why it is not one: the tool is not there for the
+    /// principal (an error), the `_meta` is wrong, the workflow is outside
+    /// the principal's namespace, or a session-numbered call has no session.
+    /// `cancel` is the request's: a session's retry may take the step of a
+    /// cancelled call.
+    fn prepare_call(
+        &self,
+        principal: &Principal,
+        session: Option<&str>,
+        tool: &str,
+        arguments: Map<String, Value>,
+        meta: &Map<String, Value>,
+        cancel: &CancellationToken,
+    ) -> Result<Prepared, McpError> {
+        let refused = |text: String| error_result(text).map(Prepared::Refused);
+        if !self.shared.tools.contains_key(tool) || !principal.may_call(tool) {
             let known: Vec<&String> = self
                 .shared
                 .tools
@@ -697,20 +849,13 @@ impl ServerHandler for McpFront {
                 None,
             ));
         }
-        let arguments = Value::Object(request.arguments.unwrap_or_default());
-        // rmcp hands the request's `_meta` over in the context.
-        let meta = match &request.meta {
-            Some(m) if !m.0.0.is_empty() => &m.0.0,
-            _ => &ctx.meta.0.0,
-        };
         let named = match step_from_meta(Some(meta)) {
             Ok(named) => named,
             Err(problem) => {
-                return error_result(format!(
+                return refused(format!(
                     "This call to `{tool}` was not performed: {problem}. Correct the call's \
                      `_meta` and call the tool again."
-                ))
-                .map(Into::into);
+                ));
             }
         };
         if let Some((workflow_id, _, _)) = &named
@@ -719,77 +864,77 @@ impl ServerHandler for McpFront {
             // Decided before anything is asked of stepgate, and the same
             // whether that workflow exists or not: nothing about it is told.
             tracing::info!(principal = %principal.name, tool, "a call naming a workflow outside its namespace refused");
-            return error_result(format!(
+            return refused(format!(
                 "This call to `{tool}` was not performed: `_meta.workflow_id` must start with \
                  `{}`, the namespace of the workflows this caller may name. Call the tool again \
                  with a workflow id in it.",
                 principal.namespace
-            ))
-            .map(Into::into);
+            ));
         }
         let mut pending = None;
         let (workflow_id, step_index, attempt) = match named {
             Some(step) => step,
             None => {
-                let Some(session) = self.session_id(&ctx) else {
-                    return error_result(format!(
+                let Some(session) = session else {
+                    return refused(format!(
                         "This call to `{tool}` was not performed: it came without an MCP session, \
                          so it needs its step in `_meta` (`workflow_id` and `step_index`). Call \
                          the tool again with them."
-                    ))
-                    .map(Into::into);
+                    ));
                 };
-                let Some(steps) = self.session_steps(&session) else {
+                let Some(steps) = self.session_steps(session) else {
                     // Closed or evicted between the guard and here: its
                     // counter is gone, and is not made again at step 0.
-                    return error_result(format!(
+                    return refused(format!(
                         "This call to `{tool}` was not performed: its MCP session is no longer \
                          open on this server (closed, or idle for longer than the server keeps \
                          an unused session), and a call without a step in `_meta` is numbered \
                          by its session. Start a new MCP session and call the tool again there, \
                          or send `_meta.workflow_id` and `_meta.step_index` with the call."
-                    ))
-                    .map(Into::into);
+                    ));
                 };
-                let (call, step) = steps.take(&tool, &ctx.ct);
+                let (call, step) = steps.take(tool, cancel);
                 pending = Some(Pending {
                     steps,
-                    tool: tool.clone(),
+                    tool: tool.to_owned(),
                     call,
                     answered: false,
                 });
                 (format!("{}mcp-{session}", principal.namespace), step, 0)
             }
         };
-        let call = StepCall::new(&workflow_id, step_index, &tool, arguments)
+        let call = StepCall::new(&workflow_id, step_index, tool, Value::Object(arguments))
             .map_err(|e| McpError::invalid_params(e.to_string(), None))?
             .attempt(attempt);
-        let answer = tokio::select! {
-            answer = self.shared.client.call(call) => answer,
-            // The client gave up on this call: its step stays unanswered.
-            _ = ctx.ct.cancelled() => {
-                return Err(McpError::internal_error("the call was cancelled", None));
-            }
-        };
-        match answer {
+        Ok(Prepared::Step { call, pending })
+    }
+
+    /// The step's answer as the call's result; `published` is told once the
+    /// step is on the intents topic (see [`Client::call_published`]).
+    async fn answer(
+        &self,
+        tool: &str,
+        call: StepCall,
+        pending: Option<Pending>,
+        published: Option<tokio::sync::oneshot::Sender<()>>,
+    ) -> Result<CallToolResult, McpError> {
+        match self.shared.client.call_published(call, published).await {
             Ok(answer) => {
                 if let Some(p) = pending {
                     p.answered();
                 }
-                to_mcp(&answer).map(Into::into)
+                to_mcp(&answer)
             }
             Err(ClientError::Timeout { waited, .. }) => error_result(format!(
                 "stepgate has not answered this call to `{tool}` within {}, so whether it took \
                  effect is not known yet. Do not make a new call for it: repeat this same call \
                  (same tool, same step) and it returns the step's answer once there is one.",
                 humantime::format_duration(waited)
-            ))
-            .map(Into::into),
+            )),
             Err(e) => error_result(format!(
                 "This call to `{tool}` could not be handed to stepgate ({e}), so it was not \
                  performed. Call the tool again."
-            ))
-            .map(Into::into),
+            )),
         }
     }
 }

@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use thiserror::Error;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
 #[derive(Debug, Error)]
@@ -111,6 +111,9 @@ pub struct StepCall {
     /// Set one to correlate with your own logs; one is generated otherwise.
     pub call_id: Option<String>,
     pub metadata: Option<Map<String, Value>>,
+    /// How long this call waits for its answer, instead of
+    /// [`ClientOptions::timeout`].
+    pub timeout: Option<Duration>,
 }
 
 impl StepCall {
@@ -131,7 +134,14 @@ impl StepCall {
             attempt: 0,
             call_id: None,
             metadata: None,
+            timeout: None,
         })
+    }
+
+    /// Wait up to `timeout` for this call's answer (instead of the client's).
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = Some(timeout);
+        self
     }
 
     pub fn attempt(mut self, attempt: u64) -> Self {
@@ -245,10 +255,22 @@ impl Client {
     /// Publish the step and await its final answer; on silence, re-publish the
     /// same step every `republish_after`, until `timeout`.
     pub async fn call(&self, call: StepCall) -> Result<ToolResult, ClientError> {
+        self.call_published(call, None).await
+    }
+
+    /// [`Self::call`], telling `published` once the step's first intent is on
+    /// the intents topic (acknowledged by the broker): from then on the step
+    /// is stepgate's, whatever becomes of this wait. If the first publish
+    /// fails, `published` is dropped unsent.
+    pub async fn call_published(
+        &self,
+        call: StepCall,
+        mut published: Option<oneshot::Sender<()>>,
+    ) -> Result<ToolResult, ClientError> {
         let (tx, mut rx) = mpsc::unbounded_channel();
         let mut ids = Vec::new();
         let started = tokio::time::Instant::now();
-        let deadline = started + self.options.timeout;
+        let deadline = started + call.timeout.unwrap_or(self.options.timeout);
         let result = loop {
             let id = match (&call.call_id, ids.is_empty()) {
                 (Some(id), true) => id.clone(),
@@ -261,6 +283,9 @@ impl Client {
             ids.push(id.clone());
             if let Err(e) = self.publish(&call, &id).await {
                 break Err(e);
+            }
+            if let Some(published) = published.take() {
+                let _ = published.send(());
             }
             let wait_until =
                 (tokio::time::Instant::now() + self.options.republish_after).min(deadline);
