@@ -6,7 +6,8 @@
 //! (`STEPGATE_KAFKA_CLIENT_SASL_PASSWORD`), never the file. A wrong password
 //! and an untrusted CA each stop `stepgate run` at start with an error naming
 //! the cause, within a bounded time, and so does the Rust client's connect.
-//! The Python client (`clients/python`) goes through the same listener.
+//! The Python client (`clients/python`) and `stepgate mcp` (stdio) go through
+//! the same listener.
 //!
 //! The topics are made over the plaintext listener (as an admin would); every
 //! client of the test's gate and agent uses the secured one only.
@@ -221,4 +222,101 @@ async fn an_untrusted_ca_stops_the_start_naming_the_certificate() {
         "{e:?}"
     );
     assert!(e.to_string().contains("ssl.ca.location"), "{e}");
+}
+
+/// `stepgate mcp` (stdio) with the same file and environment: a `tools/call`
+/// of a step, twice, runs the tool once; with a wrong password it stops at
+/// start naming the credentials.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stepgate_mcp_works_through_sasl_ssl() {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+    let sec = secured();
+    let mut s = secured_stack(&sec, &sec.ca).await;
+    s.spawn(&[], &[(PASSWORD_VAR, &sec.password)]);
+    s.wait_ready().await;
+
+    let mut mcp = tokio::process::Command::new(stepgate_bin())
+        .args(["mcp", "--config"])
+        .arg(&s.config_path)
+        .env(PASSWORD_VAR, &sec.password)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::fs::File::create(s.dir.path().join("mcp.log")).unwrap())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut stdin = mcp.stdin.take().unwrap();
+    let mut lines = BufReader::new(mcp.stdout.take().unwrap()).lines();
+    let mcp_log = || std::fs::read_to_string(s.dir.path().join("mcp.log")).unwrap_or_default();
+    let call = |id: u64| {
+        json!({"jsonrpc": "2.0", "id": id, "method": "tools/call", "params": {
+            "name": "create_ticket", "arguments": {"title": "through MCP"},
+            "_meta": {"workflow_id": "wf-sasl-mcp", "step_index": 0}}})
+    };
+    let requests = [
+        json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+            "protocolVersion": "2025-06-18", "capabilities": {},
+            "clientInfo": {"name": "secured", "version": "0"}}}),
+        json!({"jsonrpc": "2.0", "method": "notifications/initialized"}),
+        call(2),
+        call(3),
+    ];
+    let mut answers = Vec::new();
+    for r in requests {
+        stdin.write_all(format!("{r}\n").as_bytes()).await.unwrap();
+        let Some(id) = r.get("id") else { continue };
+        let line = tokio::time::timeout(Duration::from_secs(60), async {
+            loop {
+                let l = lines
+                    .next_line()
+                    .await
+                    .unwrap()
+                    .expect("stepgate mcp answers");
+                let v: serde_json::Value = serde_json::from_str(&l).unwrap();
+                if v.get("id") == Some(id) {
+                    return v;
+                }
+            }
+        })
+        .await
+        .unwrap_or_else(|_| panic!("no answer to {r}: {}", mcp_log()));
+        answers.push(line);
+    }
+    for a in &answers[1..] {
+        assert_eq!(
+            a["result"]["isError"],
+            false,
+            "{a}\n{}\n{}",
+            mcp_log(),
+            s.log_tail(40)
+        );
+    }
+    assert_eq!(
+        s.tools.count("create_ticket"),
+        1,
+        "one step through MCP, one invocation"
+    );
+    drop(stdin);
+
+    // A wrong password: `stepgate mcp` stops at start, naming the cause.
+    let t0 = Instant::now();
+    let out = tokio::time::timeout(
+        REFUSED_WITHIN,
+        tokio::process::Command::new(stepgate_bin())
+            .args(["mcp", "--config"])
+            .arg(&s.config_path)
+            .env(PASSWORD_VAR, "not-the-password-7f3a")
+            .stdin(std::process::Stdio::null())
+            .output(),
+    )
+    .await
+    .expect("stepgate mcp stops within the bound")
+    .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("refused this client's credentials"),
+        "({:?}) {err}",
+        t0.elapsed()
+    );
 }
