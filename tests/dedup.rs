@@ -220,7 +220,7 @@ async fn an_intent_outside_its_workflows_partition_is_rerouted_and_answered_in_t
         )
         .await;
     assert!(
-        m.contains("stepgate_intents_received_total 4"),
+        m.contains(r#"stepgate_intents_received_total{tool="send_email"} 4"#),
         "counted once each"
     );
 }

@@ -210,6 +210,7 @@ fn the_dashboard_queries_name_exported_metrics() {
     }
     for needed in [
         "stepgate_repeats_total",
+        "stepgate_effectful_calls_total",
         "stepgate_rephrased_retries_total",
         "stepgate_in_doubt_steps_total",
         "stepgate_answer_latency_seconds",
@@ -217,6 +218,57 @@ fn the_dashboard_queries_name_exported_metrics() {
     ] {
         assert!(seen.contains(needed), "the dashboard shows {needed}");
     }
+}
+
+/// The dashboard's dedup-rate panels compute repeats over effectful calls
+/// (not over every intent, which fast-path reads and refused input dilute),
+/// in all and per tool, with exactly the expressions whose values
+/// `deploy/prometheus/alerts.test.yaml` checks under promtool.
+#[test]
+fn the_dedup_rate_panels_use_the_expressions_promtool_checks() {
+    let text =
+        std::fs::read_to_string(root().join("deploy/grafana/stepgate-dashboard.json")).unwrap();
+    let dash: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let tests = yaml("deploy/prometheus/alerts.test.yaml");
+    let checked: BTreeSet<&str> = tests["tests"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .flat_map(|t| t["promql_expr_test"].as_sequence().into_iter().flatten())
+        .filter_map(|e| e["expr"].as_str())
+        .collect();
+    let mut dedup = Vec::new();
+    for p in dash["panels"].as_array().unwrap() {
+        if !p["title"].as_str().unwrap().starts_with("Dedup rate") {
+            continue;
+        }
+        for t in p["targets"].as_array().unwrap() {
+            let expr = t["expr"].as_str().unwrap();
+            assert!(
+                metric_names(expr)
+                    == BTreeSet::from([
+                        "stepgate_repeats_total".to_owned(),
+                        "stepgate_effectful_calls_total".to_owned()
+                    ]),
+                "panel `{}`: {expr}",
+                p["title"]
+            );
+            assert!(
+                checked.contains(expr),
+                "panel `{}`: `{expr}` is not among the expressions alerts.test.yaml checks: {checked:?}",
+                p["title"]
+            );
+            dedup.push(expr.to_owned());
+        }
+    }
+    assert!(
+        dedup.iter().any(|e| e.contains("by (tool)")),
+        "a per-tool dedup panel: {dedup:?}"
+    );
+    assert!(
+        dedup.iter().any(|e| !e.contains("by (tool)")),
+        "an overall dedup panel: {dedup:?}"
+    );
 }
 
 /// `docker compose config` (or the standalone `docker-compose`) validates the

@@ -299,15 +299,33 @@ async fn metrics_count_a_known_workload_exactly() {
     let start = std::time::Instant::now();
     while start.elapsed() < WAIT {
         m = parse_metrics(&s_ref.metrics().await);
-        let settled = m.get("stepgate_intents_received_total") == Some(&7.0)
-            && m.keys().any(|k| k.starts_with("stepgate_consumer_lag{"));
+        let received: f64 = m
+            .iter()
+            .filter(|(k, _)| k.starts_with("stepgate_intents_received_total{"))
+            .map(|(_, v)| v)
+            .sum();
+        let settled = received == 7.0 && m.keys().any(|k| k.starts_with("stepgate_consumer_lag{"));
         if settled {
             break;
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     let expect = [
-        ("stepgate_intents_received_total", 7.0),
+        (r#"stepgate_intents_received_total{tool="send_email"}"#, 2.0),
+        (
+            r#"stepgate_intents_received_total{tool="create_ticket"}"#,
+            2.0,
+        ),
+        (r#"stepgate_intents_received_total{tool="search"}"#, 1.0),
+        // `nope` (no such tool) and the unreadable record.
+        (r#"stepgate_intents_received_total{tool="unknown"}"#, 2.0),
+        // The dedup rate's denominator: recorded tools' calls only.
+        (r#"stepgate_effectful_calls_total{tool="send_email"}"#, 2.0),
+        (
+            r#"stepgate_effectful_calls_total{tool="create_ticket"}"#,
+            2.0,
+        ),
+        (r#"stepgate_effectful_calls_total{tool="search"}"#, 0.0),
         (
             r#"stepgate_steps_forwarded_total{category="keyed",tool="send_email"}"#,
             1.0,

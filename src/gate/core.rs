@@ -307,19 +307,23 @@ impl GateCore {
         // fast-path calls, which record nothing, are run again.
         let replayed = self.applied.get(&p).is_some_and(|a| input.offset < *a);
         // A re-routed intent was counted where it was published.
-        if !replayed && !input.forwarded() {
-            self.metrics.intent_received();
-        }
+        let counted = !replayed && !input.forwarded();
         let reply = input.reply_partition(self.intent_partitions);
         let payload = input.payload.as_deref().unwrap_or_default();
         let intent = match parse_intent(payload, self.settings.max_intent_bytes, &self.tool_names) {
             Ok(i) => i,
             Err(_) if replayed => return Ok(()),
             Err(rejection) => {
+                if counted {
+                    self.metrics.intent_received(None);
+                }
                 self.reject(input, rejection, now_ms);
                 return Ok(());
             }
         };
+        if counted {
+            self.metrics.intent_received(Some(&intent.tool));
+        }
         // A step is deduplicated within its workflow's partition only.
         if self.settings.check_partition
             && let Some(n) = self.intent_partitions
@@ -464,6 +468,11 @@ impl GateCore {
             .into_iter()
             .map(|(f, recorded, sent)| (f, recorded.to_string(), sent.to_string()))
             .collect();
+        // The dedup rate's denominator: every call decided as this step (new,
+        // re-run or repeat); not an identity conflict, which is another call.
+        if conflict.is_empty() {
+            self.metrics.effectful_call(&step);
+        }
         match existing {
             None => self.begin_step(store, batch, input, &tool, intent, None, now_ms)?,
             Some(_) if !conflict.is_empty() => {

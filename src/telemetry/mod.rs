@@ -24,7 +24,8 @@ pub struct Metrics {
     /// written with another config), so labelling by it unchecked would let
     /// any producer create series without bound.
     tools: std::collections::BTreeSet<String>,
-    intents_received: IntCounter,
+    intents_received: IntCounterVec,
+    effectful_calls: IntCounterVec,
     steps_forwarded: IntCounterVec,
     fast_path_calls: IntCounterVec,
     repeats_answered: IntCounterVec,
@@ -99,7 +100,7 @@ impl Metrics {
     /// Metrics whose `tool` label is one of `tools` (the configured names) or
     /// [`UNKNOWN_TOOL`].
     pub fn with_tools(tools: impl IntoIterator<Item = impl Into<String>>) -> Self {
-        let tools = tools.into_iter().map(Into::into).collect();
+        let tools: std::collections::BTreeSet<String> = tools.into_iter().map(Into::into).collect();
         let r = Registry::new();
         let buckets = vec![
             0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -203,12 +204,40 @@ impl Metrics {
         .expect("metric names are valid");
         r.register(Box::new(state_write_latency.clone()))
             .expect("registered once");
+        let intents_received = counter_vec(
+            &r,
+            "stepgate_intents_received_total",
+            "Intents read from the intents topic, valid or not, by the tool they name (unknown when the intent names no configured tool or cannot be read).",
+            &["tool"],
+        );
+        let effectful_calls = counter_vec(
+            &r,
+            "stepgate_effectful_calls_total",
+            "Calls of recorded tools (keyed, unkeyed, approval; read_only/idempotent with record = true) decided as a step: a new step, a re-run an operator allowed, or a repeat. Not fast-path calls, not refused ones. The dedup rate is stepgate_repeats_total / this, per tool.",
+            &["tool"],
+        );
+        let repeats_answered = counter_vec(
+            &r,
+            "stepgate_repeats_total",
+            "Repeats of a known step, by the step's state when the repeat arrived (completed or in_flight).",
+            &["tool", "state"],
+        );
+        // Every configured tool's series of the dedup rate exist from the
+        // start at 0: a series that first appears at 1 loses that first
+        // increase to rate(), and a tool without repeats reads 0, not nothing.
+        for tool in &tools {
+            effectful_calls
+                .with_label_values(&[tool.as_str()])
+                .inc_by(0);
+            for state in ["completed", "in_flight"] {
+                repeats_answered
+                    .with_label_values(&[tool.as_str(), state])
+                    .inc_by(0);
+            }
+        }
         Metrics {
-            intents_received: counter(
-                &r,
-                "stepgate_intents_received_total",
-                "Intents read from the intents topic, valid or not.",
-            ),
+            intents_received,
+            effectful_calls,
             steps_forwarded: counter_vec(
                 &r,
                 "stepgate_steps_forwarded_total",
@@ -221,12 +250,7 @@ impl Metrics {
                 "Calls of read-only/idempotent tools forwarded without a step record.",
                 &["tool"],
             ),
-            repeats_answered: counter_vec(
-                &r,
-                "stepgate_repeats_total",
-                "Repeats of a known step, by the step's state when the repeat arrived (completed or in_flight).",
-                &["tool", "state"],
-            ),
+            repeats_answered,
             rephrased_retries: counter_vec(
                 &r,
                 "stepgate_rephrased_retries_total",
@@ -397,8 +421,19 @@ impl Metrics {
         String::from_utf8(buf).expect("the text format is UTF-8")
     }
 
-    pub fn intent_received(&self) {
-        self.intents_received.inc();
+    /// An intent read (not a re-read, not a re-routed copy), naming `tool`
+    /// (`None` when it could not be read or names no configured tool).
+    pub fn intent_received(&self, tool: Option<&str>) {
+        let tool = tool.map_or(UNKNOWN_TOOL, |t| self.tool_label(t));
+        self.intents_received.with_label_values(&[tool]).inc();
+    }
+
+    /// A call of a recorded tool decided as a step (new, re-run or repeat):
+    /// the denominator of the dedup rate.
+    pub fn effectful_call(&self, step: &crate::contract::StepKey) {
+        self.effectful_calls
+            .with_label_values(&[self.tool_label(&step.tool)])
+            .inc();
     }
 
     pub fn step_forwarded(&self, step: &crate::contract::StepKey, category: &str) {

@@ -1042,3 +1042,50 @@ fn unresolved_steps_outlive_the_retention_and_expire_once_settled() {
         .unwrap();
     assert_eq!((r.removed, r.kept), (1, 0));
 }
+
+/// The dedup rate's counters (#30): a repeat of a recorded step counts as a
+/// repeat of its tool and as one of its effectful calls; a fast-path read —
+/// run again, never deduplicated — counts as neither, and neither does a
+/// refused intent. The rate (repeats ÷ effectful calls) is per tool.
+#[test]
+fn a_repeat_counts_toward_its_tools_dedup_rate_and_a_fast_path_read_does_not() {
+    let mut f = Fixture::new();
+    let config = Config::from_toml_str(CONFIG, Vec::new()).unwrap();
+    let metrics = Arc::new(Metrics::with_tools(config.tool_names()));
+    f.core = GateCore::new(&config, metrics.clone());
+    let call = call_of(&f.intent(email("c1", "hi"), 0));
+    // A repeat while the step is in flight, and one once it is settled.
+    assert!(f.intent(email("c2", "hi"), 10).is_empty());
+    f.outcome(&call, Outcome::Ok { output: json!(1) }, 20);
+    f.intent(email("c3", "hi, rephrased"), 30);
+    // The same read twice: two fast-path calls, no step, no repeat.
+    let q = json!({"workflow_id": "wf", "step_index": 5, "tool": "search", "arguments": {"q": "x"}, "call_id": "s1"});
+    f.intent(q.clone(), 40);
+    f.intent(q, 50);
+    // Refused: no tool of that name; unreadable.
+    f.intent(
+        json!({"workflow_id": "wf", "step_index": 6, "tool": "nope", "arguments": {}}),
+        60,
+    );
+    let input = f.input("intents", b"{broken".to_vec());
+    f.core
+        .on_intent(&f.store, &mut Batch::default(), &input, 70)
+        .unwrap();
+    let out = metrics.render();
+    for line in [
+        r#"stepgate_effectful_calls_total{tool="send_email"} 3"#,
+        r#"stepgate_repeats_total{state="in_flight",tool="send_email"} 1"#,
+        r#"stepgate_repeats_total{state="completed",tool="send_email"} 1"#,
+        r#"stepgate_effectful_calls_total{tool="search"} 0"#,
+        r#"stepgate_repeats_total{state="completed",tool="search"} 0"#,
+        r#"stepgate_fast_path_calls_total{tool="search"} 2"#,
+        // A configured tool with no call yet reads 0, not nothing.
+        r#"stepgate_effectful_calls_total{tool="wire"} 0"#,
+        r#"stepgate_intents_received_total{tool="send_email"} 3"#,
+        r#"stepgate_intents_received_total{tool="search"} 2"#,
+        r#"stepgate_intents_received_total{tool="unknown"} 2"#,
+    ] {
+        assert!(out.contains(line), "{line} in\n{out}");
+    }
+    assert!(!out.contains(r#"stepgate_effectful_calls_total{tool="unknown"}"#));
+}
