@@ -44,6 +44,8 @@ pub enum AppError {
     ExecutorRole,
     #[error("a task failed")]
     Join(#[from] tokio::task::JoinError),
+    #[error(transparent)]
+    Traces(#[from] telemetry::TracesError),
 }
 
 /// Refuse a deployment whose records could not be written: the step records
@@ -83,6 +85,11 @@ impl Running {
                 first_err.get_or_insert(e);
             }
         }
+        // The spans still buffered are sent (off the runtime: it blocks).
+        if self.metrics.traces().is_enabled() {
+            let metrics = self.metrics.clone();
+            tokio::task::spawn_blocking(move || metrics.traces().shutdown()).await?;
+        }
         first_err.map_or(Ok(()), Err)
     }
 }
@@ -111,7 +118,8 @@ pub async fn start(
         );
     }
     // The `tool` label takes only configured names (bounded cardinality).
-    let metrics = Arc::new(Metrics::with_tools(config.tool_names()));
+    let traces = telemetry::Traces::from_config(&config.traces)?;
+    let metrics = Arc::new(Metrics::with_tools(config.tool_names()).with_traces(traces));
     let health = Arc::new(Health::new(config.gate.stall_timeout.0));
     let http_addr = if config.http.listen.is_empty() {
         None

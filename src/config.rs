@@ -29,6 +29,7 @@ use thiserror::Error;
 pub use crate::duration::Dur;
 use crate::duration::dur;
 pub use crate::redact::{REDACTED, is_secret_property, redact_client_properties, redact_url};
+pub use crate::telemetry::TracesConfig;
 use crate::tools::tool::RESERVED_HEADERS;
 pub use crate::tools::tool::{
     Category, HeaderSource, HeaderSpec, Policy, ToolAnnotations, ToolConfig,
@@ -69,6 +70,8 @@ pub struct Config {
     pub log: LogConfig,
     /// `stepgate mcp` over HTTP: who may call, what, and in which workflows.
     pub mcp: McpConfig,
+    /// OpenTelemetry traces of each step over OTLP/HTTP; off without an endpoint.
+    pub traces: TracesConfig,
     /// Tools by name.
     pub tools: BTreeMap<String, ToolConfig>,
 }
@@ -980,6 +983,7 @@ impl Config {
             }
         }
         self.mcp.validate(&self.tools)?;
+        self.traces.validate()?;
         Ok(())
     }
 
@@ -1015,6 +1019,7 @@ impl Config {
         Config {
             kafka: self.kafka.redacted(),
             mcp: self.mcp.redacted(),
+            traces: self.traces.redacted(),
             tools: self
                 .tools
                 .iter()
@@ -1246,6 +1251,8 @@ fast_path_timeout = "1s"
 commit_interval = "1s"
 [mcp]
 resource = ""
+[traces]
+endpoint = ""
 [mcp.auth]
 issuer = ""
 jwks_url = ""
@@ -1443,7 +1450,9 @@ fn collect(
             (false, ["mcp", "auth", "scopes"]) => {
                 Some((MapKeys::Lower, Kind::List(Box::new(Kind::Str))))
             }
-            (true, ["headers"]) => Some((MapKeys::Header, Kind::Str)),
+            (true, ["headers"]) | (false, ["traces", "headers"]) => {
+                Some((MapKeys::Header, Kind::Str))
+            }
             _ => None,
         };
         let json = tool && p.as_slice() == ["input_schema"];
@@ -2385,6 +2394,7 @@ timeout = "5s"
             ("http", fields_of::<HttpConfig>()),
             ("log", fields_of::<LogConfig>()),
             ("mcp", fields_of::<McpConfig>()),
+            ("traces", fields_of::<TracesConfig>()),
             ("mcp.auth", fields_of::<McpAuthConfig>()),
         ];
         for (at, fields) in fixed {

@@ -209,6 +209,7 @@ impl Invoker {
         );
         let handed = Instant::now();
         let task = async move {
+            let mut call = call;
             // Wait for a slot, unless the call may no longer be invoked here
             // (the pool is never closed, so acquiring only waits).
             let slot = tokio::select! {
@@ -222,6 +223,15 @@ impl Invoker {
             // (A tool's own slots are waited for inside the registry: the
             // check is made again there, until a try is sent.)
             let t = Instant::now();
+            // The `execute_tool` span (when traced), under the decision that
+            // started the call; the tool is sent its traceparent.
+            let span = match slot {
+                Some(_) => metrics.traces().execute_tool(&call),
+                None => crate::telemetry::ToolSpan::none(),
+            };
+            if let Some(tp) = span.traceparent() {
+                call.traceparent = Some(tp);
+            }
             let invoked = match slot {
                 Some(_slot) => {
                     tools
@@ -232,6 +242,7 @@ impl Invoker {
             };
             let event = match invoked {
                 Some(outcome) => {
+                    span.finished(&outcome);
                     metrics.invoked(&call.step, outcome.label(), t.elapsed());
                     crash_point::after_invoke();
                     ProgressEvent::Finished { outcome }
@@ -242,6 +253,7 @@ impl Invoker {
                     } else {
                         "partition_moved"
                     };
+                    span.not_invoked(why);
                     metrics.not_invoked(&call.step, why);
                     ProgressEvent::NotInvoked
                 }

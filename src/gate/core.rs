@@ -388,6 +388,14 @@ impl GateCore {
             traceparent = traceparent.as_deref().unwrap_or("")
         )
         .entered();
+        // The decision's span (under the intent's traceparent), and the parent
+        // of the calls it starts; nothing unless traces are configured.
+        let mut decision = self.metrics.traces().decision(
+            &step,
+            intent.call_id.as_deref(),
+            traceparent.as_deref(),
+            (input.topic.as_str(), p, input.offset),
+        );
         let tool = tool.clone();
         let existing = if tool.recorded() {
             batch.step(store, p, &step)?
@@ -407,6 +415,7 @@ impl GateCore {
                 message: Texts::expired(&step.tool, &step.workflow_id, age),
                 address: None,
             };
+            decision.rejected(rejection.reason.as_str(), &rejection.message);
             self.reject(input, rejection, now_ms);
             return Ok(());
         }
@@ -430,14 +439,16 @@ impl GateCore {
                     call_id: intent.call_id,
                 }),
             };
+            decision.rejected(rejection.reason.as_str(), &rejection.message);
             self.reject(input, rejection, now_ms);
             return Ok(());
         }
         if !tool.recorded() {
             // Intent in, answer out: nothing durable in between.
+            decision.decided("fast_path");
             let entry = FastEntry {
                 step: step.clone(),
-                call_id: intent.call_id,
+                call_id: intent.call_id.clone(),
                 arguments: intent.arguments.clone(),
                 traceparent: traceparent.clone(),
                 dispatch: 1,
@@ -454,7 +465,8 @@ impl GateCore {
                     arguments: intent.arguments,
                     dispatch: 1,
                     fast_ref: Some(input.offset),
-                    traceparent,
+                    traceparent: decision.traceparent().or(traceparent),
+                    call_id: intent.call_id,
                 },
             ));
             return Ok(());
@@ -473,8 +485,17 @@ impl GateCore {
         if conflict.is_empty() {
             self.metrics.effectful_call(&step);
         }
+        let new_step = if tool.awaits_approval() {
+            "awaiting_approval"
+        } else {
+            "new_step"
+        };
         match existing {
-            None => self.begin_step(store, batch, input, &tool, intent, None, now_ms)?,
+            None => {
+                decision.decided(new_step);
+                let parent = decision.traceparent();
+                self.begin_step(store, batch, input, &tool, intent, None, parent, now_ms)?
+            }
             Some(_) if !conflict.is_empty() => {
                 self.metrics.identity_conflict(&step);
                 let rejection = Rejection {
@@ -485,15 +506,29 @@ impl GateCore {
                         call_id: intent.call_id,
                     }),
                 };
+                decision.rejected(rejection.reason.as_str(), &rejection.message);
                 self.reject(input, rejection, now_ms);
             }
             // An operator confirmed the last run did not happen: run it now.
             Some(record) if record.phase == Phase::NotExecuted => {
-                self.begin_step(store, batch, input, &tool, intent, Some(record), now_ms)?
+                decision.decided("rerun");
+                let parent = decision.traceparent();
+                self.begin_step(
+                    store,
+                    batch,
+                    input,
+                    &tool,
+                    intent,
+                    Some(record),
+                    parent,
+                    now_ms,
+                )?
             }
             Some(mut record) => {
                 let rephrased =
                     record.note_repeat(intent.call_id.clone(), &intent.arguments, now_ms);
+                let in_flight = record.result.is_none() || record.phase.in_flight();
+                decision.repeat(in_flight, rephrased, record.call_id.as_deref());
                 match (&record.result, record.phase.in_flight()) {
                     (Some(first), false) => {
                         let answer = first.for_repeat(intent.call_id);
@@ -538,7 +573,8 @@ impl GateCore {
 
     /// Record a step as `started` (its call starts once that is committed) — or,
     /// for an `approval` tool, hold it for a person. `previous` is the record of a run an operator
-    /// declared not executed (its history is kept).
+    /// declared not executed (its history is kept); `parent` the `traceparent`
+    /// its call carries (the decision's span, when traced).
     #[allow(clippy::too_many_arguments)]
     fn begin_step(
         &mut self,
@@ -548,6 +584,7 @@ impl GateCore {
         tool: &ToolConfig,
         intent: Intent,
         previous: Option<StepRecord>,
+        parent: Option<String>,
         now_ms: i64,
     ) -> Result<(), StateError> {
         let p = input.partition;
@@ -610,14 +647,22 @@ impl GateCore {
             });
         } else {
             self.metrics.step_forwarded(&step, tool.category.as_str());
-            self.start(p, &mut record, now_ms);
+            self.start(p, &mut record, now_ms, parent);
         }
         batch.put_step(store, p, &record)
     }
 
     /// Mark a recorded step `started` with its deadline, and invoke its tool
-    /// once the batch carrying that record has committed.
-    fn start(&mut self, partition: i32, record: &mut StepRecord, now_ms: i64) {
+    /// once the batch carrying that record has committed. Its call carries
+    /// `parent` as its `traceparent` (the span of the decision that started
+    /// it), else the step's own (the agent's).
+    fn start(
+        &mut self,
+        partition: i32,
+        record: &mut StepRecord,
+        now_ms: i64,
+        parent: Option<String>,
+    ) {
         let deadline =
             now_ms + ms(self.tool_deadline(&record.step.tool) + self.settings.in_doubt_grace);
         record.phase = Phase::Started;
@@ -636,7 +681,8 @@ impl GateCore {
                 arguments: record.arguments.clone(),
                 dispatch: record.dispatch,
                 fast_ref: None,
-                traceparent: record.traceparent.clone(),
+                traceparent: parent.or_else(|| record.traceparent.clone()),
+                call_id: record.call_id.clone(),
             },
         });
     }
@@ -755,7 +801,7 @@ impl GateCore {
                 });
                 self.metrics
                     .step_forwarded(&record.step, record.category.as_str());
-                self.start(p, &mut record, now_ms);
+                self.start(p, &mut record, now_ms, None);
                 batch.put_step(store, p, &record)?;
             }
             Action::Deny => {
@@ -990,6 +1036,7 @@ impl GateCore {
                         dispatch: entry.dispatch,
                         fast_ref: Some(fast_ref),
                         traceparent: entry.traceparent.clone(),
+                        call_id: entry.call_id.clone(),
                     },
                 ));
             }
@@ -1026,7 +1073,7 @@ impl GateCore {
         record.not_invoked = None;
         record.dispatch += 1;
         tracing::info!(step = %record.step, dispatch = record.dispatch, "its last run was never invoked (its call queued where the partition or the process went away): run now");
-        self.start(p, record, now_ms);
+        self.start(p, record, now_ms, None);
     }
 
     /// Keep an outcome that does not settle its step on the step's record:
@@ -1218,7 +1265,7 @@ impl GateCore {
             if record.category.rerun_is_safe() {
                 record.dispatch += 1;
                 self.metrics.reforwarded(&step, record.dispatch);
-                self.start(p, &mut record, now_ms);
+                self.start(p, &mut record, now_ms, None);
                 batch.put_step(store, p, &record)?;
             } else {
                 let outcome = Outcome::InDoubt {

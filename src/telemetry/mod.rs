@@ -3,8 +3,10 @@
 //! category, status, reason), never a workflow id.
 
 mod server;
+mod traces;
 
 pub use server::{Health, serve};
+pub use traces::{Decision, ToolSpan, Traces, TracesConfig, TracesError};
 
 use prometheus::{
     Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts,
@@ -62,6 +64,8 @@ pub struct Metrics {
     invoker_wait: Histogram,
     state_disk_bytes: IntGauge,
     state_memory: prometheus::IntGaugeVec,
+    /// The spans of each step (`[traces]`): nothing unless configured.
+    traces: Traces,
 }
 
 fn counter(r: &Registry, name: &str, help: &str) -> IntCounter {
@@ -400,7 +404,18 @@ impl Metrics {
             state_write_latency,
             registry: r,
             tools,
+            traces: Traces::disabled(),
         }
+    }
+
+    /// The same, exporting the spans of each step through `traces`.
+    pub fn with_traces(self, traces: Traces) -> Self {
+        Metrics { traces, ..self }
+    }
+
+    /// The spans of each step (disabled unless `[traces]` is configured).
+    pub fn traces(&self) -> &Traces {
+        &self.traces
     }
 
     /// The `tool` label of `name`: itself when configured, else [`UNKNOWN_TOOL`].

@@ -272,6 +272,10 @@ pub struct Call {
     pub fast_ref: Option<i64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub traceparent: Option<String>,
+    /// The `call_id` of the call that started this run (the step's first
+    /// caller's), for the tool call's trace.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub call_id: Option<String>,
 }
 
 /// Internal: the outcome of a call whose partition moved while it ran, handed

@@ -1,0 +1,518 @@
+//! Traces: each step as OpenTelemetry spans, exported over OTLP/HTTP
+//! (protobuf) when `[traces] endpoint` is configured.
+//!
+//! - The gate's decision about an intent is a span (`stepgate.step {tool}`,
+//!   kind consumer) under the intent's `traceparent` (a root span when it has
+//!   none): `stepgate.decision` says what was decided (`new_step`,
+//!   `awaiting_approval`, `rerun`, `repeat`, `fast_path`, `rejected`); a
+//!   repeat carries a `stepgate.repeat` event.
+//! - Each invocation of a tool (each dispatch of a step, each fast-path call)
+//!   is an `execute_tool {tool}` span after the OpenTelemetry GenAI semantic
+//!   conventions (`gen_ai.operation.name`, `gen_ai.tool.name`,
+//!   `gen_ai.tool.call.id`, `gen_ai.tool.type`, `error.type`), a child of the
+//!   decision that started it (of the agent's span for a dispatch started by a
+//!   deadline or an operator); the tool is sent its `traceparent`, so the
+//!   tool's own spans nest under it.
+//!
+//! Not configured, nothing is built: every hook checks one `Option` and
+//! returns, and the `traceparent` passed through to tools is the agent's.
+//! Arguments and outputs are never put on a span (they may be personal data
+//! or secrets).
+
+use crate::config::{ConfigError, Dur};
+use crate::contract::{Call, Outcome, StepKey};
+use opentelemetry::trace::{
+    Span as _, SpanContext, SpanId, SpanKind, Status, TraceContextExt, TraceFlags, TraceId,
+    TraceState, Tracer as _, TracerProvider as _,
+};
+use opentelemetry::{Context, InstrumentationScope, KeyValue};
+use opentelemetry_otlp::{WithExportConfig, WithHttpConfig};
+use opentelemetry_sdk::Resource;
+use opentelemetry_sdk::trace::{
+    BatchConfigBuilder, BatchSpanProcessor, Sampler, SdkTracer, SdkTracerProvider, Span,
+};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use thiserror::Error;
+
+/// `[traces]`: where and how much to export. Without `endpoint`, nothing is.
+#[derive(Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TracesConfig {
+    /// The OTLP/HTTP traces URL, protobuf encoding, e.g.
+    /// `"http://127.0.0.1:4318/v1/traces"` (an OpenTelemetry Collector,
+    /// Jaeger, Tempo, Langfuse's `/api/public/otel/v1/traces`, …), used as
+    /// given. Unset: no traces, and no cost.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub endpoint: Option<String>,
+    /// The share of new traces kept, 0 to 1 (by trace id, so a trace is kept
+    /// or dropped whole).
+    pub sample_ratio: f64,
+    /// Follow the agent's decision when its `traceparent` has one (its
+    /// sampled flag): `sample_ratio` then applies only to intents without a
+    /// `traceparent`.
+    pub parent_based: bool,
+    /// `service.name` of the spans.
+    pub service_name: String,
+    /// How often finished spans are sent (in batches, from a thread of their own).
+    pub export_interval: Dur,
+    /// How long one export may take.
+    pub timeout: Dur,
+    /// HTTP headers of every export request (an `Authorization` for a hosted
+    /// backend). Values are secrets: set them from the environment
+    /// (`STEPGATE_TRACES_HEADERS_AUTHORIZATION`); `check-config` prints them
+    /// redacted.
+    pub headers: BTreeMap<String, String>,
+}
+
+impl Default for TracesConfig {
+    fn default() -> Self {
+        TracesConfig {
+            endpoint: None,
+            sample_ratio: 1.0,
+            parent_based: true,
+            service_name: "stepgate".into(),
+            export_interval: crate::duration::dur("5s"),
+            timeout: crate::duration::dur("10s"),
+            headers: BTreeMap::new(),
+        }
+    }
+}
+
+impl TracesConfig {
+    /// Checks serde cannot express, naming the field.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |field: &str, message: String| ConfigError::Invalid {
+            field: format!("traces.{field}"),
+            message,
+        };
+        if let Some(e) = &self.endpoint {
+            match reqwest::Url::parse(e) {
+                Ok(u) if matches!(u.scheme(), "http" | "https") && u.host().is_some() => {}
+                _ => {
+                    return Err(invalid(
+                        "endpoint",
+                        format!(
+                            "must be the http(s) URL of an OTLP/HTTP traces endpoint, e.g. \"http://127.0.0.1:4318/v1/traces\", got `{}`",
+                            crate::config::redact_url(e)
+                        ),
+                    ));
+                }
+            }
+        }
+        if !(0.0..=1.0).contains(&self.sample_ratio) {
+            return Err(invalid(
+                "sample_ratio",
+                format!("must be from 0 to 1, got {}", self.sample_ratio),
+            ));
+        }
+        if self.service_name.trim().is_empty() {
+            return Err(invalid("service_name", "must not be empty".into()));
+        }
+        if self.export_interval.0.is_zero() || self.timeout.0.is_zero() {
+            return Err(invalid(
+                "export_interval",
+                "`traces.export_interval` and `traces.timeout` must be longer than 0".into(),
+            ));
+        }
+        for name in self.headers.keys() {
+            if reqwest::header::HeaderName::from_bytes(name.as_bytes()).is_err() {
+                return Err(invalid(
+                    &format!("headers.{name}"),
+                    "is not a valid HTTP header name".into(),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The same with header values and credentials in the URL redacted.
+    pub fn redacted(&self) -> TracesConfig {
+        TracesConfig {
+            endpoint: self.endpoint.as_deref().map(crate::config::redact_url),
+            headers: self
+                .headers
+                .keys()
+                .map(|k| (k.clone(), crate::config::REDACTED.to_owned()))
+                .collect(),
+            ..self.clone()
+        }
+    }
+}
+
+impl std::fmt::Debug for TracesConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let r = self.redacted();
+        f.debug_struct("TracesConfig")
+            .field("endpoint", &r.endpoint)
+            .field("sample_ratio", &r.sample_ratio)
+            .field("parent_based", &r.parent_based)
+            .field("service_name", &r.service_name)
+            .field("export_interval", &r.export_interval)
+            .field("timeout", &r.timeout)
+            .field("headers", &r.headers)
+            .finish()
+    }
+}
+
+#[derive(Debug, Error)]
+pub enum TracesError {
+    #[error("cannot set up the OTLP traces exporter for {endpoint}: {message}")]
+    Exporter { endpoint: String, message: String },
+}
+
+/// The spans of one process: nothing when not configured.
+#[derive(Default)]
+pub struct Traces {
+    inner: Option<Inner>,
+}
+
+struct Inner {
+    provider: SdkTracerProvider,
+    tracer: SdkTracer,
+}
+
+impl Traces {
+    /// No traces: every hook returns at once.
+    pub fn disabled() -> Traces {
+        Traces { inner: None }
+    }
+
+    /// The exporter `config` describes, or [`Traces::disabled`] without an
+    /// endpoint. Spans are sent in batches from a thread of the exporter's own.
+    pub fn from_config(config: &TracesConfig) -> Result<Traces, TracesError> {
+        let Some(endpoint) = config.endpoint.as_deref() else {
+            return Ok(Traces::disabled());
+        };
+        let exporter = opentelemetry_otlp::SpanExporter::builder()
+            .with_http()
+            .with_protocol(opentelemetry_otlp::Protocol::HttpBinary)
+            .with_endpoint(endpoint)
+            .with_timeout(config.timeout.0)
+            .with_headers(config.headers.clone().into_iter().collect())
+            .build()
+            .map_err(|e| TracesError::Exporter {
+                endpoint: crate::config::redact_url(endpoint),
+                message: e.to_string(),
+            })?;
+        let ratio = Sampler::TraceIdRatioBased(config.sample_ratio);
+        let sampler = if config.parent_based {
+            Sampler::ParentBased(Box::new(ratio))
+        } else {
+            ratio
+        };
+        let processor = BatchSpanProcessor::builder(exporter)
+            .with_batch_config(
+                BatchConfigBuilder::default()
+                    .with_scheduled_delay(config.export_interval.0)
+                    .build(),
+            )
+            .build();
+        let provider = SdkTracerProvider::builder()
+            .with_span_processor(processor)
+            .with_sampler(sampler)
+            .with_resource(
+                Resource::builder()
+                    .with_service_name(config.service_name.clone())
+                    .build(),
+            )
+            .build();
+        let tracer = provider.tracer_with_scope(
+            InstrumentationScope::builder("stepgate")
+                .with_version(env!("CARGO_PKG_VERSION"))
+                .build(),
+        );
+        tracing::info!(endpoint = %crate::config::redact_url(endpoint), ratio = config.sample_ratio, "exporting traces over OTLP/HTTP");
+        Ok(Traces {
+            inner: Some(Inner { provider, tracer }),
+        })
+    }
+
+    pub fn is_enabled(&self) -> bool {
+        self.inner.is_some()
+    }
+
+    /// Send the spans still buffered, and stop exporting (blocks up to the
+    /// export timeout: call it off the async runtime's threads).
+    pub fn shutdown(&self) {
+        if let Some(i) = &self.inner
+            && let Err(e) = i.provider.shutdown()
+        {
+            tracing::warn!(error = %e, "the last traces could not be exported");
+        }
+    }
+
+    /// The gate's decision about an intent of `step` (read from `topic`,
+    /// `partition`, `offset`): a span under the intent's `traceparent`, ended
+    /// when the returned value is dropped.
+    pub fn decision(
+        &self,
+        step: &StepKey,
+        call_id: Option<&str>,
+        traceparent: Option<&str>,
+        (topic, partition, offset): (&str, i32, i64),
+    ) -> Decision {
+        let Some(i) = &self.inner else {
+            return Decision(None);
+        };
+        let mut attributes = step_attributes(step);
+        attributes.extend([
+            KeyValue::new("gen_ai.tool.name", step.tool.clone()),
+            KeyValue::new("messaging.system", "kafka"),
+            KeyValue::new("messaging.operation.type", "process"),
+            KeyValue::new("messaging.destination.name", topic.to_owned()),
+            KeyValue::new("messaging.destination.partition.id", partition.to_string()),
+            KeyValue::new("messaging.kafka.offset", offset),
+        ]);
+        if let Some(id) = call_id {
+            attributes.push(KeyValue::new("gen_ai.tool.call.id", id.to_owned()));
+        }
+        let span = i
+            .tracer
+            .span_builder(format!("stepgate.step {}", step.tool))
+            .with_kind(SpanKind::Consumer)
+            .with_attributes(attributes)
+            .start_with_context(&i.tracer, &parent(traceparent));
+        Decision(Some(span))
+    }
+
+    /// The invocation of `call`'s tool: an `execute_tool` span under the
+    /// call's `traceparent` (the decision that started it), ended by
+    /// [`ToolSpan::finished`] or [`ToolSpan::not_invoked`].
+    pub fn execute_tool(&self, call: &Call) -> ToolSpan {
+        let Some(i) = &self.inner else {
+            return ToolSpan(None);
+        };
+        let mut attributes = step_attributes(&call.step);
+        attributes.extend([
+            KeyValue::new("gen_ai.operation.name", "execute_tool"),
+            KeyValue::new("gen_ai.tool.name", call.step.tool.clone()),
+            // Called by stepgate over HTTP (or MCP), not by the model's host.
+            KeyValue::new("gen_ai.tool.type", "extension"),
+            KeyValue::new("stepgate.dispatch", i64::from(call.dispatch)),
+            KeyValue::new("stepgate.fast_path", call.fast_ref.is_some()),
+        ]);
+        if let Some(id) = &call.call_id {
+            attributes.push(KeyValue::new("gen_ai.tool.call.id", id.clone()));
+        }
+        let span = i
+            .tracer
+            .span_builder(format!("execute_tool {}", call.step.tool))
+            .with_kind(SpanKind::Internal)
+            .with_attributes(attributes)
+            .start_with_context(&i.tracer, &parent(call.traceparent.as_deref()));
+        ToolSpan(Some(span))
+    }
+}
+
+/// The step key as attributes.
+fn step_attributes(step: &StepKey) -> Vec<KeyValue> {
+    vec![
+        KeyValue::new("stepgate.workflow_id", step.workflow_id.clone()),
+        KeyValue::new(
+            "stepgate.step_index",
+            i64::try_from(step.step_index).unwrap_or(i64::MAX),
+        ),
+        KeyValue::new(
+            "stepgate.attempt",
+            i64::try_from(step.attempt).unwrap_or(i64::MAX),
+        ),
+    ]
+}
+
+/// The context of a W3C `traceparent` (`00-<trace id>-<parent id>-<flags>`),
+/// or none (a root span) when absent or unreadable.
+fn parent(traceparent: Option<&str>) -> Context {
+    let remote = traceparent.and_then(|tp| {
+        let mut parts = tp.trim().split('-');
+        let (version, trace, span, flags) =
+            (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
+        if version.len() != 2 || version == "ff" || trace.len() != 32 || span.len() != 16 {
+            return None;
+        }
+        let flags = u8::from_str_radix(flags.get(..2)?, 16).ok()?;
+        let sc = SpanContext::new(
+            TraceId::from_hex(trace).ok()?,
+            SpanId::from_hex(span).ok()?,
+            TraceFlags::new(flags & 0x01),
+            true,
+            TraceState::default(),
+        );
+        sc.is_valid().then_some(sc)
+    });
+    match remote {
+        Some(sc) => Context::new().with_remote_span_context(sc),
+        None => Context::new(),
+    }
+}
+
+/// The W3C `traceparent` naming `span` as the parent.
+fn traceparent_of(span: &Span) -> Option<String> {
+    let sc = span.span_context();
+    sc.is_valid().then(|| {
+        format!(
+            "00-{}-{}-{:02x}",
+            sc.trace_id(),
+            sc.span_id(),
+            sc.trace_flags().to_u8()
+        )
+    })
+}
+
+/// The span of one decision; ended when dropped.
+pub struct Decision(Option<Span>);
+
+impl Decision {
+    /// What was decided: `new_step`, `awaiting_approval`, `rerun`, `fast_path`.
+    pub fn decided(&mut self, decision: &'static str) {
+        if let Some(s) = &mut self.0 {
+            s.set_attribute(KeyValue::new("stepgate.decision", decision));
+        }
+    }
+
+    /// A repeat of a known step, answered from its record (`in_flight`:
+    /// waits for its outcome); `first_call_id` is the call that ran it.
+    pub fn repeat(&mut self, in_flight: bool, rephrased: bool, first_call_id: Option<&str>) {
+        let Some(s) = &mut self.0 else {
+            return;
+        };
+        s.set_attribute(KeyValue::new("stepgate.decision", "repeat"));
+        let mut attributes = vec![
+            KeyValue::new(
+                "stepgate.step.state",
+                if in_flight { "in_flight" } else { "completed" },
+            ),
+            KeyValue::new("stepgate.rephrased", rephrased),
+            KeyValue::new("stepgate.deduplicated", true),
+        ];
+        if let Some(id) = first_call_id {
+            attributes.push(KeyValue::new("stepgate.first_call_id", id.to_owned()));
+        }
+        s.add_event("stepgate.repeat", attributes);
+    }
+
+    /// Refused (`reason`, as the answer's `error.kind`): nothing run.
+    pub fn rejected(&mut self, reason: &str, message: &str) {
+        if let Some(s) = &mut self.0 {
+            s.set_attribute(KeyValue::new("stepgate.decision", "rejected"));
+            s.set_attribute(KeyValue::new("error.type", reason.to_owned()));
+            s.set_status(Status::error(message.to_owned()));
+        }
+    }
+
+    /// The `traceparent` of the calls this decision starts: this span.
+    pub fn traceparent(&self) -> Option<String> {
+        self.0.as_ref().and_then(traceparent_of)
+    }
+}
+
+/// The span of one tool invocation.
+pub struct ToolSpan(Option<Span>);
+
+impl ToolSpan {
+    /// No span (a call never invoked, or traces not configured).
+    pub fn none() -> ToolSpan {
+        ToolSpan(None)
+    }
+
+    /// The `traceparent` the tool is sent: this span.
+    pub fn traceparent(&self) -> Option<String> {
+        self.0.as_ref().and_then(traceparent_of)
+    }
+
+    /// The invocation's outcome; ends the span.
+    pub fn finished(self, outcome: &Outcome) {
+        let Some(mut s) = self.0 else {
+            return;
+        };
+        s.set_attribute(KeyValue::new("stepgate.outcome", outcome.label()));
+        match outcome {
+            Outcome::Ok { .. } => {}
+            Outcome::Error { error } | Outcome::InDoubt { error } => {
+                s.set_attribute(KeyValue::new("error.type", error.kind.clone()));
+                s.set_status(Status::error(error.message.clone()));
+            }
+        }
+        s.end();
+    }
+
+    /// Never invoked (`why`: `partition_moved`, `stopping`); ends the span.
+    pub fn not_invoked(self, why: &'static str) {
+        let Some(mut s) = self.0 else {
+            return;
+        };
+        s.set_attribute(KeyValue::new("stepgate.outcome", "not_invoked"));
+        s.add_event("stepgate.not_invoked", vec![KeyValue::new("why", why)]);
+        s.end();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_traceparent_is_the_parent_and_a_bad_one_makes_a_root() {
+        let tp = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+        let cx = parent(Some(tp));
+        let sc = cx.span().span_context().clone();
+        assert!(sc.is_remote() && sc.is_sampled());
+        assert_eq!(
+            sc.trace_id().to_string(),
+            "0af7651916cd43dd8448eb211c80319c"
+        );
+        assert_eq!(sc.span_id().to_string(), "b7ad6b7169203331");
+        for bad in [
+            "",
+            "00-00000000000000000000000000000000-b7ad6b7169203331-01",
+            "00-0af7651916cd43dd8448eb211c80319c-0000000000000000-01",
+            "ff-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            "00-0af7651916cd43dd-b7ad6b7169203331-01",
+            "00-xyz",
+        ] {
+            assert!(!parent(Some(bad)).span().span_context().is_valid(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn not_configured_nothing_is_built() {
+        let t = Traces::from_config(&TracesConfig::default()).unwrap();
+        assert!(!t.is_enabled());
+        let step = StepKey {
+            workflow_id: "w".into(),
+            step_index: 0,
+            tool: "t".into(),
+            attempt: 0,
+        };
+        let d = t.decision(&step, None, None, ("intents", 0, 0));
+        assert_eq!(d.traceparent(), None);
+    }
+
+    #[test]
+    fn the_config_is_checked_and_its_headers_never_shown() {
+        let mut c = TracesConfig {
+            endpoint: Some("http://u:pw@127.0.0.1:4318/v1/traces".into()),
+            ..TracesConfig::default()
+        };
+        c.headers
+            .insert("authorization".into(), "Basic c2VjcmV0".into());
+        c.validate().unwrap();
+        let shown = format!("{c:?}");
+        assert!(
+            !shown.contains("c2VjcmV0") && !shown.contains("pw"),
+            "{shown}"
+        );
+        for bad in [
+            TracesConfig {
+                endpoint: Some("127.0.0.1:4318".into()),
+                ..TracesConfig::default()
+            },
+            TracesConfig {
+                sample_ratio: 1.5,
+                ..TracesConfig::default()
+            },
+        ] {
+            assert!(bad.validate().is_err(), "{bad:?}");
+        }
+    }
+}
