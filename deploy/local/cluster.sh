@@ -6,6 +6,7 @@
 #
 #   deploy/local/cluster.sh start | stop [--wipe] | status | logs N [-f]
 #   deploy/local/cluster.sh kill N | pause N | resume N | restart N
+#   deploy/local/cluster.sh leader TOPIC PARTITION | coordinator TXN_ID | controller | wait-isr [SECONDS]
 #
 #   kill N     kill -9 node N (broker and controller at once)
 #   pause N    SIGSTOP node N (it keeps its sockets, answers nothing)
@@ -13,6 +14,18 @@
 #   restart N  stop node N (SIGTERM, kill -9 after 30 s; a paused node is
 #              resumed first) or take it as it is when down, start it again,
 #              and wait until it is registered with the others
+#
+# What a fault test aims at (each prints a node id):
+#   leader TOPIC PARTITION    the partition's leader
+#   coordinator TXN_ID        the transaction coordinator of a transactional
+#                             id (the leader of its __transaction_state partition)
+#   controller                the active controller (from the quorum state
+#                             the running nodes keep on disk: right after the
+#                             active one dies it is still named, until the
+#                             others have elected another, within seconds)
+#   wait-isr [SECONDS]        wait (default 120 s) until all three nodes are
+#                             registered and every partition's ISR is all of
+#                             its replicas: the cluster is whole again
 #
 # Ports of node N (1..3): CLUSTER_BASE_PORT + 10*(N-1), plus 0 for PLAINTEXT,
 # 1 for the controller and 2 for SASL_SSL (SCRAM-SHA-512 over TLS, the same
@@ -53,6 +66,7 @@ SASL_ENV="$CLUSTER_DATA_DIR/sasl_ssl.env"
 
 usage() {
     echo "usage: $0 start | stop [--wipe] | status | logs N [-f] | kill N | pause N | resume N | restart N" >&2
+    echo "       $0 leader TOPIC PARTITION | coordinator TXN_ID | controller | wait-isr [SECONDS]" >&2
     exit 2
 }
 
@@ -332,6 +346,82 @@ cmd_restart() {
     log "node $1 registered again in $((SECONDS - t0))s (pid $(node_pid "$1"))"
 }
 
+# kcat's view of the cluster's metadata (every topic), from the live nodes.
+metadata() {
+    command -v kcat >/dev/null || die "kcat not found (deploy/local/deps.sh with STEPGATE_NEED_KAFKA=1 installs it)"
+    kcat -b "$(joined port_of)" -L -m 5 2>/dev/null
+}
+
+cmd_leader() {
+    [[ -n "${1:-}" && "${2:-}" =~ ^[0-9]+$ ]] || usage
+    local id
+    id="$(metadata | awk -v t="  topic \"$1\" " -v p="$2" '
+        index($0, t) == 1 { inside = 1; next }
+        /^  topic / { inside = 0 }
+        inside && $1 == "partition" && $2 == p "," { sub(",", "", $4); print $4; exit }')"
+    [[ -n "$id" && "$id" != -1 ]] || die "no leader known for $1 partition $2"
+    echo "$id"
+}
+
+# The __transaction_state partition of a transactional id, as Kafka computes
+# it: Utils.abs(id.hashCode()) % transaction.state.log.num.partitions (4
+# here), where Utils.abs is Math.abs but 0 for Integer.MIN_VALUE. ASCII ids.
+txn_partition() {
+    local id="$1" h=0 i c
+    for ((i = 0; i < ${#id}; i++)); do
+        printf -v c '%d' "'${id:i:1}"
+        h=$(((h * 31 + c) & 0xffffffff))
+    done
+    ((h < 0x80000000)) || h=$((0x100000000 - h)) # |h| of the signed int; MIN_VALUE → 2^31
+    ((h != 0x80000000)) || h=0
+    echo $((h % 4))
+}
+
+cmd_coordinator() {
+    [[ -n "${1:-}" ]] || usage
+    cmd_leader __transaction_state "$(txn_partition "$1")"
+}
+
+cmd_controller() {
+    local n pid best=-1 epoch id file line
+    for n in "${NODES[@]}"; do
+        pid="$(node_pid "$n")" || continue
+        is_paused "$pid" && continue
+        file="$(node_dir "$n")/logs/__cluster_metadata-0/quorum-state"
+        [[ -f "$file" ]] || continue
+        line="$(<"$file")"
+        [[ "$line" =~ \"leaderId\":(-?[0-9]+),\"leaderEpoch\":([0-9]+) ]] || continue
+        epoch="${BASH_REMATCH[2]}"
+        if ((epoch > best)); then
+            best="$epoch"
+            id="${BASH_REMATCH[1]}"
+        fi
+    done
+    [[ -n "${id:-}" && "$id" != -1 ]] || die "no running node knows an active controller"
+    echo "$id"
+}
+
+cmd_wait_isr() {
+    local limit="${1:-120}" deadline out ids
+    [[ "$limit" =~ ^[0-9]+$ ]] || usage
+    deadline=$((SECONDS + limit))
+    while ((SECONDS < deadline)); do
+        out="$(metadata)" || true
+        ids="$(sed -n 's/^  broker \([0-9]*\) at .*/\1/p' <<<"$out" | sort -n | tr '\n' ' ')"
+        if [[ "$ids" == "1 2 3 " ]] &&
+            ! awk '$1 == "partition" {
+                    r = $0; sub(/.*replicas: /, "", r); sub(/,? isrs:.*/, "", r)
+                    i = $0; sub(/.*isrs: /, "", i)
+                    if (split(r, a, ",") != split(i, b, ",")) bad = 1
+                } END { exit !bad }' <<<"$out"; then
+            log "all three nodes registered, every ISR whole"
+            return 0
+        fi
+        sleep 0.5
+    done
+    die "the cluster is not whole after ${limit}s (brokers: ${ids:-none}); see '$0 status'"
+}
+
 cmd_logs() {
     check_node "${1:-}"
     local out
@@ -353,5 +443,9 @@ kill) cmd_kill "${2:-}" ;;
 pause) cmd_pause "${2:-}" ;;
 resume) cmd_resume "${2:-}" ;;
 restart) cmd_restart "${2:-}" ;;
+leader) cmd_leader "${2:-}" "${3:-}" ;;
+coordinator) cmd_coordinator "${2:-}" ;;
+controller) cmd_controller ;;
+wait-isr) cmd_wait_isr "${2:-}" ;;
 *) usage ;;
 esac
