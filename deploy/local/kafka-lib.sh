@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Shared by deploy/local/kafka.sh (one node) and deploy/local/cluster.sh (three
 # nodes): Kafka's jars from Maven Central, the log4j config, process checks,
 # storage formatting, and the throwaway TLS material and SCRAM user of the
