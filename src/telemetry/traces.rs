@@ -488,6 +488,84 @@ mod tests {
         assert_eq!(d.traceparent(), None);
     }
 
+    /// `sample_ratio` decides for intents without a traceparent; with
+    /// `parent_based`, an agent's sampled flag decides for its own: kept
+    /// (recorded, flags 01) or not (flags 00, nothing exported), and the
+    /// tool call follows its decision.
+    #[test]
+    fn sampling_follows_the_ratio_and_the_agents_flag() {
+        let step = StepKey {
+            workflow_id: "w".into(),
+            step_index: 0,
+            tool: "t".into(),
+            attempt: 0,
+        };
+        let call = |tp: Option<String>| Call {
+            step: step.clone(),
+            arguments: serde_json::from_str("{}").unwrap(),
+            dispatch: 1,
+            fast_ref: None,
+            traceparent: tp,
+            call_id: None,
+        };
+        let at = ("intents", 0, 0);
+        let sampled = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+        let unsampled = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00";
+        let traces = |ratio: f64, parent_based: bool| {
+            // Nothing listens there: the spans kept are sent once, when
+            // each provider is dropped, and refused (loopback, 100 ms).
+            Traces::from_config(&TracesConfig {
+                endpoint: Some("http://127.0.0.1:9/v1/traces".into()),
+                sample_ratio: ratio,
+                parent_based,
+                timeout: crate::duration::dur("100ms"),
+                ..TracesConfig::default()
+            })
+            .unwrap()
+        };
+        let flags = |tp: Option<String>| {
+            tp.expect("a traceparent")
+                .split('-')
+                .nth(3)
+                .unwrap()
+                .to_owned()
+        };
+        let none = traces(0.0, true);
+        let d = none.decision(&step, None, None, at);
+        assert_eq!(flags(d.traceparent()), "00", "a root at ratio 0 is dropped");
+        let d = none.decision(&step, None, Some(sampled), at);
+        let tp = d.traceparent();
+        assert_eq!(
+            flags(tp.clone()),
+            "01",
+            "the agent's sampled flag is followed"
+        );
+        assert!(
+            tp.as_deref()
+                .unwrap()
+                .starts_with("00-0af7651916cd43dd8448eb211c80319c-")
+        );
+        assert_ne!(tp.as_deref(), Some(sampled), "the decision is a new span");
+        let tool = none.execute_tool(&call(tp));
+        assert_eq!(
+            flags(tool.traceparent()),
+            "01",
+            "the call follows its decision"
+        );
+        let all = traces(1.0, true);
+        let d = all.decision(&step, None, Some(unsampled), at);
+        assert_eq!(
+            flags(d.traceparent()),
+            "00",
+            "the agent's not-sampled flag too"
+        );
+        let d = all.decision(&step, None, None, at);
+        assert_eq!(flags(d.traceparent()), "01");
+        // Not parent-based: the ratio decides for every trace.
+        let d = traces(0.0, false).decision(&step, None, Some(sampled), at);
+        assert_eq!(flags(d.traceparent()), "00");
+    }
+
     #[test]
     fn the_config_is_checked_and_its_headers_never_shown() {
         let mut c = TracesConfig {
