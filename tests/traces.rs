@@ -367,3 +367,116 @@ async fn each_step_is_traced_under_the_agents_traceparent_with_genai_attributes(
         "{quiet_sent}"
     );
 }
+
+/// A call held for approval: its decision (`awaiting_approval`) under the
+/// agent's span, then the operator's `approve` under the same span, naming
+/// who, and the tool call under the approval.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_approved_call_runs_under_the_operators_decision_in_the_agents_trace() {
+    let receiver = Receiver::default();
+    let url = receiver.start().await;
+    let mut s = Stack::new(StackOptions {
+        tool_tables: r#"
+[tools.wire_approved]
+category = "unkeyed"
+policy = "approval"
+url = "{tools}/wire_approved"
+timeout = "2s"
+"#
+        .to_owned(),
+        ..StackOptions::default()
+    })
+    .await;
+    s.spawn(
+        &[],
+        &[
+            ("STEPGATE_TRACES_ENDPOINT", &url),
+            ("STEPGATE_TRACES_EXPORT_INTERVAL", "200ms"),
+        ],
+    );
+    s.wait_ready().await;
+    let agent = s.agent();
+    let (trace, a1) = (random_id(16), random_id(8));
+    let held = intent("pay-t", 0, "wire_approved", json!({"amount": 5}), "w1");
+    agent
+        .send_raw(
+            "pay-t",
+            held.to_string().as_bytes(),
+            None,
+            &[("traceparent", &format!("00-{trace}-{a1}-01"))],
+        )
+        .await;
+    eventually(
+        WAIT,
+        "the held call's decision at the OTLP endpoint",
+        || {
+            receiver
+                .spans()
+                .iter()
+                .any(|r| r.span.name == "stepgate.step wire_approved")
+        },
+    )
+    .await;
+    let ok = s
+        .cli(&[
+            "approvals",
+            "approve",
+            "pay-t",
+            "0",
+            "wire_approved",
+            "--by",
+            "alice",
+        ])
+        .await;
+    assert!(
+        ok.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
+    assert_eq!(agent.answer("w1", WAIT).await.status, Status::Ok);
+    eventually(WAIT, "the approved call's span", || {
+        receiver
+            .spans()
+            .iter()
+            .any(|r| r.span.name == "execute_tool wire_approved")
+    })
+    .await;
+    let all = receiver.spans();
+    let spans: Vec<&Span> = all
+        .iter()
+        .map(|r| &r.span)
+        .filter(|s| hex(&s.trace_id) == trace)
+        .collect();
+    let held = spans
+        .iter()
+        .find(|s| s.name == "stepgate.step wire_approved")
+        .expect("the held call's decision");
+    assert!(is_root_of(held, &trace, &a1));
+    assert_eq!(
+        string_attr(&held.attributes, "stepgate.decision").as_deref(),
+        Some("awaiting_approval")
+    );
+    let approved = spans
+        .iter()
+        .find(|s| s.name == "stepgate.command approve")
+        .expect("the approval's span, in the agent's trace");
+    assert!(is_root_of(approved, &trace, &a1), "{approved:#?}");
+    assert_eq!(
+        string_attr(&approved.attributes, "stepgate.operator.by").as_deref(),
+        Some("alice")
+    );
+    let called = spans
+        .iter()
+        .find(|s| s.name == "execute_tool wire_approved")
+        .expect("the call's span");
+    assert_eq!(
+        hex(&called.parent_span_id),
+        hex(&approved.span_id),
+        "the call runs under the approval: {spans:#?}"
+    );
+    assert_eq!(
+        string_attr(&called.attributes, "gen_ai.tool.call.id").as_deref(),
+        Some("w1")
+    );
+    assert_eq!(s.tools.count("wire_approved"), 1);
+}

@@ -762,6 +762,14 @@ impl GateCore {
             self.bad_command(input, &command, &problem, now_ms);
             return Ok(());
         }
+        // The operator's decision as a span of the step's trace (the agent's
+        // span recorded with it); an approved call runs under it.
+        let traced = self.metrics.traces().command(
+            &record.step,
+            action,
+            &command.by,
+            record.traceparent.as_deref(),
+        );
         let decided = |kind| ApprovalEvent {
             step: command.step.clone(),
             event: kind,
@@ -801,7 +809,7 @@ impl GateCore {
                 });
                 self.metrics
                     .step_forwarded(&record.step, record.category.as_str());
-                self.start(p, &mut record, now_ms, None);
+                self.start(p, &mut record, now_ms, traced.traceparent());
                 batch.put_step(store, p, &record)?;
             }
             Action::Deny => {

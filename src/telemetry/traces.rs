@@ -276,6 +276,34 @@ impl Traces {
         Decision(Some(span))
     }
 
+    /// An operator's command about `step` (`action`: `approve`, `deny`,
+    /// `resolve_executed`, `resolve_not_executed`, applied): a span under the
+    /// agent's span recorded with the step; an approved call runs under it.
+    pub fn command(
+        &self,
+        step: &StepKey,
+        action: &'static str,
+        by: &str,
+        traceparent: Option<&str>,
+    ) -> Decision {
+        let Some(i) = &self.inner else {
+            return Decision(None);
+        };
+        let mut attributes = step_attributes(step);
+        attributes.extend([
+            KeyValue::new("gen_ai.tool.name", step.tool.clone()),
+            KeyValue::new("stepgate.decision", action),
+            KeyValue::new("stepgate.operator.by", by.to_owned()),
+        ]);
+        let span = i
+            .tracer
+            .span_builder(format!("stepgate.command {action}"))
+            .with_kind(SpanKind::Consumer)
+            .with_attributes(attributes)
+            .start_with_context(&i.tracer, &parent(traceparent));
+        Decision(Some(span))
+    }
+
     /// The invocation of `call`'s tool: an `execute_tool` span under the
     /// call's `traceparent` (the decision that started it), ended by
     /// [`ToolSpan::finished`] or [`ToolSpan::not_invoked`].
