@@ -10,9 +10,12 @@
 //!   is an `execute_tool {tool}` span after the OpenTelemetry GenAI semantic
 //!   conventions (`gen_ai.operation.name`, `gen_ai.tool.name`,
 //!   `gen_ai.tool.call.id`, `gen_ai.tool.type`, `error.type`), a child of the
-//!   decision that started it (of the agent's span for a dispatch started by a
-//!   deadline or an operator); the tool is sent its `traceparent`, so the
-//!   tool's own spans nest under it.
+//!   decision that started it (an approved call's: of the operator's
+//!   `stepgate.command approve`; a re-run after a deadline: of the agent's
+//!   span); the tool is sent its `traceparent`, so the tool's own spans nest
+//!   under it.
+//! - An operator's command applied to a step is a `stepgate.command {action}`
+//!   span under the agent's span recorded with the step.
 //!
 //! Not configured, nothing is built: every hook checks one `Option` and
 //! returns, and the `traceparent` passed through to tools is the agent's.
