@@ -3,6 +3,8 @@
 //! process (so it can be killed -9), and an agent that reads answers by call id.
 #![allow(dead_code)]
 
+pub mod load;
+
 use axum::Router;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
