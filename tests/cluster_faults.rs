@@ -323,7 +323,13 @@ impl Run {
         )
         .await;
         let recovery = back_at.elapsed();
-        self.watch();
+        // The count above can be reached while a call from before the fault
+        // is still unanswered: watch until those are answered too.
+        let limit = Instant::now() + WAIT;
+        while self.cleared_at.is_none() && Instant::now() < limit {
+            self.watch();
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
         assert!(
             caught_up,
             "{scenario}: stepgate answers everything sent until the cluster was whole again\nlog (tail):\n{}",
