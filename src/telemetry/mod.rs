@@ -6,7 +6,7 @@ mod server;
 mod traces;
 
 pub use server::{Health, serve};
-pub use traces::{Decision, ToolSpan, Traces, TracesConfig, TracesError};
+pub use traces::{Decision, ToolSpan, Traces, TracesError};
 
 use prometheus::{
     Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts,
