@@ -9,18 +9,8 @@ mod common;
 use common::*;
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::Duration;
-
-/// A child process killed when the test ends, however it ends.
-struct Killed(Child);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 async fn wait_listening(port: u16, what: &str) {
     eventually(Duration::from_secs(60), what, || {
@@ -929,17 +919,7 @@ async fn mcp_inspector_cli_lists_and_calls_a_tool() {
     s.start().await;
     let work = tempfile::tempdir().unwrap();
     let port = free_port();
-    let _front = Killed(
-        Command::new(stepgate_bin())
-            .args(["mcp", "--config"])
-            .arg(&s.config_path)
-            .arg("--listen")
-            .arg(format!("127.0.0.1:{port}"))
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(work.path().join("mcp-front.log")).unwrap())
-            .spawn()
-            .expect("stepgate binary starts"),
-    );
+    let _front = start_mcp_front(&s, port, &work.path().join("mcp-front.log"));
     wait_listening(port, "stepgate mcp listens").await;
     let url = format!("http://127.0.0.1:{port}/mcp");
     let inspector = |args: &[&str]| -> Value {

@@ -11,21 +11,10 @@ mod common;
 use common::*;
 use futures::StreamExt as _;
 use serde_json::{Value, json};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 const PROTOCOL: &str = "2025-11-25";
 const TOOL: &str = "send_email";
-
-/// A child process killed when the test ends, however it ends.
-struct Killed(Child);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 /// An HTTP answer: status, `Retry-After`, `Mcp-Session-Id`, body.
 #[derive(Debug)]
@@ -169,22 +158,6 @@ impl Raw {
     }
 }
 
-/// `stepgate mcp --listen 127.0.0.1:<port>` on the stack's config, logging
-/// to `log`.
-fn start_front(s: &Stack, port: u16, log: &std::path::Path) -> Killed {
-    Killed(
-        Command::new(stepgate_bin())
-            .args(["mcp", "--config"])
-            .arg(&s.config_path)
-            .arg("--listen")
-            .arg(format!("127.0.0.1:{port}"))
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(log).unwrap())
-            .spawn()
-            .expect("stepgate binary starts"),
-    )
-}
-
 async fn wait_listening(port: u16, log: &std::path::Path) {
     eventually(Duration::from_secs(60), "stepgate mcp listens", || {
         std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
@@ -274,7 +247,7 @@ async fn an_mcp_session_outlives_10500_others_and_each_of_its_calls_runs_once() 
     s.start().await;
     let port = free_port();
     let log = work.path().join("mcp-front.log");
-    let _front = start_front(&s, port, &log);
+    let _front = start_mcp_front(&s, port, &log);
     wait_listening(port, &log).await;
     let logs = || {
         let front = std::fs::read_to_string(&log).unwrap_or_default();
@@ -403,7 +376,7 @@ async fn an_unknown_or_evicted_mcp_session_is_refused_never_answered_from_an_old
     s.start().await;
     let port = free_port();
     let log = work.path().join("mcp-front-1.log");
-    let mut front = start_front(&s, port, &log);
+    let mut front = start_mcp_front(&s, port, &log);
     wait_listening(port, &log).await;
     let logs = || {
         format!(
@@ -483,7 +456,7 @@ async fn an_unknown_or_evicted_mcp_session_is_refused_never_answered_from_an_old
     let before_restart = invoked(&s);
     drop(front);
     let log2 = work.path().join("mcp-front-2.log");
-    front = start_front(&s, port, &log2);
+    front = start_mcp_front(&s, port, &log2);
     wait_listening(port, &log2).await;
     // A new client: the old one's connections were to the stopped process.
     let raw = Raw::new(port);

@@ -8,19 +8,9 @@ mod common;
 
 use common::*;
 use serde_json::{Value, json};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::Duration;
 use stepgate::contract::Status;
-
-/// A child process killed when the test ends, however it ends.
-struct Killed(Child);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 const HELD: u64 = 19;
 

@@ -775,54 +775,27 @@ mod tests {
     #[test]
     fn a_task_is_its_owners_and_room_is_made_only_from_finished_ones() {
         let tasks = Tasks::new(2, Duration::from_secs(3600), Duration::from_secs(60));
-        let a = tasks
-            .insert(
+        let insert = |step: Option<&str>| {
+            let ttl = tasks.ttl_for(None);
+            tasks.insert(
                 "alice",
-                Some("wf/0".into()),
+                step.map(str::to_owned),
                 "t",
-                tasks.ttl_for(None),
+                ttl,
                 CancellationToken::new(),
             )
-            .ok()
-            .unwrap();
+        };
+        let a = insert(Some("wf/0")).ok().unwrap();
         assert!(tasks.get("bob", &a.id).is_none());
         assert!(tasks.get("alice", &a.id).is_some());
         assert_eq!(tasks.of_step("alice", "wf/0").unwrap().id, a.id);
         assert!(tasks.of_step("bob", "wf/0").is_none());
-        let b = tasks
-            .insert(
-                "alice",
-                None,
-                "t",
-                tasks.ttl_for(None),
-                CancellationToken::new(),
-            )
-            .ok()
-            .unwrap();
+        let b = insert(None).ok().unwrap();
         // Both working: no room is made by dropping one.
-        assert!(
-            tasks
-                .insert(
-                    "alice",
-                    None,
-                    "t",
-                    tasks.ttl_for(None),
-                    CancellationToken::new()
-                )
-                .is_err()
-        );
+        assert!(insert(None).is_err());
         assert!(a.set(State::Completed(json!({"content": []}))));
         assert!(!a.set(State::Cancelled), "a finished task stays finished");
-        let c = tasks
-            .insert(
-                "alice",
-                None,
-                "t",
-                tasks.ttl_for(None),
-                CancellationToken::new(),
-            )
-            .ok()
-            .unwrap();
+        let c = insert(None).ok().unwrap();
         assert!(
             tasks.get("alice", &a.id).is_none(),
             "the finished one made room"

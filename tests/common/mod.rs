@@ -1000,3 +1000,31 @@ impl Secured {
         .collect()
     }
 }
+
+// ---------------------------------------------------------------- processes
+
+/// A child process killed when the test ends, however it ends.
+pub struct Killed(pub std::process::Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// `stepgate mcp --listen 127.0.0.1:<port>` on the stack's config, logging
+/// to `log`.
+pub fn start_mcp_front(s: &Stack, port: u16, log: &std::path::Path) -> Killed {
+    Killed(
+        std::process::Command::new(stepgate_bin())
+            .args(["mcp", "--config"])
+            .arg(&s.config_path)
+            .arg("--listen")
+            .arg(format!("127.0.0.1:{port}"))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(log).unwrap())
+            .spawn()
+            .expect("stepgate binary starts"),
+    )
+}
