@@ -135,7 +135,8 @@ pub async fn run(
     shutdown: CancellationToken,
 ) -> Result<(), DemoError> {
     println!(
-        "stepgate demo — in-process Kafka (librdkafka mock cluster), gate, executor, demo tools\n"
+        "stepgate demo — in-process Kafka (librdkafka mock cluster), the gate (which calls the \
+         tools itself), demo tools and a scripted agent\n"
     );
     let mock = MockCluster::new(1)?;
     let brokers = mock.bootstrap_servers();
@@ -352,7 +353,10 @@ url = "http://{tools_addr}/search_orders"
     running.wait().await?;
     let _ = std::fs::remove_dir_all(&state_dir);
     drop(agent);
-    drop(mock);
+    // Kept until the process exits: librdkafka's clients wind down on threads
+    // of their own after they are dropped, and each would log a refused
+    // connection in red if the cluster went first.
+    std::mem::forget(mock);
     Ok(())
 }
 

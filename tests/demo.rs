@@ -11,11 +11,16 @@ fn the_demo_tells_the_tour_the_readme_promises() {
         .output()
         .expect("stepgate demo runs");
     let text = String::from_utf8_lossy(&out.stdout);
+    let errors = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{text}\n{errors}");
+    // A normal run ends clean: no error lines (librdkafka's clients once
+    // logged refused connections as the mock cluster shut down before them).
     assert!(
-        out.status.success(),
-        "{text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
+        !errors.contains("ERROR") && !text.contains("ERROR"),
+        "{errors}"
     );
+    assert!(text.starts_with("stepgate demo"), "{text}");
+    assert!(!text.lines().next().unwrap_or_default().contains("executor"));
     let line = |needle: &str| {
         text.lines()
             .find(|l| l.contains(needle))

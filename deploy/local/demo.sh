@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The zero-setup demo: installs what is missing, builds, and runs `stepgate demo`
-# (an in-process Kafka, the gate, an executor, demo tools and a scripted agent).
+# (an in-process Kafka, the gate, which calls the tools itself, demo tools and a
+# scripted agent).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 bash deploy/local/deps.sh
