@@ -165,17 +165,31 @@ async fn refused_start(s: &mut Stack, password: &str) -> (String, Duration) {
 
 /// The Rust client's connect with `password`: its error, bounded.
 async fn refused_connect(s: &Stack, password: &str) -> ClientError {
-    let t0 = Instant::now();
-    let e = Client::new(client_options(s, password))
-        .await
-        .err()
-        .expect("the connect is refused");
-    assert!(
-        t0.elapsed() < REFUSED_WITHIN,
-        "refused in {:?}",
-        t0.elapsed()
-    );
-    e
+    // Seen once in a full CI run: the client's 15 s went by with no word
+    // from librdkafka at all (no refused handshake, no error), and it said
+    // `Unreachable`, which is what it should say of a broker that does not
+    // answer. That is not what these tests ask about, so such an attempt is
+    // made again (at most twice more) and said; the cause of that silence
+    // (the shared broker's TLS listener slow under the suite's load is the
+    // likeliest) is not established.
+    for attempt in 1..=3 {
+        let t0 = Instant::now();
+        let e = Client::new(client_options(s, password))
+            .await
+            .err()
+            .expect("the connect is refused");
+        if attempt < 3 && matches!(e, ClientError::Connect(ConnectError::Unreachable { .. })) {
+            eprintln!("attempt {attempt}: {e} — trying again");
+            continue;
+        }
+        assert!(
+            t0.elapsed() < REFUSED_WITHIN,
+            "refused in {:?}",
+            t0.elapsed()
+        );
+        return e;
+    }
+    unreachable!("the last attempt returns")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
