@@ -30,7 +30,8 @@
 # Ports of node N (1..3): CLUSTER_BASE_PORT + 10*(N-1), plus 0 for PLAINTEXT,
 # 1 for the controller and 2 for SASL_SSL (SCRAM-SHA-512 over TLS, the same
 # throwaway CA, certificate and user as deploy/local/kafka.sh's listener):
-# 39092/39093/39094, 39102/39103/39104, 39112/39113/39114 by default, clear of
+# 18092/18093/18094, 18102/18103/18104, 18112/18113/18114 by default (below
+# Linux's range for outgoing ports, 32768-60999), clear of
 # kafka.sh's 9092-9094. Brokers and controllers talk to each other in
 # plaintext. `start` prints CLUSTER_BROKERS=<the three plaintext addresses>
 # and KAFKA_SASL_SSL_ENV=<file naming the secured listeners, user, password
@@ -41,7 +42,7 @@
 # or Python's confluent-kafka; never after a fixed wait.
 #
 # Knobs (env):
-#   CLUSTER_BASE_PORT      first node's PLAINTEXT port         (default 39092)
+#   CLUSTER_BASE_PORT      first node's PLAINTEXT port         (default 18092)
 #   CLUSTER_DATA_DIR       config, data, TLS, log and pid dirs
 #                          (default $STEPGATE_CACHE/kafka-cluster-$CLUSTER_BASE_PORT)
 #   CLUSTER_START_TIMEOUT  seconds to wait for readiness        (default 120)
@@ -53,7 +54,7 @@ LOG_NAME=cluster.sh
 # shellcheck source=deploy/local/kafka-lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/kafka-lib.sh"
 
-CLUSTER_BASE_PORT="${CLUSTER_BASE_PORT:-39092}"
+CLUSTER_BASE_PORT="${CLUSTER_BASE_PORT:-18092}"
 CLUSTER_DATA_DIR="${CLUSTER_DATA_DIR:-$STEPGATE_CACHE/kafka-cluster-$CLUSTER_BASE_PORT}"
 CLUSTER_START_TIMEOUT="${CLUSTER_START_TIMEOUT:-120}"
 KAFKA_HEAP="${KAFKA_HEAP:-384m}"
