@@ -276,16 +276,21 @@ pub async fn guard(State(g): State<Arc<Guard>>, request: Request, next: Next) ->
                 );
             }
         };
-        if let Some(tool) = forbidden_tool(&bytes, &g.tools, &principal) {
+        // Read once, for every check below (rmcp reads the bytes again).
+        let message = serde_json::from_slice::<Value>(&bytes).ok();
+        if let Some(tool) = message
+            .as_ref()
+            .and_then(|m| forbidden_tool(m, &g.tools, &principal))
+        {
             return insufficient_scope(&g, &tool);
         }
-        if let Ok(message) = serde_json::from_slice::<Value>(&bytes) {
+        if let Some(message) = &message {
             let revision = parts
                 .headers
                 .get("mcp-protocol-version")
                 .and_then(|v| v.to_str().ok());
-            if tasks::is_ours(&message, revision) {
-                return tasks::answer(&g.front, &principal, session.as_deref(), &message).await;
+            if tasks::is_ours(message, revision) {
+                return tasks::answer(&g.front, &principal, session.as_deref(), message).await;
             }
             // `execution.taskSupport` is 2025-11-25's vocabulary only.
             amended = match message.get("method").and_then(Value::as_str) {
@@ -294,7 +299,7 @@ pub async fn guard(State(g): State<Arc<Guard>>, request: Request, next: Next) ->
                 _ => None,
             };
         }
-        if session.is_none() && opens_session(&bytes) {
+        if session.is_none() && message.as_ref().is_some_and(opens_session) {
             match place_for_a_session(&g).await {
                 Ok(place) => reservation = Some(place),
                 Err(refusal) => return refusal,
@@ -340,12 +345,9 @@ pub async fn guard(State(g): State<Arc<Guard>>, request: Request, next: Next) ->
 }
 
 /// Whether a request body opens a session (an `initialize`, or a batch with one).
-fn opens_session(body: &Bytes) -> bool {
-    let Ok(value) = serde_json::from_slice::<Value>(body) else {
-        return false;
-    };
+fn opens_session(value: &Value) -> bool {
     let is_initialize = |m: &Value| m.get("method").and_then(Value::as_str) == Some("initialize");
-    match &value {
+    match value {
         Value::Array(a) => a.iter().any(is_initialize),
         v => is_initialize(v),
     }
@@ -485,9 +487,12 @@ async fn read_capped(body: Body, max: usize, length: Option<u64>) -> ReadBody {
 
 /// A `tools/call` (or one in a batch) of a configured tool `principal` may
 /// not call.
-fn forbidden_tool(body: &Bytes, tools: &BTreeSet<String>, principal: &Principal) -> Option<String> {
-    let value: Value = serde_json::from_slice(body).ok()?;
-    let messages: Vec<&Value> = match &value {
+fn forbidden_tool(
+    value: &Value,
+    tools: &BTreeSet<String>,
+    principal: &Principal,
+) -> Option<String> {
+    let messages: Vec<&Value> = match value {
         Value::Array(a) => a.iter().collect(),
         v => vec![v],
     };
