@@ -787,17 +787,10 @@ impl McpFront {
     ) -> Result<CallToolResponse, McpError> {
         let tasks = &self.shared.tasks;
         let owner = principal.key();
-        let step = call.step_key().to_string();
-        let task = match tasks.of_step(&owner, &step).filter(|t| t.live()) {
-            Some(task) => task,
-            None => {
-                let ttl = tasks.ttl_for(None);
-                let cancel = CancellationToken::new();
-                tasks::start(self, &owner, Some(step), tool, call, None, ttl, cancel)
-                    .map(|(task, _)| task)
-                    .map_err(|f| McpError::internal_error(tasks::full(f).1, None))?
-            }
-        };
+        let cancel = CancellationToken::new();
+        let (task, _) =
+            tasks::for_step(self, &owner, tool, call, None, tasks.ttl_for(None), cancel)
+                .map_err(|f| McpError::internal_error(tasks::full(f).1, None))?;
         let wait = Duration::from(self.shared.config.task_after);
         let _ = tokio::time::timeout(wait, task.finished()).await;
         match task.completed() {

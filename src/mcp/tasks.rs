@@ -111,43 +111,48 @@ impl Task {
     /// The task as the protocol shows it.
     fn wire(&self) -> Value {
         let state = self.state.borrow().clone();
-        let mut t = json!({
+        json!({
             "taskId": self.id,
             "status": state.name(),
+            "statusMessage": self.status_message(&state),
             "createdAt": rfc3339(self.created),
             "lastUpdatedAt": rfc3339(*self.updated.lock().expect("task lock")),
-            "ttl": u64::try_from(self.ttl.as_millis()).unwrap_or(u64::MAX),
-            "pollInterval": u64::try_from(POLL_INTERVAL.as_millis()).unwrap_or(1000),
-        });
-        let message = match &state {
+            "ttl": millis(self.ttl),
+            "pollInterval": millis(POLL_INTERVAL),
+        })
+    }
+
+    /// What the task's status tells the client (and the model).
+    fn status_message(&self, state: &State) -> String {
+        match state {
             State::Working => format!(
                 "The call to `{}` is a step stepgate has accepted; its answer is not in yet.",
                 self.tool
             ),
-            State::Completed(_) => {
-                format!(
-                    "The call to `{}` has its answer: read it with tasks/result.",
-                    self.tool
-                )
-            }
+            State::Completed(_) => format!(
+                "The call to `{}` has its answer: read it with tasks/result.",
+                self.tool
+            ),
             State::Cancelled => format!(
                 "This task was cancelled at the client's request: it no longer waits for the \
                  answer. The call to `{}` had been handed to stepgate and may still take effect; \
                  repeating the call for the same step returns that step's answer.",
                 self.tool
             ),
-        };
-        t["statusMessage"] = json!(message);
-        t
+        }
     }
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 impl Task {
     /// The task as the 2026-07-28 tasks extension shows it.
     pub(super) fn detailed(&self) -> rmcp::model::DetailedTask {
         use rmcp::model::{TaskPayload, TaskStatus};
-        let wire = self.wire();
         let state = self.state.borrow().clone();
+        let message = self.status_message(&state);
         let (status, payload) = match state {
             State::Working => (TaskStatus::Working, TaskPayload::Working),
             State::Completed(result) => (
@@ -161,16 +166,15 @@ impl Task {
             ),
             State::Cancelled => (TaskStatus::Cancelled, TaskPayload::Cancelled),
         };
-        let text = |k: &str| wire[k].as_str().unwrap_or_default().to_owned();
         let task = rmcp::model::Task::new(
             self.id.clone(),
             status,
-            text("createdAt"),
-            text("lastUpdatedAt"),
+            rfc3339(self.created),
+            rfc3339(*self.updated.lock().expect("task lock")),
         )
-        .with_status_message(text("statusMessage"))
-        .with_ttl_ms(u64::try_from(self.ttl.as_millis()).unwrap_or(u64::MAX))
-        .with_poll_interval_ms(u64::try_from(POLL_INTERVAL.as_millis()).unwrap_or(1000));
+        .with_status_message(message)
+        .with_ttl_ms(millis(self.ttl))
+        .with_poll_interval_ms(millis(POLL_INTERVAL));
         rmcp::model::DetailedTask::new(task, payload)
     }
 
@@ -461,37 +465,40 @@ async fn create(
         }
         Prepared::Step { call, pending } => (call, pending),
     };
-    let step = pending.is_none().then(|| call.step_key().to_string());
-    if let Some(step) = &step
-        && let Some(task) = tasks.of_step(&owner, step)
-        && task.live()
-    {
-        // The same step's call again (a re-issue after a broken stream):
-        // its task, not a second wait.
-        return Ok(json!({ "task": task.wire() }));
-    }
     // The task's cancellation is what a session's retry looks at.
     let (task, was_published) =
-        start(front, &owner, step, tool, call, pending, ttl, cancel).map_err(full)?;
+        for_step(front, &owner, tool, call, pending, ttl, cancel).map_err(full)?;
     // Once the step is stepgate's, the client may stop waiting on this
     // request; a failed publish completes the task with what failed.
-    let _ = tokio::time::timeout(PUBLISH_WAIT, was_published).await;
+    if let Some(was_published) = was_published {
+        let _ = tokio::time::timeout(PUBLISH_WAIT, was_published).await;
+    }
     Ok(json!({ "task": task.wire() }))
 }
 
-/// A task waiting for `call`'s answer, and a receiver told once the step is
-/// on the intents topic (dropped unsent if the publish failed).
-#[allow(clippy::too_many_arguments)]
-pub(super) fn start(
+/// The task of `call`'s step: the live one `owner` has for it already (a
+/// call that names its step, made again: a re-issue after a broken stream
+/// attaches to it rather than waiting twice), or a new one waiting for the
+/// answer, with a receiver told once the step is on the intents topic
+/// (dropped unsent if the publish failed). A session-numbered call
+/// (`pending`) always has a task of its own.
+pub(super) fn for_step(
     front: &McpFront,
     owner: &str,
-    step: Option<String>,
     tool: &str,
     call: StepCall,
     pending: Option<Pending>,
     ttl: Duration,
     cancel: CancellationToken,
-) -> Result<(Arc<Task>, oneshot::Receiver<()>), Full> {
+) -> Result<(Arc<Task>, Option<oneshot::Receiver<()>>), Full> {
+    let step = pending.is_none().then(|| call.step_key().to_string());
+    if let Some(task) = step
+        .as_deref()
+        .and_then(|step| front.shared.tasks.of_step(owner, step))
+        .filter(|task| task.live())
+    {
+        return Ok((task, None));
+    }
     let task = front.shared.tasks.insert(owner, step, tool, ttl, cancel)?;
     let (published, was_published) = oneshot::channel();
     let waiting = task.clone();
@@ -518,7 +525,7 @@ pub(super) fn start(
             _ = waiting.cancel.cancelled() => {}
         }
     });
-    Ok((task, was_published))
+    Ok((task, Some(was_published)))
 }
 
 pub(super) fn full(f: Full) -> (i64, String) {
