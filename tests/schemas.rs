@@ -321,3 +321,87 @@ fn operator_commands_and_approval_events_match_their_schemas() {
         assert_valid(&v, &serde_json::to_value(&e).unwrap());
     }
 }
+
+/// Call v1 and Outcome v1, the messages of a pool's workers: what the gate
+/// publishes and what a worker writes validate, and the schemas' examples
+/// parse as the types the gate and `stepgate worker` use.
+#[test]
+fn worker_pool_messages_match_their_schemas() {
+    use stepgate::contract::{Arguments, Call, PoolCall};
+    let c = schema("call.v1.json");
+    let call = Call {
+        step: step(),
+        arguments: Arguments::from(json!({"to": "a@example.com"}).as_object().unwrap().clone()),
+        dispatch: 2,
+        fast_ref: None,
+        traceparent: None,
+        call_id: Some("call_1".into()),
+    };
+    let published = PoolCall::new(&call, 3, "unkeyed", 1_764_763_200_000);
+    let v = serde_json::to_value(&published).unwrap();
+    assert_valid(&c, &v);
+    assert_eq!(v["idempotency_key"], json!(step().idempotency_key()));
+    assert_eq!(v["arguments"], json!({"to": "a@example.com"}));
+    let back: PoolCall = serde_json::from_slice(&published.to_json()).unwrap();
+    assert_eq!(back.to_call(), call);
+    for ex in examples("call.v1.json") {
+        assert_valid(&c, &ex);
+        serde_json::from_value::<PoolCall>(ex).expect("the example parses as a PoolCall");
+    }
+    // A call without its key or its partition is not a call.
+    for field in ["idempotency_key", "partition", "take_by_ms", "dispatch"] {
+        let mut bad = v.clone();
+        bad.as_object_mut().unwrap().remove(field);
+        assert!(!c.is_valid(&bad), "valid without {field}");
+    }
+
+    let o = schema("outcome.v1.json");
+    let started = Progress {
+        step: step(),
+        dispatch: 2,
+        fast_ref: None,
+        at_ms: 5,
+        event: ProgressEvent::Started,
+    };
+    assert_valid(&o, &serde_json::to_value(&started).unwrap());
+    for outcome in [
+        Outcome::Ok {
+            output: json!({"id": 1}),
+        },
+        Outcome::Error {
+            error: ErrorBody {
+                kind: "tool_failed".into(),
+                message: "m".into(),
+            },
+        },
+        Outcome::InDoubt {
+            error: ErrorBody {
+                kind: "outcome_unknown".into(),
+                message: "m".into(),
+            },
+        },
+    ] {
+        let fin = Progress {
+            event: ProgressEvent::Finished { outcome },
+            ..started.clone()
+        };
+        assert_valid(&o, &serde_json::to_value(&fin).unwrap());
+    }
+    // What workers write is read by the gate's decoder of `progress`.
+    for ex in examples("outcome.v1.json") {
+        assert_valid(&o, &ex);
+        let p: Progress = stepgate::contract::codec::decode(ex.to_string().as_bytes())
+            .expect("an Outcome v1 example is a progress record");
+        assert!(matches!(
+            p.event,
+            ProgressEvent::Started | ProgressEvent::Finished { .. }
+        ));
+    }
+    // `not_invoked` is the gates' own, not a worker's.
+    let not_invoked = Progress {
+        event: ProgressEvent::NotInvoked,
+        ..started
+    };
+    assert!(!o.is_valid(&serde_json::to_value(&not_invoked).unwrap()));
+    assert!(!o.is_valid(&json!({"step": {"workflow_id": "w", "step_index": 0, "tool": "t", "attempt": 0}, "dispatch": 1, "at_ms": 1, "event": "finished", "outcome": {"status": "ok"}})));
+}

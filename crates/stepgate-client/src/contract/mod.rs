@@ -2,8 +2,9 @@
 //!
 //! Nothing outside this module builds or parses these JSON shapes by hand.
 //! Public messages: [`Intent`] (v1, from agents), [`ToolResult`] (v1, to agents),
-//! [`DlqRecord`]. Internal: [`Progress`] (outcomes handed between gates); [`Call`]
-//! (in-process, gate → invoker).
+//! [`DlqRecord`]; for pool workers, [`PoolCall`] (Call v1) in and [`Progress`]
+//! (as Outcome v1: `started` / `finished`) out. Internal: [`Progress`]
+//! (outcomes handed between gates); [`Call`] (in-process, gate → invoker).
 //! Partition ownership: [`partition_for`], the one canonical partitioner.
 
 mod arguments;
@@ -278,6 +279,66 @@ pub struct Call {
     pub call_id: Option<String>,
 }
 
+/// Call v1 (public, `schemas/call.v1.json`): a call of a pool tool, published
+/// by the step's owner on the pool's calls topic in the transaction that
+/// records the step `started`, for the pool's workers. They answer it with
+/// Outcome v1 ([`Progress`] with [`ProgressEvent::Started`] /
+/// [`ProgressEvent::Finished`]) on `progress`, in `partition`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PoolCall {
+    pub step: StepKey,
+    pub dispatch: u32,
+    /// The step's partition: where its outcomes go on `progress`.
+    pub partition: i32,
+    /// `read_only` | `idempotent` | `keyed` | `unkeyed`: whether the worker
+    /// commits that it took the call before invoking it (`unkeyed`).
+    pub category: String,
+    pub arguments: Arguments,
+    /// [`StepKey::idempotency_key`], so workers in any language send the same.
+    pub idempotency_key: String,
+    /// Not taken by then (ms since the epoch), it is never taken: the gate
+    /// answers it `no_worker` at its deadline.
+    pub take_by_ms: i64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub call_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub traceparent: Option<String>,
+}
+
+impl PoolCall {
+    /// Call v1 of an in-process [`Call`], for a tool of `category` whose step
+    /// lives in `partition`.
+    pub fn new(call: &Call, partition: i32, category: &str, take_by_ms: i64) -> Self {
+        PoolCall {
+            step: call.step.clone(),
+            dispatch: call.dispatch,
+            partition,
+            category: category.to_owned(),
+            arguments: call.arguments.clone(),
+            idempotency_key: call.step.idempotency_key(),
+            take_by_ms,
+            call_id: call.call_id.clone(),
+            traceparent: call.traceparent.clone(),
+        }
+    }
+
+    /// The in-process call a worker invokes.
+    pub fn to_call(&self) -> Call {
+        Call {
+            step: self.step.clone(),
+            arguments: self.arguments.clone(),
+            dispatch: self.dispatch,
+            fast_ref: None,
+            traceparent: self.traceparent.clone(),
+            call_id: self.call_id.clone(),
+        }
+    }
+
+    pub fn to_json(&self) -> Vec<u8> {
+        serde_json::to_vec(self).expect("a PoolCall always serialises")
+    }
+}
+
 /// Internal: the outcome of a call whose partition moved while it ran, handed
 /// to the partition's owner (topic `progress`, in the step's partition).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -295,7 +356,9 @@ pub struct Progress {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "event", rename_all = "snake_case")]
 pub enum ProgressEvent {
-    /// Written by earlier versions' remote executors; ignored.
+    /// A pool's worker took the call (Outcome v1), before invoking it: the
+    /// dispatch was not left unclaimed. (Earlier versions' remote executors
+    /// wrote it too.)
     Started,
     /// The invocation's outcome.
     Finished { outcome: Outcome },
