@@ -8,6 +8,10 @@
 #   benches/bench.sh                 # full size (~25 min on 2 cores, release build warm; ~14 with DURABLE=0)
 #   benches/bench.sh quick           # small sizes (~4 min), to check the setup
 #   benches/bench.sh [quick] --intents 50000 ...   # any stepgate-bench option
+#   benches/bench.sh cluster [quick]  # stepgate and the passthrough on one node (replication
+#                                     # factor 1), then on deploy/local/cluster.sh's three nodes
+#                                     # (replication factor 3, min.insync.replicas=2), one run,
+#                                     # ratios at the end (~12 min; quick ~5)
 #
 # Env: KAFKA_BROKERS (default: the local broker deploy/local/kafka.sh starts),
 # CARGO_TARGET_DIR, BENCH_JSON (where the figures go as JSON; default
@@ -20,6 +24,11 @@ target="${CARGO_TARGET_DIR:-target}"
 
 args=()
 quick=0
+cluster=0
+if [[ "${1:-}" == cluster ]]; then
+    shift
+    cluster=1
+fi
 if [[ "${1:-}" == quick ]]; then
     shift
     quick=1
@@ -35,6 +44,20 @@ echo "bench.sh: building release binaries (the first build takes ~18 min on 2 co
 # `--bin` applies to every `-p` given: name both binaries.
 cargo build --release --quiet -p stepgate -p stepgate-bench --bin stepgate --bin stepgate-bench
 
+export STEPGATE_BENCH_RUN_ID="${STEPGATE_BENCH_RUN_ID:-sgb$(printf '%x' $(( $(date +%s) & 0xffffff )))}"
+if [[ "$cluster" == 1 ]]; then
+    # The three nodes' heaps are small (cluster.sh), so they fit beside the
+    # single node; only one of the two is busy at a time.
+    cluster_brokers="$(bash deploy/local/cluster.sh start | sed -n 's/^CLUSTER_BROKERS=//p')"
+    [[ -n "$cluster_brokers" ]] || { echo "bench.sh: the cluster did not start" >&2; exit 1; }
+    size=(--intents 100000 --paced 10s --sequential 200)
+    if [[ "$quick" == 1 ]]; then
+        size=(--intents 20000 --paced 5s --sequential 50)
+    fi
+    exec "$target/release/stepgate-bench" cluster --cluster-brokers "$cluster_brokers" \
+        --only stepgate,passthrough --executor-concurrency 1024 "${size[@]}" \
+        --json "${BENCH_JSON:-/tmp/stepgate-bench-cluster.json}" "$@"
+fi
 if jar="$(bash benches/peers/build.sh)"; then
     args+=(--kstreams-jar "$jar")
 else
@@ -45,7 +68,6 @@ if [[ "${PERF:-0}" == 1 ]] && command -v perf >/dev/null; then
     echo "bench.sh: profile of stepgate's flood → /tmp/stepgate-bench.perf.data (perf report -i …)" >&2
 fi
 
-export STEPGATE_BENCH_RUN_ID="${STEPGATE_BENCH_RUN_ID:-sgb$(printf '%x' $(( $(date +%s) & 0xffffff )))}"
 "$target/release/stepgate-bench" all --fast-path --json "${BENCH_JSON:-/tmp/stepgate-bench.json}" "${args[@]}" "$@"
 
 # The durable-execution engines (Restate, DBOS on PostgreSQL) beside stepgate,

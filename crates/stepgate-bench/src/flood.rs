@@ -306,6 +306,7 @@ async fn one(ctx: &Ctx, lifted: bool) -> anyhow::Result<FloodRow> {
         o.concurrency,
         c.max_batch,
     )?;
+    setup.replicate(c.replication_factor)?;
     let keys = systems::ConfigKeys::of_this_build();
     let bounded_build = keys.has(&["executor", "max_queued_calls"]);
     if lifted && bounded_build {

@@ -67,6 +67,22 @@ enum Cmd {
         #[command(flatten)]
         compare: CompareOpts,
     },
+    /// The same stepgate runs (flood, paced, sequential) on one node with
+    /// replication factor 1, then on a three-node cluster with replication
+    /// (`deploy/local/cluster.sh`: `min.insync.replicas=2`, `acks=all`): each
+    /// report, then the cluster's figures as ratios to one node's.
+    Cluster {
+        #[command(flatten)]
+        common: Common,
+        #[command(flatten)]
+        compare: CompareOpts,
+        /// The cluster's bootstrap servers.
+        #[arg(long)]
+        cluster_brokers: String,
+        /// Replication factor of the topics on the cluster.
+        #[arg(long, default_value_t = 3)]
+        cluster_replication: i32,
+    },
     /// stepgate restoring and serving millions of step records.
     Scale {
         #[command(flatten)]
@@ -95,6 +111,9 @@ pub struct Common {
     /// Partitions of every topic (intents, results, internal, peers').
     #[arg(long, default_value_t = 4)]
     partitions: i32,
+    /// Replication factor of every topic the bench or stepgate creates.
+    #[arg(long, default_value_t = 1)]
+    replication_factor: i32,
     /// The passthrough's and Kafka Streams' commit interval. Also stepgate's
     /// `gate.commit_interval` on builds that still have that key (before issue
     /// #12); a stepgate without it pipelines its commits and ignores this.
@@ -191,8 +210,8 @@ pub struct Bench {
     pub work: PathBuf,
     pub stepgate: PathBuf,
     pub tool: ToolServer,
-    /// The local broker's process, when found.
-    pub broker: Option<String>,
+    /// The local broker's processes (one node, or the three of a cluster).
+    pub broker: Vec<String>,
 }
 
 impl Bench {
@@ -230,7 +249,7 @@ impl Bench {
         concurrency: usize,
     ) -> anyhow::Result<StepgateSetup> {
         let c = &self.common;
-        StepgateSetup::write(
+        let setup = StepgateSetup::write(
             dir,
             &c.brokers,
             prefix,
@@ -240,7 +259,9 @@ impl Bench {
             category,
             concurrency,
             c.max_batch,
-        )
+        )?;
+        setup.replicate(c.replication_factor)?;
+        Ok(setup)
     }
 }
 
@@ -263,6 +284,12 @@ fn main() -> anyhow::Result<()> {
                 bench(common, Some(compare), None, false).await
             }
             Cmd::Scale { common, scale } => bench(common, None, Some(scale), true).await,
+            Cmd::Cluster {
+                common,
+                compare,
+                cluster_brokers,
+                cluster_replication,
+            } => cluster(common, compare, cluster_brokers, cluster_replication).await,
             Cmd::Flood { common, flood } => flood::run(common, flood).await,
         }
     })
@@ -275,22 +302,75 @@ async fn bench(
     scale: Option<ScaleOpts>,
     floods: bool,
 ) -> anyhow::Result<()> {
+    let json = common.json.clone();
+    let out = run(common, compare, scale, floods, "").await?;
+    println!("{}", out.render());
+    if let Some(path) = &json {
+        std::fs::write(path, serde_json::to_string_pretty(&out)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("figures written to {}", path.display());
+    }
+    check(&[&out])
+}
+
+/// `bench`'s runs on one node, then on the cluster, in one process.
+async fn cluster(
+    single: Common,
+    compare: CompareOpts,
+    cluster_brokers: String,
+    replication: i32,
+) -> anyhow::Result<()> {
+    let json = single.json.clone();
+    let mut replicated = single.clone();
+    replicated.brokers = cluster_brokers;
+    replicated.replication_factor = replication;
+    let one = run(single, Some(compare.clone()), None, true, "").await?;
+    println!("{}", one.render());
+    let three = run(replicated, Some(compare), None, true, "-c").await?;
+    println!("{}", three.render());
+    println!("{}", report::render_replication(&one, &three));
+    if let Some(path) = &json {
+        let both = serde_json::json!({ "single": one, "cluster": three });
+        std::fs::write(path, serde_json::to_string_pretty(&both)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("figures written to {}", path.display());
+    }
+    check(&[&one, &three])
+}
+
+fn check(reports: &[&report::Report]) -> anyhow::Result<()> {
+    let failed: Vec<String> = reports.iter().flat_map(|r| r.failures()).collect();
+    if !failed.is_empty() {
+        bail!("correctness checks failed: {}", failed.join("; "));
+    }
+    Ok(())
+}
+
+async fn run(
+    common: Common,
+    compare: Option<CompareOpts>,
+    scale: Option<ScaleOpts>,
+    floods: bool,
+    run_suffix: &str,
+) -> anyhow::Result<report::Report> {
     let stepgate = stepgate_bin(&common)?;
-    let run_id = run_id()?;
+    let run_id = format!("{}{run_suffix}", run_id()?);
     let work = work_dir(&common, &run_id)?;
     let bench = Bench {
         tool: ToolServer::start().await?,
-        broker: systems::broker_pid(&common.brokers),
+        broker: systems::broker_pids(&common.brokers),
         common,
         run_id,
         work,
         stepgate,
     };
     eprintln!(
-        "stepgate-bench {}: broker {}, {} partitions, commit interval {}, scratch {}",
+        "stepgate-bench {}: broker {} ({} process(es) found), {} partitions, replication factor {}, commit interval {}, scratch {}",
         bench.run_id,
         bench.common.brokers,
+        bench.broker.len(),
         bench.common.partitions,
+        bench.common.replication_factor,
         bench.common.commit_interval,
         bench.work.display()
     );
@@ -307,21 +387,10 @@ async fn bench(
     if let Some(s) = &scale {
         out.scale = scale::run(&bench, s).await?;
     }
-    let text = out.render();
-    println!("{text}");
-    if let Some(path) = &bench.common.json {
-        std::fs::write(path, serde_json::to_string_pretty(&out)?)
-            .with_context(|| format!("writing {}", path.display()))?;
-        eprintln!("figures written to {}", path.display());
-    }
     if !bench.common.keep {
         let _ = std::fs::remove_dir_all(&bench.work);
     }
-    let failed = out.failures();
-    if !failed.is_empty() {
-        bail!("correctness checks failed: {}", failed.join("; "));
-    }
-    Ok(())
+    Ok(out)
 }
 
 /// The stepgate binary: `--stepgate-bin`, or the one next to this binary.
@@ -599,7 +668,7 @@ async fn deploy(
         }
         System::Passthrough { hops, eos } => {
             let topics: Vec<String> = (0..=*hops).map(|h| format!("{prefix}.t{h}")).collect();
-            systems::create_topics(&c.brokers, &topics, c.partitions).await?;
+            systems::create_topics(&c.brokers, &topics, c.partitions, c.replication_factor).await?;
             let mut cmd = Command::new(std::env::current_exe()?);
             cmd.args(["passthrough", "--brokers", &c.brokers, "--group"])
                 .arg(format!("{prefix}-pt"))
@@ -624,8 +693,13 @@ async fn deploy(
         }
         System::KStreams { eos, jar, http } => {
             let (input, output) = (format!("{prefix}.in"), format!("{prefix}.out"));
-            systems::create_topics(&c.brokers, &[input.clone(), output.clone()], c.partitions)
-                .await?;
+            systems::create_topics(
+                &c.brokers,
+                &[input.clone(), output.clone()],
+                c.partitions,
+                c.replication_factor,
+            )
+            .await?;
             let app = format!("{prefix}-app");
             let mut cmd = Command::new("java");
             cmd.args(opts.java_opts.split_whitespace())
@@ -705,11 +779,12 @@ async fn measure(
         ) if *concurrency == bench.concurrency() => Some(start_perf(path, d.proc.pid)?),
         _ => None,
     };
-    let others = |pid: &Option<String>| {
-        (
-            systems::cpu_secs("self"),
-            pid.as_deref().map_or(f64::NAN, systems::cpu_secs),
-        )
+    let others = |pids: &[String]| {
+        let broker = match pids {
+            [] => f64::NAN,
+            _ => pids.iter().map(|p| systems::cpu_secs(p)).sum(),
+        };
+        (systems::cpu_secs("self"), broker)
     };
     let (bench0, broker0) = others(&bench.broker);
     let cpu0 = d.proc.cpu_secs();

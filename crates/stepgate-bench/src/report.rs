@@ -370,6 +370,7 @@ pub struct Report {
     pub cores: usize,
     pub brokers: String,
     pub partitions: i32,
+    pub replication_factor: i32,
     pub commit_interval: String,
     /// stepgate's `gate.commit_interval` on builds that have the key; None: it
     /// pipelines its commits (a batch closes when the previous commit returns).
@@ -401,6 +402,7 @@ impl Report {
             cores: std::thread::available_parallelism().map_or(0, |n| n.get()),
             brokers: b.common.brokers.clone(),
             partitions: b.common.partitions,
+            replication_factor: b.common.replication_factor,
             commit_interval: b.common.commit_interval.to_string(),
             stepgate_commit_interval: crate::systems::ConfigKeys::of_this_build()
                 .has(&["gate", "commit_interval"])
@@ -436,12 +438,13 @@ impl Report {
         let mut o = String::new();
         let _ = writeln!(
             o,
-            "\n# stepgate-bench {} ({}, {} cores shared with the broker at {}; {} partitions; commit interval {}{}, max batch {})\n",
+            "\n# stepgate-bench {} ({}, {} cores shared with the broker at {}; {} partitions, replication factor {}; commit interval {}{}, max batch {})\n",
             self.run_id,
             self.at,
             self.cores,
             self.brokers,
             self.partitions,
+            self.replication_factor,
             self.commit_interval,
             if self.stepgate_commit_interval.is_some() {
                 " (stepgate's too)"
@@ -763,4 +766,75 @@ impl Report {
         }
         let _ = writeln!(o);
     }
+}
+
+/// The cost of replication: the same runs on one node (`one`) and on the
+/// cluster (`three`), the cluster's figures as ratios to one node's.
+pub fn render_replication(one: &Report, three: &Report) -> String {
+    let mut o = String::new();
+    let _ = writeln!(
+        o,
+        "\n# Replication: {} (replication factor {}) ÷ {} (replication factor {}), same run\n\nRatios are the cluster's figure ÷ one node's: throughput <1 and latency or CPU >1 is what replication costs. Broker CPU is summed over the cluster's nodes.\n",
+        three.brokers, three.replication_factor, one.brokers, one.replication_factor
+    );
+    let _ = writeln!(
+        o,
+        "| run | answers/s (1 → 3) | ratio | paced p50 ms (1 → 3) | ratio | paced p99 ms (1 → 3) | ratio | CPU µs/intent incl. broker (1 → 3) | ratio |"
+    );
+    let _ = writeln!(o, "|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for a in &one.rows {
+        let Some(b) = three.rows.iter().find(|b| b.slug == a.slug) else {
+            continue;
+        };
+        let (ca, cb) = (
+            a.cpu_with_broker_us_per_intent(),
+            b.cpu_with_broker_us_per_intent(),
+        );
+        let _ = writeln!(
+            o,
+            "| {} {} | {:.0} → {:.0} | {} | {:.1} → {:.1} | {} | {:.1} → {:.1} | {} | {:.0} → {:.0} | {} |",
+            a.system,
+            a.mode,
+            a.results_per_s,
+            b.results_per_s,
+            ratio(b.results_per_s, a.results_per_s),
+            a.latency.p50,
+            b.latency.p50,
+            ratio(b.latency.p50, a.latency.p50),
+            a.latency.p99,
+            b.latency.p99,
+            ratio(b.latency.p99, a.latency.p99),
+            ca,
+            cb,
+            ratio(cb, ca),
+        );
+    }
+    if !one.sequential.is_empty() {
+        let _ = writeln!(
+            o,
+            "\n| sequential, one call at a time | new p50 ms (1 → 3) | ratio | new p99 ms (1 → 3) | ratio | repeat p50 ms (1 → 3) | ratio |"
+        );
+        let _ = writeln!(o, "|---|---:|---:|---:|---:|---:|---:|");
+        for a in &one.sequential {
+            let Some(b) = three.sequential.iter().find(|b| b.slug == a.slug) else {
+                continue;
+            };
+            let _ = writeln!(
+                o,
+                "| {} {} | {:.1} → {:.1} | {} | {:.1} → {:.1} | {} | {:.1} → {:.1} | {} |",
+                a.system,
+                a.mode,
+                a.new.p50,
+                b.new.p50,
+                ratio(b.new.p50, a.new.p50),
+                a.new.p99,
+                b.new.p99,
+                ratio(b.new.p99, a.new.p99),
+                a.repeat.p50,
+                b.repeat.p50,
+                ratio(b.repeat.p50, a.repeat.p50),
+            );
+        }
+    }
+    o
 }

@@ -199,16 +199,27 @@ pub fn cpu_secs(pid: &str) -> f64 {
 
 /// The local broker deploy/local/kafka.sh runs for the port of `brokers`, if any
 /// (its CPU time is reported next to the systems').
-pub fn broker_pid(brokers: &str) -> Option<String> {
-    let port = brokers.split(',').next()?.rsplit(':').next()?;
-    let needle = format!("kafka-run-{port}/");
-    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
-        let pid = e.file_name().into_string().ok()?;
-        pid.parse::<u32>().ok()?;
-        let cmd = std::fs::read(e.path().join("cmdline")).ok()?;
-        let cmd = String::from_utf8_lossy(&cmd);
-        (cmd.contains("kafka.Kafka") && cmd.contains(&needle)).then_some(pid)
-    })
+/// The local broker's processes: the node `deploy/local/kafka.sh` runs for
+/// `brokers`, or every node of the `deploy/local/cluster.sh` cluster whose
+/// first port it names (their CPU is summed).
+pub fn broker_pids(brokers: &str) -> Vec<String> {
+    let Some(port) = brokers.split(',').next().and_then(|b| b.rsplit(':').next()) else {
+        return Vec::new();
+    };
+    let needles = [format!("kafka-run-{port}/"), format!("kafka-cluster-{port}/")];
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.flatten()
+        .filter_map(|e| {
+            let pid = e.file_name().into_string().ok()?;
+            pid.parse::<u32>().ok()?;
+            let cmd = std::fs::read(e.path().join("cmdline")).ok()?;
+            let cmd = String::from_utf8_lossy(&cmd);
+            (cmd.contains("kafka.Kafka") && needles.iter().any(|n| cmd.contains(n.as_str())))
+                .then_some(pid)
+        })
+        .collect()
 }
 
 pub fn signal(pid: u32, sig: &str) {
@@ -235,13 +246,18 @@ pub fn tail(path: &Path, lines: usize) -> String {
     all[all.len().saturating_sub(lines)..].join("\n")
 }
 
-pub async fn create_topics(brokers: &str, names: &[String], partitions: i32) -> anyhow::Result<()> {
+pub async fn create_topics(
+    brokers: &str,
+    names: &[String],
+    partitions: i32,
+    replication: i32,
+) -> anyhow::Result<()> {
     let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
         .set("bootstrap.servers", brokers)
         .create()?;
     let topics: Vec<NewTopic> = names
         .iter()
-        .map(|n| NewTopic::new(n, partitions, TopicReplication::Fixed(1)))
+        .map(|n| NewTopic::new(n, partitions, TopicReplication::Fixed(replication)))
         .collect();
     let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
     for r in admin.create_topics(topics.iter(), &opts).await? {
@@ -448,6 +464,15 @@ impl StepgateSetup {
 
     /// Add `lines` (`key = value`) to the config's `[table]`, which `write`
     /// wrote.
+    /// Topics created with `factor` replicas (the key is written only when it
+    /// is not 1, so builds that predate it still read the config).
+    pub fn replicate(&self, factor: i32) -> anyhow::Result<()> {
+        if factor == 1 {
+            return Ok(());
+        }
+        self.add_keys("kafka", &[format!("replication_factor = {factor}")])
+    }
+
     pub fn add_keys(&self, table: &str, lines: &[String]) -> anyhow::Result<()> {
         let text = std::fs::read_to_string(&self.config)?;
         let header = format!("[{table}]\n");
