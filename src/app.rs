@@ -114,7 +114,7 @@ pub async fn start(
     for key in config.deprecated_keys() {
         tracing::warn!(
             key,
-            "config key is deprecated and ignored (see README, Upgrading)"
+            "config key is deprecated and ignored (see docs/configuration.md, Upgrading)"
         );
     }
     // The `tool` label takes only configured names (bounded cardinality).

@@ -11,7 +11,7 @@
 # Two client listeners: PLAINTEXT on KAFKA_PORT, and SASL_SSL (SCRAM-SHA-512
 # over TLS, with a throwaway CA and certificate made in the data dir) on
 # KAFKA_SASL_PORT. `start` prints KAFKA_SASL_SSL_ENV=<file>: that file names
-# the secured listener's address, user, password and CA (README, "Try it").
+# the secured listener's address, user, password and CA (docs/development.md).
 #
 # Knobs (env):
 #   KAFKA_VERSION          org.apache.kafka:kafka_2.13 version (kafka-lib.sh)
