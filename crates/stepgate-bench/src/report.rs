@@ -1,6 +1,5 @@
 //! Figures, their checks, and the side-by-side tables.
 
-use crate::scale::ScaleRow;
 use crate::systems::Metrics;
 use crate::workload::{Expect, Latency, Verdict};
 use crate::{Bench, CompareOpts};
@@ -837,4 +836,57 @@ pub fn render_replication(one: &Report, three: &Report) -> String {
         }
     }
     o
+}
+
+/// `stepgate_state_memory_bytes`, in MiB.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct StateMemory {
+    pub memtables_mib: f64,
+    pub table_readers_mib: f64,
+    pub block_cache_mib: f64,
+}
+
+impl StateMemory {
+    pub fn read(m: Option<&Metrics>) -> StateMemory {
+        let part = |p: &str| {
+            m.and_then(|m| m.value(&format!("stepgate_state_memory_bytes{{part=\"{p}\"}}")))
+                .map_or(f64::NAN, |b| b / (1024.0 * 1024.0))
+        };
+        StateMemory {
+            memtables_mib: part("memtables"),
+            table_readers_mib: part("table_readers"),
+            block_cache_mib: part("block_cache"),
+        }
+    }
+
+    pub fn total_mib(&self) -> f64 {
+        self.memtables_mib + self.table_readers_mib + self.block_cache_mib
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ScaleRow {
+    pub steps: usize,
+    pub changelog_records: usize,
+    pub load_s: f64,
+    /// Process start → /readyz (every partition restored).
+    pub ready_s: f64,
+    /// `stepgate_state_restored_records_total`.
+    pub restored_records: f64,
+    /// Restored records per second of start → ready (startup included).
+    pub restore_records_per_s: f64,
+    pub rss_after_restore_mib: f64,
+    pub peak_rss_after_restore_mib: f64,
+    /// RocksDB's share of the RSS after the restore, by its own estimates.
+    pub state_memory_after_restore: StateMemory,
+    pub intents: usize,
+    pub intents_per_s: Option<f64>,
+    pub results_per_s: f64,
+    pub cpu_us_per_intent: f64,
+    pub flood_latency: Latency,
+    pub rss_mib: f64,
+    pub rss_peak_mib: f64,
+    pub state_memory: StateMemory,
+    pub state_disk_mib: f64,
+    pub problems: Vec<String>,
 }

@@ -206,7 +206,10 @@ pub fn broker_pids(brokers: &str) -> Vec<String> {
     let Some(port) = brokers.split(',').next().and_then(|b| b.rsplit(':').next()) else {
         return Vec::new();
     };
-    let needles = [format!("kafka-run-{port}/"), format!("kafka-cluster-{port}/")];
+    let needles = [
+        format!("kafka-run-{port}/"),
+        format!("kafka-cluster-{port}/"),
+    ];
     let Ok(dir) = std::fs::read_dir("/proc") else {
         return Vec::new();
     };
