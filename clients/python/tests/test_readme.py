@@ -21,7 +21,7 @@ def first_python_block(path, after: str) -> str:
 
 @pytest.mark.parametrize("readme,after", [
     ("clients/python/README.md", "# stepgate-client"),
-    ("README.md", "**Python** — the client package in"),
+    ("README.md", "**Python** — the client in"),
 ])
 def test_the_quick_start_runs_as_written(stack, wf, readme, after, capsys):
     code = first_python_block(REPO / readme, after)
