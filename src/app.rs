@@ -110,6 +110,15 @@ pub async fn start(
         return Err(AppError::ExecutorRole);
     }
     let partitions = tokio::task::spawn_blocking(move || kafka::check_layout(&k)).await??;
+    // The calls topics of the pools this gate publishes to (made if missing).
+    let pools: Vec<String> = config
+        .tools
+        .values()
+        .filter_map(|t| t.pool.clone())
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    kafka::create_pool_topics(&config.kafka, &config.state, &pools).await?;
     tracing::info!(partitions, instance = %config.kafka.instance_id, "starting stepgate");
     for key in config.deprecated_keys() {
         tracing::warn!(

@@ -28,6 +28,24 @@ pub enum Command {
         #[arg(long)]
         instance_id: Option<String>,
     },
+    /// Run a worker pool's tools (declared `pool = "<name>"` in the gate's
+    /// config) from where they can be reached: take their calls from the
+    /// pool's calls topic, invoke them by the `url`/`mcp` (and headers) of
+    /// this config's tools, report outcomes to the gate. Until SIGTERM/SIGINT.
+    Worker {
+        #[command(flatten)]
+        deployment: Deployment,
+        /// The pool whose calls this worker takes.
+        #[arg(long)]
+        pool: String,
+        /// Calls invoked at once by this process.
+        #[arg(long, default_value_t = 16)]
+        concurrency: usize,
+        /// Static group membership: a worker restarted with the same id gets
+        /// its partitions back at once (unique per process).
+        #[arg(long)]
+        instance_id: Option<String>,
+    },
     /// Manage stepgate's topics.
     Topics {
         #[command(subcommand)]

@@ -204,6 +204,25 @@ pub const REFUSED_CLIENT_PROPERTIES: &[(&str, &str)] = &[
     ),
 ];
 
+/// A tool's `url` (or `mcp`), named `key`: an http(s) URL with a host. It
+/// may carry credentials: echoed redacted.
+fn check_tool_url(key: &str, url: &str) -> Result<(), ConfigError> {
+    let invalid = |message: String| ConfigError::Invalid {
+        field: key.to_owned(),
+        message,
+    };
+    match reqwest::Url::parse(url) {
+        Ok(u) if matches!(u.scheme(), "http" | "https") && u.host().is_some() => Ok(()),
+        Ok(_) => Err(invalid(format!(
+            "must be an http(s) URL with a host, got `{}`",
+            redact_url(url)
+        ))),
+        Err(e) => Err(invalid(format!(
+            "must be an http(s) URL; what is configured is not a URL ({e})"
+        ))),
+    }
+}
+
 /// Why a `[kafka.client]` property may not be set, when it may not.
 pub fn refused_client_property(name: &str) -> Option<&'static str> {
     let name = name.trim().to_ascii_lowercase();
@@ -225,6 +244,9 @@ pub struct TopicsConfig {
     /// Deprecated and ignored: calls are no longer forwarded through Kafka.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub calls: Option<String>,
+    /// The calls topic of each worker pool (tools declared `pool = "…"`):
+    /// `{pool}` is replaced by the pool's name (internal; read by its workers).
+    pub pool_calls: String,
     /// Outcomes of calls whose partition moved to another gate while they ran,
     /// handed to the partition's owner (internal).
     pub progress: String,
@@ -247,11 +269,17 @@ impl TopicsConfig {
             results: format!("{prefix}.results"),
             dlq: format!("{prefix}.dlq"),
             calls: None,
+            pool_calls: format!("{prefix}.calls.{{pool}}"),
             progress: format!("{prefix}.progress"),
             changelog: format!("{prefix}.changelog"),
             commands: format!("{prefix}.commands"),
             approvals: format!("{prefix}.approvals"),
         }
+    }
+
+    /// The calls topic of worker pool `pool`.
+    pub fn calls_for(&self, pool: &str) -> String {
+        self.pool_calls.replace("{pool}", pool)
     }
 
     /// Every topic name, public ones first.
@@ -825,6 +853,14 @@ impl Config {
                 ));
             }
         }
+        if self.tools.values().any(|t| t.pool.is_some())
+            && !self.kafka.topics.pool_calls.contains("{pool}")
+        {
+            return Err(invalid(
+                "kafka.topics.pool_calls",
+                "must contain `{pool}` (each pool has its own calls topic)",
+            ));
+        }
         if self.state.retention.0.is_zero() {
             return Err(invalid("state.retention", "must be longer than 0"));
         }
@@ -857,28 +893,15 @@ impl Config {
                     "tool names are 1 to 128 of [A-Za-z0-9_.:-]",
                 ));
             }
-            // The URL may carry credentials: echoed redacted, or not at all.
-            let url_key = match tool.mcp_tool {
-                Some(_) => format!("tools.{name}.mcp"),
-                None => format!("tools.{name}.url"),
+            // A pool tool has no address here: its workers hold it.
+            let url_key = match (&tool.pool, &tool.mcp_tool) {
+                (Some(_), _) => None,
+                (None, Some(_)) => Some(format!("tools.{name}.mcp")),
+                (None, None) => Some(format!("tools.{name}.url")),
             };
-            match reqwest::Url::parse(&tool.url) {
-                Ok(u) if matches!(u.scheme(), "http" | "https") && u.host().is_some() => {}
-                Ok(_) => {
-                    return Err(invalid(
-                        &url_key,
-                        &format!(
-                            "must be an http(s) URL with a host, got `{}`",
-                            redact_url(&tool.url)
-                        ),
-                    ));
-                }
-                Err(e) => {
-                    return Err(invalid(
-                        &url_key,
-                        &format!("must be an http(s) URL; what is configured is not a URL ({e})"),
-                    ));
-                }
+            // The URL may carry credentials: echoed redacted, or not at all.
+            if let Some(url_key) = url_key {
+                check_tool_url(&url_key, &tool.url)?;
             }
             if reqwest::header::HeaderName::from_bytes(tool.idempotency_header.as_bytes()).is_err()
             {
@@ -1334,6 +1357,8 @@ impl EnvSchema {
         let mut tool: toml::Table =
             toml::from_str(TOOL_WITH_EVERY_KEY).expect("TOOL_WITH_EVERY_KEY is TOML");
         tool.insert("mcp".into(), toml::Value::String(String::new()));
+        // `pool` excludes `url`: settable all the same (`STEPGATE_TOOLS_<NAME>_POOL`).
+        tool.insert("pool".into(), toml::Value::String(String::new()));
         let (mut leaves, mut maps) = (Vec::new(), Vec::new());
         collect(&sample, &mut Vec::new(), false, &mut leaves, &mut maps);
         let (mut tool_leaves, mut tool_maps) = (Vec::new(), Vec::new());

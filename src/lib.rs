@@ -15,6 +15,8 @@
 //! - [`gate`]: intents → dedup → `started` committed → invoke, or answers from
 //!   the record; outcomes → answers. One transaction per batch, pipelined.
 //! - [`executor`]: the in-process invoker pool that runs the gate's calls.
+//! - [`worker`]: `stepgate worker --pool <name>`: runs a pool's calls
+//!   (published by the gate on the pool's calls topic) where its tools are.
 //! - [`tools`]: what a tool is (`tools::tool`: category, policy, annotations,
 //!   its config), the tool registry and the HTTP tool protocol.
 //! - [`kafka`]: client configs, rebalance signalling, topics, transactions.
@@ -45,7 +47,10 @@
 //! tool) records nothing: intent in, answer out. An outcome whose partition moved
 //! while the call ran goes to the new owner through `stepgate.progress`. A
 //! started step with no outcome past its tool's deadline is re-run where that is
-//! safe, and `in_doubt` otherwise.
+//! safe, and `in_doubt` otherwise. A tool declared `pool = "…"` is not invoked
+//! by the gate: its call (Call v1) is published in the transaction that records
+//! it `started`, a [`worker`] of the pool runs it, and the outcome comes back on
+//! `stepgate.progress` (Outcome v1).
 
 pub mod app;
 pub mod audit;
@@ -63,6 +68,7 @@ pub mod provider;
 pub mod state;
 pub mod telemetry;
 pub mod tools;
+pub mod worker;
 
 /// The wire contract and the secret redaction live in the `stepgate-client`
 /// crate, which agents depend on alone; here under their usual paths.

@@ -90,6 +90,25 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
             tracing::info!("stopped cleanly");
             Ok(())
         }
+        Command::Worker {
+            deployment,
+            pool,
+            concurrency,
+            instance_id,
+        } => {
+            let mut cfg = load(&deployment)?;
+            cfg.validate()?;
+            // The tools' credentials live here, not on the gate.
+            cfg.resolve_tool_headers(|var| std::env::var(var).ok())?;
+            stepgate::telemetry::init_logging(&cfg.log);
+            let opts = stepgate::worker::WorkerOptions {
+                pool,
+                concurrency,
+                instance_id,
+            };
+            stepgate::worker::run(std::sync::Arc::new(cfg), opts, shutdown_on_signals()).await?;
+            Ok(())
+        }
         Command::Topics {
             action:
                 TopicsCommand::Create {
@@ -102,7 +121,12 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
                 cfg.kafka.partitions = n;
             }
             cfg.validate()?;
-            let created = stepgate::kafka::create_topics(&cfg.kafka, &cfg.state).await?;
+            let mut created = stepgate::kafka::create_topics(&cfg.kafka, &cfg.state).await?;
+            let pools: std::collections::BTreeSet<String> =
+                cfg.tools.values().filter_map(|t| t.pool.clone()).collect();
+            let pools: Vec<String> = pools.into_iter().collect();
+            created
+                .extend(stepgate::kafka::create_pool_topics(&cfg.kafka, &cfg.state, &pools).await?);
             for (name, new) in created {
                 println!("{} {name}", if new { "created" } else { "exists " });
             }

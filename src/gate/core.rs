@@ -293,6 +293,12 @@ impl GateCore {
         }
     }
 
+    /// A pool tool's call went out with its batch (committed, or reported
+    /// failed): no longer waiting for a commit; its workers report on it.
+    pub fn published(&mut self, partition: i32, call: &Call) {
+        self.awaiting_commit.remove(&(partition, call.step.clone()));
+    }
+
     /// An intent from an agent.
     pub fn on_intent(
         &mut self,
@@ -974,9 +980,9 @@ impl GateCore {
             ProgressEvent::NotInvoked => {
                 return self.on_not_invoked(store, batch, p, &progress, now_ms);
             }
-            // `started` records of earlier versions' executors: the step
-            // record says all that is needed.
-            ProgressEvent::Started => return Ok(()),
+            // A pool's worker took the call (earlier versions' executors
+            // wrote it too: for a tool not in a pool it says nothing new).
+            ProgressEvent::Started => return self.on_taken(store, batch, p, &progress, now_ms),
         };
         if let Some(fast_ref) = progress.fast_ref {
             if let Some(entry) = self.fast.remove(&(p, fast_ref)) {
@@ -1014,6 +1020,44 @@ impl GateCore {
             "after_settled"
         };
         self.keep_evidence(&mut record, progress.dispatch, outcome, why, now_ms);
+        batch.put_step(store, p, &record)
+    }
+
+    /// A pool's worker says it took the current dispatch of a step (before
+    /// invoking it): the dispatch was claimed, and its deadline is moved to a
+    /// whole tool deadline (and the grace) from now, as for a call running
+    /// here. Anything else (a stale dispatch, a settled step) changes nothing.
+    fn on_taken(
+        &mut self,
+        store: &StateStore,
+        batch: &mut Batch,
+        p: i32,
+        progress: &Progress,
+        now_ms: i64,
+    ) -> Result<(), StateError> {
+        let in_pool = self
+            .tools
+            .get(&progress.step.tool)
+            .is_some_and(|t| t.pool.is_some());
+        if !in_pool || progress.fast_ref.is_some() {
+            return Ok(());
+        }
+        let Some(mut record) = batch.step(store, p, &progress.step)? else {
+            return Ok(());
+        };
+        if record.phase != Phase::Started
+            || record.dispatch != progress.dispatch
+            || record.taken == Some(progress.dispatch)
+        {
+            return Ok(());
+        }
+        record.taken = Some(progress.dispatch);
+        let later =
+            now_ms + ms(self.tool_deadline(&record.step.tool) + self.settings.in_doubt_grace);
+        if record.deadline_ms.is_none_or(|d| d < later) {
+            record.deadline_ms = Some(later);
+            self.due.insert((later, p, record.step.clone()));
+        }
         batch.put_step(store, p, &record)
     }
 
@@ -1270,6 +1314,25 @@ impl GateCore {
                 batch.put_step(store, p, &record)?;
                 continue;
             }
+            // A pool's dispatch no worker took was never invoked: said so,
+            // unless an earlier dispatch may have acted.
+            if let Some(pool) = self.tools.get(&step.tool).and_then(|t| t.pool.clone())
+                && record.taken != Some(record.dispatch)
+            {
+                let dispatch = record.dispatch;
+                record.open_dispatches.retain(|d| *d != dispatch);
+                self.metrics.pool_unclaimed(&pool, &step);
+                let outcome = Outcome::Error {
+                    error: ErrorBody {
+                        kind: "no_worker".into(),
+                        message: Texts::no_worker(&step.tool, &pool),
+                    },
+                };
+                let outcome = self.unless_earlier_may_have_run(&record, outcome);
+                let phase = Phase::settled_by(&outcome);
+                self.settle(store, batch, p, record, outcome, phase, now_ms)?;
+                continue;
+            }
             if record.category.rerun_is_safe() {
                 record.dispatch += 1;
                 self.metrics.reforwarded(&step, record.dispatch);
@@ -1344,7 +1407,12 @@ impl GateCore {
 pub const KEPT_UNTIL_RESOLVED: i64 = i64::MAX;
 
 /// Error kinds that say the tool did not perform the action.
-const NOT_PERFORMED_KINDS: &[&str] = &["tool_refused", "tool_unreachable", "tool_redirected"];
+const NOT_PERFORMED_KINDS: &[&str] = &[
+    "tool_refused",
+    "tool_unreachable",
+    "tool_redirected",
+    "no_worker",
+];
 
 /// Calls of commits reported failed kept for a later look (see `GateCore::unsure`).
 const MAX_UNSURE: usize = 10_000;

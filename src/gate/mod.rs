@@ -499,6 +499,8 @@ struct InFlight {
     /// Which of the producers commits it.
     slot: usize,
     invokes: Vec<(i32, Call)>,
+    /// Calls of pool tools published in it (for their pools' workers).
+    published: Vec<(i32, Call, String)>,
     results: Vec<(String, bool, Option<i64>)>,
     outcomes: Vec<Finished>,
     /// Per intents partition: (applied, committed) once this batch commits.
@@ -1196,12 +1198,23 @@ impl Session<'_> {
         pending.batch.detach();
         let t = &self.config.kafka.topics;
         let mut invokes = Vec::new();
+        let mut published = Vec::new();
         let mut records = Vec::new();
         let mut results = Vec::new();
         let mut touched: BTreeSet<i32> = pending.batch.partitions();
         for o in core.take_outs() {
             match o {
-                Out::Invoke { partition, call } => invokes.push((partition, call)),
+                Out::Invoke { partition, call } => {
+                    // A pool tool's call goes out in this transaction, with
+                    // its `started` record: visible to workers once committed.
+                    match pool_call_record(self.config, partition, &call) {
+                        Some((pool, record)) => {
+                            records.push(record);
+                            published.push((partition, call, pool));
+                        }
+                        None => invokes.push((partition, call)),
+                    }
+                }
                 Out::Result {
                     partition,
                     result,
@@ -1363,6 +1376,7 @@ impl Session<'_> {
             input_offsets,
             slot,
             invokes,
+            published,
             results,
             outcomes: pending.outcomes,
             offsets,
@@ -1391,6 +1405,11 @@ impl Session<'_> {
             Err(e) => {
                 self.backlog.extend(f.outcomes);
                 core.commit_unknown(f.invokes);
+                // Published or not with their records, nothing more to do:
+                // workers see them only if that commit landed after all.
+                for (p, call, _) in &f.published {
+                    core.published(*p, call);
+                }
                 if let (Some(code), Some(first)) = (e.refused_record(), f.first_input) {
                     warn!(topic = %first.0, partition = first.1, offset = first.2, code, "Kafka refused a record of a batch: the next batches take one input each, and an input whose records are refused {} times is set aside", Poison::SET_ASIDE_AFTER);
                     self.poison.refused(first, &e);
@@ -1421,6 +1440,10 @@ impl Session<'_> {
         for (p, call) in f.invokes {
             core.invoked(p, &call);
             self.invoker.start(p, call);
+        }
+        for (p, call, pool) in &f.published {
+            core.published(*p, call);
+            self.metrics.pool_call(pool, &call.step);
         }
         let now = now_ms();
         for (status, deduplicated, since_ms) in &f.results {
@@ -1530,6 +1553,33 @@ fn progress_record(topic: &str, partition: i32, p: &Progress) -> OutRecord {
         &p.step.workflow_id,
         crate::contract::codec::encode(p),
     )
+}
+
+/// A pool tool's call as Call v1 on its pool's calls topic (keyed by
+/// workflow id, partitioned by the producer: independently of `intents`), or
+/// None for a tool this process invokes itself. A worker takes it only
+/// before `take_by_ms`, the tool's deadline from now: the gate's deadline for
+/// the step is that plus `in_doubt_grace` (docs/design.md "Worker pools").
+fn pool_call_record(config: &Config, partition: i32, call: &Call) -> Option<(String, OutRecord)> {
+    let tool = config.tools.get(&call.step.tool)?;
+    let pool = tool.pool.as_ref()?;
+    let take_by = now_ms() + tool.deadline().as_millis().min(i64::MAX as u128) as i64;
+    let message = crate::contract::PoolCall::new(call, partition, tool.category.as_str(), take_by);
+    let mut record = OutRecord {
+        topic: config.kafka.topics.calls_for(pool),
+        partition: None,
+        key: Some(call.step.workflow_id.as_bytes().to_vec()),
+        payload: Some(message.to_json()),
+        headers: Vec::new(),
+        timestamp_ms: None,
+    };
+    if let Some(tp) = &call.traceparent {
+        record.headers.push((
+            crate::contract::headers::TRACEPARENT.to_owned(),
+            Some(tp.as_bytes().to_vec()),
+        ));
+    }
+    Some((pool.clone(), record))
 }
 
 /// How often the state-size gauges are refreshed (a few RocksDB property reads).

@@ -118,6 +118,48 @@ pub fn txn_consumer_config(cfg: &KafkaConfig, group: &str, instance: &str) -> Cl
     c
 }
 
+/// The consumer of a pool's worker (docs/design.md "Worker pools"): one group
+/// per pool, reading only committed calls, committing its offsets itself (a
+/// committed offset is a call taken). Static membership when `instance` is
+/// given: a restarted worker gets its partitions back at once.
+pub fn worker_consumer_config(
+    cfg: &KafkaConfig,
+    group: &str,
+    instance: Option<&str>,
+) -> ClientConfig {
+    let mut c = ClientConfig::new();
+    c.set("bootstrap.servers", &cfg.brokers)
+        .set("group.id", group)
+        .set("enable.auto.commit", "false")
+        .set("enable.auto.offset.store", "false")
+        .set("auto.offset.reset", "earliest")
+        .set("isolation.level", "read_committed")
+        .set(
+            "session.timeout.ms",
+            cfg.session_timeout.0.as_millis().to_string(),
+        )
+        .set("fetch.wait.max.ms", "50");
+    if let Some(i) = instance {
+        c.set("group.instance.id", i);
+    }
+    let mut c = with_overrides(c, cfg);
+    bound_prefetch(&mut c);
+    c
+}
+
+/// The producer of a pool's worker: idempotent, every write acknowledged by
+/// all in-sync replicas (an outcome, or a `started` that lets a call be
+/// invoked), sent at once.
+pub fn worker_producer_config(cfg: &KafkaConfig) -> ClientConfig {
+    let mut c = ClientConfig::new();
+    c.set("bootstrap.servers", &cfg.brokers)
+        .set("enable.idempotence", "true")
+        .set("acks", "all")
+        .set("linger.ms", "0")
+        .set("message.max.bytes", MESSAGE_MAX_BYTES.to_string());
+    with_overrides(c, cfg)
+}
+
 /// A transactional producer config (EOS v2: one producer per process, fenced by
 /// the consumer group's metadata).
 pub fn txn_producer_config(cfg: &KafkaConfig, transactional_id: &str) -> ClientConfig {
@@ -830,6 +872,68 @@ pub async fn create_topics(
     // them, so that what runs next (a layout check, stepgate itself) sees them.
     let cfg = cfg.clone();
     let names: Vec<String> = names.iter().map(|n| n.to_string()).collect();
+    tokio::task::spawn_blocking(move || {
+        let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            match partition_counts(&cfg, &refs) {
+                Err(KafkaSetupError::MissingTopic(_)) if std::time::Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                other => return other.map(|_| ()),
+            }
+        }
+    })
+    .await
+    .map_err(|_| KafkaError::Canceled)??;
+    Ok(out)
+}
+
+/// Create the calls topic of each worker pool (docs/design.md "Worker
+/// pools"): `kafka.partitions` partitions (independent of `intents`: workers
+/// scale apart from the gates), kept as long as steps. Existing ones are left
+/// as they are. Returns (topic, created?) pairs.
+pub async fn create_pool_topics(
+    cfg: &KafkaConfig,
+    state: &crate::config::StateConfig,
+    pools: &[String],
+) -> Result<Vec<(String, bool)>, KafkaSetupError> {
+    if pools.is_empty() {
+        return Ok(Vec::new());
+    }
+    let admin: AdminClient<DefaultClientContext> = base_config(cfg).create()?;
+    let retention_ms = state.retention.0.as_millis().max(1).to_string();
+    let max_bytes = MESSAGE_MAX_BYTES.to_string();
+    let names: Vec<String> = pools.iter().map(|p| cfg.topics.calls_for(p)).collect();
+    let topics: Vec<NewTopic> = names
+        .iter()
+        .map(|n| {
+            NewTopic::new(
+                n,
+                cfg.partitions,
+                TopicReplication::Fixed(cfg.replication_factor),
+            )
+            .set("max.message.bytes", &max_bytes)
+            .set("retention.ms", &retention_ms)
+        })
+        .collect();
+    let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
+    let mut out = Vec::new();
+    for r in admin.create_topics(topics.iter(), &opts).await? {
+        match r {
+            Ok(name) => out.push((name, true)),
+            Err((name, rdkafka::types::RDKafkaErrorCode::TopicAlreadyExists)) => {
+                out.push((name, false))
+            }
+            Err((name, code)) => {
+                return Err(KafkaSetupError::Layout(format!(
+                    "could not create topic `{name}`: {code}"
+                )));
+            }
+        }
+    }
+    // Seen in the metadata before anyone produces to or subscribes to them.
+    let cfg = cfg.clone();
     tokio::task::spawn_blocking(move || {
         let refs: Vec<&str> = names.iter().map(String::as_str).collect();
         let deadline = std::time::Instant::now() + Duration::from_secs(30);

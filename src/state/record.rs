@@ -237,6 +237,11 @@ pub struct StepRecord {
     /// whatever the tool's category.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub not_invoked: Option<u32>,
+    /// A pool tool's dispatch a worker said it took (Outcome v1 `started`):
+    /// at the deadline, a current dispatch not taken was never invoked
+    /// (`no_worker`), one taken is treated as a call of this process's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub taken: Option<u32>,
     /// Dispatches up to this one were accounted for by an operator's
     /// resolution: their evidence no longer casts doubt on a later run.
     #[serde(default, skip_serializing_if = "is_zero")]
@@ -322,6 +327,7 @@ impl StepRecord {
             evidence: Vec::new(),
             open_dispatches: Vec::new(),
             not_invoked: None,
+            taken: None,
             settled_through: 0,
             expires_at_ms,
             intent_ts_ms: None,

@@ -38,6 +38,8 @@ pub struct Metrics {
     invocations: IntCounterVec,
     in_doubt_steps: IntCounterVec,
     reforwarded: IntCounterVec,
+    pool_calls: IntCounterVec,
+    pool_unclaimed: IntCounterVec,
     late_outcomes: IntCounterVec,
     not_invoked: IntCounterVec,
     identity_conflicts: IntCounterVec,
@@ -297,6 +299,18 @@ impl Metrics {
                 "Calls forwarded again after their deadline, where re-running is safe.",
                 &["tool"],
             ),
+            pool_calls: counter_vec(
+                &r,
+                "stepgate_pool_calls_total",
+                "Calls published for a worker pool (docs/design.md \"Worker pools\").",
+                &["pool", "tool"],
+            ),
+            pool_unclaimed: counter_vec(
+                &r,
+                "stepgate_pool_unclaimed_total",
+                "Pool calls no worker took before their deadline (answered `no_worker`): the pool has no live worker, or too few.",
+                &["pool", "tool"],
+            ),
             late_outcomes: counter_vec(
                 &r,
                 "stepgate_late_outcomes_total",
@@ -540,6 +554,21 @@ impl Metrics {
         warn!(step = %step, dispatch, "no outcome by the deadline: forwarded again (safe for this tool)");
         self.reforwarded
             .with_label_values(&[self.tool_label(&step.tool)])
+            .inc();
+    }
+
+    /// A call published on its pool's calls topic (with its `started` record).
+    pub fn pool_call(&self, pool: &str, step: &crate::contract::StepKey) {
+        self.pool_calls
+            .with_label_values(&[pool, self.tool_label(&step.tool)])
+            .inc();
+    }
+
+    /// A pool call no worker took before its deadline.
+    pub fn pool_unclaimed(&self, pool: &str, step: &crate::contract::StepKey) {
+        warn!(step = %step, pool, "no worker of the pool took the call before its deadline: answered no_worker (nothing was invoked)");
+        self.pool_unclaimed
+            .with_label_values(&[pool, self.tool_label(&step.tool)])
             .inc();
     }
 

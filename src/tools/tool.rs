@@ -120,13 +120,20 @@ pub struct ToolConfig {
     pub policy: Policy,
     /// `http://…` or `https://…` endpoint receiving `POST` with the arguments
     /// or, for a tool served over MCP (`mcp = "…"` in the config), the MCP
-    /// server's Streamable HTTP endpoint.
+    /// server's Streamable HTTP endpoint. Empty for a pool tool.
+    #[serde(skip_serializing_if = "String::is_empty")]
     pub url: String,
     /// Set for a tool served over MCP: its name at the MCP server (by default
     /// the name it has here). Its calls are MCP `tools/call` requests instead of
     /// a `POST` of the arguments.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mcp_tool: Option<String>,
+    /// Set for a tool that runs elsewhere (`pool = "gpu"`, instead of `url`
+    /// or `mcp`): the gate publishes its calls on the pool's calls topic, for
+    /// `stepgate worker --pool <name>` processes, which hold its URL, headers
+    /// and secrets (`url` is empty then). See docs/design.md "Worker pools".
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pool: Option<String>,
     /// What the tool does, for the agents and models that list it (`stepgate mcp`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub description: Option<String>,
@@ -354,6 +361,8 @@ struct RawToolConfig {
     #[serde(default)]
     mcp_tool: Option<String>,
     #[serde(default)]
+    pool: Option<String>,
+    #[serde(default)]
     description: Option<String>,
     #[serde(default)]
     input_schema: Option<serde_json::Map<String, serde_json::Value>>,
@@ -403,7 +412,29 @@ impl TryFrom<RawToolConfig> for ToolConfig {
         }
         // `mcp = URL` names an MCP server; `url` with `mcp_tool` is the same
         // thing as this struct serializes it.
+        if let Some(pool) = &r.pool {
+            if r.url.is_some() || r.mcp.is_some() || r.mcp_tool.is_some() {
+                return Err(
+                    "give either `pool` (a tool its pool's workers run) or `url`/`mcp`, not both: \
+                     a pool tool's address is configured on its workers"
+                        .to_owned(),
+                );
+            }
+            if !valid_pool_name(pool) {
+                return Err(format!(
+                    "`pool` {pool:?} is not a pool name: 1 to 100 of [A-Za-z0-9_-] (it names a topic)"
+                ));
+            }
+            if !r.headers.is_empty() {
+                return Err(
+                    "a pool tool's `headers` (its credentials) are configured on its workers \
+                     only, never on the gate: remove `headers` here"
+                        .to_owned(),
+                );
+            }
+        }
         let (url, mcp_tool) = match (r.url, r.mcp) {
+            _ if r.pool.is_some() => (String::new(), None),
             (Some(_), Some(_)) => {
                 return Err(
                     "give either `url` (a plain HTTP tool) or `mcp` (an MCP server's \
@@ -413,8 +444,8 @@ impl TryFrom<RawToolConfig> for ToolConfig {
             }
             (None, None) => {
                 return Err(
-                    "a tool needs `url` (a plain HTTP tool) or `mcp` (an MCP server's \
-                            Streamable HTTP endpoint)"
+                    "a tool needs `url` (a plain HTTP tool), `mcp` (an MCP server's \
+                            Streamable HTTP endpoint) or `pool` (run by a worker pool)"
                         .to_owned(),
                 );
             }
@@ -436,6 +467,7 @@ impl TryFrom<RawToolConfig> for ToolConfig {
             policy: r.policy.unwrap_or_default(),
             url,
             mcp_tool,
+            pool: r.pool,
             description: r.description,
             input_schema: r.input_schema,
             timeout: r.timeout,
@@ -454,6 +486,14 @@ impl TryFrom<RawToolConfig> for ToolConfig {
             identity,
         })
     }
+}
+
+/// A pool's name: it is part of a topic name.
+pub fn valid_pool_name(name: &str) -> bool {
+    (1..=100).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
 }
 
 fn default_key_header() -> String {
@@ -523,7 +563,10 @@ impl ToolConfig {
 
     /// Whether calls of this tool go through the durable step log.
     pub fn recorded(&self) -> bool {
-        self.record || matches!(self.category, Category::Keyed | Category::Unkeyed)
+        // A pool's call is published with its `started` record: always logged.
+        self.record
+            || self.pool.is_some()
+            || matches!(self.category, Category::Keyed | Category::Unkeyed)
     }
 
     /// Whether each call waits for a person's approval before it runs (a
@@ -598,6 +641,7 @@ impl std::fmt::Debug for ToolConfig {
             .field("policy", &r.policy)
             .field("url", &r.url)
             .field("mcp_tool", &r.mcp_tool)
+            .field("pool", &r.pool)
             .field("description", &r.description)
             .field("input_schema", &r.input_schema)
             .field("timeout", &r.timeout)

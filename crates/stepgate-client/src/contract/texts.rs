@@ -48,6 +48,16 @@ impl Texts {
         )
     }
 
+    /// A pool tool's call that no worker took before its deadline: never invoked.
+    pub fn no_worker(tool: &str, pool: &str) -> String {
+        format!(
+            "The call to `{tool}` was not performed: no worker of its pool `{pool}` took it \
+             before its deadline (the pool has no running worker, or all were busy). Nothing was \
+             done. Call `{tool}` again later as a new attempt, or tell the user the tool is \
+             unavailable."
+        )
+    }
+
     /// Started, then no outcome arrived before the tool's deadline (e.g. the executor died).
     pub fn in_doubt_lost(tool: &str) -> String {
         format!(

@@ -1,0 +1,272 @@
+//! `stepgate worker --pool <name>`: runs the calls of a pool's tools where
+//! those tools can be reached (docs/design.md "Worker pools").
+//!
+//! The gate publishes a pool tool's call (Call v1) on the pool's calls topic
+//! in the transaction that records its step `started`; workers are one
+//! consumer group per pool, reading `read_committed`, with no state of their
+//! own: a committed consumer offset is a call taken. Each call:
+//! - `unkeyed`: its offset is committed (synchronously) first, then Outcome v1
+//!   `started` is published and acknowledged, then the tool is invoked — a
+//!   crash mid-call leaves the step to the gate's deadline (`in_doubt`); no
+//!   worker is given the call again;
+//! - other categories: `started`, invoke, outcome, then the offset — a crash
+//!   mid-call gives the call to the next member, which runs it again with the
+//!   same `Idempotency-Key`.
+//!
+//! The outcome (Outcome v1 `finished`) goes to `progress`, in the step's
+//! partition, where its owner settles it once. The tools are invoked by
+//! [`crate::tools::ToolRegistry`] (HTTP and MCP, as the gate's own invoker
+//! does), with the URLs, headers and secrets of this process's config only.
+
+use crate::config::Config;
+use crate::contract::{PoolCall, Progress, ProgressEvent};
+use crate::kafka::{self, KafkaSetupError};
+use crate::tools::ToolRegistry;
+use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
+use rdkafka::error::KafkaError;
+use rdkafka::message::{Header, Message, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::{Offset, TopicPartitionList};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use thiserror::Error;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+#[derive(Debug, Error)]
+pub enum WorkerError {
+    #[error("Kafka")]
+    Kafka(#[from] KafkaError),
+    #[error(transparent)]
+    Setup(#[from] KafkaSetupError),
+    #[error(
+        "`--pool {0}` is not a pool name: 1 to 100 of [A-Za-z0-9_-], as the gate's tools declare it"
+    )]
+    Pool(String),
+    #[error(
+        "tools.{0} declares `pool`: a worker runs its tools by their `url` or `mcp` (the pool is `--pool`)"
+    )]
+    PoolTool(String),
+    #[error("the worker's config declares no tools: give the pool's tools their `url` or `mcp`")]
+    NoTools,
+}
+
+/// What `stepgate worker` is told on its command line.
+#[derive(Debug, Clone)]
+pub struct WorkerOptions {
+    pub pool: String,
+    /// Calls invoked at once by this process.
+    pub concurrency: usize,
+    /// Static group membership (a restarted worker gets its partitions back
+    /// at once); none: a dynamic member.
+    pub instance_id: Option<String>,
+}
+
+/// The consumer group of a pool's workers.
+pub fn group_of(config: &Config, pool: &str) -> String {
+    format!("{}.pool.{pool}", config.kafka.gate_group)
+}
+
+/// Run the pool's worker until `shutdown`: calls taken then are finished
+/// (within `executor.drain_timeout`); calls not taken stay for another worker.
+pub async fn run(
+    config: Arc<Config>,
+    opts: WorkerOptions,
+    shutdown: CancellationToken,
+) -> Result<(), WorkerError> {
+    if !crate::tools::tool::valid_pool_name(&opts.pool) {
+        return Err(WorkerError::Pool(opts.pool));
+    }
+    if let Some((name, _)) = config.tools.iter().find(|(_, t)| t.pool.is_some()) {
+        return Err(WorkerError::PoolTool(name.clone()));
+    }
+    if config.tools.is_empty() {
+        return Err(WorkerError::NoTools);
+    }
+    let k = &config.kafka;
+    kafka::check_connection(k).await?;
+    kafka::create_pool_topics(k, &config.state, std::slice::from_ref(&opts.pool)).await?;
+    let topic = k.topics.calls_for(&opts.pool);
+    let group = group_of(&config, &opts.pool);
+    let consumer: Arc<StreamConsumer> =
+        Arc::new(kafka::worker_consumer_config(k, &group, opts.instance_id.as_deref()).create()?);
+    consumer.subscribe(&[&topic])?;
+    let producer: FutureProducer = kafka::worker_producer_config(k).create()?;
+    let concurrency = opts.concurrency.max(1);
+    let worker = Arc::new(Worker {
+        tools: ToolRegistry::new(&config.tools, concurrency),
+        consumer: consumer.clone(),
+        producer,
+        progress: k.topics.progress.clone(),
+        topic: topic.clone(),
+        committed: Arc::new(Mutex::new(HashMap::new())),
+    });
+    info!(pool = %opts.pool, %topic, %group, tools = ?config.tools.keys().collect::<Vec<_>>(), concurrency, "worker consuming");
+    let slots = Arc::new(Semaphore::new(concurrency));
+    loop {
+        let slot = tokio::select! {
+            biased;
+            _ = shutdown.cancelled() => break,
+            s = slots.clone().acquire_owned() => s.expect("the slots are never closed"),
+        };
+        let msg = tokio::select! {
+            biased;
+            _ = shutdown.cancelled() => break,
+            m = consumer.recv() => m,
+        };
+        let msg = match msg {
+            Ok(m) => m,
+            Err(e) => {
+                warn!(error = %e, "consumer error (librdkafka retries by itself)");
+                continue;
+            }
+        };
+        let taken = Taken {
+            partition: msg.partition(),
+            offset: msg.offset(),
+            payload: msg.payload().unwrap_or_default().to_vec(),
+        };
+        let w = worker.clone();
+        tokio::spawn(async move {
+            w.handle(taken).await;
+            drop(slot);
+        });
+    }
+    // Calls taken finish and report; the rest stay on the topic for another
+    // member (their offsets are not committed).
+    let drain = config.executor.drain_timeout.0;
+    if tokio::time::timeout(drain, slots.acquire_many(concurrency as u32))
+        .await
+        .is_err()
+    {
+        warn!(
+            "drain timeout: calls still running are left to the gate's deadline (unkeyed: in_doubt; others: run again)"
+        );
+    }
+    drop(worker);
+    kafka::close_within("the worker's consumer", consumer, Duration::from_secs(10)).await;
+    info!("worker stopped");
+    Ok(())
+}
+
+/// A call as read from the calls topic.
+struct Taken {
+    partition: i32,
+    offset: i64,
+    payload: Vec<u8>,
+}
+
+struct Worker {
+    tools: ToolRegistry,
+    consumer: Arc<StreamConsumer>,
+    producer: FutureProducer,
+    progress: String,
+    topic: String,
+    /// Per calls partition, the offset committed last: commits only move
+    /// forward (an `unkeyed` call's commit may already cover an earlier call
+    /// still running; that one is re-run by the gate's deadline if lost).
+    committed: Arc<Mutex<HashMap<i32, i64>>>,
+}
+
+impl Worker {
+    async fn handle(&self, taken: Taken) {
+        let Taken {
+            partition,
+            offset,
+            payload,
+        } = taken;
+        let call: PoolCall = match serde_json::from_slice(&payload) {
+            Ok(c) => c,
+            Err(e) => {
+                warn!(partition, offset, error = %e, "an unreadable call on the calls topic: skipped");
+                let _ = self.commit(partition, offset).await;
+                return;
+            }
+        };
+        let now = chrono::Utc::now().timestamp_millis();
+        if now > call.take_by_ms {
+            // The gate answers it `no_worker` at its deadline: never taken.
+            warn!(step = %call.step, dispatch = call.dispatch, late_ms = now - call.take_by_ms, "a call past its take_by time: not taken (the gate answers it no_worker)");
+            let _ = self.commit(partition, offset).await;
+            return;
+        }
+        let unkeyed = call.category == "unkeyed";
+        // Unkeyed: taken for good before anything is sent to the tool.
+        if unkeyed && let Err(e) = self.commit(partition, offset).await {
+            warn!(step = %call.step, error = %e, "could not commit taking an unkeyed call: not invoked (another member takes it, or the gate answers it)");
+            return;
+        }
+        if let Err(e) = self.report(&call, ProgressEvent::Started).await {
+            // Not said taken: not invoked. A keyed call stays uncommitted for
+            // another member; an unkeyed one is answered `no_worker`.
+            warn!(step = %call.step, error = %e, "could not publish that the call was taken: not invoked");
+            return;
+        }
+        info!(step = %call.step, dispatch = call.dispatch, category = %call.category, "call taken");
+        let outcome = self.tools.invoke(&call.to_call()).await;
+        info!(step = %call.step, dispatch = call.dispatch, outcome = outcome.label(), "call finished");
+        if let Err(e) = self
+            .report(&call, ProgressEvent::Finished { outcome })
+            .await
+        {
+            // Unkeyed: the gate's deadline says in_doubt. Keyed: left
+            // uncommitted, run again with the same key.
+            warn!(step = %call.step, error = %e, "could not publish the call's outcome");
+            return;
+        }
+        if !unkeyed && let Err(e) = self.commit(partition, offset).await {
+            warn!(step = %call.step, error = %e, "could not commit a finished call (it may run again, with the same key)");
+        }
+    }
+
+    /// Outcome v1 to the step's owner: `progress`, in the step's partition,
+    /// acknowledged by the brokers before this returns.
+    async fn report(&self, call: &PoolCall, event: ProgressEvent) -> Result<(), KafkaError> {
+        let progress = Progress {
+            step: call.step.clone(),
+            dispatch: call.dispatch,
+            fast_ref: None,
+            at_ms: chrono::Utc::now().timestamp_millis(),
+            event,
+        };
+        let payload = serde_json::to_vec(&progress).expect("a progress record serialises");
+        let mut record = FutureRecord::to(&self.progress)
+            .partition(call.partition)
+            .key(call.step.workflow_id.as_bytes())
+            .payload(&payload);
+        if let Some(tp) = &call.traceparent {
+            record = record.headers(OwnedHeaders::new().insert(Header {
+                key: crate::contract::headers::TRACEPARENT,
+                value: Some(tp.as_bytes()),
+            }));
+        }
+        self.producer
+            .send(record, Duration::from_secs(30))
+            .await
+            .map(|_| ())
+            .map_err(|(e, _)| e)
+    }
+
+    /// Commit that the call at `offset` (and everything before it in its
+    /// partition) is taken, synchronously; never backwards.
+    async fn commit(&self, partition: i32, offset: i64) -> Result<(), KafkaError> {
+        let next = offset + 1;
+        let mut tpl = TopicPartitionList::new();
+        tpl.add_partition_offset(&self.topic, partition, Offset::Offset(next))?;
+        let (consumer, committed) = (self.consumer.clone(), self.committed.clone());
+        tokio::task::spawn_blocking(move || {
+            // Held over the commit: a partition's commits go in order.
+            let mut done = committed.lock().expect("the commit lock is never poisoned");
+            if done.get(&partition).is_some_and(|&c| c >= next) {
+                return Ok(());
+            }
+            consumer.commit(&tpl, CommitMode::Sync)?;
+            done.insert(partition, next);
+            Ok(())
+        })
+        .await
+        .map_err(|_| KafkaError::Canceled)?
+    }
+}

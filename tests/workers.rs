@@ -1,0 +1,353 @@
+//! Worker pools (docs/design.md "Worker pools", #31), on the real broker: a
+//! tool declared `pool = "…"` is run by `stepgate worker` processes, never by
+//! the gate (whose config names no URL for it). Effects are counted at the
+//! test's tool server, which records every raw invocation and, for
+//! `Reply::Provider`, deduplicates by `Idempotency-Key` as a provider does.
+
+mod common;
+
+use common::*;
+use serde_json::json;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+use stepgate::config::Config;
+use stepgate::contract::Status;
+
+/// The gate's view of the pool tools: a category, a pool and a deadline;
+/// no address, no headers.
+const POOL_TOOLS: &str = r#"
+[tools.render]
+category = "unkeyed"
+pool = "gpu"
+timeout = "4s"
+retries = 0
+
+[tools.charge_remote]
+category = "keyed"
+pool = "gpu"
+timeout = "10s"
+retries = 0
+
+[tools.lonely]
+category = "keyed"
+pool = "nobody"
+timeout = "1s"
+retries = 0
+"#;
+
+async fn pool_stack() -> Stack {
+    Stack::new(StackOptions {
+        tool_tables: POOL_TOOLS.into(),
+        ..StackOptions::default()
+    })
+    .await
+}
+
+/// The worker's config: the stack's Kafka settings, and the pool's tools with
+/// their addresses (at the test's tool server) — configured here only.
+fn worker_config(s: &Stack) -> PathBuf {
+    let mut cfg: Config = s.config.clone();
+    cfg.http.listen = String::new();
+    cfg.state.path = s.dir.path().join("worker-state-unused");
+    let tables = format!(
+        r#"
+[tools.render]
+category = "unkeyed"
+url = "{base}/render"
+timeout = "4s"
+retries = 0
+
+[tools.charge_remote]
+category = "keyed"
+url = "{base}/charge_remote"
+timeout = "10s"
+retries = 0
+"#,
+        base = s.tools.base
+    );
+    cfg.tools = Config::from_toml_str(&tables, Vec::new())
+        .expect("the worker's tools")
+        .tools;
+    cfg.validate().expect("the worker's config is valid");
+    let path = s.dir.path().join("worker.toml");
+    write_config(&cfg, &path);
+    path
+}
+
+/// `stepgate worker --pool gpu`, logging to `worker-<name>.log`; killed -9
+/// when dropped. `name` is its static group member id.
+fn spawn_worker(s: &Stack, config: &PathBuf, name: &str) -> Killed {
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(s.dir.path().join(format!("worker-{name}.log")))
+        .unwrap();
+    Killed(
+        Command::new(stepgate_bin())
+            .args(["worker", "--pool", "gpu", "--instance-id"])
+            .arg(format!("{}-worker-{name}", s.prefix))
+            .arg("--config")
+            .arg(config)
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("stepgate worker starts"),
+    )
+}
+
+fn worker_log(s: &Stack, name: &str) -> String {
+    std::fs::read_to_string(s.dir.path().join(format!("worker-{name}.log"))).unwrap_or_default()
+}
+
+/// kill -9 a worker (as `Killed`'s drop does, said explicitly).
+fn kill9(w: Killed) {
+    drop(w);
+}
+
+/// The raw invocations of `tool` for one workflow's steps.
+fn runs_of(s: &Stack, tool: &str, wf: &str) -> usize {
+    s.tools
+        .calls(tool)
+        .iter()
+        .filter(|c| c.headers.get("stepgate-workflow-id").map(String::as_str) == Some(wf))
+        .count()
+}
+
+#[tokio::test]
+async fn a_pool_tool_is_run_by_its_worker_once_and_repeats_are_answered_by_the_gate() {
+    let mut s = pool_stack().await;
+    assert!(
+        s.config.tools["render"].url.is_empty(),
+        "the gate has no address for a pool tool"
+    );
+    s.start().await;
+    let wc = worker_config(&s);
+    let _worker = spawn_worker(&s, &wc, "a");
+    let agent = s.agent();
+    let wf = random_name("wf");
+
+    let first = agent
+        .call(intent(&wf, 0, "render", json!({"page": 1}), "c1"))
+        .await;
+    assert_eq!(
+        first.status,
+        Status::Ok,
+        "{first:?}\n{}",
+        worker_log(&s, "a")
+    );
+    assert!(!first.deduplicated);
+    assert_eq!(first.output.as_ref().unwrap()["echo"], json!({"page": 1}));
+    let calls = s.tools.calls("render");
+    assert_eq!(calls.len(), 1, "the tool ran once");
+    // The worker sent the step's headers and key, as the gate's invoker does.
+    let key = stepgate::contract::StepKey {
+        workflow_id: wf.clone(),
+        step_index: 0,
+        tool: "render".into(),
+        attempt: 0,
+    }
+    .idempotency_key();
+    assert_eq!(calls[0].idempotency_key, key);
+    assert_eq!(calls[0].headers["stepgate-workflow-id"], wf);
+
+    // A repeat (rephrased, even) is the gate's answer; the tool is not run again.
+    let again = agent
+        .call(intent(&wf, 0, "render", json!({"page": "one"}), "c2"))
+        .await;
+    assert!(again.deduplicated);
+    same_but_call_id(&first, &again);
+    assert_eq!(s.tools.count("render"), 1);
+
+    // A keyed pool tool too, and the gate counted what it published.
+    let k = agent
+        .call(intent(&wf, 1, "charge_remote", json!({"cents": 5}), "c3"))
+        .await;
+    assert_eq!(k.status, Status::Ok, "{k:?}");
+    assert_eq!(s.tools.count("charge_remote"), 1);
+    let m = s.metrics().await;
+    assert!(
+        m.contains(r#"stepgate_pool_calls_total{pool="gpu",tool="render"} 1"#),
+        "{m}"
+    );
+}
+
+/// kill -9 a worker after it took an unkeyed call and before the tool
+/// answered: the step ends `in_doubt` at its deadline, and no worker ever
+/// invokes it again — not the restarted one, which goes on with later calls.
+#[tokio::test]
+async fn an_unkeyed_call_whose_worker_dies_mid_call_is_in_doubt_and_never_run_again() {
+    let mut s = pool_stack().await;
+    s.tools.script(
+        "render",
+        vec![Reply::Delay(Duration::from_secs(120)), Reply::Ok],
+    );
+    s.start().await;
+    let wc = worker_config(&s);
+    let worker = spawn_worker(&s, &wc, "a");
+    let agent = s.agent();
+    let wf = random_name("wf");
+
+    agent.send(&intent(&wf, 0, "render", json!({}), "u1")).await;
+    eventually(
+        Duration::from_secs(60),
+        "the worker invokes the tool",
+        || s.tools.count("render") == 1,
+    )
+    .await;
+    kill9(worker);
+
+    let answer = agent.answer("u1", Duration::from_secs(60)).await;
+    assert_eq!(answer.status, Status::InDoubt, "{answer:?}");
+    assert_eq!(answer.error.as_ref().unwrap().kind, "executor_lost");
+
+    // A new worker of the pool (the same member) takes the next call and
+    // never the one taken by the dead worker.
+    let _again = spawn_worker(&s, &wc, "a");
+    let next = agent.call(intent(&wf, 1, "render", json!({}), "u2")).await;
+    assert_eq!(next.status, Status::Ok, "{next:?}\n{}", worker_log(&s, "a"));
+    assert_eq!(runs_of(&s, "render", &wf), 2);
+    let step0: Vec<_> = s
+        .tools
+        .calls("render")
+        .into_iter()
+        .filter(|c| c.headers["stepgate-step-index"] == "0")
+        .collect();
+    assert_eq!(step0.len(), 1, "the unkeyed step was invoked once");
+    // A repeat gets the same in_doubt answer.
+    let repeat = agent.call(intent(&wf, 0, "render", json!({}), "u3")).await;
+    same_but_call_id(&answer, &repeat);
+    assert_eq!(s.tools.count("render"), 2);
+}
+
+/// kill -9 a worker during a keyed call: the next member runs it again with
+/// the same key; the provider performs one effect; the agent gets `ok`.
+#[tokio::test]
+async fn a_keyed_call_whose_worker_dies_is_run_again_with_one_key_and_one_effect() {
+    let mut s = pool_stack().await;
+    s.tools.script(
+        "charge_remote",
+        vec![Reply::Provider(Duration::from_secs(3))],
+    );
+    s.start().await;
+    let wc = worker_config(&s);
+    let worker = spawn_worker(&s, &wc, "a");
+    let agent = s.agent();
+    let wf = random_name("wf");
+
+    agent
+        .send(&intent(
+            &wf,
+            0,
+            "charge_remote",
+            json!({"cents": 700}),
+            "k1",
+        ))
+        .await;
+    eventually(
+        Duration::from_secs(60),
+        "the worker invokes the tool",
+        || s.tools.count("charge_remote") == 1,
+    )
+    .await;
+    kill9(worker);
+    let _again = spawn_worker(&s, &wc, "a");
+
+    let answer = agent.answer("k1", Duration::from_secs(90)).await;
+    assert_eq!(
+        answer.status,
+        Status::Ok,
+        "{answer:?}\n{}",
+        worker_log(&s, "a")
+    );
+    assert!(
+        s.tools.count("charge_remote") >= 2,
+        "the call was run again after the crash"
+    );
+    let keys = s.tools.keys_per_step("charge_remote");
+    assert_eq!(keys.len(), 1);
+    assert!(keys.values().all(|k| k.len() == 1), "one key: {keys:?}");
+    assert_eq!(s.tools.performed("charge_remote"), 1, "one effect");
+    assert_eq!(
+        answer.output.as_ref().unwrap()["performed_for"],
+        json!(keys.values().next().unwrap().iter().next().unwrap())
+    );
+    assert_eq!(agent.answers("k1").len(), 1);
+}
+
+/// kill -9 the gate while a worker holds calls: the outcomes wait on
+/// `progress` and the gate's next process settles each once.
+#[tokio::test]
+async fn outcomes_of_calls_held_while_the_gate_dies_are_settled_once_by_the_next_owner() {
+    let mut s = pool_stack().await;
+    s.tools
+        .script("render", vec![Reply::Delay(Duration::from_secs(2))]);
+    s.tools.script(
+        "charge_remote",
+        vec![Reply::Provider(Duration::from_secs(2))],
+    );
+    s.start().await;
+    let wc = worker_config(&s);
+    let _worker = spawn_worker(&s, &wc, "a");
+    let agent = s.agent();
+    let wf = random_name("wf");
+
+    agent.send(&intent(&wf, 0, "render", json!({}), "g1")).await;
+    agent
+        .send(&intent(&wf, 1, "charge_remote", json!({}), "g2"))
+        .await;
+    eventually(
+        Duration::from_secs(60),
+        "the worker holds both calls",
+        || s.tools.count("render") == 1 && s.tools.count("charge_remote") == 1,
+    )
+    .await;
+    s.kill();
+    s.start().await;
+
+    for id in ["g1", "g2"] {
+        let a = agent.answer(id, Duration::from_secs(60)).await;
+        assert_eq!(a.status, Status::Ok, "{id}: {a:?}\n{}", s.log_tail(40));
+        assert!(!a.deduplicated);
+    }
+    assert_eq!(s.tools.count("render"), 1);
+    assert_eq!(s.tools.performed("charge_remote"), 1);
+    // Answered once each: a later step's answer shows the gate went on past them.
+    let later = agent.call(intent(&wf, 2, "render", json!({}), "g3")).await;
+    assert_eq!(later.status, Status::Ok);
+    assert_eq!(agent.answers("g1").len(), 1);
+    assert_eq!(agent.answers("g2").len(), 1);
+}
+
+/// A pool with no worker: at the call's deadline the agent is told that
+/// nothing was done (`no_worker`), not `in_doubt`, and the gate counts it.
+#[tokio::test]
+async fn a_pool_with_no_worker_answers_no_worker_at_the_deadline() {
+    let mut s = pool_stack().await;
+    s.start().await;
+    let agent = s.agent();
+    let wf = random_name("wf");
+    let answer = agent.call(intent(&wf, 0, "lonely", json!({}), "n1")).await;
+    assert_eq!(answer.status, Status::Error, "{answer:?}");
+    let error = answer.error.as_ref().unwrap();
+    assert_eq!(error.kind, "no_worker");
+    assert!(error.message.contains("`nobody`"), "{}", error.message);
+    assert!(
+        error.message.contains("Nothing was done"),
+        "{}",
+        error.message
+    );
+    s.metrics_until(
+        r#"stepgate_pool_unclaimed_total{pool="nobody",tool="lonely"} 1"#,
+        Duration::from_secs(10),
+    )
+    .await;
+    // The call was published all the same (a worker started late would see
+    // it, past its take_by time, and leave it).
+    let calls = s
+        .reader("calls.nobody")
+        .wait_for(1, Duration::from_secs(30))
+        .await;
+    assert_eq!(calls[0].value["step"]["tool"], json!("lonely"));
+    assert_eq!(calls[0].value["category"], json!("keyed"));
+}
