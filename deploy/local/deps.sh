@@ -19,6 +19,7 @@ if [[ "${STEPGATE_NEED_KAFKA:-0}" == 1 ]]; then
   command -v openssl >/dev/null 2>&1 || missing+=(openssl)            # kafka.sh's SASL_SSL certificates
   command -v docker-compose >/dev/null 2>&1 || missing+=(docker-compose) # validates docker-compose.yml
   command -v python3 >/dev/null 2>&1 || missing+=(python3 python3-pip)
+  command -v chromium >/dev/null 2>&1 || missing+=(chromium)          # tests/console.rs's browser
 fi
 
 if ((${#missing[@]})); then
@@ -56,6 +57,14 @@ if [[ "${STEPGATE_NEED_KAFKA:-0}" == 1 ]] && ! python3 -c 'import pytest' 2>/dev
   echo "installing the Python package pytest"
   python3 -m pip install -q pytest 2>/dev/null ||
     python3 -m pip install -q --break-system-packages pytest
+fi
+
+# tests/console.rs drives the console in Debian's chromium through Playwright
+# for Python (its own browser download is not used: `executable_path`).
+if [[ "${STEPGATE_NEED_KAFKA:-0}" == 1 ]] && ! python3 -c 'import playwright.sync_api' 2>/dev/null; then
+  echo "installing the Python package playwright"
+  python3 -m pip install -q playwright 2>/dev/null ||
+    python3 -m pip install -q --break-system-packages playwright
 fi
 
 # A Go tool the tests run, installed with `go install` (as root) when missing.
