@@ -91,6 +91,24 @@ pub struct Decision {
     pub output: Option<Value>,
 }
 
+impl From<Command> for Decision {
+    /// The decision as its command states it (the audit and the console's
+    /// timeline read `commands` through this).
+    fn from(cmd: Command) -> Decision {
+        Decision {
+            id: cmd.id,
+            action: cmd.action.as_str().to_owned(),
+            by: cmd.by,
+            at: cmd.at,
+            reason: cmd.reason,
+            output: match cmd.action {
+                Action::ResolveExecuted { output } => Some(output),
+                _ => None,
+            },
+        }
+    }
+}
+
 impl StepAudit {
     /// The operator's decision that settled an in-doubt step, if any.
     pub fn resolution(&self) -> Option<&Decision> {
@@ -211,17 +229,7 @@ pub fn build(
         if list.iter().any(|d| d.id == cmd.id) {
             continue;
         }
-        list.push(Decision {
-            id: cmd.id,
-            action: cmd.action.as_str().to_owned(),
-            by: cmd.by,
-            at: cmd.at,
-            reason: cmd.reason,
-            output: match cmd.action {
-                Action::ResolveExecuted { output } => Some(output),
-                _ => None,
-            },
-        });
+        list.push(Decision::from(cmd));
     }
     let mut answers: BTreeMap<String, (ToolResult, i64)> = BTreeMap::new();
     for r in results {

@@ -110,6 +110,16 @@ pub enum Command {
         #[arg(long, default_value = "120s")]
         timeout: humantime::Duration,
     },
+    /// Serve the web console: calls held for approval, in-doubt steps,
+    /// workflow timelines and per-tool figures, from the topics (see
+    /// docs/console.md). Binds `console.listen` (loopback by default).
+    Console {
+        #[command(flatten)]
+        deployment: Deployment,
+        /// Serve on this address instead of `console.listen`.
+        #[arg(long)]
+        listen: Option<String>,
+    },
     /// Report what agents did, replayed from the intents and results topics
     /// (read-only: live state is not touched).
     Audit {

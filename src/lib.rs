@@ -28,6 +28,9 @@
 //! - [`mcp`]: the MCP front (`stepgate mcp`): each `tools/call` a step,
 //!   through the [`client`].
 //! - [`operator`]: steps of a workflow, resolutions and approvals, for operators.
+//! - [`console`]: the web console (`stepgate console`): held calls, in-doubt
+//!   steps and timelines from a cache of the topics; decisions through
+//!   [`operator`].
 //! - [`provider`]: for people who write tools (the provider side of the
 //!   protocol): the step's headers and key, and a ledger that stores the key
 //!   with the effect in one database transaction.
@@ -57,6 +60,7 @@ pub mod audit;
 pub mod cli;
 pub mod client;
 pub mod config;
+pub mod console;
 pub mod demo;
 pub mod duration;
 pub mod executor;

@@ -201,6 +201,23 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
             front.run(transport, shutdown_on_signals()).await?;
             Ok(())
         }
+        Command::Console { deployment, listen } => {
+            let mut cfg = load(&deployment)?;
+            if let Some(l) = listen {
+                cfg.console.listen = l;
+            }
+            cfg.console.validate()?;
+            stepgate::telemetry::init_logging(&cfg.log);
+            cfg.resolve_tool_headers(|var| std::env::var(var).ok())?;
+            let shutdown = shutdown_on_signals();
+            let console =
+                stepgate::console::start(cfg, &|var| std::env::var(var).ok(), shutdown.clone())
+                    .await?;
+            eprintln!("stepgate console on http://{}/", console.addr);
+            shutdown.cancelled().await;
+            let _ = console.server.await;
+            Ok(())
+        }
         Command::Audit {
             deployment,
             workflow,

@@ -236,7 +236,25 @@ pub async fn decide(
         dispatch: run.unwrap_or(record.dispatch),
         intended_at_ms: record.intended_at_ms,
     };
-    let partition = found.partition;
+    send_decision(cfg, found.partition, step, action, by, reason, run, wait).await
+}
+
+/// Write `action` about `step` (which lives in `partition`) to the commands
+/// topic, bound to `run`, and wait (up to `wait`) until a gate applied it or
+/// refused it, as [`decide`] does once it has found the step. For a caller
+/// that already holds the step's record (the console's cache): the gate checks
+/// the phase and the run when it applies the command.
+#[allow(clippy::too_many_arguments)]
+pub async fn send_decision(
+    cfg: &KafkaConfig,
+    partition: i32,
+    step: StepKey,
+    action: Action,
+    by: &str,
+    reason: Option<String>,
+    run: Run,
+    wait: Duration,
+) -> Result<StepRecord, OperatorError> {
     let now = chrono::Utc::now();
     let command = Command {
         id: format!(

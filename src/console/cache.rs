@@ -1,0 +1,537 @@
+//! The console's only state: an in-memory view of the topics, rebuilt from
+//! their beginning at start and followed from then on (read_committed).
+//!
+//! - `changelog`: every step's latest record, kept compact ([`StepEntry`]:
+//!   its phase, answer status, timings and where the record sits); the whole
+//!   record only for the steps waiting for a person (held for approval, in
+//!   doubt). A workflow's timeline reads its records back by offset.
+//! - `approvals`: when each held call was requested, and who decided it.
+//! - `commands`: every operator's decision, with the output they recorded.
+//! - `intents`, `results`: calls and answers counted per tool.
+//!
+//! Lag per partition is the gate group's committed offset on `intents`
+//! against the partition's end, read every few seconds.
+
+use crate::audit::Decision;
+use crate::config::KafkaConfig;
+use crate::contract::{ApprovalEvent, ApprovalKind, Command, Status, StepKey};
+use crate::kafka;
+use crate::state::{Phase, StepRecord, changelog_step};
+use rdkafka::Message as _;
+use rdkafka::consumer::Consumer as _;
+use rdkafka::error::KafkaError;
+use std::collections::{BTreeMap, HashMap};
+use std::ops::Bound;
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
+
+/// Where a step sits in the cache's index: its workflow's steps are one range.
+pub type EntryKey = (Box<str>, u64, u16, u64);
+
+/// What the console keeps of every step.
+#[derive(Debug, Clone)]
+pub struct StepEntry {
+    pub partition: i32,
+    /// The changelog offset of the record: where its whole record is read back.
+    pub offset: i64,
+    pub phase: Phase,
+    /// The first answer's status, once there is one.
+    pub status: Option<Status>,
+    pub intended_at_ms: i64,
+    /// From the first call's publication to its answer.
+    pub latency_ms: Option<u32>,
+    pub repeats: u64,
+    pub dispatch: u32,
+}
+
+/// Per tool, what the overview shows.
+#[derive(Debug, Clone, Default)]
+pub struct ToolFigures {
+    /// Intents published (fast-path and refused ones too).
+    pub calls: u64,
+    /// Recorded steps.
+    pub steps: u64,
+    /// Calls of recorded steps after their first.
+    pub repeats: u64,
+    pub in_flight: u64,
+    pub awaiting_approval: u64,
+    pub in_doubt: u64,
+    /// Answers on `results`, by status.
+    pub answers: BTreeMap<&'static str, u64>,
+    pub p50_ms: Option<u32>,
+    pub p99_ms: Option<u32>,
+}
+
+impl ToolFigures {
+    /// Repeats ÷ effectful calls (each recorded step's first call and its repeats).
+    pub fn dedup_rate(&self) -> Option<f64> {
+        let effectful = self.steps + self.repeats;
+        (effectful > 0).then(|| self.repeats as f64 / effectful as f64)
+    }
+}
+
+/// One intents partition of the gate's group.
+#[derive(Debug, Clone)]
+pub struct PartitionLag {
+    pub partition: i32,
+    pub end: i64,
+    /// The gate group's committed offset (`None`: nothing committed yet).
+    pub committed: Option<i64>,
+}
+
+impl PartitionLag {
+    pub fn lag(&self) -> i64 {
+        self.end - self.committed.unwrap_or(0).max(0)
+    }
+}
+
+/// The requested/decided events of a held call, from `approvals`.
+#[derive(Debug, Clone, Default)]
+pub struct ApprovalTrail {
+    pub requested_at: Option<String>,
+    /// (approved or denied, by, at, reason)
+    pub decided: Option<(&'static str, String, String, Option<String>)>,
+}
+
+/// The view of the topics.
+#[derive(Default)]
+pub struct Cache {
+    tools: Vec<Box<str>>,
+    steps: BTreeMap<EntryKey, StepEntry>,
+    /// Whole records of the steps waiting for a person.
+    attention: BTreeMap<EntryKey, StepRecord>,
+    approvals: HashMap<StepKey, ApprovalTrail>,
+    decisions: HashMap<StepKey, Vec<Decision>>,
+    calls: HashMap<Box<str>, u64>,
+    answers: HashMap<(Box<str>, &'static str), u64>,
+    pub lag: Vec<PartitionLag>,
+    /// Bumped whenever the set of steps waiting for a person changes: the
+    /// live fragments are re-sent only then.
+    pub attention_version: u64,
+    /// Every partition has been read to its end once since start.
+    pub caught_up: bool,
+    pub caught_up_after: Option<Duration>,
+    pub records_read: u64,
+    pub error: Option<String>,
+}
+
+impl Cache {
+    fn tool_id(&mut self, tool: &str) -> u16 {
+        if let Some(i) = self.tools.iter().position(|t| &**t == tool) {
+            return i as u16;
+        }
+        self.tools.push(tool.into());
+        (self.tools.len() - 1) as u16
+    }
+
+    fn tool_of(&self, id: u16) -> &str {
+        self.tools.get(id as usize).map(|t| &**t).unwrap_or("?")
+    }
+
+    fn key_of(&mut self, step: &StepKey) -> EntryKey {
+        (
+            step.workflow_id.as_str().into(),
+            step.step_index,
+            self.tool_id(&step.tool),
+            step.attempt,
+        )
+    }
+
+    pub fn step_key(&self, k: &EntryKey) -> StepKey {
+        StepKey {
+            workflow_id: k.0.to_string(),
+            step_index: k.1,
+            tool: self.tool_of(k.2).to_owned(),
+            attempt: k.3,
+        }
+    }
+
+    /// A changelog record (or its tombstone) at `offset`.
+    pub fn apply_changelog(&mut self, key: &[u8], value: Option<&[u8]>, offset: i64) {
+        let Some((partition, step, record)) = changelog_step(key, value) else {
+            return;
+        };
+        let k = self.key_of(&step);
+        let Some(record) = record else {
+            self.steps.remove(&k);
+            if self.attention.remove(&k).is_some() {
+                self.attention_version += 1;
+            }
+            return;
+        };
+        let latency_ms = match (&record.result, record.intent_ts_ms) {
+            (Some(r), Some(t0)) => chrono::DateTime::parse_from_rfc3339(&r.completed_at)
+                .ok()
+                .map(|t| (t.timestamp_millis() - t0).clamp(0, u32::MAX as i64) as u32),
+            _ => None,
+        };
+        self.steps.insert(
+            k.clone(),
+            StepEntry {
+                partition,
+                offset,
+                phase: record.phase,
+                status: record.result.as_ref().map(|r| r.status),
+                intended_at_ms: record.intended_at_ms,
+                latency_ms,
+                repeats: record.repeats,
+                dispatch: record.dispatch,
+            },
+        );
+        let phase = record.phase;
+        let waits = matches!(phase, Phase::InDoubt | Phase::AwaitingApproval);
+        let before = if waits {
+            self.attention.insert(k, record)
+        } else {
+            self.attention.remove(&k)
+        };
+        // A repeat joining a held call rewrites its record: not a change a
+        // person must see.
+        if before.map(|b| b.phase) != waits.then_some(phase) {
+            self.attention_version += 1;
+        }
+    }
+
+    pub fn apply_approval(&mut self, value: &[u8]) {
+        let Ok(e) = serde_json::from_slice::<ApprovalEvent>(value) else {
+            return;
+        };
+        let trail = self.approvals.entry(e.step).or_default();
+        match e.event {
+            ApprovalKind::Requested { .. } => {
+                *trail = ApprovalTrail {
+                    requested_at: Some(e.at),
+                    decided: None,
+                }
+            }
+            ApprovalKind::Approved { by, reason } => {
+                trail.decided = Some(("approved", by, e.at, reason))
+            }
+            ApprovalKind::Denied { by, reason } => {
+                trail.decided = Some(("denied", by, e.at, reason))
+            }
+        }
+    }
+
+    pub fn apply_command(&mut self, value: &[u8]) {
+        let Ok(cmd) = serde_json::from_slice::<Command>(value) else {
+            return;
+        };
+        let list = self.decisions.entry(cmd.step.clone()).or_default();
+        // A command re-sent by its author has the same id: one decision.
+        if !list.iter().any(|d| d.id == cmd.id) {
+            list.push(Decision::from(cmd));
+        }
+    }
+
+    pub fn apply_intent(&mut self, value: &[u8]) {
+        #[derive(serde::Deserialize)]
+        struct ToolOnly<'a> {
+            #[serde(borrow)]
+            tool: std::borrow::Cow<'a, str>,
+        }
+        if let Ok(t) = serde_json::from_slice::<ToolOnly>(value) {
+            *self.calls.entry(t.tool.as_ref().into()).or_default() += 1;
+        }
+    }
+
+    pub fn apply_result(&mut self, value: &[u8]) {
+        #[derive(serde::Deserialize)]
+        struct Brief<'a> {
+            #[serde(borrow)]
+            tool: std::borrow::Cow<'a, str>,
+            status: Status,
+        }
+        if let Ok(b) = serde_json::from_slice::<Brief>(value) {
+            *self
+                .answers
+                .entry((b.tool.as_ref().into(), b.status.as_str()))
+                .or_default() += 1;
+        }
+    }
+
+    /// The whole records of the steps waiting for a person in `phase`,
+    /// oldest first.
+    pub fn waiting(&self, phase: Phase) -> Vec<StepRecord> {
+        let mut out: Vec<StepRecord> = self
+            .attention
+            .values()
+            .filter(|r| r.phase == phase)
+            .cloned()
+            .collect();
+        out.sort_by_key(|r| r.intended_at_ms);
+        out
+    }
+
+    /// The step's whole record, when it waits for a person.
+    pub fn waiting_record(&self, step: &StepKey) -> Option<StepRecord> {
+        let tool = self.tools.iter().position(|t| **t == *step.tool)? as u16;
+        self.attention
+            .get(&(
+                step.workflow_id.as_str().into(),
+                step.step_index,
+                tool,
+                step.attempt,
+            ))
+            .cloned()
+    }
+
+    /// A workflow's steps in order.
+    pub fn workflow(&self, workflow_id: &str) -> Vec<(StepKey, StepEntry)> {
+        let from: EntryKey = (workflow_id.into(), 0, 0, 0);
+        let to: EntryKey = (workflow_id.into(), u64::MAX, u16::MAX, u64::MAX);
+        self.steps
+            .range((Bound::Included(from), Bound::Included(to)))
+            .map(|(k, e)| (self.step_key(k), e.clone()))
+            .collect()
+    }
+
+    /// Workflow ids starting with `prefix` (at most `limit`), for the search.
+    pub fn workflows_starting(&self, prefix: &str, limit: usize) -> Vec<String> {
+        let from: EntryKey = (prefix.into(), 0, 0, 0);
+        let mut out: Vec<String> = Vec::new();
+        for (k, _) in self.steps.range(from..) {
+            if !k.0.starts_with(prefix) || out.len() >= limit {
+                break;
+            }
+            if out.last().is_none_or(|l| **l != *k.0) {
+                out.push(k.0.to_string());
+            }
+        }
+        out
+    }
+
+    pub fn approval(&self, step: &StepKey) -> Option<&ApprovalTrail> {
+        self.approvals.get(step)
+    }
+
+    pub fn decisions(&self, step: &StepKey) -> &[Decision] {
+        self.decisions.get(step).map(Vec::as_slice).unwrap_or(&[])
+    }
+
+    pub fn step_count(&self) -> usize {
+        self.steps.len()
+    }
+
+    /// The overview's figures, per tool.
+    pub fn tool_figures(&self) -> BTreeMap<String, ToolFigures> {
+        let mut out: BTreeMap<String, ToolFigures> = BTreeMap::new();
+        let mut latencies: HashMap<u16, Vec<u32>> = HashMap::new();
+        for (k, e) in &self.steps {
+            let f = out.entry(self.tool_of(k.2).to_owned()).or_default();
+            f.steps += 1;
+            f.repeats += e.repeats;
+            match e.phase {
+                Phase::Intended | Phase::Started => f.in_flight += 1,
+                Phase::AwaitingApproval => f.awaiting_approval += 1,
+                Phase::InDoubt => f.in_doubt += 1,
+                _ => {}
+            }
+            if let Some(l) = e.latency_ms {
+                latencies.entry(k.2).or_default().push(l);
+            }
+        }
+        for (tool, n) in &self.calls {
+            out.entry(tool.to_string()).or_default().calls = *n;
+        }
+        for ((tool, status), n) in &self.answers {
+            out.entry(tool.to_string())
+                .or_default()
+                .answers
+                .insert(status, *n);
+        }
+        for (id, mut l) in latencies {
+            l.sort_unstable();
+            let at = |q: f64| l[((l.len() - 1) as f64 * q).round() as usize];
+            let f = out.entry(self.tool_of(id).to_owned()).or_default();
+            f.p50_ms = Some(at(0.5));
+            f.p99_ms = Some(at(0.99));
+        }
+        out
+    }
+}
+
+pub type Shared = Arc<RwLock<Cache>>;
+
+/// Read the topics into `cache` until `shutdown`: from their beginning, then
+/// as records arrive. Blocking: run it on a thread of its own.
+pub fn follow(
+    cfg: &KafkaConfig,
+    gate_group: &str,
+    cache: Shared,
+    shutdown: CancellationToken,
+) -> Result<(), KafkaError> {
+    let started = Instant::now();
+    let t = &cfg.topics;
+    let topics = [
+        t.changelog.as_str(),
+        t.approvals.as_str(),
+        t.commands.as_str(),
+        t.intents.as_str(),
+        t.results.as_str(),
+    ];
+    let counts = loop {
+        match kafka::partition_counts(cfg, &topics) {
+            Ok(c) => break c,
+            Err(e) => {
+                let msg = format!("cannot read the topics' layout: {e}");
+                tracing::warn!("{msg}; trying again");
+                cache.write().expect("cache lock").error = Some(msg);
+                if shutdown.is_cancelled() {
+                    return Ok(());
+                }
+                std::thread::sleep(Duration::from_secs(2));
+            }
+        }
+    };
+    // A group of its own that never commits: every console reads everything.
+    let group = format!(
+        "stepgate-console-{}-{}",
+        std::process::id(),
+        chrono::Utc::now().timestamp_nanos_opt().unwrap_or_default()
+    );
+    let consumer = kafka::read_to_end_consumer(cfg, &group)?;
+    let mut tpl = rdkafka::TopicPartitionList::new();
+    let mut open = std::collections::HashSet::new();
+    for (topic, n) in topics.iter().zip(&counts) {
+        for p in 0..*n as i32 {
+            tpl.add_partition_offset(topic, p, rdkafka::Offset::Beginning)?;
+            open.insert((topic.to_string(), p));
+        }
+    }
+    consumer.assign(&tpl)?;
+    drop(tpl);
+    let lag_reader = kafka::read_to_end_consumer(cfg, gate_group)?;
+    let intents_partitions = counts[3] as i32;
+    let mut next_lag = Instant::now();
+    while !shutdown.is_cancelled() {
+        if Instant::now() >= next_lag {
+            next_lag = Instant::now() + Duration::from_secs(3);
+            match read_lag(&lag_reader, &t.intents, intents_partitions) {
+                Ok(lag) => cache.write().expect("cache lock").lag = lag,
+                Err(e) => tracing::debug!(error = %e, "reading the gate group's offsets"),
+            }
+        }
+        let Some(m) = consumer.poll(Duration::from_millis(200)) else {
+            continue;
+        };
+        let mut c = cache.write().expect("cache lock");
+        match m {
+            Ok(m) => {
+                c.records_read += 1;
+                let topic = m.topic();
+                if topic == t.changelog {
+                    if let Some(key) = m.key() {
+                        c.apply_changelog(key, m.payload(), m.offset());
+                    }
+                } else if let Some(v) = m.payload() {
+                    if topic == t.approvals {
+                        c.apply_approval(v);
+                    } else if topic == t.commands {
+                        c.apply_command(v);
+                    } else if topic == t.intents {
+                        c.apply_intent(v);
+                    } else if topic == t.results {
+                        c.apply_result(v);
+                    }
+                }
+            }
+            Err(KafkaError::PartitionEOF(p)) => {
+                // librdkafka names only the partition: the first open one of
+                // that number whose end was reached is enough to count ends.
+                if !c.caught_up {
+                    let found = open.iter().find(|(_, q)| *q == p).cloned();
+                    if let Some(k) = found {
+                        open.remove(&k);
+                    }
+                    if open.is_empty() {
+                        c.caught_up = true;
+                        c.caught_up_after = Some(started.elapsed());
+                        tracing::info!(
+                            steps = c.step_count(),
+                            records = c.records_read,
+                            seconds = started.elapsed().as_secs_f64(),
+                            "console: the topics are read to their end"
+                        );
+                    }
+                }
+            }
+            Err(e) => tracing::debug!(error = %e, "console reader"),
+        }
+    }
+    let _ = consumer.unassign();
+    Ok(())
+}
+
+/// The gate group's committed offsets on `intents` against the ends.
+fn read_lag(
+    reader: &kafka::ReadToEndConsumer,
+    intents: &str,
+    partitions: i32,
+) -> Result<Vec<PartitionLag>, KafkaError> {
+    let limit = Duration::from_secs(5);
+    let mut tpl = rdkafka::TopicPartitionList::new();
+    for p in 0..partitions {
+        tpl.add_partition(intents, p);
+    }
+    let committed = reader.committed_offsets(tpl, limit)?;
+    let mut out = Vec::new();
+    for p in 0..partitions {
+        let (_, end) = reader.fetch_watermarks(intents, p, limit)?;
+        let committed = committed
+            .find_partition(intents, p)
+            .and_then(|e| e.offset().to_raw())
+            .filter(|o| *o >= 0);
+        out.push(PartitionLag {
+            partition: p,
+            end,
+            committed,
+        });
+    }
+    drop(committed);
+    Ok(out)
+}
+
+/// The whole records at `offsets` of one changelog partition (a workflow's
+/// steps, whose latest records the cache points at). Blocking.
+pub fn read_records(
+    cfg: &KafkaConfig,
+    partition: i32,
+    offsets: &[i64],
+) -> Result<Vec<StepRecord>, KafkaError> {
+    let (Some(&first), Some(&last)) = (offsets.iter().min(), offsets.iter().max()) else {
+        return Ok(Vec::new());
+    };
+    let group = format!("stepgate-console-{}", std::process::id());
+    let consumer = kafka::read_to_end_consumer(cfg, &group)?;
+    let mut tpl = rdkafka::TopicPartitionList::new();
+    tpl.add_partition_offset(
+        &cfg.topics.changelog,
+        partition,
+        rdkafka::Offset::Offset(first),
+    )?;
+    consumer.assign(&tpl)?;
+    drop(tpl);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut out = Vec::new();
+    while Instant::now() < deadline {
+        match consumer.poll(Duration::from_millis(200)) {
+            Some(Ok(m)) => {
+                if offsets.contains(&m.offset())
+                    && let Some(key) = m.key()
+                    && let Some((_, _, Some(r))) = changelog_step(key, m.payload())
+                {
+                    out.push(r);
+                }
+                if m.offset() >= last {
+                    break;
+                }
+            }
+            Some(Err(KafkaError::PartitionEOF(_))) => break,
+            _ => {}
+        }
+    }
+    let _ = consumer.unassign();
+    Ok(out)
+}

@@ -1,0 +1,495 @@
+//! `stepgate console` in a real headless Chromium (Debian's `chromium`,
+//! driven by Playwright for Python: tests/console/driver.py), against the real
+//! broker, a running gate and the test's tool server: held calls show up live
+//! and are approved or denied, an in-doubt step is resolved so the agent's
+//! retry runs, a viewer cannot act, no page shows a tool header's secret.
+//!
+//! With `STEPGATE_CONSOLE_SCREENSHOTS=DIR` it saves the screenshots of the
+//! Inbox, the in-doubt view and a timeline there (docs/ holds the last ones).
+
+mod common;
+
+use common::*;
+use serde_json::{Value, json};
+use std::process::Stdio;
+use std::time::Duration;
+use stepgate::contract::Status;
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
+use tokio::process::{Child, ChildStdin, ChildStdout};
+
+/// A tool header's secret: no page may show it, wherever it turns up.
+const SECRET: &str = "sk-live-CONSOLE-SECRET-4711";
+
+const TOOLS: &str = r#"
+[tools.wire_money]
+category = "unkeyed"
+policy = "approval"
+url = "{tools}/wire_money"
+timeout = "2s"
+headers = { "X-Api-Key" = "sk-live-CONSOLE-SECRET-4711" }
+"#;
+
+/// The agent's trace: the timeline links the step to it.
+const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+
+const ALICE: &str = "alice-approver-token-0001";
+const OLIVIA: &str = "olivia-operator-token-0001";
+const VICTOR: &str = "victor-viewer-token-00001";
+
+fn configure(c: &mut stepgate::config::Config) {
+    c.console = toml::from_str(
+        r#"
+roles = { alice = "approver", olivia = "operator", victor = "viewer" }
+tokens = [
+  { name = "alice", token = "alice-approver-token-0001" },
+  { name = "olivia", token = "olivia-operator-token-0001" },
+  { name = "victor", token = "victor-viewer-token-00001" },
+]
+trace_url = "http://127.0.0.1:16686/trace/{trace_id}"
+refresh = "500ms"
+"#,
+    )
+    .expect("the console's test config");
+}
+
+/// The browser, one command at a time.
+struct Browser {
+    child: Child,
+    stdin: ChildStdin,
+    lines: Lines<BufReader<ChildStdout>>,
+}
+
+impl Browser {
+    async fn start(base: &str) -> Browser {
+        let mut child = tokio::process::Command::new("python3")
+            .arg(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/tests/console/driver.py"
+            ))
+            .arg(base)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("python3 runs (deploy/local/deps.sh installs playwright)");
+        let stdin = child.stdin.take().unwrap();
+        let lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let mut b = Browser {
+            child,
+            stdin,
+            lines,
+        };
+        let ready = b.read().await;
+        assert_eq!(ready["ready"], true, "{ready}");
+        b
+    }
+
+    async fn read(&mut self) -> Value {
+        let line = tokio::time::timeout(Duration::from_secs(90), self.lines.next_line())
+            .await
+            .expect("the browser answers within 90 s")
+            .expect("reading the browser's answer")
+            .expect("the browser is still running (is playwright installed?)");
+        serde_json::from_str(&line).unwrap_or_else(|_| panic!("not JSON: {line}"))
+    }
+
+    async fn send(&mut self, cmd: &str) {
+        self.stdin
+            .write_all(format!("{cmd}\n").as_bytes())
+            .await
+            .unwrap();
+        self.stdin.flush().await.unwrap();
+    }
+
+    /// A command and its answer, which must not be an error.
+    async fn cmd(&mut self, cmd: &str) -> Value {
+        self.send(cmd).await;
+        let a = self.read().await;
+        assert!(a.get("error").is_none(), "browser: {cmd}: {a}");
+        a
+    }
+
+    async fn screenshot(&mut self, name: &str) {
+        if let Ok(dir) = std::env::var("STEPGATE_CONSOLE_SCREENSHOTS") {
+            let path = std::path::Path::new(&dir).join(name);
+            self.cmd(&format!("screenshot {}", path.display())).await;
+        }
+    }
+}
+
+impl Drop for Browser {
+    fn drop(&mut self) {
+        let _ = self.child.start_kill();
+    }
+}
+
+async fn console_ready(base: &str) {
+    let c = reqwest::Client::new();
+    let until = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Ok(r) = c.get(format!("{base}/readyz")).send().await
+            && r.status().is_success()
+        {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < until,
+            "the console did not read the topics in 60 s"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A form's body (the test's values need no escaping but `%`-escape anyway).
+fn urlencoded(form: &[(&str, String)]) -> String {
+    form.iter()
+        .map(|(k, v)| format!("{k}={}", stepgate::console::percent(v)))
+        .collect::<Vec<_>>()
+        .join("&")
+}
+
+/// A page as `token` sees it: status, CSP header, body.
+async fn get_as(base: &str, path: &str, token: &str) -> (u16, String, String) {
+    let r = reqwest::Client::new()
+        .get(format!("{base}{path}"))
+        .bearer_auth(token)
+        .send()
+        .await
+        .unwrap();
+    let csp = r
+        .headers()
+        .get("content-security-policy")
+        .map(|v| v.to_str().unwrap().to_owned())
+        .unwrap_or_default();
+    (r.status().as_u16(), csp, r.text().await.unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn people_in_the_loop_decide_in_the_console() {
+    let s = {
+        let mut s = Stack::new(StackOptions {
+            tool_tables: TOOLS.to_owned(),
+            configure,
+            ..StackOptions::default()
+        })
+        .await;
+        s.start().await;
+        s
+    };
+    let agent = s.agent();
+    let port = free_port();
+    let base = format!("http://127.0.0.1:{port}");
+    let _console = Killed(
+        std::process::Command::new(stepgate_bin())
+            .args(["console", "--config"])
+            .arg(&s.config_path)
+            .args(["--listen", &format!("127.0.0.1:{port}")])
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(s.dir.path().join("console.log")).unwrap())
+            .spawn()
+            .expect("stepgate console starts"),
+    );
+    console_ready(&base).await;
+
+    // Earlier steps of the workflow whose payment is then held.
+    let r = agent
+        .call(intent(
+            "order-7781",
+            0,
+            "search",
+            json!({"q": "order 7781"}),
+            "c0",
+        ))
+        .await;
+    assert_eq!(r.status, Status::Ok);
+    let r = agent
+        .call(intent(
+            "order-7781",
+            1,
+            "send_email",
+            json!({"to": "ana@example.com", "subject": "Your refund"}),
+            "c1",
+        ))
+        .await;
+    assert_eq!(r.status, Status::Ok);
+
+    let mut b = Browser::start(&base).await;
+    let signed_in = b.cmd(&format!("login {ALICE}")).await;
+    assert!(
+        signed_in["url"].as_str().unwrap().ends_with("/inbox"),
+        "{signed_in}"
+    );
+
+    // A held call appears in the open Inbox, without a reload, within 2 s.
+    b.send("wait_card order-7781 15000").await;
+    let held = intent(
+        "order-7781",
+        2,
+        "wire_money",
+        json!({"amount_eur": 1250, "iban": "DE89 3704 0044 0532 0130 00",
+               "memo": format!("refund, auth {SECRET}"), "api_key": SECRET}),
+        "c2",
+    );
+    agent
+        .send_raw(
+            "order-7781",
+            held.to_string().as_bytes(),
+            None,
+            &[("traceparent", TRACEPARENT)],
+        )
+        .await;
+    let shown = b.read().await;
+    assert!(shown.get("error").is_none(), "{shown}");
+    let ms = shown["ms"].as_u64().unwrap();
+    eprintln!("a held call appeared in the Inbox {ms} ms after it was sent");
+    assert!(ms <= 2000, "the held call took {ms} ms to appear");
+    // The model asks again, rephrased, while it waits: the timeline shows the diff.
+    agent
+        .send(&intent(
+            "order-7781",
+            2,
+            "wire_money",
+            json!({"amount_eur": 1250, "iban": "DE89370400440532013000",
+                   "memo": format!("refund, auth {SECRET}"), "api_key": SECRET}),
+            "c2-again",
+        ))
+        .await;
+    let html = b.cmd("html").await;
+    assert!(
+        !html["html"].as_str().unwrap().contains(SECRET),
+        "the Inbox shows the tool's secret"
+    );
+    assert!(html["html"].as_str().unwrap().contains("DE89 3704"));
+    b.screenshot("console-inbox.png").await;
+
+    // Approve: the agent gets its answer, the tool ran once, and the
+    // timeline says who decided.
+    let done = b.cmd("click_in_card order-7781 Approve — run it").await;
+    assert!(
+        done["notice"]
+            .as_str()
+            .unwrap()
+            .contains("approve by alice applied"),
+        "{done}"
+    );
+    let answer = agent.answer("c2", Duration::from_secs(30)).await;
+    assert_eq!(answer.status, Status::Ok, "{answer:?}");
+    eventually(Duration::from_secs(10), "the approved call ran", || {
+        s.tools.count("wire_money") == 1
+    })
+    .await;
+    b.cmd("goto /workflows/order-7781").await;
+    let text = b.cmd("text").await["text"].as_str().unwrap().to_owned();
+    assert!(text.contains("approve by alice"), "{text}");
+    assert!(text.contains("iban"), "the rephrasing's diff: {text}");
+    assert!(
+        !b.cmd("html").await["html"]
+            .as_str()
+            .unwrap()
+            .contains(SECRET)
+    );
+    assert_eq!(
+        b.cmd(
+            "count a.trace[href='http://127.0.0.1:16686/trace/4bf92f3577b34da6a3ce929d0e0e4736']"
+        )
+        .await["n"],
+        1,
+        "a link to the step's trace"
+    );
+    b.screenshot("console-timeline.png").await;
+
+    // Deny with a reason: the agent's answer carries it; nothing ran.
+    b.cmd("goto /inbox").await;
+    b.send("wait_card refund-88 15000").await;
+    agent
+        .send(&intent(
+            "refund-88",
+            0,
+            "wire_money",
+            json!({"amount_eur": 90000, "iban": "GB33 BUKB 2020 1555 5555 55"}),
+            "d0",
+        ))
+        .await;
+    let shown = b.read().await;
+    assert!(shown.get("error").is_none(), "{shown}");
+    let done = b.cmd("deny refund-88 the account is frozen").await;
+    assert!(
+        done["notice"]
+            .as_str()
+            .unwrap()
+            .contains("deny by alice applied"),
+        "{done}"
+    );
+    let denied = agent.answer("d0", Duration::from_secs(30)).await;
+    assert_eq!(denied.status, Status::Error);
+    let message = &denied.error.as_ref().unwrap().message;
+    assert!(message.contains("the account is frozen"), "{message}");
+    assert_eq!(s.tools.count("wire_money"), 1, "a denied call does not run");
+
+    // In doubt: an approver sees it and cannot resolve it; an operator
+    // resolves it "not executed", and the agent's retry runs once.
+    s.tools.script("wire", vec![Reply::Status(503), Reply::Ok]);
+    let doubt = agent
+        .call(intent(
+            "invoice-512",
+            0,
+            "wire",
+            json!({"amount_eur": 310, "to": "ACME GmbH"}),
+            "w0",
+        ))
+        .await;
+    assert_eq!(doubt.status, Status::InDoubt);
+    assert_eq!(s.tools.count("wire"), 1);
+    b.cmd("goto /in-doubt").await;
+    b.cmd("wait_card invoice-512 15000").await;
+    assert_eq!(
+        b.cmd("count article.doubt form[action='/resolve']").await["n"],
+        0,
+        "an approver cannot resolve"
+    );
+    b.cmd("fresh").await;
+    b.cmd(&format!("login {OLIVIA}")).await;
+    b.cmd("goto /in-doubt").await;
+    b.cmd("wait_card invoice-512 15000").await;
+    let text = b.cmd("text").await["text"].as_str().unwrap().to_owned();
+    let key = stepgate::contract::StepKey {
+        workflow_id: "invoice-512".into(),
+        step_index: 0,
+        tool: "wire".into(),
+        attempt: 0,
+    }
+    .idempotency_key();
+    assert!(
+        text.contains(&key),
+        "the Idempotency-Key to look up: {text}"
+    );
+    b.screenshot("console-in-doubt.png").await;
+    let done = b
+        .cmd("click_in_card invoice-512 It did NOT happen — run it again")
+        .await;
+    assert!(
+        done["notice"]
+            .as_str()
+            .unwrap()
+            .contains("resolve_not_executed by olivia applied"),
+        "{done}"
+    );
+    let retry = agent
+        .call(intent(
+            "invoice-512",
+            0,
+            "wire",
+            json!({"amount_eur": 310, "to": "ACME GmbH"}),
+            "w1",
+        ))
+        .await;
+    assert_eq!(retry.status, Status::Ok, "{retry:?}");
+    assert!(!retry.deduplicated);
+    assert_eq!(s.tools.count("wire"), 2, "the retry ran once");
+    let again = agent
+        .call(intent(
+            "invoice-512",
+            0,
+            "wire",
+            json!({"amount_eur": 310, "to": "ACME GmbH"}),
+            "w2",
+        ))
+        .await;
+    assert!(again.deduplicated);
+    assert_eq!(s.tools.count("wire"), 2, "and only once");
+
+    // A viewer: no buttons, and a forged POST (with a valid CSRF pair) is 403.
+    agent
+        .send(&intent(
+            "order-9000",
+            0,
+            "wire_money",
+            json!({"amount_eur": 5}),
+            "v0",
+        ))
+        .await;
+    b.cmd("fresh").await;
+    b.cmd(&format!("login {VICTOR}")).await;
+    b.cmd("goto /inbox").await;
+    b.cmd("wait_card order-9000 15000").await;
+    assert_eq!(b.cmd("count button.approve").await["n"], 0);
+    assert_eq!(b.cmd("count button.deny").await["n"], 0);
+    let csrf = "c".repeat(64);
+    let forged = |token: &'static str, with_csrf: bool| {
+        let base = base.clone();
+        let csrf = csrf.clone();
+        async move {
+            let mut form = vec![
+                ("workflow_id", "order-9000".to_owned()),
+                ("step_index", "0".into()),
+                ("tool", "wire_money".into()),
+                ("attempt", "0".into()),
+                ("dispatch", "1".into()),
+                ("intended_at_ms", "0".into()),
+            ];
+            if with_csrf {
+                form.push(("csrf", csrf.clone()));
+            } else {
+                form.push(("csrf", "x".repeat(64)));
+            }
+            reqwest::Client::new()
+                .post(format!("{base}/approve"))
+                .bearer_auth(token)
+                .header("cookie", format!("stepgate_console_csrf={csrf}"))
+                .header("content-type", "application/x-www-form-urlencoded")
+                .body(urlencoded(&form))
+                .send()
+                .await
+                .unwrap()
+                .status()
+                .as_u16()
+        }
+    };
+    assert_eq!(forged(VICTOR, true).await, 403, "a viewer may not approve");
+    assert_eq!(
+        forged(ALICE, false).await,
+        403,
+        "a form without this console's CSRF token"
+    );
+    let r = reqwest::Client::new()
+        .post(format!("{base}/approve"))
+        .header("content-type", "application/x-www-form-urlencoded")
+        .body(format!("csrf={csrf}"))
+        .send()
+        .await
+        .unwrap();
+    assert_ne!(r.status().as_u16(), 200, "no action without a person");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(agent.answers("v0").is_empty(), "still held");
+    assert_eq!(s.tools.count("wire_money"), 1);
+
+    // No page shows the secret; every page carries the CSP.
+    for path in [
+        "/inbox",
+        "/in-doubt",
+        "/workflows/order-7781",
+        "/workflows/refund-88",
+        "/workflows/invoice-512",
+        "/workflows?id=order",
+        "/overview",
+        "/live/inbox",
+        "/live/in-doubt",
+    ] {
+        let (status, csp, body) = get_as(&base, path, OLIVIA).await;
+        assert_eq!(status, 200, "{path}: {body}");
+        assert!(csp.contains("script-src 'self'"), "{path}: {csp}");
+        assert!(!body.contains(SECRET), "{path} shows the tool's secret");
+    }
+    let (status, _, _) = get_as(&base, "/inbox", "not-a-token-of-this-console").await;
+    assert_eq!(status, 401);
+    let (_, _, overview) = get_as(&base, "/overview", OLIVIA).await;
+    assert!(overview.contains("wire_money"), "{overview}");
+
+    let problems = b.cmd("problems").await;
+    assert_eq!(
+        problems["problems"],
+        json!([]),
+        "the browser reported errors (a CSP refusal?)"
+    );
+    b.cmd("quit").await;
+}
