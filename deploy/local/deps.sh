@@ -21,6 +21,11 @@ if [[ "${STEPGATE_NEED_KAFKA:-0}" == 1 ]]; then
   command -v python3 >/dev/null 2>&1 || missing+=(python3 python3-pip)
   command -v chromium >/dev/null 2>&1 || missing+=(chromium)          # tests/console.rs's browser
 fi
+# tests/wheel.rs installs the wheel it builds into a fresh `python3 -m venv`
+# (on Debian's python3, venv's pip comes with python3-venv).
+if [[ "${STEPGATE_NEED_KAFKA:-0}" == 1 ]] && ! python3 -c 'import ensurepip, venv' 2>/dev/null; then
+  missing+=(python3-venv)
+fi
 
 if ((${#missing[@]})); then
   if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null 2>&1; then
