@@ -212,9 +212,17 @@ class Stack:
         topics = "\n".join(f'{k} = "{self.prefix}.{k}"' for k in
                            ["intents", "results", "dlq", "progress", "changelog", "commands",
                             "approvals"])
+        # Tools run by a worker pool (`pool = "…"` among their extra lines)
+        # have no URL here: their workers hold it.
+        self.pools = sorted({line.split('"')[1] for _n, _c, _t, *more in tools
+                             for line in "".join(more).splitlines()
+                             if line.startswith("pool =")})
+        if self.pools:
+            topics += f'\npool_calls = "{self.prefix}.calls.{{pool}}"'
         tables = "".join(
-            f'\n[tools.{n}]\ncategory = "{c}"\nurl = "{self.tools.base}/{n}"\n'
-            f'timeout = "{t}"\nretries = 1\nbackoff = "50ms"\n{"".join(more)}'
+            f'\n[tools.{n}]\ncategory = "{c}"\n'
+            + ("" if "pool =" in "".join(more) else f'url = "{self.tools.base}/{n}"\n')
+            + f'timeout = "{t}"\nretries = 1\nbackoff = "50ms"\n{"".join(more)}'
             for n, c, t, *more in tools)
         self.config_path.write_text(f"""[kafka]
 brokers = "{self.brokers}"
@@ -317,6 +325,7 @@ level = "info,rdkafka=warn"
         admin = AdminClient({"bootstrap.servers": self.brokers})
         names = [f"{self.prefix}.{k}" for k in ("intents", "results", "dlq", "progress",
                                                  "changelog", "commands", "approvals")]
+        names += [f"{self.prefix}.calls.{p}" for p in self.pools]
         for f in admin.delete_topics(names, operation_timeout=30).values():
             try:
                 f.result(60)
