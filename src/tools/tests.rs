@@ -921,3 +921,45 @@ async fn an_mcp_tool_url_with_credentials_never_reaches_an_error_text() {
     // rmcp's own texts (and log lines) get reqwest's error without its URL.
     assert!(!t.contains("access_token"), "{t}");
 }
+
+/// A pool tool (docs/design.md "Worker pools"): no address and no credentials
+/// on the gate, always recorded; its config round-trips through the TOML the
+/// tests and operators write.
+#[test]
+fn a_pool_tool_has_no_address_no_headers_and_always_a_step_log() {
+    let read = |extra: &str| {
+        Config::from_toml_str(
+            &format!("[kafka]\nbrokers = \"h:1\"\n[tools.render]\n{extra}\n"),
+            Vec::new(),
+        )
+        .map_err(|e| e.to_string())
+    };
+    let c = read("category = \"read_only\"\npool = \"gpu\"").unwrap();
+    let t = &c.tools["render"];
+    assert_eq!(t.pool.as_deref(), Some("gpu"));
+    assert!(t.url.is_empty());
+    assert!(
+        t.recorded(),
+        "a pool's calls are published with their record"
+    );
+    assert_eq!(c.kafka.topics.calls_for("gpu"), "stepgate.calls.gpu");
+    let again = Config::from_toml_str(&toml::to_string(&c).unwrap(), Vec::new()).unwrap();
+    assert_eq!(again.tools["render"].pool.as_deref(), Some("gpu"));
+
+    let e = read("category = \"keyed\"\npool = \"gpu\"\nurl = \"http://h/x\"").unwrap_err();
+    assert!(e.contains("either `pool`"), "{e}");
+    let e = read("category = \"keyed\"\npool = \"gpu\"\nheaders = { Authorization = \"env:T\" }")
+        .unwrap_err();
+    assert!(e.contains("configured on its workers"), "{e}");
+    let e = read("category = \"keyed\"\npool = \"a b\"").unwrap_err();
+    assert!(e.contains("not a pool name"), "{e}");
+    let e = Config::from_toml_str(
+        "[kafka]\nbrokers = \"h:1\"\n[kafka.topics]\npool_calls = \"calls\"\n\
+         [tools.render]\ncategory = \"keyed\"\npool = \"gpu\"\n",
+        Vec::new(),
+    )
+    .and_then(|c| c.validate().map(|_| c))
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("kafka.topics.pool_calls"), "{e}");
+}
