@@ -45,6 +45,10 @@ pub enum Command {
         /// its partitions back at once (unique per process).
         #[arg(long)]
         instance_id: Option<String>,
+        /// `<tool>=<calls per second>`: start at most that many calls of the
+        /// tool per second from this process (repeat for more tools).
+        #[arg(long)]
+        rate: Vec<String>,
     },
     /// Manage stepgate's topics.
     Topics {

@@ -95,6 +95,7 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
             pool,
             concurrency,
             instance_id,
+            rate,
         } => {
             let mut cfg = load(&deployment)?;
             cfg.validate()?;
@@ -105,6 +106,7 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
                 pool,
                 concurrency,
                 instance_id,
+                rates: rate,
             };
             stepgate::worker::run(std::sync::Arc::new(cfg), opts, shutdown_on_signals()).await?;
             Ok(())

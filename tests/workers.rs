@@ -34,6 +34,11 @@ category = "keyed"
 pool = "nobody"
 timeout = "1s"
 retries = 0
+
+[tools.echo_pool]
+category = "keyed"
+pool = "gpu"
+timeout = "5s"
 "#;
 
 async fn pool_stack() -> Stack {
@@ -63,6 +68,11 @@ category = "keyed"
 url = "{base}/charge_remote"
 timeout = "10s"
 retries = 0
+
+[tools.echo_pool]
+category = "keyed"
+url = "{base}/echo_pool"
+timeout = "5s"
 "#,
         base = s.tools.base
     );
@@ -78,6 +88,10 @@ retries = 0
 /// `stepgate worker --pool gpu`, logging to `worker-<name>.log`; killed -9
 /// when dropped. `name` is its static group member id.
 fn spawn_worker(s: &Stack, config: &PathBuf, name: &str) -> Killed {
+    spawn_worker_with(s, config, name, &[])
+}
+
+fn spawn_worker_with(s: &Stack, config: &PathBuf, name: &str, args: &[&str]) -> Killed {
     let log = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
@@ -89,6 +103,7 @@ fn spawn_worker(s: &Stack, config: &PathBuf, name: &str) -> Killed {
             .arg(format!("{}-worker-{name}", s.prefix))
             .arg("--config")
             .arg(config)
+            .args(args)
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
@@ -350,4 +365,112 @@ async fn a_pool_with_no_worker_answers_no_worker_at_the_deadline() {
         .await;
     assert_eq!(calls[0].value["step"]["tool"], json!("lonely"));
     assert_eq!(calls[0].value["category"], json!("keyed"));
+}
+
+/// `--rate echo_pool=5`: 15 calls sent at once start at most 5 a second
+/// (a burst of 5, then one every 200 ms), so the last is answered no sooner
+/// than 2 s after they were sent; all are answered, each run once.
+#[tokio::test]
+async fn a_workers_rate_limit_spaces_a_tools_calls() {
+    let mut s = pool_stack().await;
+    s.start().await;
+    let wc = worker_config(&s);
+    let _worker = spawn_worker_with(&s, &wc, "rated", &["--rate", "echo_pool=5"]);
+    let agent = s.agent();
+    let wf = random_name("wf");
+    // The worker is up and has its partitions: one call through first.
+    let first = agent
+        .call(intent(&wf, 0, "echo_pool", json!({}), "r0"))
+        .await;
+    assert_eq!(first.status, Status::Ok, "{first:?}");
+    // At most 5 of the next 15 find a token (the bucket holds 5): the other
+    // 10 wait their turns, one every 200 ms.
+    let t = std::time::Instant::now();
+    for i in 1..=15 {
+        agent
+            .send(&intent(&wf, i, "echo_pool", json!({}), &format!("r{i}")))
+            .await;
+    }
+    for i in 1..=15 {
+        let a = agent
+            .answer(&format!("r{i}"), Duration::from_secs(60))
+            .await;
+        assert_eq!(a.status, Status::Ok, "{a:?}");
+    }
+    let took = t.elapsed();
+    assert!(
+        took >= Duration::from_millis(1900),
+        "15 calls at 5 a second were answered in {took:?}"
+    );
+    assert_eq!(s.tools.count("echo_pool"), 16);
+}
+
+/// The latency the worker path adds, beside the in-process path on the same
+/// run: one agent, one new step at a time, publish → answer, alternating an
+/// in-process `keyed` tool and a pool's `keyed` tool (same tool server). A
+/// benchmark, not a check: run it with the binary to measure, e.g.
+/// `STEPGATE_BIN=$CARGO_TARGET_DIR/release/stepgate cargo test --features
+/// test-hooks --test workers -- --ignored --nocapture worker_path_latency`
+/// (`WORKER_BENCH_STEPS`: steps per path, default 200).
+#[tokio::test]
+#[ignore = "a benchmark: prints the figures (run with --ignored --nocapture)"]
+async fn worker_path_latency_beside_in_process() {
+    let n: usize = std::env::var("WORKER_BENCH_STEPS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(200);
+    let mut s = pool_stack().await;
+    s.start().await;
+    let wc = worker_config(&s);
+    let _worker = spawn_worker(&s, &wc, "bench");
+    let agent = s.agent();
+    let run = random_name("b");
+    let timed = |tool: &'static str, i: usize| {
+        let (agent, wf) = (&agent, format!("{run}-{tool}-w{}", i % 16));
+        async move {
+            let id = format!("{tool}-{i}");
+            let t = std::time::Instant::now();
+            agent
+                .send(&intent(&wf, (i / 16) as u64, tool, json!({"i": i}), &id))
+                .await;
+            let until = t + Duration::from_secs(30);
+            loop {
+                if let Some((_, a)) = agent.answers(&id).pop() {
+                    assert_eq!(a.status, Status::Ok, "{a:?}");
+                    return t.elapsed();
+                }
+                assert!(std::time::Instant::now() < until, "no answer for {id}");
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }
+    };
+    // Warm-up (group joins, first transactions, connections), not counted.
+    for i in 0..10 {
+        timed("send_email", 100_000 + i).await;
+        timed("echo_pool", 100_000 + i).await;
+    }
+    let (mut local, mut pool) = (Vec::with_capacity(n), Vec::with_capacity(n));
+    for i in 0..n {
+        local.push(timed("send_email", i).await);
+        pool.push(timed("echo_pool", i).await);
+    }
+    let pct = |v: &mut Vec<Duration>, q: f64| {
+        v.sort();
+        let i = ((v.len() as f64 * q).ceil() as usize).clamp(1, v.len()) - 1;
+        v[i].as_secs_f64() * 1000.0
+    };
+    let (l50, l99) = (pct(&mut local, 0.50), pct(&mut local, 0.99));
+    let (p50, p99) = (pct(&mut pool, 0.50), pct(&mut pool, 0.99));
+    println!(
+        "sequential new steps, {n} per path, alternating (binary: {}):",
+        stepgate_bin()
+    );
+    println!("  in-process  p50 {l50:7.1} ms  p99 {l99:7.1} ms");
+    println!("  worker pool p50 {p50:7.1} ms  p99 {p99:7.1} ms");
+    println!(
+        "  the worker path adds p50 {:+.1} ms, p99 {:+.1} ms",
+        p50 - l50,
+        p99 - l99
+    );
+    assert_eq!(s.tools.count("echo_pool"), n + 10);
 }

@@ -22,12 +22,17 @@ use crate::config::Config;
 use crate::contract::{PoolCall, Progress, ProgressEvent};
 use crate::kafka::{self, KafkaSetupError};
 use crate::tools::ToolRegistry;
-use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
+use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
+use rdkafka::ClientContext;
+use rdkafka::consumer::{
+    BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer,
+};
 use rdkafka::error::KafkaError;
 use rdkafka::message::{Header, Message, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{Offset, TopicPartitionList};
 use std::collections::HashMap;
+use std::num::NonZeroU32;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use thiserror::Error;
@@ -51,6 +56,10 @@ pub enum WorkerError {
     PoolTool(String),
     #[error("the worker's config declares no tools: give the pool's tools their `url` or `mcp`")]
     NoTools,
+    #[error(
+        "`--rate {0}`: give `<tool>=<calls per second>` for a tool of this worker's config, at least 1"
+    )]
+    Rate(String),
 }
 
 /// What `stepgate worker` is told on its command line.
@@ -62,6 +71,10 @@ pub struct WorkerOptions {
     /// Static group membership (a restarted worker gets its partitions back
     /// at once); none: a dynamic member.
     pub instance_id: Option<String>,
+    /// Per tool, at most this many calls started per second (`--rate
+    /// tool=N`): a provider's rate limit met before it answers 429. A call
+    /// waits for its turn before it is taken.
+    pub rates: Vec<String>,
 }
 
 /// The consumer group of a pool's workers.
@@ -85,13 +98,27 @@ pub async fn run(
     if config.tools.is_empty() {
         return Err(WorkerError::NoTools);
     }
+    let mut rates = HashMap::new();
+    for r in &opts.rates {
+        let per_second = r
+            .split_once('=')
+            .filter(|(tool, _)| config.tools.contains_key(*tool))
+            .and_then(|(tool, n)| Some((tool, n.parse::<u32>().ok().and_then(NonZeroU32::new)?)));
+        let Some((tool, n)) = per_second else {
+            return Err(WorkerError::Rate(r.clone()));
+        };
+        rates.insert(tool.to_owned(), RateLimiter::direct(Quota::per_second(n)));
+    }
     let k = &config.kafka;
     kafka::check_connection(k).await?;
     kafka::create_pool_topics(k, &config.state, std::slice::from_ref(&opts.pool)).await?;
     let topic = k.topics.calls_for(&opts.pool);
     let group = group_of(&config, &opts.pool);
-    let consumer: Arc<StreamConsumer> =
-        Arc::new(kafka::worker_consumer_config(k, &group, opts.instance_id.as_deref()).create()?);
+    let owned = Arc::new(Mutex::new(Owned::default()));
+    let consumer: Arc<PoolConsumer> = Arc::new(
+        kafka::worker_consumer_config(k, &group, opts.instance_id.as_deref())
+            .create_with_context(PoolContext(owned.clone()))?,
+    );
     consumer.subscribe(&[&topic])?;
     let producer: FutureProducer = kafka::worker_producer_config(k).create()?;
     let concurrency = opts.concurrency.max(1);
@@ -101,7 +128,8 @@ pub async fn run(
         producer,
         progress: k.topics.progress.clone(),
         topic: topic.clone(),
-        committed: Arc::new(Mutex::new(HashMap::new())),
+        rates,
+        owned,
     });
     info!(pool = %opts.pool, %topic, %group, tools = ?config.tools.keys().collect::<Vec<_>>(), concurrency, "worker consuming");
     let slots = Arc::new(Semaphore::new(concurrency));
@@ -123,8 +151,15 @@ pub async fn run(
                 continue;
             }
         };
+        let partition = msg.partition();
+        // Read while the partition is this member's: its calls may be taken
+        // only as long as it stays so (see `Owned`).
+        let Some(epoch) = worker.owned().epochs.get(&partition).copied() else {
+            continue;
+        };
         let taken = Taken {
-            partition: msg.partition(),
+            partition,
+            epoch,
             offset: msg.offset(),
             payload: msg.payload().unwrap_or_default().to_vec(),
         };
@@ -154,26 +189,88 @@ pub async fn run(
 /// A call as read from the calls topic.
 struct Taken {
     partition: i32,
+    /// The partition's assignment it was read in.
+    epoch: u64,
     offset: i64,
     payload: Vec<u8>,
 }
 
 struct Worker {
     tools: ToolRegistry,
-    consumer: Arc<StreamConsumer>,
+    consumer: Arc<PoolConsumer>,
     producer: FutureProducer,
     progress: String,
     topic: String,
-    /// Per calls partition, the offset committed last: commits only move
-    /// forward (an `unkeyed` call's commit may already cover an earlier call
-    /// still running; that one is re-run by the gate's deadline if lost).
-    committed: Arc<Mutex<HashMap<i32, i64>>>,
+    /// `--rate`: per tool, the calls it may start per second.
+    rates: HashMap<String, DefaultDirectRateLimiter>,
+    owned: Arc<Mutex<Owned>>,
+}
+
+/// The calls partitions this member owns, each with the assignment (epoch)
+/// it came in, and the offset committed last in each. A commit is made only
+/// in the assignment its call was read in, with the lock held; a revoke takes
+/// the lock too, so it waits for a commit in flight. So once a partition is
+/// revoked, no commit of this member for it can land: its next owner, which
+/// reads the committed offset only after the revoke, never runs an `unkeyed`
+/// call this member took (the group protocol itself does not check which
+/// member owns the partition of an offset commit).
+#[derive(Default)]
+struct Owned {
+    epochs: HashMap<i32, u64>,
+    next_epoch: u64,
+    /// Commits only move forward (an `unkeyed` call's commit may already
+    /// cover an earlier call still running; that one is re-run by the gate's
+    /// deadline if lost).
+    committed: HashMap<i32, i64>,
+}
+
+/// Keeps [`Owned`] in step with the group's assignments.
+struct PoolContext(Arc<Mutex<Owned>>);
+
+type PoolConsumer = StreamConsumer<PoolContext>;
+
+impl PoolContext {
+    fn owned(&self) -> std::sync::MutexGuard<'_, Owned> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+impl ClientContext for PoolContext {}
+
+impl ConsumerContext for PoolContext {
+    fn pre_rebalance(&self, _c: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        if let Rebalance::Revoke(tpl) = rebalance {
+            let mut o = self.owned();
+            for e in tpl.elements() {
+                o.epochs.remove(&e.partition());
+                o.committed.remove(&e.partition());
+            }
+        }
+    }
+
+    fn post_rebalance(&self, _c: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        match rebalance {
+            Rebalance::Assign(tpl) => {
+                let mut o = self.owned();
+                for e in tpl.elements() {
+                    o.next_epoch += 1;
+                    let epoch = o.next_epoch;
+                    o.epochs.insert(e.partition(), epoch);
+                }
+            }
+            Rebalance::Error(e) => warn!(error = %e, "rebalance error"),
+            Rebalance::Revoke(_) => {}
+        }
+    }
 }
 
 impl Worker {
     async fn handle(&self, taken: Taken) {
         let Taken {
             partition,
+            epoch,
             offset,
             payload,
         } = taken;
@@ -181,20 +278,25 @@ impl Worker {
             Ok(c) => c,
             Err(e) => {
                 warn!(partition, offset, error = %e, "an unreadable call on the calls topic: skipped");
-                let _ = self.commit(partition, offset).await;
+                let _ = self.commit(partition, epoch, offset).await;
                 return;
             }
         };
+        // Its turn under the tool's rate first: a call that waits past its
+        // take_by time is not taken (the gate answers it no_worker).
+        if let Some(limit) = self.rates.get(&call.step.tool) {
+            limit.until_ready().await;
+        }
         let now = chrono::Utc::now().timestamp_millis();
         if now > call.take_by_ms {
             // The gate answers it `no_worker` at its deadline: never taken.
             warn!(step = %call.step, dispatch = call.dispatch, late_ms = now - call.take_by_ms, "a call past its take_by time: not taken (the gate answers it no_worker)");
-            let _ = self.commit(partition, offset).await;
+            let _ = self.commit(partition, epoch, offset).await;
             return;
         }
         let unkeyed = call.category == "unkeyed";
         // Unkeyed: taken for good before anything is sent to the tool.
-        if unkeyed && let Err(e) = self.commit(partition, offset).await {
+        if unkeyed && let Err(e) = self.commit(partition, epoch, offset).await {
             warn!(step = %call.step, error = %e, "could not commit taking an unkeyed call: not invoked (another member takes it, or the gate answers it)");
             return;
         }
@@ -216,7 +318,7 @@ impl Worker {
             warn!(step = %call.step, error = %e, "could not publish the call's outcome");
             return;
         }
-        if !unkeyed && let Err(e) = self.commit(partition, offset).await {
+        if !unkeyed && let Err(e) = self.commit(partition, epoch, offset).await {
             warn!(step = %call.step, error = %e, "could not commit a finished call (it may run again, with the same key)");
         }
     }
@@ -249,21 +351,36 @@ impl Worker {
             .map_err(|(e, _)| e)
     }
 
+    fn owned(&self) -> std::sync::MutexGuard<'_, Owned> {
+        self.owned
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     /// Commit that the call at `offset` (and everything before it in its
-    /// partition) is taken, synchronously; never backwards.
-    async fn commit(&self, partition: i32, offset: i64) -> Result<(), KafkaError> {
+    /// partition) is taken, synchronously; never backwards; and only while
+    /// the partition is still owned in the assignment `epoch` it was read in
+    /// (an error otherwise: not taken).
+    async fn commit(&self, partition: i32, epoch: u64, offset: i64) -> Result<(), KafkaError> {
         let next = offset + 1;
         let mut tpl = TopicPartitionList::new();
         tpl.add_partition_offset(&self.topic, partition, Offset::Offset(next))?;
-        let (consumer, committed) = (self.consumer.clone(), self.committed.clone());
+        let (consumer, owned) = (self.consumer.clone(), self.owned.clone());
         tokio::task::spawn_blocking(move || {
-            // Held over the commit: a partition's commits go in order.
-            let mut done = committed.lock().expect("the commit lock is never poisoned");
-            if done.get(&partition).is_some_and(|&c| c >= next) {
+            // Held over the commit: see `Owned`.
+            let mut o = owned
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if o.epochs.get(&partition) != Some(&epoch) {
+                return Err(KafkaError::ConsumerCommit(
+                    rdkafka::types::RDKafkaErrorCode::AssignmentLost,
+                ));
+            }
+            if o.committed.get(&partition).is_some_and(|&c| c >= next) {
                 return Ok(());
             }
             consumer.commit(&tpl, CommitMode::Sync)?;
-            done.insert(partition, next);
+            o.committed.insert(partition, next);
             Ok(())
         })
         .await
