@@ -44,6 +44,12 @@ echo "bench.sh: building release binaries (the first build takes ~18 min on 2 co
 # `--bin` applies to every `-p` given: name both binaries.
 cargo build --release --quiet -p stepgate -p stepgate-bench --bin stepgate --bin stepgate-bench
 
+# The broker's request and byte counters over JMX (benches/jmx), when a JDK is here.
+if command -v javac >/dev/null; then
+    mkdir -p "$target/jmx"
+    javac -d "$target/jmx" benches/jmx/BrokerMetrics.java && export STEPGATE_BENCH_JMX="$target/jmx"
+fi
+
 export STEPGATE_BENCH_RUN_ID="${STEPGATE_BENCH_RUN_ID:-sgb$(printf '%x' $(( $(date +%s) & 0xffffff )))}"
 if [[ "$cluster" == 1 ]]; then
     # The three nodes' heaps are small (cluster.sh), so they fit beside the

@@ -787,6 +787,7 @@ async fn measure(
         (systems::cpu_secs("self"), broker)
     };
     let (bench0, broker0) = others(&bench.broker);
+    let counters0 = systems::broker_counters(&bench.broker).await;
     let cpu0 = d.proc.cpu_secs();
     let (a, f) = (agent.clone(), flood.clone());
     let publish = tokio::task::spawn_blocking(move || a.publish(&f, 0, None));
@@ -794,6 +795,7 @@ async fn measure(
     publish.await??;
     let cpu_flood = d.proc.cpu_secs() - cpu0;
     let (bench1, broker1) = others(&bench.broker);
+    let counters1 = systems::broker_counters(&bench.broker).await;
     if let Some(p) = profile {
         p.stop().await?;
     }
@@ -873,6 +875,7 @@ async fn measure(
         ready_s: d.ready_s,
         tool_invocations: tool.clone(),
         records_per_intent: records,
+        broker_per_intent: systems::per_intent(counters0, counters1, nf),
         gate: gate.map(|g| g.with_wall(flood_s)),
         gate_paced,
         problems: Vec::new(),

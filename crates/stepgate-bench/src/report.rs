@@ -41,6 +41,10 @@ pub struct Row {
     pub tool_invocations: BTreeMap<u32, usize>,
     /// Kafka records written per flood intent, by topic (transaction markers included).
     pub records_per_intent: BTreeMap<String, f64>,
+    /// The broker's work per flood intent, from its JMX counters (requests by
+    /// API, bytes in and out; summed over a cluster's nodes); empty when they
+    /// could not be read (`STEPGATE_BENCH_JMX` unset, no JDK).
+    pub broker_per_intent: BTreeMap<String, f64>,
     pub gate: Option<GateFigures>,
     /// The same for the paced phase.
     pub gate_paced: Option<GateFigures>,
@@ -584,6 +588,46 @@ impl Report {
                 r.mode,
                 parts.join(", ")
             );
+        }
+        if self.rows.iter().any(|r| !r.broker_per_intent.is_empty()) {
+            let _ = writeln!(
+                o,
+                "\nThe broker's work per flood intent (its JMX counters before and after the flood, summed over its nodes): requests by kind, transactions (EndTxn), bytes in and out:\n"
+            );
+            let _ = writeln!(
+                o,
+                "| system | Produce | Fetch (consumers) | Fetch (followers) | EndTxn | AddPartitionsToTxn | TxnOffsetCommit | WriteTxnMarkers | all requests | bytes in | bytes out | transactions/s |"
+            );
+            let _ = writeln!(
+                o,
+                "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+            );
+            for r in self.rows.iter().filter(|r| !r.broker_per_intent.is_empty()) {
+                let b = &r.broker_per_intent;
+                let get = |k: &str| b.get(k).copied().unwrap_or(0.0);
+                let all: f64 = b
+                    .iter()
+                    .filter(|(k, _)| k.starts_with("requests."))
+                    .map(|(_, v)| v)
+                    .sum();
+                let _ = writeln!(
+                    o,
+                    "| {} {} | {:.3} | {:.3} | {:.3} | {:.4} | {:.4} | {:.4} | {:.4} | {:.3} | {:.0} | {:.0} | {:.1} |",
+                    r.system,
+                    r.mode,
+                    get("requests.Produce"),
+                    get("requests.FetchConsumer"),
+                    get("requests.FetchFollower"),
+                    get("requests.EndTxn"),
+                    get("requests.AddPartitionsToTxn"),
+                    get("requests.TxnOffsetCommit"),
+                    get("requests.WriteTxnMarkers"),
+                    all,
+                    get("bytes_in"),
+                    get("bytes_out"),
+                    get("requests.EndTxn") * r.flood_intents as f64 / r.flood_s,
+                );
+            }
         }
         let failed: Vec<&Row> = self
             .rows

@@ -144,6 +144,7 @@ async fn one(bench: &Bench, opts: &ScaleOpts, n: usize) -> anyhow::Result<ScaleR
         ready_s: 0.0,
         tool_invocations: Default::default(),
         records_per_intent: Default::default(),
+        broker_per_intent: Default::default(),
         gate: None,
         gate_paced: None,
         verdict: agent.verdict(0..specs.len()),

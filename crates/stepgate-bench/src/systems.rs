@@ -225,6 +225,59 @@ pub fn broker_pids(brokers: &str) -> Vec<String> {
         .collect()
 }
 
+/// The brokers' request and byte counters (`benches/jmx/BrokerMetrics.java`,
+/// compiled into `$STEPGATE_BENCH_JMX` by bench.sh), summed over `pids`; None
+/// when they cannot be read.
+pub async fn broker_counters(pids: &[String]) -> Option<BTreeMap<String, f64>> {
+    let classes = std::env::var_os("STEPGATE_BENCH_JMX")?;
+    if pids.is_empty() {
+        return None;
+    }
+    let out = tokio::process::Command::new("java")
+        .arg("-cp")
+        .arg(classes)
+        .arg("BrokerMetrics")
+        .args(pids)
+        .output()
+        .await
+        .ok()?;
+    if !out.status.success() {
+        eprintln!(
+            "note: reading the broker's JMX counters: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+        return None;
+    }
+    Some(
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| {
+                let (k, v) = l.split_once(' ')?;
+                Some((k.to_owned(), v.trim().parse().ok()?))
+            })
+            .collect(),
+    )
+}
+
+/// What changed between two readings of the counters, per intent (counters
+/// that did not move are left out).
+pub fn per_intent(
+    before: Option<BTreeMap<String, f64>>,
+    after: Option<BTreeMap<String, f64>>,
+    intents: usize,
+) -> BTreeMap<String, f64> {
+    let (Some(before), Some(after)) = (before, after) else {
+        return BTreeMap::new();
+    };
+    after
+        .iter()
+        .filter_map(|(k, v)| {
+            let d = v - before.get(k).copied().unwrap_or(0.0);
+            (d > 0.0 && intents > 0).then(|| (k.clone(), d / intents as f64))
+        })
+        .collect()
+}
+
 pub fn signal(pid: u32, sig: &str) {
     let _ = Command::new("kill")
         .args([&format!("-{sig}"), &pid.to_string()])
