@@ -535,3 +535,132 @@ pub fn read_records(
     let _ = consumer.unassign();
     Ok(out)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::contract::{Outcome, ToolResult};
+    use crate::state::{Batch, StateStore};
+    use crate::tools::Category;
+
+    fn key(wf: &str, i: u64, tool: &str) -> StepKey {
+        StepKey {
+            workflow_id: wf.into(),
+            step_index: i,
+            tool: tool.into(),
+            attempt: 0,
+        }
+    }
+
+    /// The changelog records a gate writes for `records` (None: a tombstone).
+    fn changelog(
+        store: &StateStore,
+        records: &[(StepKey, Option<StepRecord>)],
+    ) -> Vec<(Vec<u8>, Option<Vec<u8>>)> {
+        let mut batch = Batch::on_top_of(None);
+        for (k, r) in records {
+            match r {
+                Some(r) => batch.put_step(store, 0, r).unwrap(),
+                None => batch.delete_step(store, 0, k).unwrap(),
+            }
+        }
+        batch
+            .changelog()
+            .into_iter()
+            .filter(|e| changelog_step(&e.key, e.value.as_deref()).is_some())
+            .map(|e| (e.key, e.value))
+            .collect()
+    }
+
+    fn record(k: &StepKey, phase: Phase, at: i64, repeats: u64) -> StepRecord {
+        let mut r = StepRecord::new(
+            k.clone(),
+            Category::Keyed,
+            phase,
+            serde_json::Map::new().into(),
+            0,
+            at,
+            at + 1_000_000,
+        );
+        r.repeats = repeats;
+        if phase == Phase::Completed {
+            r.intent_ts_ms = Some(at);
+            r.result = Some(ToolResult::from_outcome(
+                k,
+                None,
+                Outcome::Ok {
+                    output: serde_json::json!({}),
+                },
+                chrono::DateTime::from_timestamp_millis(at + 40).unwrap(),
+            ));
+        }
+        r
+    }
+
+    #[test]
+    fn the_cache_follows_the_changelog() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = StateStore::open(&dir.path().join("s")).unwrap();
+        let mut c = Cache::default();
+        let (a, b, d) = (
+            key("wf-1", 0, "send_email"),
+            key("wf-1", 1, "wire"),
+            key("wf-2", 0, "wire"),
+        );
+        let mut offset = 0;
+        let mut apply = |c: &mut Cache, records: &[(StepKey, Option<StepRecord>)]| {
+            for (k, v) in changelog(&store, records) {
+                c.apply_changelog(&k, v.as_deref(), offset);
+                offset += 1;
+            }
+        };
+        apply(
+            &mut c,
+            &[
+                (a.clone(), Some(record(&a, Phase::Completed, 1_000, 3))),
+                (
+                    b.clone(),
+                    Some(record(&b, Phase::AwaitingApproval, 2_000, 0)),
+                ),
+                (d.clone(), Some(record(&d, Phase::InDoubt, 1_500, 0))),
+            ],
+        );
+        let v0 = c.attention_version;
+        assert_eq!(c.waiting(Phase::AwaitingApproval)[0].step, b);
+        assert_eq!(c.waiting(Phase::InDoubt)[0].step, d);
+        assert_eq!(
+            c.workflow("wf-1")
+                .iter()
+                .map(|(k, _)| k.clone())
+                .collect::<Vec<_>>(),
+            vec![a.clone(), b.clone()]
+        );
+        assert_eq!(c.workflows_starting("wf-", 10), vec!["wf-1", "wf-2"]);
+        // A repeat joining the held call rewrites its record: nothing a
+        // person must see changed.
+        apply(
+            &mut c,
+            &[(
+                b.clone(),
+                Some(record(&b, Phase::AwaitingApproval, 2_000, 1)),
+            )],
+        );
+        assert_eq!(c.attention_version, v0);
+        // Approved and run: out of the Inbox.
+        apply(
+            &mut c,
+            &[(b.clone(), Some(record(&b, Phase::Completed, 2_000, 1)))],
+        );
+        assert!(c.attention_version > v0);
+        assert!(c.waiting(Phase::AwaitingApproval).is_empty());
+        let figures = c.tool_figures();
+        // send_email: 1 step and 3 repeats → 3 of 4 effectful calls repeated.
+        assert_eq!(figures["send_email"].dedup_rate(), Some(0.75));
+        assert_eq!(figures["send_email"].p50_ms, Some(40));
+        assert_eq!(figures["wire"].in_doubt, 1);
+        // A tombstone (retention) removes the step.
+        apply(&mut c, &[(d.clone(), None)]);
+        assert!(c.waiting(Phase::InDoubt).is_empty());
+        assert!(c.workflow("wf-2").is_empty());
+    }
+}
