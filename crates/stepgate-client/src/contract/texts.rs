@@ -53,7 +53,7 @@ impl Texts {
         format!(
             "The call to `{tool}` was not performed: no worker of its pool `{pool}` took it \
              before its deadline (the pool has no running worker, or all were busy). Nothing was \
-             done. Call `{tool}` again later as a new attempt, or tell the user the tool is \
+             done. Call `{tool}` again later (a new call), or tell the user the tool is \
              unavailable."
         )
     }
@@ -448,6 +448,7 @@ mod golden {
         let texts = [
             Texts::in_doubt_earlier_try("charge", "refused (HTTP 400)"),
             Texts::in_doubt_still_processing("charge", 409, "10s"),
+            Texts::no_worker("render", "gpu"),
             Texts::identity_conflict(
                 "send_email",
                 &[("/to".into(), "\"alice@x\"".into(), "\"bob@x\"".into())],
@@ -457,7 +458,7 @@ mod golden {
             assert!(!t.contains("attempt"), "{t}");
         }
         assert_eq!(
-            texts[2],
+            texts[3],
             "This call of `send_email` was not performed: it arrived as a retry of a call \
              already recorded for this step, but it is a different call (`to` is \"bob@x\" here \
              but \"alice@x\" in the recorded call). It was not run, and the recorded call's \
@@ -466,6 +467,7 @@ mod golden {
         );
         assert!(texts[0].contains("may have taken effect") && texts[0].contains("Do not call"));
         assert!(texts[1].contains("HTTP 409") && texts[1].contains("Do not call"));
+        assert!(texts[2].contains("not performed") && texts[2].contains("`gpu`"));
     }
 
     #[test]
