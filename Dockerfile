@@ -5,24 +5,31 @@ RUN apt-get update && apt-get install -y --no-install-recommends libclang-dev cm
 WORKDIR /src
 # Dependencies first, in a layer of their own (RocksDB alone takes ~18 min to
 # build): a source edit then rebuilds only stepgate. Stub sources satisfy the
-# workspace's manifests (the root one names an example, ticket_tool); stepgate's
-# own artefacts are removed so the real sources below are built whatever their
-# timestamps.
+# workspace's manifests: Cargo refuses a manifest whose declared [[example]]
+# or [[test]] has no file, so each one named in Cargo.toml gets an empty one.
+# stepgate's own artefacts are removed so the real sources below are built
+# whatever their timestamps. tests/wheel.rs runs these steps without Docker.
 COPY Cargo.toml Cargo.lock ./
 COPY crates/stepgate-client/Cargo.toml crates/stepgate-client/
 COPY crates/stepgate-bench/Cargo.toml crates/stepgate-bench/
-RUN mkdir -p src examples crates/stepgate-client/src crates/stepgate-bench/src \
+RUN mkdir -p src examples tests crates/stepgate-client/src crates/stepgate-bench/src \
     && echo 'fn main() {}' > src/main.rs && touch src/lib.rs \
-    && echo 'fn main() {}' > examples/ticket_tool.rs \
+    && for e in $(sed -n '/^\[\[example\]\]/{n;s/^name = "\(.*\)"/\1/p;}' Cargo.toml); do \
+        echo 'fn main() {}' > "examples/$e.rs"; done \
+    && for t in $(sed -n '/^\[\[test\]\]/{n;s/^name = "\(.*\)"/\1/p;}' Cargo.toml); do \
+        touch "tests/$t.rs"; done \
     && touch crates/stepgate-client/src/lib.rs \
     && echo 'fn main() {}' > crates/stepgate-bench/src/main.rs \
     && cargo build --release --locked -p stepgate --bin stepgate \
-    && rm -rf src examples crates target/release/.fingerprint/stepgate-* \
+    && rm -rf src examples tests crates target/release/.fingerprint/stepgate-* \
         target/release/deps/stepgate* target/release/deps/libstepgate*
 COPY src ./src
 COPY crates ./crates
 COPY schemas ./schemas
 COPY examples ./examples
+COPY tests ./tests
+# The console's stylesheet and htmx, compiled in (include_str!).
+COPY assets ./assets
 RUN cargo build --release --locked -p stepgate --bin stepgate
 
 FROM debian:bookworm-slim

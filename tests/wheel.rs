@@ -6,11 +6,14 @@
 //! C dependencies (RocksDB, librdkafka), so it compiles stepgate and the few
 //! Rust crates whose features the tests' dev-dependencies widen, not the
 //! release build (~25 minutes on 2 cores). `deploy/release/archives.sh`'s
-//! archive is checked the same way: its checksum, its files, its binary.
+//! archive is checked the same way: its checksum, its files, its binary. And
+//! the Dockerfile's build stage runs here without Docker (there is no engine on
+//! these machines): its COPY and RUN steps in a directory of their own, so a
+//! file the build reads but the image never copies fails here, not on a user.
 
 use std::io::Read;
 use std::os::unix::process::CommandExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::sync::{Mutex, mpsc};
 use std::time::Duration;
@@ -224,4 +227,116 @@ fn the_release_archive_matches_its_checksum_and_runs() {
         "stepgate --version",
     );
     assert_eq!(version_line.trim(), format!("stepgate {version}"));
+}
+
+/// The Dockerfile's build stage (its first `FROM` to the next): instructions
+/// joined across `\` continuations, split into the instruction and the rest.
+fn build_stage(dockerfile: &str) -> Vec<(String, String)> {
+    let mut steps = Vec::new();
+    let mut line = String::new();
+    for raw in dockerfile.lines() {
+        let raw = raw.trim();
+        if line.is_empty() && (raw.is_empty() || raw.starts_with('#')) {
+            continue;
+        }
+        match raw.strip_suffix('\\') {
+            Some(part) => line.push_str(part),
+            None => {
+                line.push_str(raw);
+                let (op, rest) = line.split_once(' ').unwrap_or((&line, ""));
+                steps.push((op.to_uppercase(), rest.trim().to_owned()));
+                line.clear();
+            }
+        }
+    }
+    let from: Vec<usize> = (0..steps.len()).filter(|&i| steps[i].0 == "FROM").collect();
+    assert!(from.len() >= 2, "a build stage and a runtime stage");
+    steps[from[0] + 1..from[1]].to_vec()
+}
+
+fn copy_tree(from: &std::path::Path, to: &std::path::Path) {
+    if from.is_dir() {
+        std::fs::create_dir_all(to).unwrap();
+        for e in std::fs::read_dir(from).unwrap() {
+            let e = e.unwrap();
+            copy_tree(&e.path(), &to.join(e.file_name()));
+        }
+    } else {
+        std::fs::copy(from, to).unwrap_or_else(|e| panic!("COPY {from:?}: {e}"));
+    }
+}
+
+#[test]
+fn the_images_build_stage_builds_from_what_the_dockerfile_copies() {
+    let dockerfile = std::fs::read_to_string(root().join("Dockerfile")).unwrap();
+    let steps = build_stage(&dockerfile);
+    // A fixed place, so repeated runs reuse its artefacts in the build dir.
+    let context = target_dir().join("dockerfile-build");
+    let _ = std::fs::remove_dir_all(&context);
+    std::fs::create_dir_all(&context).unwrap();
+    let mut workdir = context.clone();
+    let guard = BUILD.lock().unwrap_or_else(|e| e.into_inner());
+    let mut cargo_builds = 0;
+    for (op, rest) in &steps {
+        match op.as_str() {
+            "WORKDIR" => {
+                workdir = context.join(rest.trim_start_matches('/'));
+                std::fs::create_dir_all(&workdir).unwrap();
+            }
+            "COPY" => {
+                let args: Vec<&str> = rest.split_whitespace().collect();
+                assert!(!args[0].starts_with("--"), "COPY {rest}");
+                let (dest, sources) = args.split_last().unwrap();
+                let into = workdir.join(dest);
+                if dest.ends_with('/') || sources.len() > 1 {
+                    std::fs::create_dir_all(&into).unwrap();
+                    for s in sources {
+                        copy_tree(
+                            &root().join(s),
+                            &into.join(Path::new(s).file_name().unwrap()),
+                        );
+                    }
+                } else {
+                    copy_tree(&root().join(sources[0]), &into);
+                }
+            }
+            // The system packages are the image's; this machine has its own.
+            "RUN" if rest.starts_with("apt-get") => {}
+            "RUN" => {
+                // A dev build, with the dependencies the tests built: the
+                // same sources and manifests, not the ~25-minute release one.
+                cargo_builds += rest.matches("cargo build --release").count();
+                let mut sh = Command::new("sh");
+                sh.arg("-c")
+                    .arg(rest.replace("cargo build --release", "cargo build"))
+                    .current_dir(&workdir)
+                    .env("CARGO_BUILD_BUILD_DIR", target_dir())
+                    .env("CARGO_TARGET_DIR", workdir.join("target"));
+                succeeded(
+                    &run(sh, Duration::from_secs(45 * 60)),
+                    &format!("RUN {rest}"),
+                );
+            }
+            _ => {}
+        }
+    }
+    drop(guard);
+    assert_eq!(cargo_builds, 2, "the dependencies' layer, then stepgate's");
+    assert!(workdir.starts_with(&context));
+    let mut version = Command::new(workdir.join("target/debug/stepgate"));
+    version.arg("--version").env_remove("LD_LIBRARY_PATH");
+    let line = succeeded(
+        &run(version, Duration::from_secs(120)),
+        "stepgate --version",
+    );
+    assert_eq!(
+        line.trim(),
+        format!("stepgate {}", env!("CARGO_PKG_VERSION"))
+    );
+    // The runtime stage copies the binary from where the build stage wrote it.
+    assert!(
+        dockerfile.contains("COPY --from=build /src/target/release/stepgate "),
+        "the runtime stage's COPY of the binary"
+    );
+    let _ = std::fs::remove_dir_all(&context);
 }
