@@ -28,6 +28,16 @@ category = "keyed"
 url = "http://127.0.0.1:1/x"
 timeout = "2s"
 identity = ["to"]
+[tools.gpu_keyed]
+category = "keyed"
+pool = "gpu"
+timeout = "2s"
+retries = 0
+[tools.gpu_wire]
+category = "unkeyed"
+pool = "gpu"
+timeout = "2s"
+retries = 0
 "#;
 
 struct Fixture {
@@ -1088,4 +1098,73 @@ fn a_repeat_counts_toward_its_tools_dedup_rate_and_a_fast_path_read_does_not() {
         assert!(out.contains(line), "{line} in\n{out}");
     }
     assert!(!out.contains(r#"stepgate_effectful_calls_total{tool="unknown"}"#));
+}
+
+fn pool_call(tool: &str, step: u64, call_id: &str) -> serde_json::Value {
+    json!({"workflow_id": "wf", "step_index": step, "tool": tool,
+        "arguments": {}, "call_id": call_id})
+}
+
+/// Outcome v1 `started`: a pool's worker took the call.
+fn taken(call: &Call) -> Progress {
+    Progress {
+        event: ProgressEvent::Started,
+        ..finished(
+            call,
+            Outcome::Ok {
+                output: json!(null),
+            },
+        )
+    }
+}
+
+/// A pool's call (docs/design.md "Worker pools") that no worker took is
+/// answered `no_worker` at its deadline (2 s + 1 s grace): never invoked. One
+/// a worker took is a call that may have run: its deadline counts from when
+/// it was taken, and an `unkeyed` one is then `in_doubt`.
+#[test]
+fn a_pool_call_never_taken_is_no_worker_and_one_taken_and_silent_is_in_doubt() {
+    let mut f = Fixture::new();
+    let lonely = call_of(&f.intent(pool_call("gpu_wire", 1, "p1"), 1000));
+    assert!(f.tick(3999).is_empty());
+    let r = results(&f.tick(4001)).remove(0);
+    assert_eq!(r.status, Status::Error);
+    assert_eq!(r.error.as_ref().unwrap().kind, "no_worker");
+    assert!(r.error.unwrap().message.contains("`gpu`"));
+    assert_eq!(
+        f.store.step(0, &lonely.step).unwrap().unwrap().phase,
+        Phase::Completed
+    );
+
+    let held = call_of(&f.intent(pool_call("gpu_wire", 2, "p2"), 10_000));
+    assert!(f.progress(taken(&held), 12_000).is_empty());
+    assert!(f.tick(13_001).is_empty(), "taken at 12 s: due at 15 s");
+    let r = results(&f.tick(15_001)).remove(0);
+    assert_eq!(r.status, Status::InDoubt);
+    assert_eq!(r.error.unwrap().kind, "executor_lost");
+}
+
+/// A `keyed` pool call taken and never answered is dispatched again (a new
+/// Call v1, the same key); if no worker takes that one, the earlier run may
+/// still have acted: `in_doubt`, not "not performed". Its late `ok` is kept
+/// as evidence.
+#[test]
+fn a_keyed_pool_call_taken_then_lost_is_dispatched_again_and_never_told_not_performed() {
+    let mut f = Fixture::new();
+    let first = call_of(&f.intent(pool_call("gpu_keyed", 1, "k1"), 1000));
+    f.progress(taken(&first), 1100);
+    let again = call_of(&f.tick(4101));
+    assert_eq!((again.dispatch, &again.step), (2, &first.step));
+    let r = results(&f.tick(7102)).remove(0);
+    assert_eq!(r.status, Status::InDoubt, "{r:?}");
+    assert_eq!(r.error.unwrap().kind, "outcome_unknown");
+    let late = f.progress(finished(&first, Outcome::Ok { output: json!(1) }), 8000);
+    assert!(results(&late).is_empty());
+    let rec = f.store.step(0, &first.step).unwrap().unwrap();
+    assert_eq!(rec.phase, Phase::InDoubt);
+    assert!(
+        rec.evidence
+            .iter()
+            .any(|e| e.dispatch == 1 && e.status == "ok")
+    );
 }
