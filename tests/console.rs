@@ -148,6 +148,65 @@ fn urlencoded(form: &[(&str, String)]) -> String {
         .join("&")
 }
 
+/// A form posted as `token` with a valid CSRF pair: its status and `Location`.
+async fn post_form(
+    base: &str,
+    token: &str,
+    path: &str,
+    mut form: Vec<(&str, String)>,
+) -> (u16, String) {
+    let csrf = "d".repeat(64);
+    form.push(("csrf", csrf.clone()));
+    let r = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .unwrap()
+        .post(format!("{base}{path}"))
+        .bearer_auth(token)
+        .header("cookie", format!("stepgate_console_csrf={csrf}"))
+        .header("content-type", "application/x-www-form-urlencoded")
+        .body(urlencoded(&form))
+        .send()
+        .await
+        .unwrap();
+    let location = r
+        .headers()
+        .get("location")
+        .map(|v| v.to_str().unwrap().to_owned())
+        .unwrap_or_default();
+    (r.status().as_u16(), location)
+}
+
+/// The values of a page's hidden inputs named `name`.
+fn field_values(page: &str, name: &str) -> Vec<String> {
+    let marker = format!("name=\"{name}\" value=\"");
+    page.match_indices(&marker)
+        .map(|(i, _)| {
+            let rest = &page[i + marker.len()..];
+            rest[..rest.find('"').unwrap()].to_owned()
+        })
+        .collect()
+}
+
+fn field(page: &str, name: &str) -> String {
+    field_values(page, name)
+        .into_iter()
+        .next()
+        .unwrap_or_else(|| panic!("no {name} in {page}"))
+}
+
+/// A page once it shows `text` (within 15 s).
+async fn eventually_page(base: &str, path: &str, token: &str, text: &str) -> String {
+    for _ in 0..300 {
+        let (_, _, page) = get_as(base, path, token).await;
+        if page.contains(text) {
+            return page;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("{path} did not show {text} in 15 s");
+}
+
 /// A page as `token` sees it: status, CSP header, body.
 async fn get_as(base: &str, path: &str, token: &str) -> (u16, String, String) {
     let r = reqwest::Client::new()
@@ -397,6 +456,63 @@ async fn people_in_the_loop_decide_in_the_console() {
         .await;
     assert!(again.deduplicated);
     assert_eq!(s.tools.count("wire"), 2, "and only once");
+
+    // A decision is bound to the run the page showed: once the step ran
+    // again, the form about the first run is refused, not applied to the new one.
+    s.tools.script(
+        "wire",
+        vec![Reply::Ok, Reply::Ok, Reply::Status(503), Reply::Status(503)],
+    );
+    let call = |id: &'static str| {
+        intent(
+            "invoice-600",
+            0,
+            "wire",
+            json!({"amount_eur": 75, "to": "Globex"}),
+            id,
+        )
+    };
+    assert_eq!(agent.call(call("x0")).await.status, Status::InDoubt);
+    let page = eventually_page(&base, "/in-doubt", OLIVIA, "invoice-600").await;
+    let intended_at = field(&page, "intended_at_ms");
+    let form = |dispatch: &str| {
+        vec![
+            ("workflow_id", "invoice-600".to_owned()),
+            ("step_index", "0".into()),
+            ("tool", "wire".into()),
+            ("attempt", "0".into()),
+            ("dispatch", dispatch.into()),
+            ("intended_at_ms", intended_at.clone()),
+            ("outcome", "not_executed".into()),
+        ]
+    };
+    let (status, location) = post_form(&base, OLIVIA, "/resolve", form("1")).await;
+    assert_eq!(status, 303);
+    assert!(location.contains("done="), "{location}");
+    assert_eq!(
+        agent.call(call("x1")).await.status,
+        Status::InDoubt,
+        "run 2"
+    );
+    assert_eq!(s.tools.count("wire"), 4);
+    let mut waited = 0;
+    while !field_values(&get_as(&base, "/in-doubt", OLIVIA).await.2, "dispatch")
+        .contains(&"2".to_owned())
+    {
+        waited += 1;
+        assert!(waited < 200, "the console never showed run 2");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (status, location) = post_form(&base, OLIVIA, "/resolve", form("1")).await;
+    assert_eq!(status, 303);
+    assert!(
+        location.contains("failed=") && location.contains("stale_command"),
+        "the form about run 1: {location}"
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (_, _, page) = get_as(&base, "/in-doubt", OLIVIA).await;
+    assert!(page.contains("invoice-600"), "run 2 is still in doubt");
+    assert_eq!(s.tools.count("wire"), 4, "and nothing ran");
 
     // A viewer: no buttons, and a forged POST (with a valid CSRF pair) is 403.
     agent
