@@ -367,6 +367,60 @@ async fn a_pool_with_no_worker_answers_no_worker_at_the_deadline() {
     assert_eq!(calls[0].value["category"], json!("keyed"));
 }
 
+/// Two workers of one pool share its calls (a consumer group over the calls
+/// topic's partitions): every call is run once, by one of them, and both take
+/// some.
+#[tokio::test]
+async fn two_workers_share_a_pools_calls_each_run_once() {
+    let mut s = pool_stack().await;
+    s.start().await;
+    let wc = worker_config(&s);
+    let _a = spawn_worker(&s, &wc, "a");
+    let _b = spawn_worker(&s, &wc, "b");
+    // Both are members with partitions (the group has settled on two).
+    let assigned = |name: &str| {
+        worker_log(&s, name)
+            .lines()
+            .rev()
+            .find(|l| l.contains("calls partitions assigned"))
+            .is_some_and(|l| !l.contains("partitions=[]"))
+    };
+    eventually(
+        Duration::from_secs(60),
+        "both workers own partitions",
+        || assigned("a") && assigned("b"),
+    )
+    .await;
+    let agent = s.agent();
+    let run = random_name("wf");
+    for i in 0..24 {
+        agent
+            .send(&intent(
+                &format!("{run}-{i}"),
+                0,
+                "echo_pool",
+                json!({"i": i}),
+                &format!("s{i}"),
+            ))
+            .await;
+    }
+    for i in 0..24 {
+        let a = agent
+            .answer(&format!("s{i}"), Duration::from_secs(60))
+            .await;
+        assert_eq!(a.status, Status::Ok, "{a:?}");
+    }
+    assert_eq!(s.tools.count("echo_pool"), 24, "each call run once");
+    let took = |name: &str| worker_log(&s, name).matches("call taken").count();
+    assert_eq!(took("a") + took("b"), 24);
+    assert!(
+        took("a") > 0 && took("b") > 0,
+        "a took {}, b took {}",
+        took("a"),
+        took("b")
+    );
+}
+
 /// `--rate echo_pool=5`: 15 calls sent at once start at most 5 a second
 /// (a burst of 5, then one every 200 ms), so the last is answered no sooner
 /// than 2 s after they were sent; all are answered, each run once.

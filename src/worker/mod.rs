@@ -259,6 +259,9 @@ impl ConsumerContext for PoolContext {
                     let epoch = o.next_epoch;
                     o.epochs.insert(e.partition(), epoch);
                 }
+                let mut owned: Vec<i32> = o.epochs.keys().copied().collect();
+                owned.sort_unstable();
+                info!(partitions = ?owned, "calls partitions assigned");
             }
             Rebalance::Error(e) => warn!(error = %e, "rebalance error"),
             Rebalance::Revoke(_) => {}
