@@ -367,6 +367,96 @@ async fn a_pool_with_no_worker_answers_no_worker_at_the_deadline() {
     assert_eq!(calls[0].value["category"], json!("keyed"));
 }
 
+/// A pool tool served over MCP: the worker speaks MCP `tools/call` to it
+/// (the same client as the gate's in-process invoker), with the step's key
+/// in `_meta`; the gate's config names neither the server nor the protocol.
+#[tokio::test]
+async fn a_worker_calls_an_mcp_tool_with_the_steps_key() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let mut s = Stack::new(StackOptions {
+        tool_tables:
+            "[tools.create_ticket]\ncategory = \"keyed\"\npool = \"gpu\"\ntimeout = \"10s\"\n"
+                .into(),
+        ..StackOptions::default()
+    })
+    .await;
+    let counts = s.dir.path().join("counts.json");
+    let port = free_port();
+    let _server = Killed(
+        Command::new("python3")
+            .arg(format!("{root}/tests/interop/mcp_tool_server.py"))
+            .arg(port.to_string())
+            .arg(&counts)
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(s.dir.path().join("mcp-server.log")).unwrap())
+            .spawn()
+            .expect("python3 runs"),
+    );
+    eventually(
+        Duration::from_secs(60),
+        "the MCP tool server listens",
+        || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok(),
+    )
+    .await;
+    s.start().await;
+    let mut cfg: Config = s.config.clone();
+    cfg.http.listen = String::new();
+    cfg.tools = Config::from_toml_str(
+        &format!(
+            "[tools.create_ticket]\ncategory = \"keyed\"\nmcp = \"http://127.0.0.1:{port}/mcp\"\ntimeout = \"10s\"\n"
+        ),
+        Vec::new(),
+    )
+    .unwrap()
+    .tools;
+    let wc = s.dir.path().join("worker-mcp.toml");
+    write_config(&cfg, &wc);
+    let _worker = spawn_worker(&s, &wc, "mcp");
+    let agent = s.agent();
+    let wf = random_name("wf");
+
+    let first = agent
+        .call(intent(
+            &wf,
+            0,
+            "create_ticket",
+            json!({"title": "printer"}),
+            "m1",
+        ))
+        .await;
+    assert_eq!(
+        first.status,
+        Status::Ok,
+        "{first:?}\n{}",
+        worker_log(&s, "mcp")
+    );
+    assert_eq!(first.output.as_ref().unwrap()["title"], json!("printer"));
+    let again = agent
+        .call(intent(
+            &wf,
+            0,
+            "create_ticket",
+            json!({"title": "printer"}),
+            "m2",
+        ))
+        .await;
+    same_but_call_id(&first, &again);
+    let recorded: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&counts).unwrap()).unwrap();
+    let key = stepgate::contract::StepKey {
+        workflow_id: wf,
+        step_index: 0,
+        tool: "create_ticket".into(),
+        attempt: 0,
+    }
+    .idempotency_key();
+    assert_eq!(
+        recorded["invocations"],
+        json!([key]),
+        "one invocation, with the step's key"
+    );
+}
+
 /// Two workers of one pool share its calls (a consumer group over the calls
 /// topic's partitions): every call is run once, by one of them, and both take
 /// some.
