@@ -47,7 +47,7 @@ cargo build --release --quiet -p stepgate -p stepgate-bench --bin stepgate --bin
 # The broker's request and byte counters over JMX (benches/jmx), when a JDK is here.
 if command -v javac >/dev/null; then
     mkdir -p "$target/jmx"
-    javac -d "$target/jmx" benches/jmx/BrokerMetrics.java && export STEPGATE_BENCH_JMX="$target/jmx"
+    javac -d "$target/jmx" benches/jmx/BrokerMetrics.java && export BENCH_JMX_CLASSES="$target/jmx"
 fi
 
 export STEPGATE_BENCH_RUN_ID="${STEPGATE_BENCH_RUN_ID:-sgb$(printf '%x' $(( $(date +%s) & 0xffffff )))}"

@@ -43,7 +43,7 @@ pub struct Row {
     pub records_per_intent: BTreeMap<String, f64>,
     /// The broker's work per flood intent, from its JMX counters (requests by
     /// API, bytes in and out; summed over a cluster's nodes); empty when they
-    /// could not be read (`STEPGATE_BENCH_JMX` unset, no JDK).
+    /// could not be read (`BENCH_JMX_CLASSES` unset, no JDK).
     pub broker_per_intent: BTreeMap<String, f64>,
     pub gate: Option<GateFigures>,
     /// The same for the paced phase.

@@ -226,10 +226,10 @@ pub fn broker_pids(brokers: &str) -> Vec<String> {
 }
 
 /// The brokers' request and byte counters (`benches/jmx/BrokerMetrics.java`,
-/// compiled into `$STEPGATE_BENCH_JMX` by bench.sh), summed over `pids`; None
+/// compiled into `$BENCH_JMX_CLASSES` by bench.sh), summed over `pids`; None
 /// when they cannot be read.
 pub async fn broker_counters(pids: &[String]) -> Option<BTreeMap<String, f64>> {
-    let classes = std::env::var_os("STEPGATE_BENCH_JMX")?;
+    let classes = std::env::var_os("BENCH_JMX_CLASSES")?;
     if pids.is_empty() {
         return None;
     }
