@@ -457,6 +457,54 @@ async fn a_worker_calls_an_mcp_tool_with_the_steps_key() {
     );
 }
 
+/// SIGTERM: a worker finishes the call it holds, reports it, commits it
+/// and exits 0; the call is not run again.
+#[tokio::test]
+async fn a_worker_stopped_with_sigterm_finishes_its_call_first() {
+    let mut s = pool_stack().await;
+    s.tools
+        .script("charge_remote", vec![Reply::Delay(Duration::from_secs(2))]);
+    s.start().await;
+    let wc = worker_config(&s);
+    let mut worker = spawn_worker(&s, &wc, "a");
+    let agent = s.agent();
+    let wf = random_name("wf");
+    agent
+        .send(&intent(&wf, 0, "charge_remote", json!({}), "t1"))
+        .await;
+    eventually(
+        Duration::from_secs(60),
+        "the worker invokes the tool",
+        || s.tools.count("charge_remote") == 1,
+    )
+    .await;
+    Command::new("kill")
+        .args(["-TERM", &worker.0.id().to_string()])
+        .status()
+        .unwrap();
+    let answer = agent.answer("t1", Duration::from_secs(60)).await;
+    assert_eq!(
+        answer.status,
+        Status::Ok,
+        "{answer:?}\n{}",
+        worker_log(&s, "a")
+    );
+    let mut exit = None;
+    eventually(Duration::from_secs(30), "the worker exits", || {
+        exit = worker.0.try_wait().unwrap();
+        exit.is_some()
+    })
+    .await;
+    assert!(exit.unwrap().success(), "{}", worker_log(&s, "a"));
+    // A new member starts after the committed call: the next one only.
+    let _again = spawn_worker(&s, &wc, "a");
+    let next = agent
+        .call(intent(&wf, 1, "charge_remote", json!({}), "t2"))
+        .await;
+    assert_eq!(next.status, Status::Ok);
+    assert_eq!(s.tools.count("charge_remote"), 2);
+}
+
 /// Two workers of one pool share its calls (a consumer group over the calls
 /// topic's partitions): every call is run once, by one of them, and both take
 /// some.
