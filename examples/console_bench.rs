@@ -146,11 +146,16 @@ async fn main() -> anyhow::Result<()> {
     // The console, as a process of its own.
     let config_path = dir.join("stepgate.toml");
     std::fs::write(&config_path, toml::to_string(&cfg)?)?;
-    let bin = std::env::current_exe()?
-        .parent()
-        .and_then(|p| p.parent())
-        .map(|p| p.join("stepgate"))
-        .context("the stepgate binary beside this example")?;
+    // `STEPGATE_BIN` measures another build (a release binary from a debug
+    // example: the writer's speed does not matter).
+    let bin = match std::env::var_os("STEPGATE_BIN") {
+        Some(b) => std::path::PathBuf::from(b),
+        None => std::env::current_exe()?
+            .parent()
+            .and_then(|p| p.parent())
+            .map(|p| p.join("stepgate"))
+            .context("the stepgate binary beside this example")?,
+    };
     let port = {
         let l = std::net::TcpListener::bind("127.0.0.1:0")?;
         l.local_addr()?.port()
@@ -213,12 +218,8 @@ async fn main() -> anyhow::Result<()> {
             .unwrap_or("?".into())
     };
     println!(
-        "console with {n} steps in the changelog ({} build): ready (every topic read) in {:.1} s; resident memory {} (peak {}, {} before the read, {} after the pages)",
-        if cfg!(debug_assertions) {
-            "debug"
-        } else {
-            "release"
-        },
+        "console with {n} steps in the changelog ({}): ready (every topic read) in {:.1} s; resident memory {} (peak {}, {} before the read, {} after the pages)",
+        bin.display(),
         ready.as_secs_f64(),
         mb(rss),
         mb(peak),
