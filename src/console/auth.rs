@@ -285,6 +285,36 @@ tokens = [{ name = "alice", token = "alice-token-0123456789" }]
             .await,
             Err(Unknown::BadToken(_))
         ));
+        // With `mcp_auth`, the MCP front's tokens name principals too.
+        let mcp: McpConfig = toml::from_str(
+            r#"
+[auth]
+scopes = { all = ["*"] }
+tokens = [{ name = "bot", token = "mcp-bot-token-0123456789", scopes = ["all"] }]
+"#,
+        )
+        .unwrap();
+        let with_mcp = ConsoleConfig {
+            mcp_auth: true,
+            roles: [("bot".to_owned(), ConsoleRole::Viewer)].into(),
+            ..console.clone()
+        };
+        let ids = Identities::new(&with_mcp, &mcp, &|_| None).unwrap();
+        let bot = ids
+            .identify(&headers(&[(
+                "authorization",
+                "Bearer mcp-bot-token-0123456789",
+            )]))
+            .await
+            .unwrap();
+        assert_eq!(
+            (bot.name.as_str(), bot.role),
+            ("bot", Some(ConsoleRole::Viewer))
+        );
+        assert!(
+            Identities::new(&with_mcp, &McpConfig::default(), &|_| None).is_err(),
+            "mcp_auth without [mcp.auth]"
+        );
         // Without the setting, the header names no one.
         let plain = ConsoleConfig {
             proxy_user_header: None,
