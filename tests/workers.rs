@@ -614,7 +614,8 @@ async fn worker_path_latency_beside_in_process() {
     let mut s = pool_stack().await;
     s.start().await;
     let wc = worker_config(&s);
-    let _worker = spawn_worker(&s, &wc, "bench");
+    let concurrency = std::env::var("WORKER_BENCH_CONCURRENCY").unwrap_or_else(|_| "64".into());
+    let _worker = spawn_worker_with(&s, &wc, "bench", &["--concurrency", &concurrency]);
     let agent = s.agent();
     let run = random_name("b");
     let timed = |tool: &'static str, i: usize| {
@@ -665,4 +666,50 @@ async fn worker_path_latency_beside_in_process() {
         p99 - l99
     );
     assert_eq!(s.tools.count("echo_pool"), n + 10);
+
+    // Flood: `WORKER_BENCH_FLOOD` new steps (default 2000) published at once
+    // per path, timed until the last is answered.
+    let flood: usize = std::env::var("WORKER_BENCH_FLOOD")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2000);
+    let flooded = |tool: &'static str| {
+        let (agent, run) = (&agent, &run);
+        async move {
+            let t = std::time::Instant::now();
+            futures::future::join_all((0..flood).map(|i| {
+                let wf = format!("{run}-flood-{tool}-w{}", i % 64);
+                let id = format!("flood-{tool}-{i}");
+                async move {
+                    agent
+                        .send(&intent(&wf, (i / 64) as u64, tool, json!({"i": i}), &id))
+                        .await
+                }
+            }))
+            .await;
+            let prefix = format!("flood-{tool}-");
+            let answered = || {
+                agent
+                    .results
+                    .all()
+                    .iter()
+                    .filter(|r| {
+                        r.value["call_id"]
+                            .as_str()
+                            .is_some_and(|c| c.starts_with(&prefix))
+                    })
+                    .count()
+            };
+            eventually(Duration::from_secs(300), "the flood is answered", || {
+                answered() >= flood
+            })
+            .await;
+            flood as f64 / t.elapsed().as_secs_f64()
+        }
+    };
+    let local_rate = flooded("send_email").await;
+    let pool_rate = flooded("echo_pool").await;
+    println!("flood of {flood} new steps per path (published at once, timed to the last answer):");
+    println!("  in-process  {local_rate:7.0} steps/s");
+    println!("  worker pool {pool_rate:7.0} steps/s (one worker, --concurrency {concurrency})");
 }
