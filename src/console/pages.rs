@@ -300,7 +300,7 @@ pub fn inbox_list(
             }
             @for h in held {
                 @let rec = &h.record;
-                article.card.held data-step=(step_label(&rec.step)) {
+                article.card.held data-step=(step_label(&rec.step)) data-held-at-ms=(rec.intended_at_ms) {
                     div.head {
                         span.tool { (rec.step.tool) }
                         span.waited title="how long it has waited" { "waiting " (ago(rec.intended_at_ms, now_ms)) }

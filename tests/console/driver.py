@@ -7,7 +7,8 @@ Commands:
   login TOKEN                 sign in through the login form
   goto PATH                   open a page
   wait_card TEXT MS           wait until a card naming TEXT shows (without a
-                              reload); answers the milliseconds it took
+                              reload); answers the milliseconds it took, and
+                              for a held call those since the gate held it
   click_in_card TEXT BUTTON   click the button labelled BUTTON in that card,
                               wait for the page it leads to; answers its notice
   deny TEXT REASON...         type the reason in that card's Deny form, click Deny
@@ -73,8 +74,14 @@ def main():
                     answer(status=r.status if r else None, url=page.url)
                 elif cmd == "wait_card":
                     t0 = time.monotonic()
-                    card(page, args[0]).wait_for(state="visible", timeout=int(args[1]))
-                    answer(ms=int((time.monotonic() - t0) * 1000))
+                    c = card(page, args[0])
+                    c.wait_for(state="visible", timeout=int(args[1]))
+                    ms = int((time.monotonic() - t0) * 1000)
+                    # From when the gate held it (a held call's card says when).
+                    held = c.evaluate(
+                        "e => e.dataset.heldAtMs ? Date.now() - Number(e.dataset.heldAtMs) : null"
+                    )
+                    answer(ms=ms, since_held_ms=held)
                 elif cmd == "click_in_card":
                     label = " ".join(args[1:])
                     with page.expect_navigation():
