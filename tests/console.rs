@@ -609,6 +609,8 @@ async fn people_in_the_loop_decide_in_the_console() {
     let (_, _, overview) = get_as(&base, "/overview", OLIVIA).await;
     assert!(overview.contains("wire_money"), "{overview}");
 
+    b.cmd("goto /overview").await;
+    b.screenshot("console-overview.png").await;
     let problems = b.cmd("problems").await;
     assert_eq!(
         problems["problems"],
