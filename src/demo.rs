@@ -17,7 +17,7 @@ use rdkafka::producer::{FutureProducer, FutureRecord};
 use serde_json::{Value, json};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use thiserror::Error;
 use tokio_util::sync::CancellationToken;
 
@@ -328,10 +328,32 @@ url = "http://{tools_addr}/search_orders"
         )
         .await
         .map_err(|(e, _)| e)?;
-    println!(
-        "    (and a malformed record went to the dead-letter topic `{}`)\n",
-        config.kafka.topics.dlq
-    );
+    // Say it went to the dead-letter topic once the gate has sent it there.
+    let malformed = || {
+        running
+            .metrics
+            .render()
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix("stepgate_rejected_inputs_total{reason=\"malformed_json\"} ")
+            })
+            .and_then(|n| n.trim().parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    let waited = Instant::now();
+    while malformed() < 1.0 && waited.elapsed() < Duration::from_secs(30) {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    if malformed() >= 1.0 {
+        println!(
+            "    (and a malformed record went to the dead-letter topic `{}`)\n",
+            config.kafka.topics.dlq
+        );
+    } else {
+        println!(
+            "    (a malformed record was sent; the gate had not dead-lettered it after 30 s)\n"
+        );
+    }
 
     let text = running.metrics.render();
     println!("metrics (excerpt):");

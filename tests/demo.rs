@@ -20,6 +20,13 @@ fn the_demo_tells_the_tour_the_readme_promises() {
         "{errors}"
     );
     assert!(text.starts_with("stepgate demo"), "{text}");
+    // One malformed intent, one dead letter (the mock cluster once delivered
+    // the gate's aborted probe records, dead-lettered as malformed too).
+    assert!(
+        text.contains("a malformed record went to the dead-letter topic")
+            && text.contains("stepgate_rejected_inputs_total{reason=\"malformed_json\"} 1\n"),
+        "{text}"
+    );
     assert!(!text.lines().next().unwrap_or_default().contains("executor"));
     let line = |needle: &str| {
         text.lines()
