@@ -391,17 +391,20 @@ pub fn follow(
         std::process::id(),
         chrono::Utc::now().timestamp_nanos_opt().unwrap_or_default()
     );
-    let consumer = kafka::read_to_end_consumer(cfg, &group)?;
-    let mut tpl = rdkafka::TopicPartitionList::new();
-    let mut open = std::collections::HashSet::new();
+    // A consumer per topic: librdkafka's end-of-partition event names the
+    // partition only, so each topic's ends are counted on its own consumer.
+    let mut readers = Vec::new();
     for (topic, n) in topics.iter().zip(&counts) {
+        let consumer = kafka::read_to_end_consumer(cfg, &group)?;
+        let mut tpl = rdkafka::TopicPartitionList::new();
         for p in 0..*n as i32 {
             tpl.add_partition_offset(topic, p, rdkafka::Offset::Beginning)?;
-            open.insert((topic.to_string(), p));
         }
+        consumer.assign(&tpl)?;
+        drop(tpl);
+        let open: std::collections::HashSet<i32> = (0..*n as i32).collect();
+        readers.push((consumer, open));
     }
-    consumer.assign(&tpl)?;
-    drop(tpl);
     let lag_reader = kafka::read_to_end_consumer(cfg, gate_group)?;
     let intents_partitions = counts[3] as i32;
     let mut next_lag = Instant::now();
@@ -413,55 +416,61 @@ pub fn follow(
                 Err(e) => tracing::debug!(error = %e, "reading the gate group's offsets"),
             }
         }
-        let Some(m) = consumer.poll(Duration::from_millis(200)) else {
-            continue;
-        };
-        let mut c = cache.write().expect("cache lock");
-        match m {
-            Ok(m) => {
-                c.records_read += 1;
-                let topic = m.topic();
-                if topic == t.changelog {
-                    if let Some(key) = m.key() {
-                        c.apply_changelog(key, m.payload(), m.offset());
+        let mut idle = true;
+        for (i, (consumer, open)) in readers.iter_mut().enumerate() {
+            let mut c = cache.write().expect("cache lock");
+            // A burst per topic, then the next: none waits behind another's backlog.
+            for _ in 0..2000 {
+                let Some(m) = consumer.poll(Duration::ZERO) else {
+                    break;
+                };
+                idle = false;
+                match m {
+                    Ok(m) => {
+                        c.records_read += 1;
+                        match (i, m.payload()) {
+                            (0, value) => {
+                                if let Some(key) = m.key() {
+                                    c.apply_changelog(key, value, m.offset());
+                                }
+                            }
+                            (1, Some(v)) => c.apply_approval(v),
+                            (2, Some(v)) => c.apply_command(v),
+                            (3, Some(v)) => c.apply_intent(v),
+                            (4, Some(v)) => c.apply_result(v),
+                            _ => {}
+                        }
                     }
-                } else if let Some(v) = m.payload() {
-                    if topic == t.approvals {
-                        c.apply_approval(v);
-                    } else if topic == t.commands {
-                        c.apply_command(v);
-                    } else if topic == t.intents {
-                        c.apply_intent(v);
-                    } else if topic == t.results {
-                        c.apply_result(v);
+                    Err(KafkaError::PartitionEOF(p)) => {
+                        open.remove(&p);
                     }
+                    Err(e) => tracing::debug!(error = %e, "console reader"),
                 }
             }
-            Err(KafkaError::PartitionEOF(p)) => {
-                // librdkafka names only the partition: the first open one of
-                // that number whose end was reached is enough to count ends.
-                if !c.caught_up {
-                    let found = open.iter().find(|(_, q)| *q == p).cloned();
-                    if let Some(k) = found {
-                        open.remove(&k);
-                    }
-                    if open.is_empty() {
-                        c.caught_up = true;
-                        c.caught_up_after = Some(started.elapsed());
-                        tracing::info!(
-                            steps = c.step_count(),
-                            records = c.records_read,
-                            seconds = started.elapsed().as_secs_f64(),
-                            "console: the topics are read to their end"
-                        );
-                    }
-                }
-            }
-            Err(e) => tracing::debug!(error = %e, "console reader"),
+        }
+        if !caught_up(&cache) && readers.iter().all(|(_, open)| open.is_empty()) {
+            let mut c = cache.write().expect("cache lock");
+            c.caught_up = true;
+            c.caught_up_after = Some(started.elapsed());
+            tracing::info!(
+                steps = c.step_count(),
+                records = c.records_read,
+                seconds = started.elapsed().as_secs_f64(),
+                "console: the topics are read to their end"
+            );
+        }
+        if idle {
+            std::thread::sleep(Duration::from_millis(20));
         }
     }
-    let _ = consumer.unassign();
+    for (consumer, _) in &readers {
+        let _ = consumer.unassign();
+    }
     Ok(())
+}
+
+fn caught_up(cache: &Shared) -> bool {
+    cache.read().expect("cache lock").caught_up
 }
 
 /// The gate group's committed offsets on `intents` against the ends.
