@@ -870,22 +870,8 @@ pub async fn create_topics(
     }
     // Creation returns before every broker's metadata shows the topics: wait for
     // them, so that what runs next (a layout check, stepgate itself) sees them.
-    let cfg = cfg.clone();
     let names: Vec<String> = names.iter().map(|n| n.to_string()).collect();
-    tokio::task::spawn_blocking(move || {
-        let refs: Vec<&str> = names.iter().map(String::as_str).collect();
-        let deadline = std::time::Instant::now() + Duration::from_secs(30);
-        loop {
-            match partition_counts(&cfg, &refs) {
-                Err(KafkaSetupError::MissingTopic(_)) if std::time::Instant::now() < deadline => {
-                    std::thread::sleep(Duration::from_millis(100));
-                }
-                other => return other.map(|_| ()),
-            }
-        }
-    })
-    .await
-    .map_err(|_| KafkaError::Canceled)??;
+    wait_for_topics(cfg, names).await?;
     Ok(out)
 }
 
@@ -933,6 +919,12 @@ pub async fn create_pool_topics(
         }
     }
     // Seen in the metadata before anyone produces to or subscribes to them.
+    wait_for_topics(cfg, names).await?;
+    Ok(out)
+}
+
+/// Wait (up to 30 s) until the brokers' metadata shows every topic of `names`.
+async fn wait_for_topics(cfg: &KafkaConfig, names: Vec<String>) -> Result<(), KafkaSetupError> {
     let cfg = cfg.clone();
     tokio::task::spawn_blocking(move || {
         let refs: Vec<&str> = names.iter().map(String::as_str).collect();
@@ -947,8 +939,7 @@ pub async fn create_pool_topics(
         }
     })
     .await
-    .map_err(|_| KafkaError::Canceled)??;
-    Ok(out)
+    .map_err(|_| KafkaError::Canceled)?
 }
 
 /// A record to produce.
