@@ -40,7 +40,11 @@ The guarantee, as the protocol has it:
   `no_worker`).
 
 One worker runs one call at a time; run more workers (up to the calls topic's
-partition count) for more at once.
+partition count) for more at once. The call's offset is committed synchronously
+on the thread that polled it, before the next poll: a rebalance's revocation
+runs only inside poll, and a worker the group has moved on from (a new
+generation) gets its commit refused — it raises, and nothing is invoked — so
+two workers never both take an `unkeyed` call.
 """
 
 from __future__ import annotations
