@@ -150,9 +150,10 @@ pub enum Command {
         action: StepsCommand,
     },
     /// Settle an in-doubt step: it did take effect (`--executed --output JSON`,
-    /// which becomes its `ok` answer) or it did not (`--not-executed`: its next
-    /// call runs it). Recorded with who and when.
-    #[command(group(clap::ArgGroup::new("outcome").required(true).args(["executed", "not_executed"])))]
+    /// which becomes its `ok` answer), it did not (`--not-executed`: its next
+    /// call runs it), or it ran and failed without effect (`--failed --reason
+    /// TEXT`: its `error` answer, not run again). Recorded with who and when.
+    #[command(group(clap::ArgGroup::new("outcome").required(true).args(["executed", "not_executed", "failed"])))]
     Resolve {
         #[command(flatten)]
         step: StepArgs,
@@ -165,6 +166,10 @@ pub enum Command {
         /// The call did not take effect: allow the step to run again.
         #[arg(long)]
         not_executed: bool,
+        /// The call ran and failed without effect: `--reason` (what you found)
+        /// becomes its error answer; the step is not run again.
+        #[arg(long, requires = "reason")]
+        failed: bool,
         #[command(flatten)]
         who: Who,
         #[command(flatten)]

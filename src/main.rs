@@ -308,10 +308,13 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
             executed,
             output,
             not_executed: _,
+            failed,
             who,
             target,
         } => {
-            let action = if executed {
+            let action = if failed {
+                Action::ResolveFailed
+            } else if executed {
                 let text = output.unwrap_or_default();
                 let output: serde_json::Value = serde_json::from_str(&text)
                     .with_context(|| format!("--output must be JSON, got `{text}`"))?;

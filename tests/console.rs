@@ -465,6 +465,42 @@ async fn people_in_the_loop_decide_in_the_console() {
     assert!(again.deduplicated);
     assert_eq!(s.tools.count("wire"), 2, "and only once");
 
+    // Resolved "failed": the agent's later calls get the error with what the
+    // operator found, and the tool is not run again.
+    s.tools.script("wire", vec![Reply::Status(503)]);
+    let failing = intent("invoice-513", 0, "wire", json!({"amount_eur": 99}), "fx0");
+    assert_eq!(agent.call(failing).await.status, Status::InDoubt);
+    assert_eq!(s.tools.count("wire"), 3);
+    b.cmd("goto /in-doubt").await;
+    b.cmd("wait_card invoice-513 15000").await;
+    let done = b
+        .cmd("fail invoice-513 the bank rejected it: account closed")
+        .await;
+    assert!(
+        done["notice"]
+            .as_str()
+            .unwrap()
+            .contains("resolve_failed by olivia applied"),
+        "{done}"
+    );
+    let after = agent
+        .call(intent(
+            "invoice-513",
+            0,
+            "wire",
+            json!({"amount_eur": 99}),
+            "fx1",
+        ))
+        .await;
+    assert!(after.deduplicated);
+    assert_eq!(after.status, Status::Error);
+    let message = &after.error.as_ref().unwrap().message;
+    assert!(
+        message.contains("the bank rejected it: account closed"),
+        "{message}"
+    );
+    assert_eq!(s.tools.count("wire"), 3, "a failed step is not run again");
+
     // A decision is bound to the run the page showed: once the step ran
     // again, the form about the first run is refused, not applied to the new one.
     s.tools.script(
@@ -502,7 +538,7 @@ async fn people_in_the_loop_decide_in_the_console() {
         Status::InDoubt,
         "run 2"
     );
-    assert_eq!(s.tools.count("wire"), 4);
+    assert_eq!(s.tools.count("wire"), 5);
     let mut waited = 0;
     while !field_values(&get_as(&base, "/in-doubt", OLIVIA).await.2, "dispatch")
         .contains(&"2".to_owned())
@@ -520,7 +556,7 @@ async fn people_in_the_loop_decide_in_the_console() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     let (_, _, page) = get_as(&base, "/in-doubt", OLIVIA).await;
     assert!(page.contains("invoice-600"), "run 2 is still in doubt");
-    assert_eq!(s.tools.count("wire"), 4, "and nothing ran");
+    assert_eq!(s.tools.count("wire"), 5, "and nothing ran");
 
     // A viewer: no buttons, and a forged POST (with a valid CSRF pair) is 403.
     agent

@@ -302,6 +302,47 @@ async fn a_denial_reaches_the_agent_as_a_refusal_by_a_person() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_resolves_an_in_doubt_step_as_failed() {
+    let s = stack().await;
+    let agent = s.agent();
+    s.tools.script("wire", vec![Reply::Status(503)]);
+    let doubt = agent
+        .call(intent("fail-1", 0, "wire", json!({"amount": 9}), "f0"))
+        .await;
+    assert_eq!(doubt.status, Status::InDoubt);
+    // `--failed` needs what was found: the model is told it.
+    let out = s
+        .cli(&["resolve", "fail-1", "0", "wire", "--failed", "--by", "dave"])
+        .await;
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("--reason"), "{}", stderr(&out));
+    let found = "the bank rejected it: account closed";
+    let out = s
+        .cli(&[
+            "resolve", "fail-1", "0", "wire", "--failed", "--reason", found, "--by", "dave",
+        ])
+        .await;
+    assert!(out.status.success(), "{}{}", stdout(&out), stderr(&out));
+    // The step's later calls get the error, and the tool is not run again.
+    let repeat = agent
+        .call(intent("fail-1", 0, "wire", json!({"amount": 9}), "f0b"))
+        .await;
+    assert!(repeat.deduplicated);
+    assert_eq!(repeat.status, Status::Error);
+    let e = repeat.error.clone().unwrap();
+    assert_eq!(e.kind, "tool_failed");
+    assert_eq!(e.message, Texts::resolved_failed("wire", Some(found)));
+    assert_eq!(s.tools.count("wire"), 1);
+    assert_eq!(agent.answers("f0").len(), 1, "one final answer per call_id");
+    let shown = steps(&s, "fail-1").await;
+    let s0 = step_of(&shown, 0);
+    assert_eq!(s0["phase"], "completed");
+    assert_eq!(s0["operator_log"][0]["action"], "resolve_failed");
+    assert_eq!(s0["operator_log"][0]["by"], "dave");
+    assert_eq!(s0["operator_log"][0]["reason"], found);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_operator_resolves_in_doubt_steps() {
     let s = stack().await;
     let agent = s.agent();

@@ -269,6 +269,7 @@ fn operator_commands_and_approval_events_match_their_schemas() {
             output: json!({"ok": true}),
         },
         Action::ResolveNotExecuted,
+        Action::ResolveFailed,
         Action::Approve,
         Action::Deny,
     ] {
@@ -291,6 +292,19 @@ fn operator_commands_and_approval_events_match_their_schemas() {
     bad.as_object_mut().unwrap().remove("output");
     assert!(!v.is_valid(&bad));
     assert!(serde_json::from_value::<Command>(bad).is_err());
+    // resolve_failed needs what was found (the model is told it).
+    let failed = json!({"id": "x-2", "workflow_id": "wf", "step_index": 0, "tool": "t",
+        "attempt": 0, "action": "resolve_failed", "by": "dave", "at": "2026-11-29T08:00:00.000Z"});
+    assert!(!v.is_valid(&failed));
+    let mut with_reason = failed.clone();
+    with_reason["reason"] = json!("the bank rejected it");
+    assert_valid(&v, &with_reason);
+    assert_eq!(
+        serde_json::from_value::<Command>(with_reason)
+            .unwrap()
+            .action,
+        Action::ResolveFailed
+    );
 
     let v = schema("approval.v1.json");
     for ex in examples("approval.v1.json") {

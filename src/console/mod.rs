@@ -777,6 +777,10 @@ async fn resolve(
         "/in-doubt",
         |f| match f.outcome.as_deref() {
             Some("not_executed") => Ok(Action::ResolveNotExecuted),
+            Some("failed") if f.reason.as_deref().is_some_and(|r| !r.trim().is_empty()) => {
+                Ok(Action::ResolveFailed)
+            }
+            Some("failed") => Err("Say what failed: the agent is told it.".into()),
             Some("executed") => {
                 let text = f.output.clone().unwrap_or_default();
                 serde_json::from_str(&text)

@@ -431,6 +431,13 @@ pub fn in_doubt_list(
                                 input type="text" name="reason" placeholder="How you know (recorded)";
                                 button.deny type="submit" { "Mark as executed" }
                             }
+                            form method="post" action="/resolve" {
+                                (step_fields(rec, csrf))
+                                input type="hidden" name="outcome" value="failed";
+                                label { "It ran and FAILED, without effect — what you found (the agent is told):" }
+                                input type="text" name="reason" required placeholder="e.g. the bank rejected it: account closed";
+                                button.deny type="submit" { "Mark as failed" }
+                            }
                         }
                     } @else {
                         p.muted { "Resolving needs the operator role." }

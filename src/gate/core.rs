@@ -792,6 +792,21 @@ impl GateCore {
                 };
                 self.settle(store, batch, p, record, outcome, Phase::Completed, now_ms)?;
             }
+            Action::ResolveFailed => {
+                record.operator_log.push(entry);
+                record.open_dispatches.clear();
+                record.settled_through = record.dispatch;
+                let outcome = Outcome::Error {
+                    error: ErrorBody {
+                        kind: "tool_failed".into(),
+                        message: Texts::resolved_failed(
+                            &command.step.tool,
+                            command.reason.as_deref(),
+                        ),
+                    },
+                };
+                self.settle(store, batch, p, record, outcome, Phase::Completed, now_ms)?;
+            }
             Action::ResolveNotExecuted => {
                 record.operator_log.push(entry);
                 record.open_dispatches.clear();

@@ -50,7 +50,9 @@ impl Phase {
     /// The only phase an operator's action applies to.
     pub fn acted_on_by(action: &Action) -> Phase {
         match action {
-            Action::ResolveExecuted { .. } | Action::ResolveNotExecuted => Phase::InDoubt,
+            Action::ResolveExecuted { .. } | Action::ResolveNotExecuted | Action::ResolveFailed => {
+                Phase::InDoubt
+            }
             Action::Approve | Action::Deny => Phase::AwaitingApproval,
         }
     }

@@ -12,6 +12,8 @@ Commands:
   click_in_card TEXT BUTTON   click the button labelled BUTTON in that card,
                               wait for the page it leads to; answers its notice
   deny TEXT REASON...         type the reason in that card's Deny form, click Deny
+  fail TEXT FOUND...          type what was found in that card's "failed" form,
+                              click "Mark as failed"
   count SELECTOR              how many elements match
   fresh                       a new browser context (signed out)
   problems                    console errors and CSP refusals seen so far
@@ -93,6 +95,14 @@ def main():
                     c.locator("input[name=reason]").fill(" ".join(args[1:]))
                     with page.expect_navigation():
                         c.get_by_role("button", name="Deny").click()
+                    notice = page.locator(".notice")
+                    answer(notice=notice.first.inner_text() if notice.count() else "", url=page.url)
+                elif cmd == "fail":
+                    c = card(page, args[0])
+                    form = c.locator("form:has(input[name=outcome][value=failed])")
+                    form.locator("input[name=reason]").fill(" ".join(args[1:]))
+                    with page.expect_navigation():
+                        form.get_by_role("button", name="Mark as failed").click()
                     notice = page.locator(".notice")
                     answer(notice=notice.first.inner_text() if notice.count() else "", url=page.url)
                 elif cmd == "count":

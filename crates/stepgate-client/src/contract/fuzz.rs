@@ -296,6 +296,7 @@ fn command_like() -> impl Strategy<Value = Value> {
         prop_oneof![
             Just("resolve_executed"),
             Just("resolve_not_executed"),
+            Just("resolve_failed"),
             Just("approve"),
             Just("deny"),
             Just("explode"),

@@ -48,6 +48,10 @@ pub enum Action {
     ResolveExecuted { output: Value },
     /// An in-doubt step did not take effect; its next call runs it.
     ResolveNotExecuted,
+    /// An in-doubt step ran and failed without effect; the command's `reason`
+    /// (what the person found) becomes its `error` answer, and it is not run
+    /// again for this step.
+    ResolveFailed,
     /// A call awaiting approval may run.
     Approve,
     /// A call awaiting approval must not run.
@@ -59,6 +63,7 @@ impl Action {
         match self {
             Action::ResolveExecuted { .. } => "resolve_executed",
             Action::ResolveNotExecuted => "resolve_not_executed",
+            Action::ResolveFailed => "resolve_failed",
             Action::Approve => "approve",
             Action::Deny => "deny",
         }

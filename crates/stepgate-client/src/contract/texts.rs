@@ -314,6 +314,20 @@ impl Texts {
         )
     }
 
+    /// An operator found that an in-doubt call ran and failed without effect.
+    pub fn resolved_failed(tool: &str, found: Option<&str>) -> String {
+        let found = match found.map(str::trim).filter(|r| !r.is_empty()) {
+            Some(r) => format!(" What they found: {}.", excerpt(r).trim_end_matches('.')),
+            None => String::new(),
+        };
+        format!(
+            "A person checked the earlier call to `{tool}` for this step and found that it \
+             failed without taking effect.{found} Do not repeat this call for this step: \
+             repeating it returns this same answer. If the action is still wanted, make a new \
+             call of `{tool}`; otherwise tell the user it failed."
+        )
+    }
+
     /// An operator confirmed an in-doubt call did not take effect.
     pub fn resolved_not_executed(tool: &str) -> String {
         format!(
@@ -532,6 +546,17 @@ mod golden {
             "A person checked the earlier call to `send_fax` for this step and confirmed that it \
              was not performed. If the action is still wanted, call `send_fax` again for this \
              same step: it will run once."
+        );
+    }
+
+    #[test]
+    fn resolved_failed() {
+        assert_eq!(
+            Texts::resolved_failed("wire", Some("the bank rejected it: account closed.")),
+            "A person checked the earlier call to `wire` for this step and found that it failed \
+             without taking effect. What they found: the bank rejected it: account closed. Do \
+             not repeat this call for this step: repeating it returns this same answer. If the \
+             action is still wanted, make a new call of `wire`; otherwise tell the user it failed."
         );
     }
 
