@@ -310,6 +310,27 @@ impl Run {
         }
     }
 
+    /// What the calls among the first `n` sent that the test saw no answer to
+    /// left behind: whether a fresh reader of `results` finds their answers
+    /// (then the test's own reader stalled, not stepgate), whether their
+    /// intents are on `intents`, and the agent's failed deliveries.
+    async fn why_unanswered(&self, n: usize) -> String {
+        let seen = answers(&self.results);
+        let calls: Vec<Call> = self.load.sent().into_iter().take(n).collect();
+        let missing: Vec<&Call> = calls.iter().filter(|c| !seen.contains_key(&c.id)).collect();
+        let fresh = TopicReader::new(&self.s.config.kafka.brokers, &self.s.topic("results"));
+        let total = seen.values().map(Vec::len).sum::<usize>();
+        wait_until(Duration::from_secs(30), || fresh.all().len() >= total).await;
+        let again = answers(&fresh);
+        let found = missing.iter().filter(|c| again.contains_key(&c.id)).count();
+        let failed = self.load.delivery_errors.lock().unwrap().clone();
+        format!(
+            "{} of {n} calls without an answer seen by the test; a fresh reader of `results` finds {found} of them; the agent's failed deliveries: {failed:?}; {}",
+            missing.len(),
+            on_the_intents_topic(&self.s, &calls, &again).await
+        )
+    }
+
     /// After the cluster is whole again: wait until everything sent so far is
     /// answered and 60 more calls are, settle, and print the summary.
     async fn finish(mut self, scenario: &str, what: String, back_at: Instant) {
@@ -330,11 +351,13 @@ impl Run {
             self.watch();
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
-        assert!(
-            caught_up,
-            "{scenario}: stepgate answers everything sent until the cluster was whole again\nlog (tail):\n{}",
-            self.s.log_tail(120)
-        );
+        if !caught_up {
+            let why = self.why_unanswered(sent_until_back).await;
+            panic!(
+                "{scenario}: stepgate answers everything sent until the cluster was whole again\n{why}\nlog (tail):\n{}",
+                self.s.log_tail(120)
+            );
+        }
         assert!(
             answered_after(&self.load, &self.results, Instant::now(), 60, |_| true).await,
             "{scenario}: new calls answered after the recovery"
