@@ -782,42 +782,38 @@ impl GateCore {
             at: command.at.clone(),
         };
         match &command.action {
-            Action::ResolveExecuted { output } => {
+            Action::ResolveExecuted { .. } | Action::ResolveFailed | Action::ResolveNotExecuted => {
                 record.operator_log.push(entry);
                 // The operator accounts for every run of the step.
                 record.open_dispatches.clear();
                 record.settled_through = record.dispatch;
-                let outcome = Outcome::Ok {
-                    output: output.clone(),
-                };
-                self.settle(store, batch, p, record, outcome, Phase::Completed, now_ms)?;
-            }
-            Action::ResolveFailed => {
-                record.operator_log.push(entry);
-                record.open_dispatches.clear();
-                record.settled_through = record.dispatch;
-                let outcome = Outcome::Error {
+                let tool = &command.step.tool;
+                let error = |kind: &str, message| Outcome::Error {
                     error: ErrorBody {
-                        kind: "tool_failed".into(),
-                        message: Texts::resolved_failed(
-                            &command.step.tool,
-                            command.reason.as_deref(),
+                        kind: kind.into(),
+                        message,
+                    },
+                };
+                let (outcome, phase) = match &command.action {
+                    Action::ResolveExecuted { output } => (
+                        Outcome::Ok {
+                            output: output.clone(),
+                        },
+                        Phase::Completed,
+                    ),
+                    Action::ResolveFailed => (
+                        error(
+                            "tool_failed",
+                            Texts::resolved_failed(tool, command.reason.as_deref()),
                         ),
-                    },
+                        Phase::Completed,
+                    ),
+                    _ => (
+                        error("not_executed", Texts::resolved_not_executed(tool)),
+                        Phase::NotExecuted,
+                    ),
                 };
-                self.settle(store, batch, p, record, outcome, Phase::Completed, now_ms)?;
-            }
-            Action::ResolveNotExecuted => {
-                record.operator_log.push(entry);
-                record.open_dispatches.clear();
-                record.settled_through = record.dispatch;
-                let outcome = Outcome::Error {
-                    error: ErrorBody {
-                        kind: "not_executed".into(),
-                        message: Texts::resolved_not_executed(&command.step.tool),
-                    },
-                };
-                self.settle(store, batch, p, record, outcome, Phase::NotExecuted, now_ms)?;
+                self.settle(store, batch, p, record, outcome, phase, now_ms)?;
             }
             Action::Approve => {
                 record.operator_log.push(entry);
