@@ -852,22 +852,7 @@ pub async fn create_topics(
             }
         })
         .collect();
-    let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
-    let results = admin.create_topics(topics.iter(), &opts).await?;
-    let mut out = Vec::new();
-    for r in results {
-        match r {
-            Ok(name) => out.push((name, true)),
-            Err((name, rdkafka::types::RDKafkaErrorCode::TopicAlreadyExists)) => {
-                out.push((name, false))
-            }
-            Err((name, code)) => {
-                return Err(KafkaSetupError::Layout(format!(
-                    "could not create topic `{name}`: {code}"
-                )));
-            }
-        }
-    }
+    let out = create_each(&admin, &topics).await?;
     // Creation returns before every broker's metadata shows the topics: wait for
     // them, so that what runs next (a layout check, stepgate itself) sees them.
     let names: Vec<String> = names.iter().map(|n| n.to_string()).collect();
@@ -903,6 +888,17 @@ pub async fn create_pool_topics(
             .set("retention.ms", &retention_ms)
         })
         .collect();
+    let out = create_each(&admin, &topics).await?;
+    // Seen in the metadata before anyone produces to or subscribes to them.
+    wait_for_topics(cfg, names).await?;
+    Ok(out)
+}
+
+/// Create `topics`: each name, and whether it was made now (false: it existed).
+async fn create_each(
+    admin: &AdminClient<DefaultClientContext>,
+    topics: &[NewTopic<'_>],
+) -> Result<Vec<(String, bool)>, KafkaSetupError> {
     let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
     let mut out = Vec::new();
     for r in admin.create_topics(topics.iter(), &opts).await? {
@@ -918,8 +914,6 @@ pub async fn create_pool_topics(
             }
         }
     }
-    // Seen in the metadata before anyone produces to or subscribes to them.
-    wait_for_topics(cfg, names).await?;
     Ok(out)
 }
 
