@@ -194,9 +194,10 @@ pub async fn run(
     let mut carry: Vec<Finished> = Vec::new();
     let mut poison = Poison::default();
     let mut last_commits = lost::LastCommits::default();
-    let mut backoff = Duration::from_millis(250);
+    let mut backoff = RESTART_BACKOFF;
     loop {
         health.beat();
+        let began = Instant::now();
         let mut session = Session {
             config: &config,
             store: &store,
@@ -243,6 +244,11 @@ pub async fn run(
             Err(e) => {
                 metrics.session_failed(e.reason());
                 error!(error = %crate::telemetry::error_chain(&e), reason = e.reason(), "gate session failed; resuming from the last committed transaction");
+                // Failures far apart are not a failing loop: each restarts soon
+                // (the partitions it held wait on it).
+                if began.elapsed() > STABLE_SESSION {
+                    backoff = RESTART_BACKOFF;
+                }
                 if !kafka::wait_before_restart(&shutdown, &mut backoff).await {
                     return Ok(());
                 }
@@ -560,8 +566,23 @@ impl Session<'_> {
         // group to let it go, and rust-rdkafka's drop polls for that without
         // limit — a close that cannot complete (a member fenced mid-rebalance)
         // would otherwise leave the gate silent, never restarting its session.
-        kafka::close_within("the gate's producers", producer, CLOSE_LIMIT).await;
-        kafka::close_within("the gate's consumer", consumer, CLOSE_LIMIT).await;
+        let close = async move {
+            kafka::close_within("the gate's producers", producer, CLOSE_LIMIT).await;
+            kafka::close_within("the gate's consumer", consumer, CLOSE_LIMIT).await;
+        };
+        if result.is_ok() {
+            close.await;
+        } else {
+            // A failed session's partitions may already be another gate's,
+            // which holds their deadlines only `in_doubt_grace` for calls
+            // handed back: give up ownership now, so the queued calls come
+            // back not invoked at once, and let the next session (which
+            // publishes the hand-overs) start without waiting on the old
+            // clients' close. Its consumer's static member id and producers'
+            // transactional ids fence these.
+            self.invoker.ownership().clear();
+            tokio::spawn(close);
+        }
         result
     }
 
@@ -1529,6 +1550,10 @@ async fn wait_commit(
 
 /// How long a failed session waits for its Kafka clients to close.
 const CLOSE_LIMIT: Duration = Duration::from_secs(10);
+/// The first wait before a failed session restarts (doubling to 5 s while
+/// sessions keep failing within [`STABLE_SESSION`]).
+const RESTART_BACKOFF: Duration = Duration::from_millis(250);
+const STABLE_SESSION: Duration = Duration::from_secs(60);
 
 /// How often deadlines, purges and the state gauges are looked at.
 const TICK: Duration = Duration::from_millis(100);
