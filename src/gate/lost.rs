@@ -29,7 +29,7 @@ use crate::kafka::{self, OutRecord, TxnConsumer};
 use crate::telemetry::Metrics;
 use rdkafka::consumer::Consumer;
 use rdkafka::error::KafkaError;
-use rdkafka::producer::{FutureProducer, Producer};
+use rdkafka::producer::FutureProducer;
 use rdkafka::{Offset, TopicPartitionList};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
@@ -469,21 +469,11 @@ async fn write_again(
     consumer: &Arc<TxnConsumer>,
     rewrite: &Rewrite,
 ) -> Result<Vec<(i32, i64)>, GateError> {
-    producer.begin_transaction()?;
-    let sent = async {
-        let landed = kafka::send_all(producer, &rewrite.records).await?;
-        if !rewrite.offsets.is_empty() {
-            let tpl = InputOffset::list(&rewrite.offsets)?;
-            kafka::send_offsets(producer, consumer, tpl).await?;
-        }
-        kafka::commit_txn(producer).await?;
-        Ok::<_, GateError>(landed)
-    }
-    .await;
-    if sent.is_err() {
-        kafka::abort_txn(producer).await;
-    }
-    sent
+    let offsets = InputOffset::list(&rewrite.offsets)?;
+    kafka::transact(producer, consumer, &rewrite.records, offsets, || {
+        Ok::<_, GateError>(kafka::Ending::Commit)
+    })
+    .await
 }
 
 #[cfg(test)]

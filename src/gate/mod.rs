@@ -27,7 +27,7 @@ use futures::FutureExt;
 use rdkafka::TopicPartitionList;
 use rdkafka::consumer::Consumer;
 use rdkafka::error::KafkaError;
-use rdkafka::producer::{FutureProducer, Producer};
+use rdkafka::producer::FutureProducer;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -134,9 +134,9 @@ fn parse_applied(meta: &str) -> (Option<i64>, Option<i32>) {
 fn check_layout(
     core: &mut GateCore,
     t: &crate::config::TopicsConfig,
-    n: &[usize],
+    n: &kafka::Layout,
 ) -> Result<(), GateError> {
-    let intents = n[0] as i32;
+    let intents = n.intents as i32;
     if let Some(was) = core.intent_partitions()
         && was != intents
     {
@@ -154,7 +154,7 @@ fn check_layout(
 /// [`kafka::layout_counts`] in a task (a broker outage must not hold the loop).
 fn read_layout(
     k: &crate::config::KafkaConfig,
-) -> JoinHandle<Result<Vec<usize>, kafka::KafkaSetupError>> {
+) -> JoinHandle<Result<kafka::Layout, kafka::KafkaSetupError>> {
     let k = k.clone();
     tokio::task::spawn_blocking(move || kafka::layout_counts(&k))
 }
@@ -608,7 +608,7 @@ impl Session<'_> {
         let stuck_after = k.session_timeout.0 * 3;
         let mut unassigned_since = Instant::now();
         let mut last_layout = Instant::now();
-        let mut layout: Option<JoinHandle<Result<Vec<usize>, kafka::KafkaSetupError>>> = None;
+        let mut layout: Option<JoinHandle<Result<kafka::Layout, kafka::KafkaSetupError>>> = None;
         let mut tick = tokio::time::interval(TICK);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -939,13 +939,16 @@ impl Session<'_> {
                     && let (Ok(Ok(n)), Some(&p)) = (&counts, ps.iter().next())
                 {
                     // The topics this gate writes: all but intents and commands.
-                    let written: Vec<(String, i32)> = t
-                        .all()
-                        .into_iter()
-                        .zip(n)
-                        .filter(|(name, _)| **name != t.intents && **name != t.commands)
-                        .flat_map(|(name, &n)| (0..n as i32).map(move |q| (name.clone(), q)))
-                        .collect();
+                    let written: Vec<(String, i32)> = [
+                        (&t.results, n.results),
+                        (&t.dlq, n.dlq),
+                        (&t.progress, n.progress),
+                        (&t.changelog, n.changelog),
+                        (&t.approvals, n.approvals),
+                    ]
+                    .into_iter()
+                    .flat_map(|(name, n)| (0..n as i32).map(move |q| (name.clone(), q)))
+                    .collect();
                     let started = Instant::now();
                     let ends = producer.all.iter().map(|pr| {
                         kafka::end_hanging_transactions(pr, consumer, &written, (&t.intents, p))
@@ -1341,54 +1344,40 @@ impl Session<'_> {
         let (consumer, sent_records) = (consumer.clone(), records.clone());
         let task = tokio::spawn(async move {
             let records = sent_records;
-            producer.begin_transaction()?;
-            let sent = async {
-                let t0 = Instant::now();
-                // The offsets go to the transaction while its records are in
-                // flight: neither waits for the other.
-                let (landed, offsets) = tokio::join!(kafka::send_all(&producer, &records), async {
-                    if tpl.count() > 0 {
-                        kafka::send_offsets(&producer, &consumer, tpl).await
-                    } else {
-                        Ok(())
-                    }
-                });
-                let (landed, ()) = (landed?, offsets?);
-                let t1 = Instant::now();
+            let t0 = Instant::now();
+            let (mut t1, mut marker_lost) = (t0, false);
+            let landed = kafka::transact(&producer, &consumer, &records, tpl, || {
+                t1 = Instant::now();
                 crash_point::before_commit();
-                let marker_lost = crash_point::lose_commit_marker(answers);
-                if marker_lost {
-                    kafka::abort_txn(&producer).await;
+                marker_lost = crash_point::lose_commit_marker(answers);
+                Ok::<_, GateError>(if marker_lost {
+                    kafka::Ending::Abort
                 } else {
-                    kafka::commit_txn(&producer).await?;
-                }
-                crash_point::lose_commit_reply(starts_calls)?;
-                tracing::debug!(
-                    records = records.len(),
-                    send_us = (t1 - t0).as_micros() as u64,
-                    commit_us = t1.elapsed().as_micros() as u64,
-                    "batch committed"
-                );
-                // Where the changelog records landed: the local state will
-                // reflect each partition's changelog up to there.
-                let mut next = BTreeMap::new();
-                for (r, &(p, o)) in records.iter().zip(&landed) {
-                    if r.topic == changelog {
-                        let n = next.entry(p).or_insert(o + 1);
-                        *n = (*n).max(o + 1);
-                    }
-                }
-                Ok::<_, GateError>(Landed {
-                    changelog_next: next,
-                    landed,
-                    marker_lost,
+                    kafka::Ending::Commit
                 })
+            })
+            .await?;
+            crash_point::lose_commit_reply(starts_calls)?;
+            tracing::debug!(
+                records = records.len(),
+                send_us = (t1 - t0).as_micros() as u64,
+                commit_us = t1.elapsed().as_micros() as u64,
+                "batch committed"
+            );
+            // Where the changelog records landed: the local state will
+            // reflect each partition's changelog up to there.
+            let mut next = BTreeMap::new();
+            for (r, &(p, o)) in records.iter().zip(&landed) {
+                if r.topic == changelog {
+                    let n = next.entry(p).or_insert(o + 1);
+                    *n = (*n).max(o + 1);
+                }
             }
-            .await;
-            if sent.is_err() {
-                kafka::abort_txn(&producer).await;
-            }
-            sent
+            Ok::<_, GateError>(Landed {
+                changelog_next: next,
+                landed,
+                marker_lost,
+            })
         });
         Ok(InFlight {
             task,
