@@ -35,6 +35,8 @@
 //!   protocol): the step's headers and key, and a ledger that stores the key
 //!   with the effect in one database transaction.
 //! - [`cli`]: the command line.
+//! - [`hooks`]: the fault-injection hooks of the crash and liveness tests, read
+//!   only in builds with the `test-hooks` feature.
 //!
 //! ## The path of a message
 //! An agent publishes an intent to `stepgate.intents` (keyed by workflow id).
@@ -65,6 +67,7 @@ pub mod demo;
 pub mod duration;
 pub mod executor;
 pub mod gate;
+pub mod hooks;
 pub mod kafka;
 pub mod mcp;
 pub mod operator;
@@ -77,52 +80,3 @@ pub mod worker;
 /// The wire contract and the secret redaction live in the `stepgate-client`
 /// crate, which agents depend on alone; here under their usual paths.
 pub use stepgate_client::{contract, redact};
-
-/// A fault-injection hook's setting (`STEPGATE_TEST_*`, read by the crash,
-/// recovery and liveness tests): read only in builds with the `test-hooks`
-/// feature, which the tests enable and release builds do not. Elsewhere
-/// setting the variable does nothing. Every hook reads its variable here.
-pub(crate) fn test_hook(name: &str) -> Option<String> {
-    if cfg!(feature = "test-hooks") {
-        std::env::var(name).ok()
-    } else {
-        None
-    }
-}
-
-#[cfg(test)]
-mod hook_tests {
-    /// Every `STEPGATE_TEST_*` variable the process reads goes through
-    /// [`super::test_hook`].
-    #[test]
-    fn every_test_hook_is_read_through_the_feature_gate() {
-        for (file, text, hooks) in [
-            ("src/gate/mod.rs", include_str!("gate/mod.rs"), true),
-            ("src/executor/mod.rs", include_str!("executor/mod.rs"), true),
-            ("src/app.rs", include_str!("app.rs"), false),
-            ("src/main.rs", include_str!("main.rs"), false),
-        ] {
-            assert!(
-                !text.contains("env::var(\"STEPGATE_TEST_"),
-                "{file} reads a test hook directly"
-            );
-            // The hooks' modules read their variables through the gate only.
-            let direct = text.matches("std::env::var(").count();
-            assert!(
-                !hooks || direct == 0,
-                "{file} reads the environment directly"
-            );
-            assert_eq!(hooks, text.contains("crate::test_hook("), "{file}");
-        }
-    }
-
-    /// Without the feature (a release build), a hook's variable does nothing.
-    #[cfg(not(feature = "test-hooks"))]
-    #[test]
-    fn test_hooks_do_nothing_without_their_feature() {
-        // SAFETY: no other test of this binary reads these variables.
-        unsafe { std::env::set_var("STEPGATE_TEST_CRASH_BEFORE_COMMIT", "1") };
-        assert_eq!(super::test_hook("STEPGATE_TEST_CRASH_BEFORE_COMMIT"), None);
-        crate::gate::test_hooks_inert();
-    }
-}

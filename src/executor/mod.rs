@@ -183,7 +183,7 @@ impl Invoker {
 
     /// Run `call` (of a step in `partition`) as soon as a slot is free.
     pub fn start(&self, partition: i32, call: Call) {
-        crash_point::before_invoke();
+        crate::hooks::crash_before_invoke();
         let bytes = call.arguments.text_len();
         self.running.fetch_add(1, Ordering::AcqRel);
         self.queued_bytes.fetch_add(bytes, Ordering::AcqRel);
@@ -244,7 +244,7 @@ impl Invoker {
                 Some(outcome) => {
                     span.finished(&outcome);
                     metrics.invoked(&call.step, outcome.label(), t.elapsed());
-                    crash_point::after_invoke();
+                    crate::hooks::crash_after_invoke();
                     ProgressEvent::Finished { outcome }
                 }
                 None => {
@@ -278,34 +278,5 @@ impl Invoker {
             metrics.invoker_queue(-1, bytes);
         };
         tokio::spawn(tracing::Instrument::instrument(task, span));
-    }
-}
-
-/// Fault injection for the crash tests (unset in production):
-/// `STEPGATE_TEST_CRASH_BEFORE_INVOKE=N` aborts the process when the N-th call is
-/// handed over (after its `started` commit, before the tool is called);
-/// `STEPGATE_TEST_CRASH_AFTER_INVOKE=N` aborts when the N-th call has returned,
-/// before its outcome is committed.
-mod crash_point {
-    use std::sync::atomic::{AtomicU64, Ordering};
-
-    fn hit(var: &str, count: &AtomicU64) {
-        let Some(n) = crate::test_hook(var).and_then(|v| v.parse::<u64>().ok()) else {
-            return;
-        };
-        if count.fetch_add(1, Ordering::SeqCst) + 1 == n {
-            eprintln!("{var}={n}: aborting");
-            std::process::abort();
-        }
-    }
-
-    pub fn before_invoke() {
-        static N: AtomicU64 = AtomicU64::new(0);
-        hit("STEPGATE_TEST_CRASH_BEFORE_INVOKE", &N);
-    }
-
-    pub fn after_invoke() {
-        static N: AtomicU64 = AtomicU64::new(0);
-        hit("STEPGATE_TEST_CRASH_AFTER_INVOKE", &N);
     }
 }

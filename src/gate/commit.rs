@@ -1,0 +1,388 @@
+//! A batch's pipelined transaction: its records and input offsets sent
+//! while the next batch is decided, then applied once committed.
+
+use super::ownership::applied_metadata;
+use super::session::{Pending, Poison, Session};
+use super::{GateCore, GateError, Out, lost, now_ms, result_record};
+use crate::config::Config;
+use crate::contract::{Call, Progress};
+use crate::executor::Finished;
+use crate::hooks;
+use crate::kafka::{self, OutRecord, TxnConsumer};
+use crate::state::Batch;
+use rdkafka::producer::FutureProducer;
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::task::JoinHandle;
+use tracing::warn;
+
+/// The gate's transactional producers, used in turn: one batch's commit returns
+/// before the broker has written its transaction markers, and a transactional
+/// producer's next transaction is refused (`CONCURRENT_TRANSACTIONS`, retried by
+/// librdkafka after 20 ms) until they are written. With two, back-to-back
+/// batches never wait for that: each producer's previous transaction has had a
+/// whole commit to complete. Both ids derive from the instance, so a restarted
+/// instance fences its predecessor's; the group metadata sent with the offsets
+/// fences a zombie member (KIP-447) whichever producer it uses.
+pub(super) struct Producers {
+    pub(super) all: [FutureProducer; 2],
+    pub(super) turn: usize,
+}
+
+impl Producers {
+    pub(super) async fn init(k: &crate::config::KafkaConfig) -> Result<Producers, GateError> {
+        let id = format!("{}-gate-{}", k.gate_group, k.instance_id);
+        let id_b = format!("{id}-b");
+        let (a, b) = tokio::try_join!(
+            kafka::init_txn_producer(k, &id),
+            kafka::init_txn_producer(k, &id_b),
+        )?;
+        Ok(Producers {
+            all: [a, b],
+            turn: 0,
+        })
+    }
+
+    /// The producer of the next batch, and which of them it is.
+    pub(super) fn next(&mut self) -> (usize, FutureProducer) {
+        self.turn = (self.turn + 1) % self.all.len();
+        (self.turn, self.all[self.turn].clone())
+    }
+}
+
+/// What a batch's commit task reports once the broker acknowledged it.
+pub(super) struct Landed {
+    /// Per partition, the changelog offset after its last record.
+    pub(super) changelog_next: BTreeMap<i32, i64>,
+    /// Where each record landed (partition, offset), in order.
+    pub(super) landed: Vec<(i32, i64)>,
+    /// A test hook aborted it instead (see `hooks::lose_commit_marker`).
+    pub(super) marker_lost: bool,
+}
+
+/// A batch whose transaction is being committed.
+pub(super) struct InFlight {
+    pub(super) task: JoinHandle<Result<Landed, GateError>>,
+    pub(super) batch: Arc<Batch>,
+    /// Its records and input offsets, kept once it commits (`lost`).
+    pub(super) records: Arc<Vec<OutRecord>>,
+    pub(super) input_offsets: Vec<lost::InputOffset>,
+    /// Which of the producers commits it.
+    pub(super) slot: usize,
+    pub(super) invokes: Vec<(i32, Call)>,
+    /// Calls of pool tools published in it (for their pools' workers).
+    pub(super) published: Vec<(i32, Call, String)>,
+    pub(super) results: Vec<(String, bool, Option<i64>)>,
+    pub(super) outcomes: Vec<Finished>,
+    /// Per intents partition: (applied, committed) once this batch commits.
+    pub(super) offsets: BTreeMap<i32, (i64, i64)>,
+    pub(super) started: Instant,
+    pub(super) first_input: Option<(String, i32, i64)>,
+}
+
+/// An outcome handed to the owner of its partition.
+pub(super) fn progress_record(topic: &str, partition: i32, p: &Progress) -> OutRecord {
+    OutRecord::for_workflow(
+        topic,
+        partition,
+        &p.step.workflow_id,
+        crate::contract::codec::encode(p),
+    )
+}
+
+/// A pool tool's call as Call v1 on its pool's calls topic (keyed by
+/// workflow id, partitioned by the producer: independently of `intents`), or
+/// None for a tool this process invokes itself. A worker takes it only
+/// before `take_by_ms`, the tool's deadline from now: the gate's deadline for
+/// the step is that plus `in_doubt_grace` (docs/design.md "Worker pools").
+pub(super) fn pool_call_record(
+    config: &Config,
+    partition: i32,
+    call: &Call,
+) -> Option<(String, OutRecord)> {
+    let tool = config.tools.get(&call.step.tool)?;
+    let pool = tool.pool.as_ref()?;
+    let take_by = now_ms() + tool.deadline().as_millis().min(i64::MAX as u128) as i64;
+    let message = crate::contract::PoolCall::new(call, partition, tool.category.as_str(), take_by);
+    let mut record = OutRecord {
+        topic: config.kafka.topics.calls_for(pool),
+        partition: None,
+        key: Some(call.step.workflow_id.as_bytes().to_vec()),
+        payload: Some(message.to_json()),
+        headers: Vec::new(),
+        timestamp_ms: None,
+    };
+    if let Some(tp) = &call.traceparent {
+        record.headers.push((
+            crate::contract::headers::TRACEPARENT.to_owned(),
+            Some(tp.as_bytes().to_vec()),
+        ));
+    }
+    Some((pool.clone(), record))
+}
+
+impl Session<'_> {
+    /// Close a batch: produce its messages and changelog records, its input
+    /// offsets, and commit — in a task, while the next batch is decided.
+    pub(super) fn send(
+        &mut self,
+        core: &mut GateCore,
+        consumer: &Arc<TxnConsumer>,
+        producer: &mut Producers,
+        mut pending: Pending,
+    ) -> Result<InFlight, GateError> {
+        let started = Instant::now();
+        pending.batch.detach();
+        let t = &self.config.kafka.topics;
+        let mut invokes = Vec::new();
+        let mut published = Vec::new();
+        let mut records = Vec::new();
+        let mut results = Vec::new();
+        let mut touched: BTreeSet<i32> = pending.batch.partitions();
+        for o in core.take_outs() {
+            match o {
+                Out::Invoke { partition, call } => {
+                    // A pool tool's call goes out in this transaction, with
+                    // its `started` record: visible to workers once committed.
+                    match pool_call_record(self.config, partition, &call) {
+                        Some((pool, record)) => {
+                            records.push(record);
+                            published.push((partition, call, pool));
+                        }
+                        None => invokes.push((partition, call)),
+                    }
+                }
+                Out::Result {
+                    partition,
+                    result,
+                    traceparent,
+                    since_ms,
+                } => {
+                    touched.insert(partition);
+                    results.push((
+                        result.status.as_str().to_owned(),
+                        result.deduplicated,
+                        since_ms,
+                    ));
+                    records.push(result_record(
+                        &t.results,
+                        partition,
+                        &result,
+                        traceparent.as_deref(),
+                    ));
+                }
+                Out::Approval { partition, event } => records.push(OutRecord::json_for_workflow(
+                    &t.approvals,
+                    partition,
+                    &event.step.workflow_id,
+                    &event,
+                )),
+                Out::Forward {
+                    partition,
+                    key,
+                    payload,
+                    headers,
+                    timestamp_ms,
+                } => records.push(OutRecord {
+                    topic: t.intents.clone(),
+                    partition: Some(partition),
+                    key,
+                    payload,
+                    headers,
+                    timestamp_ms,
+                }),
+                Out::Dlq {
+                    key,
+                    headers,
+                    record,
+                } => records.push(OutRecord {
+                    topic: t.dlq.clone(),
+                    partition: None,
+                    key,
+                    payload: Some(record.to_json()),
+                    headers,
+                    timestamp_ms: None,
+                }),
+            }
+        }
+        for f in &pending.orphans {
+            records.push(progress_record(&t.progress, f.partition, &f.progress));
+        }
+        records.extend(pending.batch.changelog().into_iter().map(|e| OutRecord {
+            topic: t.changelog.clone(),
+            partition: Some(e.partition),
+            key: Some(e.key),
+            payload: e.value,
+            headers: Vec::new(),
+            timestamp_ms: None,
+        }));
+        // Offsets: every intents partition this batch consumed from or writes
+        // for (so a fenced member's transaction cannot commit), and any whose
+        // committed offset may move now that a fast-path call was answered.
+        let mut offsets = BTreeMap::new();
+        let mut input_offsets = Vec::new();
+        for (p, o) in &self.owned {
+            let applied = pending
+                .intents_next
+                .get(p)
+                .map_or(o.applied, |n| (*n).max(o.applied));
+            let next = pending.intents_next.get(p).copied().unwrap_or(o.applied);
+            let commit = core.first_unanswered(*p).map_or(next, |f| f.min(next));
+            if commit == o.committed && applied == o.applied && !touched.contains(p) {
+                continue;
+            }
+            offsets.insert(*p, (applied, commit));
+            input_offsets.push(lost::InputOffset {
+                topic: t.intents.clone(),
+                partition: *p,
+                offset: commit,
+                metadata: Some(applied_metadata(applied, core.intent_partitions())),
+            });
+        }
+        for ((topic, p), next) in &pending.others_next {
+            input_offsets.push(lost::InputOffset {
+                topic: topic.clone(),
+                partition: *p,
+                offset: *next,
+                metadata: None,
+            });
+        }
+        let tpl = lost::InputOffset::list(&input_offsets)?;
+        let batch = Arc::new(pending.batch);
+        let changelog = t.changelog.clone();
+        let starts_calls = !invokes.is_empty();
+        let answers = !results.is_empty();
+        let records = Arc::new(records);
+        let (slot, producer) = producer.next();
+        let (consumer, sent_records) = (consumer.clone(), records.clone());
+        let task = tokio::spawn(async move {
+            let records = sent_records;
+            let t0 = Instant::now();
+            let (mut t1, mut marker_lost) = (t0, false);
+            let landed = kafka::transact(&producer, &consumer, &records, tpl, || {
+                t1 = Instant::now();
+                hooks::crash_before_commit();
+                marker_lost = hooks::lose_commit_marker(answers);
+                Ok::<_, GateError>(if marker_lost {
+                    kafka::Ending::Abort
+                } else {
+                    kafka::Ending::Commit
+                })
+            })
+            .await?;
+            hooks::lose_commit_reply(starts_calls)?;
+            tracing::debug!(
+                records = records.len(),
+                send_us = (t1 - t0).as_micros() as u64,
+                commit_us = t1.elapsed().as_micros() as u64,
+                "batch committed"
+            );
+            // Where the changelog records landed: the local state will
+            // reflect each partition's changelog up to there.
+            let mut next = BTreeMap::new();
+            for (r, &(p, o)) in records.iter().zip(&landed) {
+                if r.topic == changelog {
+                    let n = next.entry(p).or_insert(o + 1);
+                    *n = (*n).max(o + 1);
+                }
+            }
+            Ok::<_, GateError>(Landed {
+                changelog_next: next,
+                landed,
+                marker_lost,
+            })
+        });
+        Ok(InFlight {
+            task,
+            batch,
+            records,
+            input_offsets,
+            slot,
+            invokes,
+            published,
+            results,
+            outcomes: pending.outcomes,
+            offsets,
+            started,
+            first_input: pending.first_input,
+        })
+    }
+
+    /// Wait for a batch's commit and act on it.
+    pub(super) async fn land(
+        &mut self,
+        core: &mut GateCore,
+        mut f: InFlight,
+    ) -> Result<(), GateError> {
+        let r = (&mut f.task).await;
+        self.landed(core, f, r.map_err(GateError::from).and_then(|r| r))
+    }
+
+    /// A batch's commit returned: on success apply it to the local state, move
+    /// the offsets and start its calls; on failure keep its outcomes for the next
+    /// session, which re-reads its inputs.
+    pub(super) fn landed(
+        &mut self,
+        core: &mut GateCore,
+        f: InFlight,
+        r: Result<Landed, GateError>,
+    ) -> Result<(), GateError> {
+        let landed = match r {
+            Ok(l) => l,
+            Err(e) => {
+                self.backlog.extend(f.outcomes);
+                core.commit_unknown(f.invokes);
+                // Published or not with their records, nothing more to do:
+                // workers see them only if that commit landed after all.
+                for (p, call, _) in &f.published {
+                    core.published(*p, call);
+                }
+                if let (Some(code), Some(first)) = (e.refused_record(), f.first_input) {
+                    warn!(topic = %first.0, partition = first.1, offset = first.2, code, "Kafka refused a record of a batch: the next batches take one input each, and an input whose records are refused {} times is set aside", Poison::SET_ASIDE_AFTER);
+                    self.poison.refused(first, &e);
+                }
+                return Err(e);
+            }
+        };
+        self.poison.committed(f.first_input.as_ref());
+        let t = Instant::now();
+        self.store.apply(&f.batch, &landed.changelog_next)?;
+        self.metrics.state_written(t.elapsed());
+        self.last_commits.record(
+            f.slot,
+            lost::Committed {
+                records: f.records,
+                landed: landed.landed,
+                offsets: f.input_offsets,
+                at: Instant::now(),
+            },
+        );
+        for (p, (applied, committed)) in f.offsets {
+            if let Some(o) = self.owned.get_mut(&p) {
+                o.applied = applied;
+                o.committed = committed;
+            }
+        }
+        self.linger.landed(f.invokes.len(), f.started.elapsed());
+        for (p, call) in f.invokes {
+            core.invoked(p, &call);
+            self.invoker.start(p, call);
+        }
+        for (p, call, pool) in &f.published {
+            core.published(*p, call);
+            self.metrics.pool_call(pool, &call.step);
+        }
+        let now = now_ms();
+        for (status, deduplicated, since_ms) in &f.results {
+            let latency = since_ms.map(|t| Duration::from_millis((now - t).max(0) as u64));
+            self.metrics
+                .result_published(status, *deduplicated, latency);
+        }
+        self.metrics.committed(f.started.elapsed());
+        if landed.marker_lost {
+            return Err(hooks::session_lost().into());
+        }
+        Ok(())
+    }
+}
