@@ -254,6 +254,20 @@ pub(super) const PURGE_CHUNK: usize = 2_000;
 /// consumer sees new partitions only at its next metadata refresh, minutes later).
 pub(super) const LAYOUT_EVERY: Duration = Duration::from_secs(10);
 
+/// A session's Kafka clients.
+pub(super) struct Clients {
+    pub(super) consumer: Arc<TxnConsumer>,
+    pub(super) producer: Producers,
+    /// The consumer's rebalances, as its context reports them.
+    pub(super) events: mpsc::UnboundedReceiver<RebalanceEvent>,
+}
+
+/// The batch being gathered and the one committing.
+pub(super) struct Batches {
+    pub(super) pending: Pending,
+    pub(super) in_flight: Option<InFlight>,
+}
+
 impl Session<'_> {
     pub(super) async fn run(
         &mut self,
@@ -262,29 +276,36 @@ impl Session<'_> {
         shutdown: &CancellationToken,
     ) -> Result<(), GateError> {
         let k = &self.config.kafka;
-        let (ctx, mut events) = RebalanceContext::new(self.metrics.clone(), &k.gate_group);
+        let (ctx, events) = RebalanceContext::new(self.metrics.clone(), &k.gate_group);
         let consumer: Arc<TxnConsumer> = Arc::new(
             kafka::txn_consumer_config(k, &k.gate_group, &format!("{}-gate", k.instance_id))
                 .create_with_context(ctx)?,
         );
-        let mut producer = Producers::init(k).await?;
+        let producer = Producers::init(k).await?;
         consumer.subscribe(&[&k.topics.intents, &k.topics.progress, &k.topics.commands])?;
         info!(intents = %k.topics.intents, progress = %k.topics.progress, commands = %k.topics.commands, "gate consuming");
 
-        let mut in_flight: Option<InFlight> = None;
-        let mut pending = Pending::on_top_of(None);
+        let mut clients = Clients {
+            consumer,
+            producer,
+            events,
+        };
+        let mut batches = Batches {
+            pending: Pending::on_top_of(None),
+            in_flight: None,
+        };
         let result = self
-            .serve(
-                core,
-                &consumer,
-                &mut producer,
-                &mut events,
-                outcomes,
-                &mut pending,
-                &mut in_flight,
-                shutdown,
-            )
+            .serve(core, &mut clients, outcomes, &mut batches, shutdown)
             .await;
+        let Clients {
+            consumer,
+            mut producer,
+            ..
+        } = clients;
+        let Batches {
+            pending,
+            mut in_flight,
+        } = batches;
         // A commit in flight ends either way: what committed is honoured (applied,
         // its calls started); what did not is re-read.
         let landed = match in_flight.take() {
@@ -325,18 +346,20 @@ impl Session<'_> {
         result
     }
 
-    #[allow(clippy::too_many_arguments)]
     pub(super) async fn serve(
         &mut self,
         core: &mut GateCore,
-        consumer: &Arc<TxnConsumer>,
-        producer: &mut Producers,
-        events: &mut mpsc::UnboundedReceiver<RebalanceEvent>,
+        clients: &mut Clients,
         outcomes: &mut mpsc::UnboundedReceiver<Finished>,
-        pending: &mut Pending,
-        in_flight: &mut Option<InFlight>,
+        batches: &mut Batches,
         shutdown: &CancellationToken,
     ) -> Result<(), GateError> {
+        let Clients {
+            consumer,
+            producer,
+            events,
+        } = clients;
+        let Batches { pending, in_flight } = batches;
         let k = &self.config.kafka;
         let purge_interval = self.config.state.purge_interval.0;
         let mut last_purge = Instant::now();
