@@ -76,7 +76,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // An empty store: nothing local to trust or not.
     let trust = stepgate::state::Trust::from_delete_retention(None);
     let applied = tokio::task::block_in_place(|| {
-        stepgate::state::restore_partition(&kafka, &fresh, 0, &trust)
+        let progress = std::sync::atomic::AtomicUsize::new(0);
+        stepgate::state::restore_partition(&kafka, &fresh, 0, &trust, &progress)
     })?
     .records;
     let took = t.elapsed().as_secs_f64();

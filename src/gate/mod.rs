@@ -144,6 +144,7 @@ pub async fn run(
         // Its partitions may go to another gate now: calls still queued here
         // are handed back not invoked (settled by the next session or owner).
         invoker.ownership().clear();
+        metrics.partitions_released();
         carry.append(&mut session.backlog);
         health.set_gate_ready(false);
         core.reset();

@@ -187,6 +187,7 @@ impl Session<'_> {
                 // not invoked: they are handed to the new owner.
                 self.invoker.ownership().remove(ps.iter().copied());
                 for p in ps {
+                    self.metrics.partition_released(p);
                     self.assigned.remove(&p);
                     self.paused.remove(&p);
                     self.owned.remove(&p);
@@ -212,6 +213,7 @@ impl Session<'_> {
         if self.owned.contains_key(&p) {
             return Ok(());
         }
+        self.metrics.partition_restoring(p);
         // The group's committed offset (with the applied mark in its
         // metadata). A read_committed member's fetch waits while a transaction
         // of the group is unsettled, which after a broker restart can take a
@@ -287,34 +289,43 @@ impl Session<'_> {
         };
         let store = self.store.clone();
         let cfg = self.config.kafka.clone();
-        let mut restoring = tokio::task::spawn_blocking(move || {
-            crate::state::restore_partition(&cfg, &store, p, &trust)
+        // Records applied so far, exported while a long restore runs.
+        let so_far = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let mut restoring = tokio::task::spawn_blocking({
+            let so_far = so_far.clone();
+            move || crate::state::restore_partition(&cfg, &store, p, &trust, &so_far)
         });
         // A long restore is progress, not a stall.
         let restored = loop {
             tokio::select! {
                 r = &mut restoring => break r??,
-                _ = tokio::time::sleep(Duration::from_secs(1)) => self.health.beat(),
+                _ = tokio::time::sleep(Duration::from_secs(1)) => {
+                    self.health.beat();
+                    let n = so_far.load(std::sync::atomic::Ordering::Relaxed);
+                    self.metrics.partition_restore_progress(p, n, started.elapsed());
+                }
             }
         };
         if let Some(reason) = restored.reason {
             self.metrics.full_restore(p, reason.label());
         }
         let n = restored.records;
+        let took = started.elapsed();
         info!(
             partition = p,
             records = n,
             full = restored.full,
-            ms = started.elapsed().as_millis() as u64,
+            ms = took.as_millis() as u64,
             "partition restored"
         );
         if n > 0 {
-            self.metrics.restored(p, n, started.elapsed());
+            self.metrics.restored(p, n, took);
             self.report_state_size();
         }
         core.load_partition(self.store, p, applied, now_ms())?;
         self.hold_until_progress_read(core, consumer, p).await;
         self.owned.insert(p, Owned { applied, committed });
+        self.metrics.partition_ready(p, n, took);
         self.assigned.insert(p);
         self.invoker.ownership().add([p]);
         self.health

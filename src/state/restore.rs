@@ -12,6 +12,7 @@ use rdkafka::error::KafkaError;
 use rdkafka::message::Message;
 use rdkafka::{Offset, TopicPartitionList};
 use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 use thiserror::Error;
 use tracing::warn;
@@ -60,12 +61,14 @@ impl Trust {
 /// only committed batches), from the offset the state last reflected — or
 /// from the start, over a wiped partition, when that is unknown, too old to
 /// be contiguous with the changelog, or not in the changelog (see
-/// [`StateStore::resume_point`]). Blocking.
+/// [`StateStore::resume_point`]). Blocking. `applied` is kept at the records
+/// applied so far, for a caller watching a long restore.
 pub fn restore_partition(
     cfg: &KafkaConfig,
     store: &StateStore,
     p: i32,
     trust: &Trust,
+    applied: &AtomicUsize,
 ) -> Result<Restored, RestoreError> {
     let group = format!("{}-restore", cfg.gate_group);
     let deadline = Instant::now() + RESTORE_LIMIT;
@@ -90,6 +93,7 @@ pub fn restore_partition(
         if full {
             store.wipe_partition(p)?;
         }
+        applied.store(0, Ordering::Relaxed);
         // Resuming, a position past the changelog's end means the changelog
         // was recreated: what we hold is from another topic.
         let consumer = match from {
@@ -130,6 +134,7 @@ pub fn restore_partition(
             }
             if buf.len() >= 10_000 {
                 n += store.apply_changelog(&buf)?;
+                applied.store(n, Ordering::Relaxed);
                 buf.clear();
             }
             Ok::<_, StateError>(())
@@ -138,6 +143,7 @@ pub fn restore_partition(
         match end {
             kafka::ReadEnd::Reached => {
                 n += store.apply_changelog(&buf)?;
+                applied.store(n, Ordering::Relaxed);
                 store.finish_restore(p, Some(next))?;
                 return Ok(Restored {
                     records: n,
@@ -218,7 +224,14 @@ pub fn rebuild_state(
     let mut records = 0;
     for p in 0..partitions as i32 {
         // A new directory: nothing local to trust or not.
-        let n = restore_partition(cfg, &store, p, &Trust::from_delete_retention(None))?.records;
+        let n = restore_partition(
+            cfg,
+            &store,
+            p,
+            &Trust::from_delete_retention(None),
+            &AtomicUsize::new(0),
+        )?
+        .records;
         records += n;
         progress(p, partitions, n);
     }

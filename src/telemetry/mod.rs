@@ -66,6 +66,8 @@ pub struct Metrics {
     invoker_wait: Histogram,
     state_disk_bytes: IntGauge,
     state_memory: prometheus::IntGaugeVec,
+    /// Per intents partition: this gate's hold on it and its restore.
+    partitions: PartitionGauges,
     /// The spans of each step (`[traces]`): nothing unless configured.
     traces: Traces,
 }
@@ -82,6 +84,91 @@ fn counter_vec(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCoun
     r.register(Box::new(c.clone()))
         .expect("each metric is registered once");
     c
+}
+
+fn gauge_vec(r: &Registry, name: &str, help: &str, labels: &[&str]) -> prometheus::IntGaugeVec {
+    let g = prometheus::IntGaugeVec::new(Opts::new(name, help), labels)
+        .expect("metric names are valid");
+    r.register(Box::new(g.clone()))
+        .expect("each metric is registered once");
+    g
+}
+
+/// Per intents partition (label `partition`): whether this process's gate
+/// holds it and where its restore is. A partition it let go reads 0 in every
+/// one of them rather than losing its series: `sum by (partition)
+/// (stepgate_partition_owned)` over all gates is then 0 for a partition no
+/// gate holds (and 2 while a rebalance overlaps), which a missing series
+/// would not say. The series are bounded by the partition count.
+struct PartitionGauges {
+    owned: prometheus::IntGaugeVec,
+    ready: prometheus::IntGaugeVec,
+    ready_since: prometheus::GaugeVec,
+    restore_records: prometheus::IntGaugeVec,
+    restore_seconds: prometheus::GaugeVec,
+    /// The partitions with series (the ones to zero when a session ends).
+    seen: std::sync::Mutex<std::collections::BTreeSet<i32>>,
+}
+
+impl PartitionGauges {
+    fn new(r: &Registry) -> Self {
+        let l = &["partition"];
+        let float = |name: &str, help: &str| {
+            let g = prometheus::GaugeVec::new(Opts::new(name, help), l)
+                .expect("metric names are valid");
+            r.register(Box::new(g.clone())).expect("registered once");
+            g
+        };
+        PartitionGauges {
+            owned: gauge_vec(
+                r,
+                "stepgate_partition_owned",
+                "1 while this gate is assigned the intents partition (restoring or ready), else 0.",
+                l,
+            ),
+            ready: gauge_vec(
+                r,
+                "stepgate_partition_ready",
+                "1 once the partition's state is restored and this gate serves it; 0 while it restores or when not owned.",
+                l,
+            ),
+            ready_since: float(
+                "stepgate_partition_ready_timestamp_seconds",
+                "When the partition became ready here (Unix time); 0 while it restores or when not owned.",
+            ),
+            restore_records: gauge_vec(
+                r,
+                "stepgate_partition_restore_records",
+                "Changelog records applied by the partition's current restore so far, or by its last one (0 when not owned).",
+                l,
+            ),
+            restore_seconds: float(
+                "stepgate_partition_restore_seconds",
+                "How long the partition's current restore has run, or how long its last one took (0 when not owned).",
+            ),
+            seen: Default::default(),
+        }
+    }
+
+    /// `ready_since`: Unix milliseconds.
+    fn set(&self, p: i32, owned: bool, ready_since: Option<i64>, records: usize, took: Duration) {
+        let label = p.to_string();
+        let l = &[label.as_str()];
+        self.owned.with_label_values(l).set(i64::from(owned));
+        self.ready
+            .with_label_values(l)
+            .set(i64::from(ready_since.is_some()));
+        self.ready_since
+            .with_label_values(l)
+            .set(ready_since.map_or(0.0, |ms| ms as f64 / 1000.0));
+        self.restore_records
+            .with_label_values(l)
+            .set(i64::try_from(records).unwrap_or(i64::MAX));
+        self.restore_seconds
+            .with_label_values(l)
+            .set(took.as_secs_f64());
+        self.seen.lock().expect("not poisoned").insert(p);
+    }
 }
 
 fn gauge(r: &Registry, name: &str, help: &str) -> IntGauge {
@@ -410,6 +497,7 @@ impl Metrics {
                 "Live on-disk size of the local state.",
             ),
             state_memory,
+            partitions: PartitionGauges::new(&r),
             tool_latency,
             answer_latency,
             consumer_lag,
@@ -688,6 +776,48 @@ impl Metrics {
         self.restored_records.inc_by(records as u64);
     }
 
+    /// A partition assigned to this gate whose state is being brought up
+    /// (its committed offset looked up, its changelog read): owned, not ready.
+    pub fn partition_restoring(&self, partition: i32) {
+        self.partitions
+            .set(partition, true, None, 0, Duration::ZERO);
+    }
+
+    /// How far a running restore of `partition` has got.
+    pub fn partition_restore_progress(&self, partition: i32, records: usize, took: Duration) {
+        self.partitions.set(partition, true, None, records, took);
+    }
+
+    /// The partition's state is restored (`records` applied in `took`): the
+    /// gate serves it from now on.
+    pub fn partition_ready(&self, partition: i32, records: usize, took: Duration) {
+        let now = chrono::Utc::now().timestamp_millis();
+        self.partitions
+            .set(partition, true, Some(now), records, took);
+    }
+
+    /// The partition was revoked from this gate.
+    pub fn partition_released(&self, partition: i32) {
+        self.partitions
+            .set(partition, false, None, 0, Duration::ZERO);
+    }
+
+    /// The gate's session ended: it holds no partition until the next one is
+    /// assigned its own.
+    pub fn partitions_released(&self) {
+        let seen: Vec<i32> = self
+            .partitions
+            .seen
+            .lock()
+            .expect("not poisoned")
+            .iter()
+            .copied()
+            .collect();
+        for p in seen {
+            self.partition_released(p);
+        }
+    }
+
     pub fn lost_commit_rewritten(&self, records: usize) {
         self.lost_commit_records.inc_by(records as u64);
     }
@@ -791,6 +921,50 @@ mod tests {
         );
         // Without configured tools, every name is unknown.
         assert_eq!(Metrics::new().tool_label("send_email"), UNKNOWN_TOOL);
+    }
+
+    #[test]
+    fn a_partitions_gauges_follow_its_assignment_restore_and_release() {
+        let m = Metrics::new();
+        let has = |line: &str| {
+            let out = m.render();
+            assert!(out.lines().any(|l| l == line), "no `{line}` in:\n{out}");
+        };
+        m.partition_restoring(0);
+        m.partition_restoring(1);
+        has(r#"stepgate_partition_owned{partition="0"} 1"#);
+        has(r#"stepgate_partition_ready{partition="0"} 0"#);
+        m.partition_restore_progress(0, 20_000, Duration::from_millis(1500));
+        has(r#"stepgate_partition_restore_records{partition="0"} 20000"#);
+        has(r#"stepgate_partition_restore_seconds{partition="0"} 1.5"#);
+        has(r#"stepgate_partition_ready_timestamp_seconds{partition="0"} 0"#);
+        let before = chrono::Utc::now().timestamp() as f64;
+        m.partition_ready(0, 25_000, Duration::from_secs(2));
+        has(r#"stepgate_partition_ready{partition="0"} 1"#);
+        has(r#"stepgate_partition_restore_records{partition="0"} 25000"#);
+        has(r#"stepgate_partition_restore_seconds{partition="0"} 2"#);
+        let out = m.render();
+        let since: f64 = out
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix(r#"stepgate_partition_ready_timestamp_seconds{partition="0"} "#)
+            })
+            .expect("ready since")
+            .parse()
+            .unwrap();
+        assert!(since >= before && since < before + 60.0, "{since}");
+        // Revoked: every gauge of the partition reads 0; the other is untouched.
+        m.partition_released(0);
+        has(r#"stepgate_partition_owned{partition="0"} 0"#);
+        has(r#"stepgate_partition_ready{partition="0"} 0"#);
+        has(r#"stepgate_partition_restore_records{partition="0"} 0"#);
+        has(r#"stepgate_partition_ready_timestamp_seconds{partition="0"} 0"#);
+        has(r#"stepgate_partition_owned{partition="1"} 1"#);
+        // A session's end lets go of all.
+        m.partition_ready(1, 0, Duration::ZERO);
+        m.partitions_released();
+        has(r#"stepgate_partition_owned{partition="1"} 0"#);
+        has(r#"stepgate_partition_ready{partition="1"} 0"#);
     }
 
     #[test]
