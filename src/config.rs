@@ -1749,6 +1749,10 @@ pub struct ConsoleConfig {
     /// How long an action waits for the gate to apply it before the page
     /// says it was sent but not yet applied.
     pub decision_wait: Dur,
+    /// The gates' HTTP base URLs (their `http.listen`), e.g.
+    /// `["http://127.0.0.1:9464"]`: the overview reads each one's `/metrics`
+    /// for which partitions it owns and their restore state. Empty: not shown.
+    pub gates: Vec<String>,
 }
 
 impl Default for ConsoleConfig {
@@ -1762,6 +1766,7 @@ impl Default for ConsoleConfig {
             trace_url: None,
             refresh: dur("1s"),
             decision_wait: dur("15s"),
+            gates: Vec::new(),
         }
     }
 }
@@ -1800,6 +1805,18 @@ impl ConsoleConfig {
         }
         if self.refresh.0 < std::time::Duration::from_millis(100) {
             return Err(invalid("refresh", "must be at least 100ms".into()));
+        }
+        for (i, g) in self.gates.iter().enumerate() {
+            let ok = reqwest::Url::parse(g)
+                .is_ok_and(|u| matches!(u.scheme(), "http" | "https") && u.host().is_some());
+            if !ok {
+                return Err(invalid(
+                    &format!("gates[{i}]"),
+                    format!(
+                        "must be a gate's HTTP base URL, e.g. \"http://127.0.0.1:9464\"; got `{g}`"
+                    ),
+                ));
+            }
         }
         for (i, t) in self.tokens.iter().enumerate() {
             let field = format!("tokens[{i}]");

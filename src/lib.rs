@@ -29,8 +29,8 @@
 //!   through the [`client`].
 //! - [`operator`]: steps of a workflow, resolutions and approvals, for operators.
 //! - [`console`]: the web console (`stepgate console`): held calls, in-doubt
-//!   steps and timelines from a cache of the topics; decisions through
-//!   [`operator`].
+//!   steps and timelines from a cache of the topics (and of the listed gates'
+//!   `/metrics`: who owns each partition); decisions through [`operator`].
 //! - [`provider`]: for people who write tools (the provider side of the
 //!   protocol): the step's headers and key, and a ledger that stores the key
 //!   with the effect in one database transaction.

@@ -10,7 +10,9 @@
 //! - `intents`, `results`: calls and answers counted per tool.
 //!
 //! Lag per partition is the gate group's committed offset on `intents`
-//! against the partition's end, read every few seconds.
+//! against the partition's end, read every few seconds; who owns each
+//! partition and its restore state, the listed gates' `/metrics` (written
+//! here by [`super::gates::follow`]).
 
 use crate::audit::Decision;
 use crate::config::KafkaConfig;
@@ -106,6 +108,8 @@ pub struct Cache {
     calls: HashMap<Box<str>, u64>,
     answers: HashMap<(Box<str>, &'static str), u64>,
     pub lag: Vec<PartitionLag>,
+    /// The listed gates' last scrapes (`console.gates`; see [`super::gates`]).
+    pub gates: Vec<super::gates::GateView>,
     /// Bumped whenever the set of steps waiting for a person changes: the
     /// live fragments are re-sent only then.
     pub attention_version: u64,

@@ -10,6 +10,7 @@
 
 pub mod auth;
 pub mod cache;
+pub mod gates;
 pub mod pages;
 
 use crate::config::{Config, ConsoleRole};
@@ -109,6 +110,14 @@ pub async fn start(
                 source,
             })?
     };
+    if !cfg.console.gates.is_empty() {
+        cache.write().expect("cache lock").gates = gates::unscraped(&cfg.console.gates);
+        tokio::spawn(gates::follow(
+            cfg.console.gates.clone(),
+            cache.clone(),
+            shutdown.clone(),
+        ));
+    }
     let addr_text = cfg.console.listen.clone();
     let listener = tokio::net::TcpListener::bind(&addr_text)
         .await
@@ -684,17 +693,23 @@ async fn overview(State(app): State<AppState>, headers: HeaderMap) -> Response {
         Ok(p) => p,
         Err(r) => return r,
     };
-    let (tools, lag, steps, caught) = {
+    let (tools, lag, gate_views, steps, caught) = {
         let c = app.cache.read().expect("cache lock");
         (
             c.tool_figures(),
             c.lag.clone(),
+            c.gates.clone(),
             c.step_count(),
             c.caught_up_after,
         )
     };
+    // Without listed gates the page says how to list them.
+    let restore = (!app.cfg.console.gates.is_empty()).then(|| {
+        let partitions: Vec<i32> = lag.iter().map(|l| l.partition).collect();
+        gates::derive(&partitions, &gate_views)
+    });
     app.render(&headers, &p, Tab::Overview, "Overview", None, |_| {
-        pages::overview(&tools, &lag, steps, caught)
+        pages::overview(&tools, &lag, restore.as_deref(), &gate_views, steps, caught)
     })
 }
 

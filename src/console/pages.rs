@@ -4,6 +4,7 @@
 
 use super::auth::Person;
 use super::cache::{PartitionLag, StepEntry, ToolFigures};
+use super::gates::{GateScrape, GateView, PartitionRestore, RestoreState};
 use crate::audit::{Decision, diff};
 use crate::config::ConsoleRole;
 use crate::contract::{StepKey, ToolResult};
@@ -579,6 +580,8 @@ pub fn workflow_search(query: &str, found: &[String]) -> Markup {
 pub fn overview(
     tools: &BTreeMap<String, ToolFigures>,
     lag: &[PartitionLag],
+    restore: Option<&[PartitionRestore]>,
+    gates: &[GateView],
     steps: usize,
     caught_up: Option<std::time::Duration>,
 ) -> Markup {
@@ -587,6 +590,11 @@ pub fn overview(
             .unwrap_or("–".into())
     };
     let ms = |x: Option<u32>| x.map(|v| format!("{v} ms")).unwrap_or("–".into());
+    // Every partition the lag or a gate names, in order.
+    let mut partitions: Vec<i32> = lag.iter().map(|l| l.partition).collect();
+    partitions.extend(restore.unwrap_or_default().iter().map(|r| r.partition));
+    partitions.sort_unstable();
+    partitions.dedup();
     html! {
         h1 { "Overview" }
         p.muted {
@@ -619,17 +627,99 @@ pub fn overview(
         }
         p.muted { "Calls: intents published (fast-path reads too). Dedup rate: repeats ÷ the calls of recorded steps. Latency: a step's first call to its answer." }
         h2 { "Per partition (the gate's group on intents)" }
-        table {
-            thead { tr { th.n { "partition" } th.n { "end" } th.n { "committed" } th.n { "lag" } } }
+        table.partitions {
+            thead { tr {
+                th.n { "partition" } th.n { "end" } th.n { "committed" } th.n { "lag" }
+                @if restore.is_some() { th { "owner" } th { "state" } th { "last restore" } }
+            } }
             tbody {
-                @for l in lag {
-                    tr {
-                        td.n { (l.partition) } td.n { (l.end) }
-                        td.n { (l.committed.map(|c| c.to_string()).unwrap_or("–".into())) }
-                        td.n.(if l.lag() > 1000 { "alarm" } else { "" }) { (l.lag()) }
+                @for p in &partitions {
+                    @let l = lag.iter().find(|l| l.partition == *p);
+                    @let r = restore.and_then(|rs| rs.iter().find(|r| r.partition == *p));
+                    tr data-partition=(p)
+                        data-state=[r.map(|r| state_name(&r.state))]
+                        data-owner=[r.map(|r| r.owners.join(" "))] {
+                        td.n { (p) }
+                        @match l {
+                            Some(l) => {
+                                td.n { (l.end) }
+                                td.n { (l.committed.map(|c| c.to_string()).unwrap_or("–".into())) }
+                                td.n.(if l.lag() > 1000 { "alarm" } else { "" }) { (l.lag()) }
+                            },
+                            None => { td.n { "–" } td.n { "–" } td.n { "–" } },
+                        }
+                        @if restore.is_some() {
+                            @match r {
+                                Some(r) => {
+                                    td.mono {
+                                        (r.owners.join(", "))
+                                        @if r.owners.len() > 1 { span.muted { " (moving)" } }
+                                        @if r.owners.is_empty() { "–" }
+                                    }
+                                    td { (restore_state(&r.state)) }
+                                    td {
+                                        @match r.last_restore {
+                                            Some((n, took)) => { (n) " records in " (format!("{:.1}", took.as_secs_f64())) " s" },
+                                            None => { "–" },
+                                        }
+                                    }
+                                },
+                                None => { td { "–" } td { "–" } td { "–" } },
+                            }
+                        }
                     }
                 }
             }
+        }
+        @match restore {
+            None => p.muted { "Which gate owns each partition, and whether its state is restored: list the gates' HTTP addresses in " code { "console.gates" } " (e.g. " code { r#"gates = ["http://127.0.0.1:9464"]"# } " under " code { "[console]" } ")." },
+            Some(_) => ul.gates {
+                @for g in gates {
+                    li {
+                        span.mono { (g.name) } ": "
+                        @match &g.scrape {
+                            None => span.muted { "not read yet" },
+                            Some(GateScrape::Reached(ps)) => {
+                                @let owned: Vec<String> = ps.iter().filter(|(_, s)| s.owned).map(|(p, _)| p.to_string()).collect();
+                                @if owned.is_empty() { "reached, owns no partition" } @else { "reached, owns partitions " (owned.join(", ")) }
+                            },
+                            Some(GateScrape::Unreachable(why)) => span.alarm { "unreachable: " (why) },
+                        }
+                    }
+                }
+            },
+        }
+    }
+}
+
+/// A partition's state as its row's `data-state` says it.
+fn state_name(s: &RestoreState) -> &'static str {
+    match s {
+        RestoreState::Ready { .. } => "ready",
+        RestoreState::Restoring { .. } => "restoring",
+        RestoreState::NotOwned => "not_owned",
+        RestoreState::Unknown { .. } => "unknown",
+        RestoreState::Pending => "pending",
+    }
+}
+
+fn restore_state(s: &RestoreState) -> Markup {
+    html! {
+        @match s {
+            RestoreState::Ready { since_ms } => {
+                span.badge.ok { "ready" }
+                @if let Some(t) = since_ms { " since " (clock(*t)) }
+            },
+            RestoreState::Restoring { records, took } => {
+                span.badge.held { "restoring" }
+                " " (records) " records so far (" (format!("{:.0}", took.as_secs_f64())) " s)"
+            },
+            RestoreState::NotOwned => span.badge.bad { "not owned by any listed gate" },
+            RestoreState::Unknown { unreachable } => {
+                span.badge.doubt { "unknown" }
+                " " (unreachable.join(", ")) " unreachable"
+            },
+            RestoreState::Pending => span.muted { "reading the gates…" },
         }
     }
 }
