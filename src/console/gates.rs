@@ -19,7 +19,7 @@ const SCRAPE_TIMEOUT: Duration = Duration::from_secs(2);
 
 #[derive(Debug, Error)]
 pub enum ScrapeError {
-    #[error("{0}")]
+    #[error(transparent)]
     Http(#[from] reqwest::Error),
     #[error("HTTP {0}")]
     Status(u16),
@@ -266,10 +266,12 @@ pub async fn follow(gates: Vec<String>, cache: Shared, shutdown: CancellationTok
                     Ok(ps) => GateScrape::Reached(ps),
                     Err(e) => {
                         // reqwest's errors name the URL: without its credentials.
-                        let why = crate::redact::redact_url_in(
-                            &crate::telemetry::error_chain(&e),
-                            url,
-                        );
+                        let mut why = crate::telemetry::error_chain(&e);
+                        if crate::redact::redact_url(url).trim_end_matches('/')
+                            != url.trim_end_matches('/')
+                        {
+                            why = crate::redact::redact_url_in(&why, url);
+                        }
                         tracing::debug!(gate = %name, error = %why, "console: reading a gate's metrics");
                         GateScrape::Unreachable(why)
                     }
@@ -464,6 +466,32 @@ mod tests {
         // Credentials in a listed URL are not shown.
         let shown = &unscraped(&["http://user:hunter2@127.0.0.1:9464/".into()])[0].name;
         assert_eq!(shown, "http://user:redacted@127.0.0.1:9464");
+    }
+
+    #[tokio::test]
+    async fn a_gate_nothing_answers_for_is_unreachable_without_its_credentials_shown() {
+        let cache: Shared = Default::default();
+        let stop = CancellationToken::new();
+        // Loopback port 1: nothing listens there.
+        let gates = vec!["http://ops:s3cret-pw@127.0.0.1:1".to_owned()];
+        cache.write().unwrap().gates = unscraped(&gates);
+        let task = tokio::spawn(follow(gates, cache.clone(), stop.clone()));
+        let why = tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                if let Some(GateScrape::Unreachable(why)) = &cache.read().unwrap().gates[0].scrape {
+                    return why.clone();
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await
+        .expect("scraped within 10 s");
+        stop.cancel();
+        task.await.unwrap();
+        assert!(why.contains("refused"), "{why}");
+        assert!(!why.contains("s3cret-pw"), "{why}");
+        let rows = derive(&[0], &cache.read().unwrap().gates);
+        assert!(matches!(rows[0].state, RestoreState::Unknown { .. }));
     }
 
     #[test]

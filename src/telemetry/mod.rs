@@ -97,9 +97,9 @@ fn gauge_vec(r: &Registry, name: &str, help: &str, labels: &[&str]) -> prometheu
 /// Per intents partition (label `partition`): whether this process's gate
 /// holds it and where its restore is. A partition it let go reads 0 in every
 /// one of them rather than losing its series: `sum by (partition)
-/// (stepgate_partition_owned)` over all gates is then 0 for a partition no
-/// gate holds (and 2 while a rebalance overlaps), which a missing series
-/// would not say. The series are bounded by the partition count.
+/// (stepgate_partition_owned)` over all gates then reads 0 when no other gate
+/// took it (and 2 while a rebalance overlaps), which a missing series would
+/// not say. The series are bounded by the partition count.
 struct PartitionGauges {
     owned: prometheus::IntGaugeVec,
     ready: prometheus::IntGaugeVec,
