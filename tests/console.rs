@@ -2,7 +2,8 @@
 //! driven by Playwright for Python: tests/console/driver.py), against the real
 //! broker, a running gate and the test's tool server: held calls show up live
 //! and are approved or denied, an in-doubt step is resolved so the agent's
-//! retry runs, a viewer cannot act, no page shows a tool header's secret.
+//! retry runs, a viewer cannot act, no page shows a tool header's secret; the
+//! Overview shows each partition ready on the gate, read from its `/metrics`.
 //!
 //! With `STEPGATE_CONSOLE_SCREENSHOTS=DIR` it saves the screenshots of the
 //! Inbox, the in-doubt view and a timeline there (docs/ holds the last ones).
@@ -50,7 +51,12 @@ refresh = "500ms"
 "#,
     )
     .expect("the console's test config");
+    // The stack's gate, and a listed gate nothing answers for (loopback port 1).
+    c.console.gates = vec![format!("http://{}", c.http.listen), DOWN_GATE.into()];
 }
+
+/// A listed gate that is not there.
+const DOWN_GATE: &str = "http://127.0.0.1:1";
 
 /// The browser, one command at a time.
 struct Browser {
@@ -235,6 +241,31 @@ async fn people_in_the_loop_decide_in_the_console() {
         s.start().await;
         s
     };
+    // The gate exports each partition as its own and restored, from its assignment.
+    let partitions = s.config.kafka.partitions;
+    for p in 0..partitions {
+        let m = s
+            .metrics_until(
+                &format!("stepgate_partition_ready{{partition=\"{p}\"}} 1"),
+                Duration::from_secs(10),
+            )
+            .await;
+        assert!(
+            m.contains(&format!("stepgate_partition_owned{{partition=\"{p}\"}} 1")),
+            "{m}"
+        );
+        let since: f64 = m
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix(&format!(
+                    "stepgate_partition_ready_timestamp_seconds{{partition=\"{p}\"}} "
+                ))
+            })
+            .expect("when the partition became ready")
+            .parse()
+            .unwrap();
+        assert!(since > 1.7e9, "{since}");
+    }
     let agent = s.agent();
     let port = free_port();
     let base = format!("http://127.0.0.1:{port}");
@@ -278,6 +309,37 @@ async fn people_in_the_loop_decide_in_the_console() {
         signed_in["url"].as_str().unwrap().ends_with("/inbox"),
         "{signed_in}"
     );
+
+    // The Overview: every partition ready, owned by the stack's gate (read
+    // from its /metrics); the listed gate that is not there, unreachable.
+    let gate = format!("http://{}", s.http);
+    let ready_rows = format!("tr[data-state=ready][data-owner='{gate}']");
+    let until = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        b.cmd("goto /overview").await;
+        if b.cmd(&format!("count {ready_rows}")).await["n"] == partitions {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < until,
+            "the overview did not show {partitions} partitions ready on {gate} in 20 s: {}",
+            b.cmd("text").await["text"]
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(b.cmd("count tr[data-partition]").await["n"], partitions);
+    let text = b.cmd("text").await["text"].as_str().unwrap().to_owned();
+    assert!(text.contains("ready since"), "{text}");
+    assert!(
+        text.contains(" records in "),
+        "the last restore's figures: {text}"
+    );
+    assert!(
+        text.contains(&format!("{DOWN_GATE}: unreachable")),
+        "{text}"
+    );
+    // Back to the Inbox, where the rest begins.
+    b.cmd("goto /inbox").await;
 
     // A held call appears in the open Inbox, without a reload, within 2 s.
     b.send("wait_card order-7781 15000").await;
