@@ -248,6 +248,39 @@ async fn calls_queued_when_their_partition_moves_run_once_and_are_never_in_doubt
     })
     .await;
     let resolved = resolve_every_in_doubt(&s, &agent, &sent).await;
+    // Each partition is owned, and ready, on exactly one of the two gates;
+    // the ones the first gate let go read 0 there.
+    let partitions = f64::from(s.config.kafka.partitions);
+    let until = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (owned_a, owned_b) = (
+            metric(&s.http, "stepgate_partition_owned").await,
+            metric(&http_b, "stepgate_partition_owned").await,
+        );
+        let (ready_a, ready_b) = (
+            metric(&s.http, "stepgate_partition_ready").await,
+            metric(&http_b, "stepgate_partition_ready").await,
+        );
+        if owned_a + owned_b == partitions
+            && owned_a > 0.0
+            && owned_b > 0.0
+            && (ready_a, ready_b) == (owned_a, owned_b)
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < until,
+            "ownership after the move: owned {owned_a} + {owned_b}, ready {ready_a} + {ready_b} of {partitions}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let a_metrics = s.metrics().await;
+    assert!(
+        a_metrics
+            .lines()
+            .any(|l| l.starts_with("stepgate_partition_owned{") && l.ends_with("} 0")),
+        "a partition the first gate let go reads 0 there:\n{a_metrics}"
+    );
     let handed = metric(&s.http, "stepgate_calls_not_invoked_total").await
         + metric(&http_b, "stepgate_calls_not_invoked_total").await;
     let t = tally(&agent, &s.tools, "ticket");
