@@ -113,27 +113,19 @@ pub fn parse(text: &str) -> Result<BTreeMap<i32, GatePartition>, ScrapeError> {
         };
         // Gauges are finite and not negative when a gate writes them.
         let v = if v.is_finite() { v.max(0.0) } else { 0.0 };
-        let known = [
-            "stepgate_partition_owned",
-            "stepgate_partition_ready",
-            "stepgate_partition_ready_timestamp_seconds",
-            "stepgate_partition_restore_records",
-            "stepgate_partition_restore_seconds",
-        ];
-        if !known.contains(&s.metric.as_str()) {
-            continue;
-        }
-        let e = out.entry(p).or_default();
-        match s.metric.as_str() {
-            "stepgate_partition_owned" => e.owned = v >= 1.0,
-            "stepgate_partition_ready" => e.ready = v >= 1.0,
+        let set: fn(&mut GatePartition, f64) = match s.metric.as_str() {
+            "stepgate_partition_owned" => |e, v| e.owned = v >= 1.0,
+            "stepgate_partition_ready" => |e, v| e.ready = v >= 1.0,
             "stepgate_partition_ready_timestamp_seconds" => {
-                e.ready_since_ms = (v > 0.0).then_some((v * 1000.0) as i64)
+                |e, v| e.ready_since_ms = (v > 0.0).then_some((v * 1000.0) as i64)
             }
-            "stepgate_partition_restore_records" => e.restore_records = v as u64,
-            "stepgate_partition_restore_seconds" => e.restore_took = Duration::from_secs_f64(v),
-            _ => {}
-        }
+            "stepgate_partition_restore_records" => |e, v| e.restore_records = v as u64,
+            "stepgate_partition_restore_seconds" => {
+                |e, v| e.restore_took = Duration::from_secs_f64(v)
+            }
+            _ => continue,
+        };
+        set(out.entry(p).or_default(), v);
     }
     Ok(out)
 }
