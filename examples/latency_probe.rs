@@ -9,7 +9,7 @@ use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 use std::time::{Duration, Instant};
-use stepgate::app::{self, Role};
+use stepgate::app;
 use stepgate::config::Config;
 use tokio_util::sync::CancellationToken;
 
@@ -61,7 +61,7 @@ url = "http://{tool}/noop"
     )?;
     stepgate::kafka::create_topics(&config.kafka, &config.state).await?;
     let stop = CancellationToken::new();
-    let running = app::start(config.clone(), Role::All, stop.clone()).await?;
+    let running = app::start(config.clone(), stop.clone()).await?;
 
     let producer: FutureProducer = ClientConfig::new()
         .set("bootstrap.servers", &brokers)

@@ -10,19 +10,6 @@ use std::sync::Arc;
 use thiserror::Error;
 use tokio_util::sync::CancellationToken;
 
-/// Which parts run in this process. The gate invokes its tools itself, so there
-/// is one role; `gate` is accepted as a synonym, and `executor` (a process that
-/// only ran tools, in earlier versions) is refused with a pointer to why.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum Role {
-    /// The gate, invoking the tools of the steps it owns.
-    All,
-    /// The same as `all`.
-    Gate,
-    /// Removed: refused at start.
-    Executor,
-}
-
 #[derive(Debug, Error)]
 pub enum AppError {
     #[error(transparent)]
@@ -38,10 +25,6 @@ pub enum AppError {
     },
     #[error("gate")]
     Gate(#[from] gate::GateError),
-    #[error(
-        "`--role executor` was removed: the gate invokes the tools of the steps it owns, so run `stepgate run` (every process is a gate) and give it the tools' config"
-    )]
-    ExecutorRole,
     #[error("a task failed")]
     Join(#[from] tokio::task::JoinError),
     #[error(transparent)]
@@ -95,20 +78,13 @@ impl Running {
 }
 
 /// Check the topics, open the state, serve the endpoints and start the roles.
-pub async fn start(
-    config: Config,
-    role: Role,
-    shutdown: CancellationToken,
-) -> Result<Running, AppError> {
+pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Running, AppError> {
     let mut config = config;
     // Tool headers (credentials) are read once, here, from the environment or
     // their files; a missing one stops the start, naming tool and header.
     config.resolve_tool_headers(|var| std::env::var(var).ok())?;
     let config = Arc::new(config);
     let k = config.kafka.clone();
-    if role == Role::Executor {
-        return Err(AppError::ExecutorRole);
-    }
     let partitions = tokio::task::spawn_blocking(move || kafka::check_layout(&k)).await??;
     // The calls topics of the pools this gate publishes to (made if missing).
     let pools: Vec<String> = config
@@ -120,12 +96,6 @@ pub async fn start(
         .collect();
     kafka::create_pool_topics(&config.kafka, &config.state, &pools).await?;
     tracing::info!(partitions, instance = %config.kafka.instance_id, "starting stepgate");
-    for key in config.deprecated_keys() {
-        tracing::warn!(
-            key,
-            "config key is deprecated and ignored (see docs/configuration.md, Upgrading)"
-        );
-    }
     // The `tool` label takes only configured names (bounded cardinality).
     let traces = telemetry::Traces::from_config(&config.traces)?;
     let metrics = Arc::new(Metrics::with_tools(config.tool_names()).with_traces(traces));
@@ -186,8 +156,8 @@ pub async fn start(
 }
 
 /// [`start`], then wait until `shutdown` (or a failure).
-pub async fn run(config: Config, role: Role, shutdown: CancellationToken) -> Result<(), AppError> {
-    start(config, role, shutdown).await?.wait().await
+pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), AppError> {
+    start(config, shutdown).await?.wait().await
 }
 
 #[cfg(test)]
@@ -203,7 +173,7 @@ mod tests {
         )
         .unwrap();
         // Before any Kafka call: the broker address leads nowhere.
-        let e = match start(config, Role::All, CancellationToken::new()).await {
+        let e = match start(config, CancellationToken::new()).await {
             Err(e) => e.to_string(),
             Ok(_) => panic!("started without the tool's credentials"),
         };

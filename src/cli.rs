@@ -1,6 +1,5 @@
 //! The command line: one subcommand per verb.
 
-use crate::app::Role;
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
 
@@ -21,9 +20,6 @@ pub enum Command {
     Run {
         #[command(flatten)]
         deployment: Deployment,
-        /// Kept for old scripts: `all` and `gate` are the same; `executor` is refused.
-        #[arg(long, value_enum, default_value = "all", hide = true)]
-        role: Role,
         /// Overrides `kafka.instance_id` (unique per process).
         #[arg(long)]
         instance_id: Option<String>,

@@ -85,9 +85,6 @@ pub struct KafkaConfig {
     pub topics: TopicsConfig,
     /// Consumer group of the gates.
     pub gate_group: String,
-    /// Deprecated and ignored: executors run inside the gate's process now.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub executor_group: Option<String>,
     /// Stable identity of this process: static group membership
     /// (`group.instance.id`) and transactional ids derive from it, so a restarted
     /// process takes its partitions back at once instead of after a session timeout.
@@ -114,7 +111,6 @@ impl Default for KafkaConfig {
             brokers: "127.0.0.1:9092".into(),
             topics: TopicsConfig::default(),
             gate_group: "stepgate-gate".into(),
-            executor_group: None,
             instance_id: default_instance_id(),
             partitions: 4,
             replication_factor: 1,
@@ -243,9 +239,6 @@ pub struct TopicsConfig {
     pub results: String,
     /// Refused inputs with their reasons (public).
     pub dlq: String,
-    /// Deprecated and ignored: calls are no longer forwarded through Kafka.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub calls: Option<String>,
     /// The calls topic of each worker pool (tools declared `pool = "…"`):
     /// `{pool}` is replaced by the pool's name (internal; read by its workers).
     pub pool_calls: String,
@@ -270,7 +263,6 @@ impl TopicsConfig {
             intents: format!("{prefix}.intents"),
             results: format!("{prefix}.results"),
             dlq: format!("{prefix}.dlq"),
-            calls: None,
             pool_calls: format!("{prefix}.calls.{{pool}}"),
             progress: format!("{prefix}.progress"),
             changelog: format!("{prefix}.changelog"),
@@ -341,19 +333,12 @@ impl Default for StateConfig {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct GateConfig {
-    /// Deprecated and ignored: a batch closes when the previous commit returns.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub commit_interval: Option<Dur>,
     /// Most inputs in one batch (one Kafka transaction). A batch closes when the
     /// previous one's commit returns, or when it holds this many.
     pub max_batch: usize,
     /// Added to a tool's own deadline before a started call with no outcome is
     /// declared in doubt (or re-run, when re-running is safe).
     pub in_doubt_grace: Dur,
-    /// Deprecated and ignored: a fast-path call runs in this process and is
-    /// bounded by its tool's timeout.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub fast_path_timeout: Option<Dur>,
     /// Largest accepted intent, in bytes.
     pub max_intent_bytes: usize,
     /// Refuse an intent found outside its workflow's partition (murmur2 of the
@@ -376,10 +361,8 @@ pub struct GateConfig {
 impl Default for GateConfig {
     fn default() -> Self {
         GateConfig {
-            commit_interval: None,
             max_batch: 2000,
             in_doubt_grace: dur("30s"),
-            fast_path_timeout: None,
             max_intent_bytes: 1024 * 1024,
             check_partition: true,
             forward_wrong_partition: true,
@@ -394,9 +377,6 @@ pub struct ExecutorConfig {
     /// Most tool calls running at once in this process (the invoker pool); a
     /// tool's `max_concurrency` bounds it further for that tool.
     pub concurrency: usize,
-    /// Deprecated and ignored: outcomes join the gate's next batch.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub commit_interval: Option<Dur>,
     /// On shutdown, how long in-flight calls may finish before the process exits
     /// (unfinished ones stay `started` and the gate's deadline settles them).
     pub drain_timeout: Dur,
@@ -412,7 +392,6 @@ impl Default for ExecutorConfig {
     fn default() -> Self {
         ExecutorConfig {
             concurrency: 64,
-            commit_interval: None,
             drain_timeout: dur("20s"),
             max_queued_calls: 1024,
             max_queued_bytes: 64 << 20,
@@ -792,32 +771,12 @@ impl Config {
         apply_env(&mut merged, &env)?;
         let config: Config = toml::Value::Table(merged)
             .try_into()
-            .map_err(|e: toml::de::Error| ConfigError::Parse(e.to_string()))?;
+            .map_err(|e: toml::de::Error| shape_error(&e, text))?;
         config.validate()?;
         Ok(config)
     }
 
     /// Checks that serde cannot express, with the offending field named.
-    /// Keys that are still accepted but no longer do anything (for a warning).
-    pub fn deprecated_keys(&self) -> Vec<&'static str> {
-        [
-            ("kafka.executor_group", self.kafka.executor_group.is_some()),
-            ("kafka.topics.calls", self.kafka.topics.calls.is_some()),
-            ("gate.commit_interval", self.gate.commit_interval.is_some()),
-            (
-                "gate.fast_path_timeout",
-                self.gate.fast_path_timeout.is_some(),
-            ),
-            (
-                "executor.commit_interval",
-                self.executor.commit_interval.is_some(),
-            ),
-        ]
-        .into_iter()
-        .filter_map(|(k, set)| set.then_some(k))
-        .collect()
-    }
-
     pub fn validate(&self) -> Result<(), ConfigError> {
         let invalid = |field: &str, message: &str| ConfigError::Invalid {
             field: field.to_owned(),
@@ -1081,7 +1040,6 @@ impl std::fmt::Debug for KafkaConfig {
             .field("brokers", &r.brokers)
             .field("topics", &r.topics)
             .field("gate_group", &r.gate_group)
-            .field("executor_group", &r.executor_group)
             .field("instance_id", &r.instance_id)
             .field("partitions", &r.partitions)
             .field("replication_factor", &r.replication_factor)
@@ -1171,6 +1129,24 @@ fn syntax_error(e: &toml::de::Error, text: &str) -> ConfigError {
         format!("line {line}, column {column}: ")
     });
     ConfigError::Parse(format!("{}{}", at.unwrap_or_default(), e.message()))
+}
+
+/// An error of the merged config. A key no section has can only come from the
+/// file (the environment's are checked against the schema first): it is
+/// located in the file (line, column), else named with its section.
+fn shape_error(e: &toml::de::Error, text: &str) -> ConfigError {
+    if e.message().starts_with("unknown field") {
+        // The file alone, deserialized for its spans (the merged table has none).
+        if let Err(at) = toml::from_str::<Config>(text)
+            && at.span().is_some()
+            && at.message().starts_with("unknown field")
+        {
+            return syntax_error(&at, text);
+        }
+        // `… in `gate``: on one line.
+        return ConfigError::Parse(e.to_string().trim_end().replace('\n', " "));
+    }
+    ConfigError::Parse(e.to_string())
 }
 
 /// `STEPGATE_*` variables that are not config keys: accepted, and left to
@@ -1266,17 +1242,8 @@ struct EnvSchema {
 /// show them: given a value here so that the schema knows them and their type
 /// (`every_key_is_in_the_env_schema` checks that none is missed).
 const UNSET_BY_DEFAULT: &str = r#"
-[kafka]
-executor_group = ""
-[kafka.topics]
-calls = ""
 [state]
 decisions_retention = "1d"
-[gate]
-commit_interval = "1s"
-fast_path_timeout = "1s"
-[executor]
-commit_interval = "1s"
 [mcp]
 resource = ""
 [traces]
@@ -2056,6 +2023,29 @@ timeout = "5s"
         )
         .unwrap_err();
         assert!(e.to_string().contains("sometimes"), "{e}");
+    }
+
+    #[test]
+    fn an_unknown_key_is_refused_with_its_place() {
+        // Among them the keys of unreleased layouts (never in a release).
+        for (section, key) in [
+            ("kafka", "executor_group"),
+            ("kafka.topics", "calls"),
+            ("gate", "commit_interval"),
+            ("gate", "fast_path_timeout"),
+            ("executor", "commit_interval"),
+        ] {
+            let text = format!("# a comment\n[{section}]\n{key} = \"1s\"\n");
+            let e = Config::from_toml_str(&text, env(&[]))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains(&format!(
+                    "line 3, column 1: unknown field `{key}`, expected"
+                )),
+                "{e}"
+            );
+        }
     }
 
     #[test]

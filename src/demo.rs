@@ -4,7 +4,7 @@
 //! The mock cluster fakes transactions; that is fine for a tour, and is why no
 //! test relies on it.
 
-use crate::app::{self, Role};
+use crate::app;
 use crate::client::{Client, ClientError, StepCall};
 use crate::config::Config;
 use crate::contract::{Status, ToolResult};
@@ -182,7 +182,7 @@ url = "http://{tools_addr}/search_orders"
         mock.create_topic(t, 4, 1)?;
     }
     let stop = CancellationToken::new();
-    let running = app::start(config.clone(), Role::All, stop.clone()).await?;
+    let running = app::start(config.clone(), stop.clone()).await?;
     if let Some(a) = running.http_addr {
         println!("metrics: http://{a}/metrics\n");
     }

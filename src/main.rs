@@ -75,7 +75,6 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Run {
             deployment,
-            role,
             instance_id,
         } => {
             let mut cfg = load(&deployment)?;
@@ -86,7 +85,7 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
             stepgate::telemetry::init_logging(&cfg.log);
             stepgate::app::check_record_limits(&cfg).await?;
             let shutdown = shutdown_on_signals();
-            stepgate::app::run(cfg, role, shutdown).await?;
+            stepgate::app::run(cfg, shutdown).await?;
             tracing::info!("stopped cleanly");
             Ok(())
         }

@@ -162,15 +162,13 @@ async fn refuses_to_start_when_results_has_fewer_partitions_than_intents() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_removed_executor_role_is_refused_with_a_pointer() {
+async fn an_unknown_flag_is_refused_by_name() {
+    // `--role` was never in a release: refused as any unknown flag is.
     let s = Stack::new(StackOptions::default()).await;
     let out = s.cli(&["run", "--role", "executor"]).await;
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        err.contains("`--role executor` was removed") && err.contains("invokes the tools"),
-        "{err}"
-    );
+    assert!(err.contains("unexpected argument '--role'"), "{err}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
