@@ -1151,12 +1151,12 @@ fn shape_error(e: &toml::de::Error, text: &str) -> ConfigError {
 
 /// `STEPGATE_*` variables that are not config keys: accepted, and left to
 /// whoever reads them — the CLI's own (`env = …` of its arguments in
-/// `src/cli.rs`) and those of the test suites, benchmarks and scripts (a
+/// `src/cli/mod.rs`) and those of the test suites, benchmarks and scripts (a
 /// `stepgate` process they start inherits them). Every other `STEPGATE_*`
 /// variable must name a config key, or be named by an `env:` value of the
 /// config (a tool header's, a static MCP token's); see [`Config::from_toml_str`].
 pub const NOT_CONFIG_VARIABLES: &[&str] = &[
-    // src/cli.rs
+    // src/cli/mod.rs
     "STEPGATE_CONFIG",
     "STEPGATE_OPERATOR",
     // tests/, benches/, deploy/local/

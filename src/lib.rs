@@ -34,7 +34,8 @@
 //! - [`provider`]: for people who write tools (the provider side of the
 //!   protocol): the step's headers and key, and a ledger that stores the key
 //!   with the effect in one database transaction.
-//! - [`cli`]: the command line.
+//! - [`cli`]: the command line: its clap structs, and a function per command
+//!   (`main.rs` only parses, runs one and prints its error).
 //! - [`hooks`]: the fault-injection hooks of the crash and liveness tests, read
 //!   only in builds with the `test-hooks` feature.
 //!

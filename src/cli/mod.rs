@@ -1,4 +1,10 @@
-//! The command line: one subcommand per verb.
+//! The command line: one subcommand per verb (the clap structs here), and
+//! what each does ([`run`], in `commands`). The binary's edge: `anyhow` is
+//! used here and in `main.rs` only.
+
+mod commands;
+
+pub use commands::run;
 
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
@@ -63,26 +69,7 @@ pub enum Command {
     },
     /// Publish one intent and print its answer (Result v1 JSON). Exits 0 when the
     /// status is `ok`, 2 for `error`/`in_doubt`/`rejected`, 1 when no answer came.
-    Call {
-        #[command(flatten)]
-        deployment: Deployment,
-        #[arg(long)]
-        workflow: String,
-        #[arg(long)]
-        step: u64,
-        #[arg(long)]
-        tool: String,
-        /// The arguments, a JSON object.
-        #[arg(long, default_value = "{}")]
-        args: String,
-        #[arg(long, default_value_t = 0)]
-        attempt: u64,
-        #[arg(long)]
-        call_id: Option<String>,
-        /// How long to wait for the answer.
-        #[arg(long, default_value = "60s")]
-        timeout: humantime::Duration,
-    },
+    Call(CallArgs),
     /// Serve the configured tools over MCP: each `tools/call` becomes a step
     /// (its identity from the call's `_meta`, or from the MCP session). On
     /// stdio by default (an MCP client starts it); Streamable HTTP at
@@ -186,6 +173,29 @@ pub enum Command {
         #[command(flatten)]
         deployment: Deployment,
     },
+}
+
+// `stepgate call`'s arguments: one struct, as its function takes them.
+#[derive(Debug, clap::Args)]
+pub struct CallArgs {
+    #[command(flatten)]
+    pub deployment: Deployment,
+    #[arg(long)]
+    pub workflow: String,
+    #[arg(long)]
+    pub step: u64,
+    #[arg(long)]
+    pub tool: String,
+    /// The arguments, a JSON object.
+    #[arg(long, default_value = "{}")]
+    pub args: String,
+    #[arg(long, default_value_t = 0)]
+    pub attempt: u64,
+    #[arg(long)]
+    pub call_id: Option<String>,
+    /// How long to wait for the answer.
+    #[arg(long, default_value = "60s")]
+    pub timeout: humantime::Duration,
 }
 
 #[derive(Debug, Subcommand)]
