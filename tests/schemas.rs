@@ -404,7 +404,7 @@ fn worker_pool_messages_match_their_schemas() {
     // What workers write is read by the gate's decoder of `progress`.
     for ex in examples("outcome.v1.json") {
         assert_valid(&o, &ex);
-        let p: Progress = stepgate::contract::codec::decode(ex.to_string().as_bytes())
+        let p = Progress::decode(ex.to_string().as_bytes())
             .expect("an Outcome v1 example is a progress record");
         assert!(matches!(
             p.event,

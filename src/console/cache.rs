@@ -327,7 +327,7 @@ impl Cache {
             f.steps += 1;
             f.repeats += e.repeats;
             match e.phase {
-                Phase::Intended | Phase::Started => f.in_flight += 1,
+                Phase::Started => f.in_flight += 1,
                 Phase::AwaitingApproval => f.awaiting_approval += 1,
                 Phase::InDoubt => f.in_doubt += 1,
                 _ => {}

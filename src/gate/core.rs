@@ -945,8 +945,8 @@ impl GateCore {
         });
     }
 
-    /// An outcome handed over through `progress` (a call whose partition moved
-    /// while it ran, or written by an earlier version's executors).
+    /// A record of `progress`: the outcome of a call whose partition moved
+    /// while it ran, or a pool worker's Outcome v1.
     pub fn on_progress(
         &mut self,
         store: &StateStore,
@@ -962,7 +962,7 @@ impl GateCore {
             return Ok(());
         }
         let payload = input.payload.as_deref().unwrap_or_default();
-        let progress: Progress = match crate::contract::codec::decode(payload) {
+        let progress = match Progress::decode(payload) {
             Ok(pr) => pr,
             Err(e) => {
                 // Only stepgate writes this topic; keep the evidence and go on.
@@ -998,8 +998,7 @@ impl GateCore {
             ProgressEvent::NotInvoked => {
                 return self.on_not_invoked(store, batch, p, &progress, now_ms);
             }
-            // A pool's worker took the call (earlier versions' executors
-            // wrote it too: for a tool not in a pool it says nothing new).
+            // A pool's worker took the call.
             ProgressEvent::Started => return self.on_taken(store, batch, p, &progress, now_ms),
         };
         if let Some(fast_ref) = progress.fast_ref {
@@ -1308,10 +1307,7 @@ impl GateCore {
             let Some(mut record) = batch.step(store, p, &step)? else {
                 continue;
             };
-            // `intended` is a record of an earlier version (forwarded to an
-            // executor, maybe started there): treated as started.
-            let waiting = matches!(record.phase, Phase::Started | Phase::Intended);
-            if !waiting || record.deadline_ms.is_some_and(|d| d != deadline) {
+            if record.phase != Phase::Started || record.deadline_ms.is_some_and(|d| d != deadline) {
                 continue; // settled or re-run since
             }
             // Handed back never invoked by a process that was stopping.

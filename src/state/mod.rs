@@ -3,7 +3,6 @@
 //! Column families:
 //! - `steps`: one [`StepRecord`] per step key (recorded tools only);
 //! - `deadlines`: started steps awaiting an outcome → their deadline;
-//! - `fast`: unused (fast-path calls of earlier versions; kept so old state opens);
 //! - `expiry`: `(partition, expires_at, step)` index for retention purges;
 //! - `workflows`: workflows ended by a `last_step` tool;
 //! - `meta`: per partition, the next changelog offset the local state reflects
@@ -66,7 +65,6 @@ pub enum StateError {
 pub enum Cf {
     Steps,
     Deadlines,
-    Fast,
     Expiry,
     Workflows,
     /// Steps waiting for a person (in doubt, awaiting approval): what the
@@ -75,21 +73,19 @@ pub enum Cf {
 }
 
 impl Cf {
-    const ALL: [Cf; 6] = [
+    const ALL: [Cf; 5] = [
         Cf::Steps,
         Cf::Deadlines,
-        Cf::Fast,
         Cf::Expiry,
         Cf::Workflows,
         Cf::Attention,
     ];
 
-    /// The first byte of a changelog key.
+    /// The first byte of a changelog key (and of a batch's writes).
     fn tag(self) -> u8 {
         match self {
             Cf::Steps => 1,
             Cf::Deadlines => 2,
-            Cf::Fast => 3,
             Cf::Expiry => 4,
             Cf::Workflows => 5,
             Cf::Attention => 6,
@@ -111,7 +107,6 @@ impl Cf {
         match self {
             Cf::Steps => "steps",
             Cf::Deadlines => "deadlines",
-            Cf::Fast => "fast",
             Cf::Expiry => "expiry",
             Cf::Workflows => "workflows",
             Cf::Attention => "attention",
@@ -123,8 +118,6 @@ const META: &str = "meta";
 /// Set in `meta` (synced) while a gate process runs on the state; removed
 /// (synced) when it stops gracefully.
 const RUNNING: &[u8] = b"running";
-/// Set in `meta` once the attention index covers every step record.
-const ATTENTION_INDEXED: &[u8] = b"attention-indexed";
 
 /// A raw key-value pair.
 type Raw = (Vec<u8>, Vec<u8>);
@@ -180,9 +173,7 @@ impl StateStore {
             .map(|c| ColumnFamilyDescriptor::new(c.name(), cf_opts(*c != Cf::Expiry)))
             .chain([ColumnFamilyDescriptor::new(META, cf_opts(true))]);
         let db = DB::open_cf_descriptors(&opts, path, cfs)?;
-        let store = StateStore { db };
-        store.index_attention_once()?;
-        Ok(store)
+        Ok(StateStore { db })
     }
 
     fn cf(&self, cf: Cf) -> &rocksdb::ColumnFamily {
@@ -219,8 +210,8 @@ impl StateStore {
 
     /// When (wall clock, ms) the local state of `partition` was last known in
     /// sync with its changelog: its last restore, or the last committed batch
-    /// this process applied to it (None: unknown — a state written by an
-    /// earlier version, or left by a process that did not stop cleanly).
+    /// this process applied to it (None: unknown — left by a process that did
+    /// not stop cleanly).
     pub fn synced_at(&self, partition: i32) -> Result<Option<i64>, StateError> {
         Ok(self
             .db
@@ -238,7 +229,7 @@ impl StateStore {
     /// so a state last in sync less than that ago (less a margin:
     /// [`Trust::max_age`]) cannot have missed one; an older one can (a step it
     /// holds `started` may have been settled and purged elsewhere since). A
-    /// state of unknown age (an unclean shutdown, an earlier version) is not
+    /// state of unknown age (an unclean shutdown) is not
     /// resumed from either. Whether the offset is still in the log is checked
     /// by the read itself (an out-of-range position starts over).
     pub fn resume_point(
@@ -354,25 +345,6 @@ impl StateStore {
             }
         }
         Ok(n)
-    }
-
-    /// A state written before the attention index existed gets it once, from
-    /// its step records.
-    fn index_attention_once(&self) -> Result<(), StateError> {
-        if self.db.get_cf(self.meta(), ATTENTION_INDEXED)?.is_some() {
-            return Ok(());
-        }
-        let mut wb = WriteBatch::default();
-        for item in self.db.iterator_cf(self.cf(Cf::Steps), IteratorMode::Start) {
-            let (key, value) = item?;
-            if let Ok(r) = decode::<Indexed>(Cf::Steps, &value)
-                && let Some(a) = attention_of(r.phase)
-            {
-                wb.put_cf(self.cf(Cf::Attention), &key, [a]);
-            }
-        }
-        wb.put_cf(self.meta(), ATTENTION_INDEXED, []);
-        self.write_synced(wb)
     }
 
     /// Started steps of a partition with their deadlines (ms since the epoch).
@@ -544,11 +516,6 @@ impl StateStore {
         }
         wb.delete_cf(self.meta(), clog_key(partition));
         wb.delete_cf(self.meta(), sync_key(partition));
-        for old in [b"seq/".as_slice(), b"undo/"] {
-            // Crash-reconciliation records of versions before the changelog
-            // became the source of truth.
-            wb.delete_cf(self.meta(), [old, &partition.to_be_bytes()].concat());
-        }
         self.write_synced(wb)
     }
 
@@ -564,10 +531,9 @@ impl StateStore {
             let Some((tag, state_key)) = key.split_first() else {
                 continue;
             };
-            // Index records written by earlier versions are skipped (the
-            // indexes are derived from the step records as they are applied),
-            // and so are their fast-path entries (now kept in memory only).
-            let Some(cf) = Cf::from_tag(*tag).filter(|c| !c.derived() && *c != Cf::Fast) else {
+            // Only what is logged is applied: the indexes are derived from the
+            // step records as they are applied.
+            let Some(cf) = Cf::from_tag(*tag).filter(|c| !c.derived()) else {
                 continue;
             };
             if state_key.len() < 4 {
@@ -586,9 +552,7 @@ impl StateStore {
         Ok(n)
     }
 
-    /// The index entries of a restored step record (or of its tombstone). An
-    /// earlier version's expiry entry, if the changelog held one not yet
-    /// compacted away, is left dangling: purging drops dangling entries.
+    /// The index entries of a restored step record (or of its tombstone).
     fn index_restored(
         &self,
         wb: &mut WriteBatch,
@@ -906,12 +870,10 @@ pub struct OpenSteps {
 }
 
 /// A step's entry in the deadlines index: only a started call awaits an
-/// outcome (`intended`, written by earlier versions before forwarding to an
-/// executor, is treated as started and due at once).
+/// outcome.
 fn deadline_of(phase: Phase, deadline_ms: Option<i64>) -> Option<i64> {
     match phase {
         Phase::Started => deadline_ms,
-        Phase::Intended => Some(deadline_ms.unwrap_or(0)),
         _ => None,
     }
 }
@@ -921,16 +883,16 @@ fn encode_deadline(d: i64) -> Vec<u8> {
     d.to_be_bytes().to_vec()
 }
 
-/// Earlier versions wrote the deadline as a JSON number (13 digits for any
-/// date in this millennium, so never 8 bytes long).
 fn decode_deadline(bytes: &[u8]) -> Result<i64, StateError> {
-    match <[u8; 8]>::try_from(bytes) {
-        Ok(b) => Ok(i64::from_be_bytes(b)),
-        Err(_) => serde_json::from_slice(bytes).map_err(|e| StateError::Corrupt {
+    <[u8; 8]>::try_from(bytes)
+        .map(i64::from_be_bytes)
+        .map_err(|_| StateError::Corrupt {
             cf: Cf::Deadlines.name(),
-            source: e.into(),
-        }),
-    }
+            source: codec::DecodeError::Length {
+                len: bytes.len(),
+                expected: 8,
+            },
+        })
 }
 
 fn decode<T: serde::de::DeserializeOwned>(cf: Cf, bytes: &[u8]) -> Result<T, StateError> {
@@ -977,7 +939,7 @@ pub enum FullReason {
     /// Nothing local (a new owner, a new or lost disk).
     NoLocalState,
     /// When the local state was last in sync is not known: the last process
-    /// on it did not stop cleanly, or an earlier version wrote it.
+    /// on it did not stop cleanly.
     UnknownAge,
     /// Last in sync longer ago than the changelog's tombstones are kept.
     Stale { age: Duration, max_age: Duration },

@@ -10,9 +10,6 @@ use serde_json::{Map, Value};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Phase {
-    /// Written by earlier versions: recorded, forwarded to a remote executor,
-    /// maybe started there. Read as `started`; never written now.
-    Intended,
     /// Recorded durably (committed) before the tool is invoked: the call may
     /// have taken effect from here on. `intended` and `started` are one record.
     Started,
@@ -30,7 +27,6 @@ pub enum Phase {
 impl Phase {
     pub fn as_str(self) -> &'static str {
         match self {
-            Phase::Intended => "intended",
             Phase::Started => "started",
             Phase::Completed => "completed",
             Phase::InDoubt => "in_doubt",
@@ -62,16 +58,13 @@ impl Phase {
     pub fn unresolved(self) -> bool {
         matches!(
             self,
-            Phase::Intended | Phase::Started | Phase::InDoubt | Phase::AwaitingApproval
+            Phase::Started | Phase::InDoubt | Phase::AwaitingApproval
         )
     }
 
     /// No outcome yet: repeats wait for it.
     pub fn in_flight(self) -> bool {
-        matches!(
-            self,
-            Phase::Intended | Phase::Started | Phase::AwaitingApproval
-        )
+        matches!(self, Phase::Started | Phase::AwaitingApproval)
     }
 }
 

@@ -57,8 +57,7 @@ fn expiry_index_follows_the_record() {
     let dir = tempfile::tempdir().unwrap();
     let s = StateStore::open(dir.path()).unwrap();
     let mut b = Batch::default();
-    b.put_step(&s, 0, &record(1, Phase::Intended, 1000))
-        .unwrap();
+    b.put_step(&s, 0, &record(1, Phase::Started, 1000)).unwrap();
     b.put_step(&s, 0, &record(2, Phase::Completed, 3000))
         .unwrap();
     s.apply(&b, &at(0, 1)).unwrap();
@@ -101,8 +100,7 @@ fn a_batch_reads_its_own_writes() {
     let dir = tempfile::tempdir().unwrap();
     let s = StateStore::open(dir.path()).unwrap();
     let mut b = Batch::default();
-    b.put_step(&s, 0, &record(1, Phase::Intended, 1000))
-        .unwrap();
+    b.put_step(&s, 0, &record(1, Phase::Started, 1000)).unwrap();
     assert!(b.step(&s, 0, &step(1)).unwrap().is_some());
     assert!(s.step(0, &step(1)).unwrap().is_none());
     assert_eq!(b.partitions().into_iter().collect::<Vec<_>>(), vec![0]);
@@ -116,7 +114,7 @@ fn a_partition_restored_from_its_changelog_equals_the_original() {
     let mut seq = 0;
     for batch in [
         vec![
-            record(1, Phase::Intended, 1000),
+            record(1, Phase::Started, 1000),
             record(2, Phase::Started, 1000),
         ],
         vec![
@@ -151,15 +149,11 @@ fn a_partition_restored_from_its_changelog_equals_the_original() {
     let b = StateStore::open(b_dir.path()).unwrap();
     let mut stale = Batch::default();
     stale
-        .put_step(&b, 3, &record(9, Phase::Intended, 1))
+        .put_step(&b, 3, &record(9, Phase::Started, 1))
         .unwrap();
     b.apply(&stale, &at(3, 1)).unwrap();
     b.wipe_partition(3).unwrap();
-    let mut records: Vec<_> = log.into_iter().map(|e| (e.key, e.value)).collect();
-    // A changelog written by an earlier version also holds index records; a
-    // stale one must not come back.
-    let legacy = [vec![Cf::Deadlines.tag()], step_key_bytes(3, &step(1))].concat();
-    records.push((legacy, Some(encode_deadline(700))));
+    let records: Vec<_> = log.into_iter().map(|e| (e.key, e.value)).collect();
     b.apply_changelog(&records).unwrap();
     b.finish_restore(3, Some(3)).unwrap();
     assert_eq!(b.step(3, &step(9)).unwrap(), None);
@@ -220,10 +214,10 @@ fn size_counts_index_and_filter_blocks_in_the_bounded_cache() {
 }
 
 /// Every field of a step record survives the record encoding, through the
-/// batch (decoded overlay) and through RocksDB (encoded bytes); a record an
-/// earlier version wrote as JSON reads the same.
+/// batch (decoded overlay) and through RocksDB (encoded bytes); JSON, never a
+/// step record's encoding, is not read as one.
 #[test]
-fn a_full_record_round_trips_and_json_records_still_read() {
+fn a_full_record_round_trips_and_json_is_refused() {
     use crate::contract::{ErrorBody, Outcome, ToolResult};
     let dir = tempfile::tempdir().unwrap();
     let s = StateStore::open(dir.path()).unwrap();
@@ -283,15 +277,36 @@ fn a_full_record_round_trips_and_json_records_still_read() {
     assert_eq!(value[0], codec::MSGPACK_NAMED_V1);
     let (p, step, decoded) = changelog_step(&entries[0].key, Some(value)).unwrap();
     assert_eq!((p, &step, decoded.as_ref()), (1, &r.step, Some(&r)));
-    // As an earlier version wrote it.
     let json = serde_json::to_vec(&r).unwrap();
-    assert_eq!(
-        changelog_step(&entries[0].key, Some(&json))
-            .unwrap()
-            .2
-            .as_ref(),
-        Some(&r)
+    assert!(changelog_step(&entries[0].key, Some(&json)).is_none());
+}
+
+/// A record of a phase no release has (`intended`) is a corrupt record, as
+/// any unreadable one: an error for the gate's poison handling, no panic.
+#[test]
+fn a_record_of_an_unknown_phase_is_corrupt() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = StateStore::open(dir.path()).unwrap();
+    let mut b = Batch::default();
+    b.put_step(&s, 0, &record(1, Phase::Started, 1000)).unwrap();
+    let entry = b.changelog().remove(0);
+    let value = entry.value.unwrap();
+    // MessagePack strings carry their length: "started" → "intended".
+    let (from, to) = (
+        [&[0xa7][..], b"started"].concat(),
+        [&[0xa8][..], b"intended"].concat(),
     );
+    let at = value.windows(from.len()).position(|w| w == from).unwrap();
+    assert_eq!(value.windows(from.len()).filter(|w| *w == from).count(), 1);
+    let bad = [&value[..at], &to, &value[at + from.len()..]].concat();
+    assert!(changelog_step(&entry.key, Some(&bad)).is_none());
+    s.apply_changelog(&[(entry.key, Some(bad))]).unwrap();
+    let e = s.step(0, &step(1)).unwrap_err();
+    assert!(
+        matches!(e, StateError::Corrupt { cf: "steps", .. }),
+        "{e:?}"
+    );
+    assert!(format!("{:?}", e).contains("intended"), "{e:?}");
 }
 
 /// A step record stays writable to the changelog whatever callers send: waiting
@@ -400,33 +415,6 @@ fn steps_waiting_for_a_person_are_counted_until_settled_and_after_a_restore() {
     restored.apply_changelog(&records).unwrap();
     assert_eq!(restored.open_steps(1).unwrap(), open(0, 0));
     assert_eq!(restored.open_steps(2).unwrap(), open(1, 0));
-}
-
-#[test]
-fn a_state_written_before_the_attention_index_gets_it_at_open() {
-    let dir = tempfile::tempdir().unwrap();
-    {
-        let s = StateStore::open(dir.path()).unwrap();
-        let mut b = Batch::default();
-        b.put_step(&s, 0, &record(1, Phase::InDoubt, 1000)).unwrap();
-        b.put_step(&s, 0, &record(2, Phase::AwaitingApproval, 1000))
-            .unwrap();
-        s.apply(&b, &at(0, 1)).unwrap();
-        // As an earlier version left it: no index, not marked indexed.
-        let mut wb = WriteBatch::default();
-        wb.delete_range_cf(s.cf(Cf::Attention), [0u8; 4], [1u8; 4]);
-        wb.delete_cf(s.meta(), ATTENTION_INDEXED);
-        s.db.write(wb).unwrap();
-        assert_eq!(s.open_steps(0).unwrap(), OpenSteps::default());
-    }
-    let s = StateStore::open(dir.path()).unwrap();
-    assert_eq!(
-        s.open_steps(0).unwrap(),
-        OpenSteps {
-            in_doubt: 1,
-            awaiting_approval: 1
-        }
-    );
 }
 
 #[test]

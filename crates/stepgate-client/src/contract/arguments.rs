@@ -1,6 +1,6 @@
 //! A call's `arguments`, kept as the JSON text the intent carried.
 
-use serde::de::{self, Deserializer, MapAccess, Visitor};
+use serde::de::{self, Deserializer, Visitor};
 use serde::ser::Serializer;
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
@@ -112,14 +112,13 @@ impl Serialize for Arguments {
     }
 }
 
-/// Reads what [`Serialize`] writes, and the object form of records written
-/// before arguments were kept as text (a map in MessagePack or JSON).
+/// Reads what [`Serialize`] writes.
 impl<'de> Deserialize<'de> for Arguments {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         if d.is_human_readable() {
             Map::<String, Value>::deserialize(d).map(Arguments::from)
         } else {
-            d.deserialize_any(ArgumentsVisitor)
+            d.deserialize_str(ArgumentsVisitor)
         }
     }
 }
@@ -130,7 +129,7 @@ impl<'de> Visitor<'de> for ArgumentsVisitor {
     type Value = Arguments;
 
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-        f.write_str("a JSON object, or its text")
+        f.write_str("the text of a JSON object")
     }
 
     fn visit_str<E: de::Error>(self, v: &str) -> Result<Arguments, E> {
@@ -140,11 +139,6 @@ impl<'de> Visitor<'de> for ArgumentsVisitor {
             Ok(raw) if raw.get().starts_with('{') => Ok(Arguments::from_checked(v)),
             _ => Err(E::invalid_value(de::Unexpected::Str(v), &self)),
         }
-    }
-
-    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Arguments, A::Error> {
-        Map::<String, Value>::deserialize(de::value::MapAccessDeserializer::new(map))
-            .map(Arguments::from)
     }
 }
 
@@ -208,15 +202,11 @@ mod tests {
     }
 
     #[test]
-    fn records_that_stored_the_object_as_a_map_still_read() {
-        // What earlier versions wrote: the arguments as a MessagePack map.
-        let old = rmp_serde::to_vec_named(&json!({"subject": "Order confirmed", "n": {"x": [1]}}))
-            .unwrap();
-        let a: Arguments = rmp_serde::from_slice(&old).unwrap();
-        assert_eq!(
-            a.to_value(),
-            json!({"subject": "Order confirmed", "n": {"x": [1]}})
-        );
+    fn a_record_holds_the_text_of_an_object_or_is_refused() {
+        // Never written (a map, not its text): refused, not read.
+        let map = rmp_serde::to_vec_named(&json!({"subject": "Order confirmed"})).unwrap();
+        let e = rmp_serde::from_slice::<Arguments>(&map).unwrap_err();
+        assert!(e.to_string().contains("the text of a JSON object"), "{e}");
         let not_object = rmp_serde::to_vec_named(&"[1]").unwrap();
         assert!(rmp_serde::from_slice::<Arguments>(&not_object).is_err());
     }

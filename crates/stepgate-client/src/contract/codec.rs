@@ -5,10 +5,9 @@
 //! names (`rmp_serde::encode::write_named`): named fields keep the records
 //! readable by the next version the way JSON was (optional fields can be added;
 //! unknown ones are skipped), at about a third of JSON's encoding cost and no
-//! escaping. Records written as JSON by earlier versions start with `{`, which
-//! is never a version byte, and are still read. Public messages (intents,
-//! results, DLQ records, commands, approvals) stay JSON: people and agents
-//! read them.
+//! escaping. Public messages (intents, results, DLQ records, commands,
+//! approvals, a pool worker's Outcome v1) stay JSON: people, agents and
+//! workers in any language read and write them.
 
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -23,6 +22,9 @@ pub enum DecodeError {
     Empty,
     #[error("unknown record version byte {0:#04x} (written by a newer stepgate?)")]
     UnknownVersion(u8),
+    /// A fixed-size value (a local index entry) of another size.
+    #[error("{len} bytes where {expected} were expected")]
+    Length { len: usize, expected: usize },
     #[error(transparent)]
     MsgPack(#[from] rmp_serde::decode::Error),
     #[error(transparent)]
@@ -38,13 +40,11 @@ pub fn encode<T: Serialize + ?Sized>(record: &T) -> Vec<u8> {
     out
 }
 
-/// Decode an internal record, in the current encoding or as earlier versions
-/// wrote it (JSON).
+/// Decode an internal record.
 pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, DecodeError> {
     match bytes.first() {
         None => Err(DecodeError::Empty),
         Some(&MSGPACK_NAMED_V1) => Ok(rmp_serde::from_slice(&bytes[1..])?),
-        Some(b'{') => Ok(serde_json::from_slice(bytes)?),
         Some(&b) => Err(DecodeError::UnknownVersion(b)),
     }
 }
@@ -87,16 +87,12 @@ mod tests {
     }
 
     #[test]
-    fn reads_json_written_by_earlier_versions_and_refuses_unknown_versions() {
-        let legacy = br#"{"a":7,"v":{"k":"v"}}"#;
-        assert_eq!(
-            decode::<V1>(legacy).unwrap(),
-            V1 {
-                a: 7,
-                b: None,
-                v: json!({"k": "v"})
-            }
-        );
+    fn refuses_json_and_unknown_versions() {
+        // JSON was never an internal record's encoding: `{` is no version.
+        assert!(matches!(
+            decode::<V1>(br#"{"a":7,"v":{"k":"v"}}"#),
+            Err(DecodeError::UnknownVersion(b'{'))
+        ));
         assert!(matches!(
             decode::<V1>(&[0x7f, 1, 2]),
             Err(DecodeError::UnknownVersion(0x7f))

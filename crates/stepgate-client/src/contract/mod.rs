@@ -353,12 +353,22 @@ pub struct Progress {
     pub event: ProgressEvent,
 }
 
+impl Progress {
+    /// A record of the progress topic: a gate's ([`codec`]-encoded) or a pool
+    /// worker's Outcome v1 (JSON: an object, and `{` is no version byte).
+    pub fn decode(bytes: &[u8]) -> Result<Progress, codec::DecodeError> {
+        match bytes.first() {
+            Some(b'{') => Ok(serde_json::from_slice(bytes)?),
+            _ => codec::decode(bytes),
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "event", rename_all = "snake_case")]
 pub enum ProgressEvent {
     /// A pool's worker took the call (Outcome v1), before invoking it: the
-    /// dispatch was not left unclaimed. (Earlier versions' remote executors
-    /// wrote it too.)
+    /// dispatch was not left unclaimed.
     Started,
     /// The invocation's outcome.
     Finished { outcome: Outcome },
