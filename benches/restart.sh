@@ -24,12 +24,10 @@ cat > "$work/c.toml" <<TOML
 brokers = "$brokers"
 instance_id = "$p"
 gate_group = "$p-gate"
-executor_group = "$p-exec"
 [kafka.topics]
 intents = "$p.intents"
 results = "$p.results"
 dlq = "$p.dlq"
-calls = "$p.calls"
 progress = "$p.progress"
 changelog = "$p.changelog"
 commands = "$p.commands"

@@ -475,7 +475,7 @@ fn a_local_state_is_resumed_from_only_while_younger_than_the_tombstones() {
         s.resume_point(1, later + 1000, &trust).unwrap(),
         Resume::From(9)
     );
-    // A state written before the sync time was kept: its age is unknown.
+    // Without its sync time (removed after an unclean shutdown): its age is unknown.
     let mut wb = WriteBatch::default();
     wb.delete_cf(s.meta(), sync_key(1));
     s.db.write(wb).unwrap();
