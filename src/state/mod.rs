@@ -81,7 +81,7 @@ impl Cf {
         Cf::Attention,
     ];
 
-    /// The first byte of a changelog key (and of a batch's writes).
+    /// The first byte of a changelog key.
     fn tag(self) -> u8 {
         match self {
             Cf::Steps => 1,
