@@ -28,8 +28,9 @@ pub(super) fn applied_metadata(applied: i64, partitions: Option<i32>) -> String 
     }
 }
 
-/// [`applied_metadata`] read back (either part may be missing: written by an
-/// earlier version, or by another tool).
+/// [`applied_metadata`] read back (either part may be missing: the partition
+/// count is written once known, and another tool may commit the group's
+/// offsets).
 pub(super) fn parse_applied(meta: &str) -> (Option<i64>, Option<i32>) {
     let Some(rest) = meta.strip_prefix(APPLIED_TAG) else {
         return (None, None);
