@@ -150,7 +150,11 @@ mod hook_tests {
             ("src/executor/mod.rs", include_str!("executor/mod.rs"), true),
             ("src/app.rs", include_str!("app.rs"), false),
             ("src/main.rs", include_str!("main.rs"), false),
-            ("src/cli/commands.rs", include_str!("cli/commands.rs"), false),
+            (
+                "src/cli/commands.rs",
+                include_str!("cli/commands.rs"),
+                false,
+            ),
         ] {
             assert!(
                 !text.contains("env::var(\"STEPGATE_TEST_"),

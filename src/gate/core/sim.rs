@@ -43,7 +43,8 @@
 //! frozen process that writes after it was fenced.
 
 use super::*;
-use crate::contract::{Outcome, Progress, ProgressEvent};
+use crate::contract::{Command, ErrorBody, Outcome, Progress, ProgressEvent, Status};
+use crate::state::{Batch, StepRecord};
 use serde_json::{Value, json};
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;

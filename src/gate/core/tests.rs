@@ -1,6 +1,10 @@
 //! The gate's decisions over real RocksDB, without Kafka.
+use super::timers::Purged;
 use super::*;
-use crate::contract::{Outcome, Progress, ProgressEvent};
+use crate::contract::{
+    Action, Command, ErrorBody, Outcome, Progress, ProgressEvent, RejectionReason, Status,
+};
+use crate::state::Batch;
 use serde_json::json;
 use std::collections::BTreeMap;
 

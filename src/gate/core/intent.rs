@@ -1,0 +1,410 @@
+//! An intent: a new step recorded and started (or answered at once), a
+//! repeat answered from its record or attached to the call in flight.
+
+use super::{GateCore, Out, at, ms};
+use crate::contract::{
+    Address, ApprovalEvent, ApprovalKind, Call, Intent, Rejection, RejectionReason, Texts,
+    parse_intent,
+};
+use crate::kafka::Input;
+use crate::state::{
+    Batch, FastEntry, NotWaiting, Phase, StateError, StateStore, StepRecord, Waiter, WorkflowEnd,
+};
+use crate::tools::ToolConfig;
+use std::time::Duration;
+
+impl GateCore {
+    /// An intent from an agent.
+    pub fn on_intent(
+        &mut self,
+        store: &StateStore,
+        batch: &mut Batch,
+        input: &Input,
+        now_ms: i64,
+    ) -> Result<(), StateError> {
+        let p = input.partition;
+        // Below the watermark, the committed state already reflects this intent
+        // (re-read because a fast-path call before it was unanswered): only
+        // fast-path calls, which record nothing, are run again.
+        let replayed = self.applied.get(&p).is_some_and(|a| input.offset < *a);
+        // A re-routed intent was counted where it was published.
+        let counted = !replayed && !input.forwarded();
+        let reply = input.reply_partition(self.intent_partitions);
+        let payload = input.payload.as_deref().unwrap_or_default();
+        let intent = match parse_intent(payload, self.settings.max_intent_bytes, &self.tool_names) {
+            Ok(i) => i,
+            Err(_) if replayed => return Ok(()),
+            Err(rejection) => {
+                if counted {
+                    self.metrics.intent_received(None);
+                }
+                self.reject(input, rejection, now_ms);
+                return Ok(());
+            }
+        };
+        if counted {
+            self.metrics.intent_received(Some(&intent.tool));
+        }
+        // A step is deduplicated within its workflow's partition only.
+        if self.settings.check_partition
+            && let Some(n) = self.intent_partitions
+            && let owner = crate::contract::partition_for(&intent.workflow_id, n)
+            && owner != p
+        {
+            if replayed {
+                return Ok(());
+            }
+            // Re-routed to the owner in this batch's transaction (with this
+            // input's offset: once), deduplicated there, answered here. Never
+            // twice: a re-routed copy found outside its partition too (the
+            // partition count changed in between) is refused.
+            if self.settings.forward_wrong_partition && !input.forwarded() {
+                self.metrics.intent_forwarded(&intent.tool);
+                let mut headers: Vec<_> = input
+                    .headers
+                    .iter()
+                    .filter(|(k, _)| {
+                        !k.eq_ignore_ascii_case(crate::contract::headers::REPLY_PARTITION)
+                    })
+                    .cloned()
+                    .collect();
+                headers.push((
+                    crate::contract::headers::REPLY_PARTITION.to_owned(),
+                    Some(p.to_string().into_bytes()),
+                ));
+                headers.push((
+                    crate::contract::headers::FORWARDED_FROM.to_owned(),
+                    Some(format!("{p}:{}", input.offset).into_bytes()),
+                ));
+                self.outs.push(Out::Forward {
+                    partition: owner,
+                    key: input.key.clone(),
+                    payload: input.payload.clone(),
+                    headers,
+                    timestamp_ms: input.timestamp_ms,
+                });
+                return Ok(());
+            }
+            let rejection = Rejection {
+                reason: RejectionReason::WrongPartition,
+                message: Texts::wrong_partition(&intent.tool, &intent.workflow_id, p, owner),
+                address: Some(Address {
+                    step: intent.step_key(),
+                    call_id: intent.call_id,
+                }),
+            };
+            self.reject(input, rejection, now_ms);
+            return Ok(());
+        }
+        let tool = &self.tools[&intent.tool];
+        if replayed && tool.recorded() {
+            return Ok(());
+        }
+        let step = intent.step_key();
+        let traceparent = input.traceparent();
+        let _span = tracing::info_span!(
+            "intent",
+            step = %step,
+            call_id = intent.call_id.as_deref().unwrap_or(""),
+            traceparent = traceparent.as_deref().unwrap_or("")
+        )
+        .entered();
+        // The decision's span (under the intent's traceparent), and the parent
+        // of the calls it starts; nothing unless traces are configured.
+        let mut decision = self.metrics.traces().decision(
+            &step,
+            intent.call_id.as_deref(),
+            traceparent.as_deref(),
+            (input.topic.as_str(), p, input.offset),
+        );
+        let tool = tool.clone();
+        let existing = if tool.recorded() {
+            batch.step(store, p, &step)?
+        } else {
+            None
+        };
+        // Older than the retention with no record: perhaps a re-read (lost
+        // group offsets) of a call whose record was purged. Not run, and not
+        // answered: its call_id may have had its answer long ago.
+        if existing.is_none()
+            && let Some(ts) = input.timestamp_ms
+            && now_ms.saturating_sub(ts) > ms(self.settings.retention)
+        {
+            let age = Duration::from_millis(now_ms.saturating_sub(ts).max(0) as u64);
+            let rejection = Rejection {
+                reason: RejectionReason::Expired,
+                message: Texts::expired(&step.tool, &step.workflow_id, age),
+                address: None,
+            };
+            decision.rejected(rejection.reason.as_str(), &rejection.message);
+            self.reject(input, rejection, now_ms);
+            return Ok(());
+        }
+        // A workflow ended by a `last_step` tool takes no new steps (repeats of
+        // its recorded steps are still answered).
+        if existing.is_none()
+            && let Some(end) = batch.workflow_end(store, p, &step.workflow_id)?
+            && end.step != step
+        {
+            let message = Texts::workflow_ended(
+                &step.tool,
+                &step.workflow_id,
+                end.step.step_index,
+                &end.step.tool,
+            );
+            let rejection = Rejection {
+                reason: RejectionReason::WorkflowEnded,
+                message,
+                address: Some(Address {
+                    step,
+                    call_id: intent.call_id,
+                }),
+            };
+            decision.rejected(rejection.reason.as_str(), &rejection.message);
+            self.reject(input, rejection, now_ms);
+            return Ok(());
+        }
+        if !tool.recorded() {
+            // Intent in, answer out: nothing durable in between.
+            decision.decided("fast_path");
+            let entry = FastEntry {
+                step: step.clone(),
+                call_id: intent.call_id.clone(),
+                arguments: intent.arguments.clone(),
+                traceparent: traceparent.clone(),
+                dispatch: 1,
+                deadline_ms: 0,
+                intent_ts_ms: input.timestamp_ms,
+                reply_partition: reply,
+            };
+            self.fast.insert((p, input.offset), entry);
+            self.metrics.fast_path_call(&step);
+            self.immediate.push((
+                p,
+                Call {
+                    step,
+                    arguments: intent.arguments,
+                    dispatch: 1,
+                    fast_ref: Some(input.offset),
+                    traceparent: decision.traceparent().or(traceparent),
+                    call_id: intent.call_id,
+                },
+            ));
+            return Ok(());
+        }
+        // Another call than the one recorded (by the tool's identity
+        // arguments): not a retry. Not run, not given the recorded answer.
+        let conflict: Vec<(String, String, String)> = existing
+            .as_ref()
+            .map(|r| tool.identity_conflict(&r.arguments, &intent.arguments))
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(f, recorded, sent)| (f, recorded.to_string(), sent.to_string()))
+            .collect();
+        // The dedup rate's denominator: every call decided as this step (new,
+        // re-run or repeat); not an identity conflict, which is another call.
+        if conflict.is_empty() {
+            self.metrics.effectful_call(&step);
+        }
+        let new_step = if tool.awaits_approval() {
+            "awaiting_approval"
+        } else {
+            "new_step"
+        };
+        match existing {
+            None => {
+                decision.decided(new_step);
+                let parent = decision.traceparent();
+                self.begin_step(store, batch, input, &tool, intent, None, parent, now_ms)?
+            }
+            Some(_) if !conflict.is_empty() => {
+                self.metrics.identity_conflict(&step);
+                let rejection = Rejection {
+                    reason: RejectionReason::IdentityConflict,
+                    message: Texts::identity_conflict(&step.tool, &conflict),
+                    address: Some(Address {
+                        step,
+                        call_id: intent.call_id,
+                    }),
+                };
+                decision.rejected(rejection.reason.as_str(), &rejection.message);
+                self.reject(input, rejection, now_ms);
+            }
+            // An operator confirmed the last run did not happen: run it now.
+            Some(record) if record.phase == Phase::NotExecuted => {
+                decision.decided("rerun");
+                let parent = decision.traceparent();
+                self.begin_step(
+                    store,
+                    batch,
+                    input,
+                    &tool,
+                    intent,
+                    Some(record),
+                    parent,
+                    now_ms,
+                )?
+            }
+            Some(mut record) => {
+                let rephrased =
+                    record.note_repeat(intent.call_id.clone(), &intent.arguments, now_ms);
+                let in_flight = record.result.is_none() || record.phase.in_flight();
+                decision.repeat(in_flight, rephrased, record.call_id.as_deref());
+                match (&record.result, record.phase.in_flight()) {
+                    (Some(first), false) => {
+                        let answer = first.for_repeat(intent.call_id);
+                        self.metrics.repeat(&step, false, rephrased);
+                        self.outs.push(Out::Result {
+                            partition: reply,
+                            result: answer,
+                            traceparent,
+                            since_ms: input.timestamp_ms,
+                        });
+                        // A verbatim repeat of a settled step changes nothing
+                        // worth a changelog record (metrics and the audit count
+                        // it); a rephrased one is kept for the audit.
+                        if !rephrased {
+                            return Ok(());
+                        }
+                    }
+                    _ => {
+                        self.metrics.repeat(&step, true, rephrased);
+                        let waiter = Waiter {
+                            call_id: intent.call_id,
+                            intent_ts_ms: input.timestamp_ms,
+                            traceparent,
+                            reply_partition: Some(reply).filter(|r| *r != p),
+                        };
+                        if let Err(why) = record.add_waiter(waiter) {
+                            if why == NotWaiting::OverBudget {
+                                tracing::warn!(step = %step, "a repeat of an in-flight step is not kept waiting: the step has too many waiting callers (it is answered from the record when asked again)");
+                            }
+                            self.metrics.repeat_not_waiting(why.as_str());
+                            if !rephrased {
+                                return Ok(());
+                            }
+                        }
+                    }
+                }
+                batch.put_step(store, p, &record)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Record a step as `started` (its call starts once that is committed) — or,
+    /// for an `approval` tool, hold it for a person. `previous` is the record of a run an operator
+    /// declared not executed (its history is kept); `parent` the `traceparent`
+    /// its call carries (the decision's span, when traced).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn begin_step(
+        &mut self,
+        store: &StateStore,
+        batch: &mut Batch,
+        input: &Input,
+        tool: &ToolConfig,
+        intent: Intent,
+        previous: Option<StepRecord>,
+        parent: Option<String>,
+        now_ms: i64,
+    ) -> Result<(), StateError> {
+        let p = input.partition;
+        let reply = input.reply_partition(self.intent_partitions);
+        let step = intent.step_key();
+        let traceparent = input.traceparent();
+        let awaits_approval = tool.awaits_approval();
+        let phase = if awaits_approval {
+            Phase::AwaitingApproval
+        } else {
+            Phase::Started
+        };
+        let mut record = StepRecord {
+            call_id: intent.call_id.clone(),
+            metadata: intent.metadata.clone(),
+            traceparent: traceparent.clone(),
+            intent_ts_ms: input.timestamp_ms,
+            reply_partition: Some(reply).filter(|r| *r != p),
+            ..StepRecord::new(
+                step.clone(),
+                tool.category,
+                phase,
+                intent.arguments.clone(),
+                p,
+                now_ms,
+                now_ms + ms(self.settings.retention),
+            )
+        };
+        if let Some(prev) = previous {
+            record.dispatch = prev.dispatch + 1;
+            record.repeats = prev.repeats + 1;
+            record.rephrased_count = prev.rephrased_count;
+            record.rephrased = prev.rephrased;
+            record.operator_log = prev.operator_log;
+            record.evidence = prev.evidence;
+            record.settled_through = prev.settled_through;
+        }
+        if tool.ends_workflow() {
+            batch.put_workflow_end(
+                p,
+                &WorkflowEnd {
+                    step: step.clone(),
+                    at_ms: now_ms,
+                },
+            );
+        }
+        if awaits_approval {
+            self.metrics.approval_requested(&step);
+            self.outs.push(Out::Approval {
+                partition: p,
+                event: ApprovalEvent {
+                    step,
+                    event: ApprovalKind::Requested {
+                        arguments: intent.arguments.to_map(),
+                        call_id: intent.call_id,
+                        metadata: intent.metadata,
+                    },
+                    at: crate::contract::timestamp(at(now_ms)),
+                },
+            });
+        } else {
+            self.metrics.step_forwarded(&step, tool.category.as_str());
+            self.start(p, &mut record, now_ms, parent);
+        }
+        batch.put_step(store, p, &record)
+    }
+
+    /// Mark a recorded step `started` with its deadline, and invoke its tool
+    /// once the batch carrying that record has committed. Its call carries
+    /// `parent` as its `traceparent` (the span of the decision that started
+    /// it), else the step's own (the agent's).
+    pub(super) fn start(
+        &mut self,
+        partition: i32,
+        record: &mut StepRecord,
+        now_ms: i64,
+        parent: Option<String>,
+    ) {
+        let deadline =
+            now_ms + ms(self.tool_deadline(&record.step.tool) + self.settings.in_doubt_grace);
+        record.phase = Phase::Started;
+        record.started_at_ms = Some(now_ms);
+        if !record.open_dispatches.contains(&record.dispatch) {
+            record.open_dispatches.push(record.dispatch);
+        }
+        record.deadline_ms = Some(deadline);
+        self.due.insert((deadline, partition, record.step.clone()));
+        self.awaiting_commit
+            .insert((partition, record.step.clone()), record.dispatch);
+        self.outs.push(Out::Invoke {
+            partition,
+            call: Call {
+                step: record.step.clone(),
+                arguments: record.arguments.clone(),
+                dispatch: record.dispatch,
+                fast_ref: None,
+                traceparent: parent.or_else(|| record.traceparent.clone()),
+                call_id: record.call_id.clone(),
+            },
+        });
+    }
+}

@@ -1,0 +1,359 @@
+//! An outcome: from this gate's invoker, or handed over on `progress` (a
+//! call whose partition moved, a pool worker's); the step settled and its
+//! callers answered, or the outcome kept as evidence.
+
+use super::{GateCore, Out, at, ms};
+use crate::contract::{
+    Call, ErrorBody, Outcome, Progress, ProgressEvent, Rejection, RejectionReason, Texts,
+    ToolResult,
+};
+use crate::kafka::Input;
+use crate::state::{Batch, Evidence, MAX_EVIDENCE_KEPT, Phase, StateError, StateStore, StepRecord};
+use crate::tools::{Category, ToolConfig};
+use std::time::Duration;
+
+/// Error kinds that say the tool did not perform the action.
+pub(super) const NOT_PERFORMED_KINDS: &[&str] = &[
+    "tool_refused",
+    "tool_unreachable",
+    "tool_redirected",
+    "no_worker",
+];
+
+impl GateCore {
+    /// A record of `progress`: the outcome of a call whose partition moved
+    /// while it ran, or a pool worker's Outcome v1.
+    pub fn on_progress(
+        &mut self,
+        store: &StateStore,
+        batch: &mut Batch,
+        input: &Input,
+        now_ms: i64,
+    ) -> Result<(), StateError> {
+        // The records `kafka::end_hanging_transactions` writes are aborted, so
+        // read_committed never sees them on a broker; librdkafka's mock cluster
+        // (the demo) fakes transactions and delivers them: not an input.
+        if input.payload.is_none() && input.key.as_deref() == Some(crate::kafka::HANGING_PROBE_KEY)
+        {
+            return Ok(());
+        }
+        let payload = input.payload.as_deref().unwrap_or_default();
+        let progress = match Progress::decode(payload) {
+            Ok(pr) => pr,
+            Err(e) => {
+                // Only stepgate writes this topic; keep the evidence and go on.
+                let rejection = Rejection::new(
+                    RejectionReason::MalformedJson,
+                    format!("unreadable progress record: {e}"),
+                );
+                self.reject(input, rejection, now_ms);
+                return Ok(());
+            }
+        };
+        // Fast-path outcomes are never handed over: their intent is re-read.
+        if progress.fast_ref.is_some() {
+            return Ok(());
+        }
+        self.on_outcome(store, batch, input.partition, progress, now_ms)
+    }
+
+    /// An invocation's outcome, for a partition this gate owns: answer a
+    /// fast-path call, or settle a step — once: a step no longer in flight
+    /// keeps its first outcome (a late one after `in_doubt` is kept for the
+    /// operator).
+    pub fn on_outcome(
+        &mut self,
+        store: &StateStore,
+        batch: &mut Batch,
+        p: i32,
+        progress: Progress,
+        now_ms: i64,
+    ) -> Result<(), StateError> {
+        let outcome = match progress.event {
+            ProgressEvent::Finished { outcome } => outcome,
+            ProgressEvent::NotInvoked => {
+                return self.on_not_invoked(store, batch, p, &progress, now_ms);
+            }
+            // A pool's worker took the call.
+            ProgressEvent::Started => return self.on_taken(store, batch, p, &progress, now_ms),
+        };
+        if let Some(fast_ref) = progress.fast_ref {
+            if let Some(entry) = self.fast.remove(&(p, fast_ref)) {
+                let result =
+                    ToolResult::from_outcome(&entry.step, entry.call_id, outcome, at(now_ms));
+                self.outs.push(Out::Result {
+                    partition: entry.reply_partition,
+                    result,
+                    traceparent: entry.traceparent,
+                    since_ms: entry.intent_ts_ms,
+                });
+            }
+            return Ok(());
+        }
+        let Some(mut record) = batch.step(store, p, &progress.step)? else {
+            tracing::warn!(step = %progress.step, dispatch = progress.dispatch, outcome = outcome.label(), "an outcome for a step with no record (purged after its retention): nothing to settle");
+            return Ok(());
+        };
+        record.open_dispatches.retain(|d| *d != progress.dispatch);
+        let settles = record.phase.in_flight() && record.phase != Phase::AwaitingApproval;
+        // sim: stale-dispatch check. Only the step's current dispatch settles
+        // it: an older one's "not performed" must not answer a step whose
+        // re-run may have charged, and its `ok` is kept as evidence (the
+        // current dispatch, with the same key, reports the same effect).
+        if settles && progress.dispatch == record.dispatch {
+            let outcome = self.unless_earlier_may_have_run(&record, outcome);
+            let phase = Phase::settled_by(&outcome);
+            return self.settle(store, batch, p, record, outcome, phase, now_ms);
+        }
+        let why = if progress.dispatch != record.dispatch {
+            "stale_dispatch"
+        } else if record.phase == Phase::InDoubt {
+            "after_in_doubt"
+        } else {
+            "after_settled"
+        };
+        self.keep_evidence(&mut record, progress.dispatch, outcome, why, now_ms);
+        batch.put_step(store, p, &record)
+    }
+
+    /// A pool's worker says it took the current dispatch of a step (before
+    /// invoking it): the dispatch was claimed, and its deadline is moved to a
+    /// whole tool deadline (and the grace) from now, as for a call running
+    /// here. Anything else (a stale dispatch, a settled step) changes nothing.
+    pub(super) fn on_taken(
+        &mut self,
+        store: &StateStore,
+        batch: &mut Batch,
+        p: i32,
+        progress: &Progress,
+        now_ms: i64,
+    ) -> Result<(), StateError> {
+        let in_pool = self
+            .tools
+            .get(&progress.step.tool)
+            .is_some_and(|t| t.pool.is_some());
+        if !in_pool || progress.fast_ref.is_some() {
+            return Ok(());
+        }
+        let Some(mut record) = batch.step(store, p, &progress.step)? else {
+            return Ok(());
+        };
+        if record.phase != Phase::Started
+            || record.dispatch != progress.dispatch
+            || record.taken == Some(progress.dispatch)
+        {
+            return Ok(());
+        }
+        record.taken = Some(progress.dispatch);
+        let later =
+            now_ms + ms(self.tool_deadline(&record.step.tool) + self.settings.in_doubt_grace);
+        if record.deadline_ms.is_none_or(|d| d < later) {
+            record.deadline_ms = Some(later);
+            self.due.insert((later, p, record.step.clone()));
+        }
+        batch.put_step(store, p, &record)
+    }
+
+    /// A call that never left its process (its partition moved, or the
+    /// process stopped, while it waited for a slot): run its step again at
+    /// once — safe for every category, since nothing was invoked — or, while
+    /// this process stops, leave it due at once for the next owner.
+    pub(super) fn on_not_invoked(
+        &mut self,
+        store: &StateStore,
+        batch: &mut Batch,
+        p: i32,
+        progress: &Progress,
+        now_ms: i64,
+    ) -> Result<(), StateError> {
+        if let Some(fast_ref) = progress.fast_ref {
+            // A read: run it again here, or leave it to the owner, which
+            // re-reads its intent (the offset is held back for it).
+            if !self.stopping
+                && let Some(entry) = self.fast.get_mut(&(p, fast_ref))
+            {
+                entry.dispatch += 1;
+                self.immediate.push((
+                    p,
+                    Call {
+                        step: entry.step.clone(),
+                        arguments: entry.arguments.clone(),
+                        dispatch: entry.dispatch,
+                        fast_ref: Some(fast_ref),
+                        traceparent: entry.traceparent.clone(),
+                        call_id: entry.call_id.clone(),
+                    },
+                ));
+            }
+            return Ok(());
+        }
+        let Some(mut record) = batch.step(store, p, &progress.step)? else {
+            tracing::warn!(step = %progress.step, dispatch = progress.dispatch, "a call handed back not invoked, for a step with no record (purged after its retention): nothing to run");
+            return Ok(());
+        };
+        record.open_dispatches.retain(|d| *d != progress.dispatch);
+        let current = progress.dispatch == record.dispatch && record.phase == Phase::Started;
+        if !current {
+            // Settled or re-run meanwhile: evidence that this run never ran.
+            self.note_evidence(
+                &mut record,
+                progress.dispatch,
+                "not_invoked",
+                None,
+                "stale_dispatch",
+                now_ms,
+            );
+        } else if self.stopping {
+            record.not_invoked = Some(record.dispatch);
+            record.deadline_ms = Some(now_ms);
+            self.due.insert((now_ms, p, record.step.clone()));
+        } else {
+            self.rerun_not_invoked(p, &mut record, now_ms);
+        }
+        batch.put_step(store, p, &record)
+    }
+
+    /// Dispatch again a step whose current dispatch was never invoked.
+    pub(super) fn rerun_not_invoked(&mut self, p: i32, record: &mut StepRecord, now_ms: i64) {
+        record.not_invoked = None;
+        record.dispatch += 1;
+        tracing::info!(step = %record.step, dispatch = record.dispatch, "its last run was never invoked (its call queued where the partition or the process went away): run now");
+        self.start(p, record, now_ms, None);
+    }
+
+    /// Keep an outcome that does not settle its step on the step's record:
+    /// whole (the first such), in brief (the newest few), logged and counted.
+    pub(super) fn keep_evidence(
+        &self,
+        record: &mut StepRecord,
+        dispatch: u32,
+        outcome: Outcome,
+        why: &str,
+        now_ms: i64,
+    ) {
+        let kind = match &outcome {
+            Outcome::Ok { .. } => None,
+            Outcome::Error { error } | Outcome::InDoubt { error } => Some(error.kind.clone()),
+        };
+        self.note_evidence(record, dispatch, outcome.label(), kind, why, now_ms);
+        if record.late_outcome.is_none() {
+            record.late_outcome = Some(outcome);
+        }
+    }
+
+    /// Log, count and keep in brief (the newest [`MAX_EVIDENCE_KEPT`]) what a
+    /// dispatch reported that did not settle its step.
+    pub(super) fn note_evidence(
+        &self,
+        record: &mut StepRecord,
+        dispatch: u32,
+        status: &str,
+        kind: Option<String>,
+        why: &str,
+        now_ms: i64,
+    ) {
+        self.metrics
+            .late_outcome(&record.step, dispatch, record.dispatch, status, why);
+        record.evidence.push(Evidence {
+            dispatch,
+            status: status.to_owned(),
+            kind,
+            why: why.to_owned(),
+            at_ms: now_ms,
+        });
+        if let Some(over) = record.evidence.len().checked_sub(MAX_EVIDENCE_KEPT) {
+            record.evidence.drain(..over);
+        }
+    }
+
+    /// An outcome that says the action was not performed is told as such only
+    /// when no other dispatch of the step may have run: for an effectful tool
+    /// whose earlier dispatch is still unaccounted for (re-run after its
+    /// deadline), it is in doubt.
+    pub(super) fn unless_earlier_may_have_run(
+        &self,
+        record: &StepRecord,
+        outcome: Outcome,
+    ) -> Outcome {
+        let Outcome::Error { error } = &outcome else {
+            return outcome;
+        };
+        let effectful = matches!(record.category, Category::Keyed | Category::Unkeyed);
+        let not_performed = |status: &str, kind: Option<&str>| {
+            status == "not_invoked"
+                || (status == "error" && kind.is_some_and(|k| NOT_PERFORMED_KINDS.contains(&k)))
+        };
+        // An earlier run never heard from, or one that reported anything but
+        // "not performed" (an `ok` of the same key, say), may have acted.
+        let earlier_may_have_acted = record.open_dispatches.iter().any(|d| *d != record.dispatch)
+            || record.evidence.iter().any(|e| {
+                e.dispatch > record.settled_through
+                    && e.dispatch < record.dispatch
+                    && !not_performed(&e.status, e.kind.as_deref())
+            });
+        if !effectful
+            || !earlier_may_have_acted
+            || !NOT_PERFORMED_KINDS.contains(&error.kind.as_str())
+        {
+            return outcome;
+        }
+        Outcome::InDoubt {
+            error: ErrorBody {
+                kind: "outcome_unknown".into(),
+                message: Texts::in_doubt_earlier_try(&record.step.tool, &error.message),
+            },
+        }
+    }
+
+    pub(super) fn tool_deadline(&self, tool: &str) -> Duration {
+        self.tools
+            .get(tool)
+            .map(ToolConfig::deadline)
+            .unwrap_or(Duration::from_secs(30))
+    }
+
+    /// Store an outcome, leaving the step in `phase`, and answer the first
+    /// caller and every waiting repeat.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn settle(
+        &mut self,
+        store: &StateStore,
+        batch: &mut Batch,
+        p: i32,
+        mut record: StepRecord,
+        outcome: Outcome,
+        phase: Phase,
+        now_ms: i64,
+    ) -> Result<(), StateError> {
+        if let Outcome::InDoubt { error } = &outcome {
+            self.metrics.in_doubt(&record.step, &error.kind);
+        }
+        // A step settled a second time (an operator resolving it) already gave
+        // its first caller a final answer: one final answer per call_id. The
+        // new result answers the step's later calls.
+        let answer_caller = record.result.is_none();
+        record.phase = phase;
+        let result =
+            ToolResult::from_outcome(&record.step, record.call_id.clone(), outcome, at(now_ms));
+        if answer_caller {
+            self.outs.push(Out::Result {
+                partition: record.reply_partition.unwrap_or(p),
+                result: result.clone(),
+                traceparent: record.traceparent.clone(),
+                since_ms: record.intent_ts_ms,
+            });
+        }
+        for w in record.waiters.drain(..) {
+            self.outs.push(Out::Result {
+                partition: w.reply_partition.unwrap_or(p),
+                result: result.for_repeat(w.call_id),
+                traceparent: w.traceparent,
+                since_ms: w.intent_ts_ms,
+            });
+        }
+        record.result = Some(result);
+        record.deadline_ms = None;
+        record.expires_at_ms = now_ms + ms(self.settings.retention);
+        batch.put_step(store, p, &record)
+    }
+}
