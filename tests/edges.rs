@@ -207,19 +207,9 @@ fn slow_queue() -> StackOptions {
 }
 
 async fn metric(http: &str, name: &str) -> f64 {
-    let text = reqwest::get(format!("http://{http}/metrics"))
+    common::processes::metric_sum(http, name)
         .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
-        .filter(|l| {
-            l.strip_prefix(name)
-                .is_some_and(|r| r.starts_with(' ') || r.starts_with('{'))
-        })
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+        .expect("the gate answers /metrics")
 }
 
 /// 400 calls queued behind a slow unkeyed tool in one gate; a second gate

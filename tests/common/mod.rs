@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod load;
+pub mod processes;
 
 use axum::Router;
 use axum::extract::{Path, State};
