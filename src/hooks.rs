@@ -42,6 +42,15 @@ impl Nth {
             .get_or_init(|| setting(self.name).and_then(|v| v.parse().ok())))?;
         (self.seen.fetch_add(1, Ordering::SeqCst) + 1 == n).then_some(n)
     }
+
+    /// Counts one occurrence; aborts the process (a crash, no clean-up) at
+    /// the N-th, saying where.
+    fn abort_at(&self, where_: &str) {
+        if let Some(n) = self.hit() {
+            eprintln!("{}={n}: aborting {where_}", self.name);
+            std::process::abort();
+        }
+    }
 }
 
 /// `STEPGATE_TEST_STALL_AFTER=S`: the gate's loop blocks for good S seconds
@@ -65,10 +74,7 @@ pub(crate) fn maybe_stall() {
 /// transaction has sent everything and is about to commit.
 pub(crate) fn crash_before_commit() {
     static HOOK: Nth = Nth::new("STEPGATE_TEST_CRASH_BEFORE_COMMIT");
-    if let Some(n) = HOOK.hit() {
-        eprintln!("STEPGATE_TEST_CRASH_BEFORE_COMMIT={n}: aborting before the transaction commits");
-        std::process::abort();
-    }
+    HOOK.abort_at("before the transaction commits");
 }
 
 /// `STEPGATE_TEST_LOSE_COMMIT_REPLY=N`: the N-th transaction that starts
@@ -115,20 +121,14 @@ pub(crate) fn session_lost() -> KafkaError {
 /// call is handed over (after its `started` commit, before the tool is called).
 pub(crate) fn crash_before_invoke() {
     static HOOK: Nth = Nth::new("STEPGATE_TEST_CRASH_BEFORE_INVOKE");
-    if let Some(n) = HOOK.hit() {
-        eprintln!("STEPGATE_TEST_CRASH_BEFORE_INVOKE={n}: aborting");
-        std::process::abort();
-    }
+    HOOK.abort_at("before the tool is called");
 }
 
 /// `STEPGATE_TEST_CRASH_AFTER_INVOKE=N`: the process aborts when the N-th
 /// call has returned, before its outcome is committed.
 pub(crate) fn crash_after_invoke() {
     static HOOK: Nth = Nth::new("STEPGATE_TEST_CRASH_AFTER_INVOKE");
-    if let Some(n) = HOOK.hit() {
-        eprintln!("STEPGATE_TEST_CRASH_AFTER_INVOKE={n}: aborting");
-        std::process::abort();
-    }
+    HOOK.abort_at("before the outcome is committed");
 }
 
 #[cfg(test)]
