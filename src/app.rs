@@ -16,7 +16,9 @@ pub enum AppError {
     Config(#[from] ConfigError),
     #[error(transparent)]
     Setup(#[from] KafkaSetupError),
-    #[error("cannot open the state at {path}")]
+    #[error(
+        "cannot open the state at {path} (a local cache of the changelog: if another build of stepgate wrote it, move it aside and the gate restores it from the changelog)"
+    )]
     State { path: String, source: StateError },
     #[error("cannot serve metrics on {addr}")]
     Http {
