@@ -94,6 +94,14 @@ fn gauge_vec(r: &Registry, name: &str, help: &str, labels: &[&str]) -> prometheu
     g
 }
 
+fn float_gauge_vec(r: &Registry, name: &str, help: &str, labels: &[&str]) -> prometheus::GaugeVec {
+    let g =
+        prometheus::GaugeVec::new(Opts::new(name, help), labels).expect("metric names are valid");
+    r.register(Box::new(g.clone()))
+        .expect("each metric is registered once");
+    g
+}
+
 /// Per intents partition (label `partition`): whether this process's gate
 /// holds it and where its restore is. A partition it let go reads 0 in every
 /// one of them rather than losing its series: `sum by (partition)
@@ -113,12 +121,7 @@ struct PartitionGauges {
 impl PartitionGauges {
     fn new(r: &Registry) -> Self {
         let l = &["partition"];
-        let float = |name: &str, help: &str| {
-            let g = prometheus::GaugeVec::new(Opts::new(name, help), l)
-                .expect("metric names are valid");
-            r.register(Box::new(g.clone())).expect("registered once");
-            g
-        };
+        let float = |name: &str, help: &str| float_gauge_vec(r, name, help, l);
         PartitionGauges {
             owned: gauge_vec(
                 r,
@@ -222,51 +225,36 @@ impl Metrics {
             .expect("registered once");
         // The running version, as a constant 1 (joined on in queries and
         // dashboards: which version is where during a rollout).
-        let build_info = prometheus::IntGaugeVec::new(
-            Opts::new(
-                "stepgate_build_info",
-                "The running stepgate's version (always 1).",
-            ),
+        let build_info = gauge_vec(
+            &r,
+            "stepgate_build_info",
+            "The running stepgate's version (always 1).",
             &["version"],
-        )
-        .expect("metric names are valid");
+        );
         build_info
             .with_label_values(&[env!("CARGO_PKG_VERSION")])
             .set(1);
-        r.register(Box::new(build_info)).expect("registered once");
-        let open_steps = prometheus::IntGaugeVec::new(
-            Opts::new(
-                "stepgate_open_steps",
-                "Steps waiting for a person in the partitions this process owns: phase=\"in_doubt\" (settle with `stepgate resolve`) or \"awaiting_approval\" (`stepgate approvals`).",
-            ),
+        let open_steps = gauge_vec(
+            &r,
+            "stepgate_open_steps",
+            "Steps waiting for a person in the partitions this process owns: phase=\"in_doubt\" (settle with `stepgate resolve`) or \"awaiting_approval\" (`stepgate approvals`).",
             &["phase"],
-        )
-        .expect("metric names are valid");
+        );
         for phase in ["in_doubt", "awaiting_approval"] {
             open_steps.with_label_values(&[phase]).set(0);
         }
-        r.register(Box::new(open_steps.clone()))
-            .expect("registered once");
-        let consumer_lag = prometheus::IntGaugeVec::new(
-            Opts::new(
-                "stepgate_consumer_lag",
-                "Records not yet consumed, per group and partition (librdkafka statistics).",
-            ),
+        let consumer_lag = gauge_vec(
+            &r,
+            "stepgate_consumer_lag",
+            "Records not yet consumed, per group and partition (librdkafka statistics).",
             &["group", "topic", "partition"],
-        )
-        .expect("metric names are valid");
-        r.register(Box::new(consumer_lag.clone()))
-            .expect("registered once");
-        let state_memory = prometheus::IntGaugeVec::new(
-            Opts::new(
-                "stepgate_state_memory_bytes",
-                "Memory held by the local state, by RocksDB's estimates: memtables, table_readers (index and filter blocks outside the cache), block_cache, block_cache_pinned.",
-            ),
+        );
+        let state_memory = gauge_vec(
+            &r,
+            "stepgate_state_memory_bytes",
+            "Memory held by the local state, by RocksDB's estimates: memtables, table_readers (index and filter blocks outside the cache), block_cache, block_cache_pinned.",
             &["part"],
-        )
-        .expect("metric names are valid");
-        r.register(Box::new(state_memory.clone()))
-            .expect("registered once");
+        );
         let commit_latency = Histogram::with_opts(
             HistogramOpts::new(
                 "stepgate_commit_latency_seconds",
