@@ -202,6 +202,11 @@ pub const REFUSED_CLIENT_PROPERTIES: &[(&str, &str)] = &[
     ),
 ];
 
+/// An http(s) URL with a host (what every URL stepgate calls must be).
+fn is_http(u: &reqwest::Url) -> bool {
+    matches!(u.scheme(), "http" | "https") && u.host().is_some()
+}
+
 /// A tool's `url` (or `mcp`), named `key`: an http(s) URL with a host. It
 /// may carry credentials: echoed redacted.
 fn check_tool_url(key: &str, url: &str) -> Result<(), ConfigError> {
@@ -210,7 +215,7 @@ fn check_tool_url(key: &str, url: &str) -> Result<(), ConfigError> {
         message,
     };
     match reqwest::Url::parse(url) {
-        Ok(u) if matches!(u.scheme(), "http" | "https") && u.host().is_some() => Ok(()),
+        Ok(u) if is_http(&u) => Ok(()),
         Ok(_) => Err(invalid(format!(
             "must be an http(s) URL with a host, got `{}`",
             redact_url(url)
@@ -594,10 +599,7 @@ impl McpConfig {
         };
         if let Some(r) = &self.resource {
             match reqwest::Url::parse(r) {
-                Ok(u)
-                    if matches!(u.scheme(), "http" | "https")
-                        && u.host().is_some()
-                        && u.fragment().is_none() => {}
+                Ok(u) if is_http(&u) && u.fragment().is_none() => {}
                 _ => {
                     return Err(invalid(
                         "mcp.resource",
@@ -1774,13 +1776,12 @@ impl ConsoleConfig {
             return Err(invalid("refresh", "must be at least 100ms".into()));
         }
         for (i, g) in self.gates.iter().enumerate() {
-            let ok = reqwest::Url::parse(g)
-                .is_ok_and(|u| matches!(u.scheme(), "http" | "https") && u.host().is_some());
-            if !ok {
+            if !reqwest::Url::parse(g).is_ok_and(|u| is_http(&u)) {
                 return Err(invalid(
                     &format!("gates[{i}]"),
                     format!(
-                        "must be a gate's HTTP base URL, e.g. \"http://127.0.0.1:9464\"; got `{g}`"
+                        "must be a gate's HTTP base URL, e.g. \"http://127.0.0.1:9464\"; got `{}`",
+                        redact_url(g)
                     ),
                 ));
             }
@@ -1877,7 +1878,7 @@ impl TracesConfig {
         };
         if let Some(e) = &self.endpoint {
             match reqwest::Url::parse(e) {
-                Ok(u) if matches!(u.scheme(), "http" | "https") && u.host().is_some() => {}
+                Ok(u) if is_http(&u) => {}
                 _ => {
                     return Err(invalid(
                         "endpoint",

@@ -511,5 +511,12 @@ mod tests {
         bad.console.gates = vec!["127.0.0.1:9464".into()];
         let e = bad.console.validate().unwrap_err().to_string();
         assert!(e.contains("console.gates[0]"), "{e}");
+        // A refused URL is echoed without its credentials.
+        bad.console.gates = vec!["ftp://admin:hunter2@127.0.0.1:9464".into()];
+        let e = bad.console.validate().unwrap_err().to_string();
+        assert!(
+            e.contains("console.gates[0]") && !e.contains("hunter2"),
+            "{e}"
+        );
     }
 }
