@@ -335,12 +335,11 @@ impl Session<'_> {
         } else {
             // A failed session's partitions may already be another gate's,
             // which holds their deadlines only `in_doubt_grace` for calls
-            // handed back: give up ownership now, so the queued calls come
-            // back not invoked at once, and let the next session (which
-            // publishes the hand-overs) start without waiting on the old
-            // clients' close. Its consumer's static member id and producers'
-            // transactional ids fence these.
-            self.invoker.ownership().clear();
+            // handed back: return at once (the caller gives up ownership, so
+            // the queued calls come back not invoked), and let the next
+            // session (which publishes the hand-overs) start without waiting
+            // on the old clients' close. Its consumer's static member id and
+            // producers' transactional ids fence these.
             tokio::spawn(close);
         }
         result
