@@ -171,18 +171,7 @@ impl Cluster {
 
 impl Drop for Cluster {
     fn drop(&mut self) {
-        if std::thread::panicking()
-            && let Ok(keep) = std::env::var("STEPGATE_TEST_KEEP_LOGS")
-        {
-            let to = std::path::Path::new(&keep).join("cluster");
-            let _ = std::fs::create_dir_all(&keep);
-            let _ = Command::new("cp")
-                .arg("-r")
-                .arg(self.dir.path())
-                .arg(&to)
-                .status();
-            eprintln!("the cluster's directory is kept in {}", to.display());
-        }
+        keep_dir_on_failure(self.dir.path(), "cluster");
         let _ = self.script(&["stop"]);
     }
 }

@@ -690,6 +690,20 @@ impl Drop for Stack {
     }
 }
 
+/// With `STEPGATE_TEST_KEEP_LOGS=<dir>`, a failing test's broker directory
+/// (logs and data: its topics with their transaction markers) is copied to
+/// `<dir>/<name>`, to be read after the test's temporary directory is gone.
+pub fn keep_dir_on_failure(dir: &std::path::Path, name: &str) {
+    if std::thread::panicking()
+        && let Ok(keep) = std::env::var("STEPGATE_TEST_KEEP_LOGS")
+    {
+        let to = std::path::Path::new(&keep).join(name);
+        let _ = std::fs::create_dir_all(&keep);
+        let _ = Command::new("cp").arg("-r").arg(dir).arg(&to).status();
+        eprintln!("the {name}'s directory is kept in {}", to.display());
+    }
+}
+
 /// A log line about a broker being away (librdkafka logs thousands during an
 /// outage): left out of what a failing assertion prints.
 pub fn connection_noise(line: &str) -> bool {

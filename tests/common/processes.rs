@@ -263,18 +263,6 @@ impl Broker {
 impl Drop for Broker {
     fn drop(&mut self) {
         let _ = self.script("stop");
-        // STEPGATE_TEST_KEEP_LOGS=<dir>: a failed run's broker (its log and
-        // data: the topics with their transaction markers) is kept too.
-        if std::thread::panicking()
-            && let Ok(keep) = std::env::var("STEPGATE_TEST_KEEP_LOGS")
-        {
-            let to = std::path::Path::new(&keep).join("broker");
-            let _ = Command::new("cp")
-                .arg("-r")
-                .arg(self.dir.path())
-                .arg(&to)
-                .status();
-            eprintln!("the broker's directory is kept in {}", to.display());
-        }
+        super::keep_dir_on_failure(self.dir.path(), "broker");
     }
 }
