@@ -8,7 +8,7 @@ WORKDIR /src
 # workspace's manifests: Cargo refuses a manifest whose declared [[example]]
 # or [[test]] has no file, so each one named in Cargo.toml gets an empty one.
 # stepgate's own artefacts are removed so the real sources below are built
-# whatever their timestamps. tests/wheel.rs runs these steps without Docker.
+# whatever their timestamps. tests/offline/wheel.rs runs these steps without Docker.
 COPY Cargo.toml Cargo.lock ./
 COPY crates/stepgate-client/Cargo.toml crates/stepgate-client/
 COPY crates/stepgate-bench/Cargo.toml crates/stepgate-bench/

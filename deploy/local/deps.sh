@@ -19,9 +19,9 @@ if [[ "${STEPGATE_NEED_KAFKA:-0}" == 1 ]]; then
   command -v openssl >/dev/null 2>&1 || missing+=(openssl)            # kafka.sh's SASL_SSL certificates
   command -v docker-compose >/dev/null 2>&1 || missing+=(docker-compose) # validates docker-compose.yml
   command -v python3 >/dev/null 2>&1 || missing+=(python3 python3-pip)
-  command -v chromium >/dev/null 2>&1 || missing+=(chromium)          # tests/console.rs's browser
+  command -v chromium >/dev/null 2>&1 || missing+=(chromium)          # tests/broker/console.rs's browser
 fi
-# tests/wheel.rs installs the wheel it builds into a fresh `python3 -m venv`
+# tests/offline/wheel.rs installs the wheel it builds into a fresh `python3 -m venv`
 # (on Debian's python3, venv's pip comes with python3-venv).
 if [[ "${STEPGATE_NEED_KAFKA:-0}" == 1 ]] && ! python3 -c 'import ensurepip, venv' 2>/dev/null; then
   missing+=(python3-venv)
@@ -46,8 +46,8 @@ if [[ "${STEPGATE_NEED_KAFKA:-0}" == 1 ]] && ! python3 -c 'import confluent_kafk
     python3 -m pip install -q --break-system-packages confluent-kafka
 fi
 
-# tests/python_client.rs drives the Python client's OpenAI Agents SDK and
-# LangGraph adapters; tests/mcp.rs drives `stepgate mcp` with the official MCP
+# tests/broker/python_client.rs drives the Python client's OpenAI Agents SDK and
+# LangGraph adapters; tests/broker/mcp.rs drives `stepgate mcp` with the official MCP
 # SDK's client and puts a FastMCP server behind it as a tool.
 if [[ "${STEPGATE_NEED_KAFKA:-0}" == 1 ]] &&
   ! python3 -c 'import agents, langgraph, mcp, fastmcp' 2>/dev/null; then
@@ -56,7 +56,7 @@ if [[ "${STEPGATE_NEED_KAFKA:-0}" == 1 ]] &&
     python3 -m pip install -q --break-system-packages openai-agents langgraph mcp fastmcp
 fi
 
-# tests/python_client.rs runs the Python client's own pytest suite
+# tests/broker/python_client.rs runs the Python client's own pytest suite
 # (clients/python/tests).
 if [[ "${STEPGATE_NEED_KAFKA:-0}" == 1 ]] && ! python3 -c 'import pytest' 2>/dev/null; then
   echo "installing the Python package pytest"
@@ -64,7 +64,7 @@ if [[ "${STEPGATE_NEED_KAFKA:-0}" == 1 ]] && ! python3 -c 'import pytest' 2>/dev
     python3 -m pip install -q --break-system-packages pytest
 fi
 
-# tests/console.rs drives the console in Debian's chromium through Playwright
+# tests/broker/console.rs drives the console in Debian's chromium through Playwright
 # for Python (its own browser download is not used: `executable_path`).
 if [[ "${STEPGATE_NEED_KAFKA:-0}" == 1 ]] && ! python3 -c 'import playwright.sync_api' 2>/dev/null; then
   echo "installing the Python package playwright"
@@ -84,20 +84,20 @@ go_install() { # what module@version
   fi
 }
 
-# tests/deploy.rs renders the Kubernetes overlays as `kubectl apply -k` would:
+# tests/offline/deploy.rs renders the Kubernetes overlays as `kubectl apply -k` would:
 # with kubectl's kustomize, or kustomize itself (a Go module) where kubectl is absent.
 if [[ "${STEPGATE_NEED_KAFKA:-0}" == 1 ]] && ! command -v kubectl >/dev/null 2>&1 &&
   ! command -v kustomize >/dev/null 2>&1; then
   go_install "kubectl or kustomize" sigs.k8s.io/kustomize/kustomize/v5@v5.5.0
 fi
 
-# tests/deploy.rs checks the alert rules and runs their unit tests with
+# tests/offline/deploy.rs checks the alert rules and runs their unit tests with
 # Prometheus' promtool (a Go module: ~10 min to build once).
 if [[ "${STEPGATE_NEED_KAFKA:-0}" == 1 ]] && ! command -v promtool >/dev/null 2>&1; then
   go_install promtool github.com/prometheus/prometheus/cmd/promtool@v0.316.0
 fi
 
-# tests/deploy.rs validates every overlay's rendered output with kubeconform
+# tests/offline/deploy.rs validates every overlay's rendered output with kubeconform
 # (a Go module) in strict mode, offline, against JSON schemas that
 # kubeconform-schemas.py writes to $STEPGATE_K8S_SCHEMAS: the Kubernetes API's,
 # from the PyPI package kubernetes-validate, and the Prometheus Operator CRDs'
@@ -128,7 +128,7 @@ if [[ "${STEPGATE_NEED_KAFKA:-0}" == 1 ]] &&
   fi
 fi
 
-# tests/deploy.rs validates the Grafana dashboard with deploy/grafana/check, a
+# tests/offline/deploy.rs validates the Grafana dashboard with deploy/grafana/check, a
 # Go program on the Grafana Foundation SDK (pinned in its go.mod), which the
 # test runs offline (GOPROXY=off): fetch the SDK and build it once here.
 if [[ "${STEPGATE_NEED_KAFKA:-0}" == 1 ]]; then

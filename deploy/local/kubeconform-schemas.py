@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Writes the JSON schemas kubeconform validates deploy/k8s against (tests/deploy.rs).
+"""Writes the JSON schemas kubeconform validates deploy/k8s against (tests/offline/deploy.rs).
 
     python3 kubeconform-schemas.py OUT CRD_DIR
 

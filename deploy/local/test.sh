@@ -4,7 +4,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
-STEPGATE_NEED_KAFKA=1 bash deploy/local/deps.sh
+# A `time:` line after each step (its seconds, and the total so far), so that
+# CI runs can be compared step by step.
+begun=$SECONDS
+timed() {
+  local name=$1 at=$SECONDS
+  shift
+  "$@"
+  echo "time: $name $((SECONDS - at)) s (total $((SECONDS - begun)) s)"
+}
+
+timed deps env STEPGATE_NEED_KAFKA=1 bash deploy/local/deps.sh
 
 # The tests' topics are disposable (random names, a set per test). A broker
 # this script starts begins empty: a data dir that kept every run's topics grew
@@ -13,22 +23,24 @@ STEPGATE_NEED_KAFKA=1 bash deploy/local/deps.sh
 if ! bash deploy/local/kafka.sh status >/dev/null 2>&1; then
   bash deploy/local/kafka.sh stop --wipe
 fi
+at=$SECONDS
 coordinates="$(bash deploy/local/kafka.sh start)"
+echo "time: broker $((SECONDS - at)) s (total $((SECONDS - begun)) s)"
 export KAFKA_BROKERS="127.0.0.1:${KAFKA_PORT:-9092}"
-# Its SASL_SSL listener's address, user, password and CA (tests/secured.rs).
+# Its SASL_SSL listener's address, user, password and CA (tests/broker/secured.rs).
 export "$(grep '^KAFKA_SASL_SSL_ENV=' <<<"$coordinates")"
 if [[ "${STEPGATE_KEEP_KAFKA:-0}" != 1 ]]; then
   trap 'bash deploy/local/kafka.sh stop' EXIT
 fi
 
-cargo fmt --check
+timed fmt cargo fmt --check
 # `test-hooks`: the fault-injection hooks (STEPGATE_TEST_*) the crash and
 # recovery tests drive; release builds never have them.
-cargo clippy --all-targets --features test-hooks -- -D warnings
+timed clippy cargo clippy --all-targets --features test-hooks -- -D warnings
 # `cargo test` (default targets) builds the examples as programs, which
-# --all-targets builds only as test harnesses: tests/tool_ledger.rs runs
+# --all-targets builds only as test harnesses: tests/broker/tool_ledger.rs runs
 # examples/ticket_tool.
-cargo test --no-run --features test-hooks
-cargo test --all-targets --features test-hooks
+timed build cargo test --no-run --features test-hooks
+timed test cargo test --all-targets --features test-hooks
 # And that without the feature the hooks' variables do nothing.
-cargo test --lib -- hook_tests
+timed hook_tests cargo test --lib -- hook_tests

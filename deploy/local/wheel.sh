@@ -8,7 +8,7 @@
 # --release (the default) is the wheel to hand out: optimised, about 25 minutes
 # on 2 cores from nothing. --dev builds with the dev profile, whose C
 # dependencies the tests have already built, so stepgate and a few Rust crates
-# compile: that is what tests/wheel.rs does. The wheel goes to DIR (default:
+# compile: that is what tests/offline/wheel.rs does. The wheel goes to DIR (default:
 # <target dir>/wheels). maturin is installed, once, into a venv under
 # ~/.cache/stepgate.
 set -euo pipefail

@@ -12,7 +12,7 @@
 # platform's files (<target> is rustc's host triple), so a release runs it on
 # each platform it ships (Linux x86_64 and aarch64, macOS). The .sha256 files
 # are `sha256sum`'s format: `sha256sum -c stepgate-….tar.gz.sha256` checks one.
-# --dev builds with the dev profile (what tests/wheel.rs does), --release (the
+# --dev builds with the dev profile (what tests/offline/wheel.rs does), --release (the
 # default) optimised. Prints the files' paths, one a line.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"

@@ -1,5 +1,5 @@
 """Drives the stepgate console in a real headless Chromium (Debian's, through
-Playwright) for tests/console.rs, one command per line on standard input, one
+Playwright) for tests/broker/console.rs, one command per line on standard input, one
 JSON answer per line on standard output. The test (Rust) runs the broker, the
 gate, the agent and the console, and says what a person does when.
 

@@ -6,7 +6,7 @@ for this resource), then lists and calls tools; raw HTTP requests probe what a
 well-behaved client never sends (no token, a token for another audience, an
 expired one, one signed with another key, a scope without the tool, a foreign
 Origin or Host, a 10 MiB body, another principal's session or workflow).
-Prints one JSON object with what it saw; tests/mcp.rs checks it.
+Prints one JSON object with what it saw; tests/broker/mcp.rs checks it.
 
 usage: mcp_auth_client.py MCP_URL ISSUER_URL STATIC_TOKEN FLOOD_TOKEN
 """

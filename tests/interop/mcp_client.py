@@ -1,7 +1,7 @@
 """Drives `stepgate mcp` with the official MCP Python SDK's client, as an MCP
 host would: over Streamable HTTP with the step in `_meta`, and over stdio with
 no step at all (the session's identity). Prints one JSON object with what it
-saw; tests/mcp.rs checks it (and the tool's own count of invocations).
+saw; tests/broker/mcp.rs checks it (and the tool's own count of invocations).
 
 usage: mcp_client.py HTTP_URL STEPGATE_BIN CONFIG
 """

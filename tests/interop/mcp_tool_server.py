@@ -1,12 +1,12 @@
 """An existing MCP tool server (FastMCP, Streamable HTTP) put behind stepgate by
-tests/mcp.rs. It counts where effects happen: every raw invocation of
+tests/broker/mcp.rs. It counts where effects happen: every raw invocation of
 `create_ticket` is recorded with the idempotency key it carried in `_meta`, and
 a key seen before returns the ticket it already created (the deduplication a
 keyed provider does), so a test can tell a repeated invocation from a repeated
 effect. A title containing "slow" takes 3 s (a call whose answer a client gives
 up on). The record is rewritten to COUNTS_FILE (JSON) after every call.
 
-Two tools for tests/mcp_tool.rs, where calls share one MCP session:
+Two tools for tests/broker/mcp_tool.rs, where calls share one MCP session:
 `held_ticket` is recorded in `held` when it arrives and answers only once the
 file COUNTS_FILE + ".release" exists (a call kept in flight while another
 times out); `stuck_ticket` takes 60 s (a call that times out).

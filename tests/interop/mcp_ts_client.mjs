@@ -2,7 +2,7 @@
 // authorized by the test issuer (mcp_issuer.py) through the SDK's own OAuth
 // flow for the client_credentials grant: 401 → Protected Resource Metadata →
 // authorization server metadata → a token for this resource. Prints one JSON
-// object with what it saw; tests/mcp.rs checks it.
+// object with what it saw; tests/broker/mcp.rs checks it.
 //
 // usage: node mcp_ts_client.mjs MCP_URL ISSUER_URL CLIENT_ID CLIENT_SECRET
 // (run from a directory whose node_modules has @modelcontextprotocol/sdk)

@@ -6,7 +6,7 @@
 //   read with tasks/result past the 60 s;
 // - step 1 as a plain call: the SDK gives up at 60 s; then the same step is
 //   re-issued as a task and attaches to the step still running.
-// Prints one JSON object with what it saw; tests/mcp.rs checks it.
+// Prints one JSON object with what it saw; tests/broker/mcp.rs checks it.
 //
 // usage: node mcp_ts_tasks.mjs MCP_URL ISSUER_URL CLIENT_ID CLIENT_SECRET TOOL
 import { Client } from "@modelcontextprotocol/sdk/client/index.js";

@@ -2,7 +2,7 @@
 """The pip-installed Python client (clients/python) against a running stepgate.
 
 usage: python_client.py BROKERS INTENTS RESULTS TOOL
-Prints one JSON line per check for tests/python_client.rs.
+Prints one JSON line per check for tests/broker/python_client.rs.
 """
 import json
 import sys

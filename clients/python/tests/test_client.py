@@ -37,7 +37,7 @@ def test_the_package_has_a_version_and_ships_py_typed():
     assert isinstance(stepgate_client.__version__, str) and stepgate_client.__version__
     assert (Path(stepgate_client.__file__).parent / "py.typed").is_file()
     site = os.environ.get("PYTEST_STEPGATE_CLIENT_SITE")
-    if site:  # run by tests/python_client.rs: the pip-installed package is under test
+    if site:  # run by tests/broker/python_client.rs: the pip-installed package is under test
         assert Path(stepgate_client.__file__).resolve().is_relative_to(Path(site).resolve())
     try:
         from importlib.metadata import PackageNotFoundError, version

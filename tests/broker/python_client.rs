@@ -1,7 +1,7 @@
 //! The Python client package (`clients/python`), installed with pip as a user
 //! would, against the binary and a real broker.
 
-mod common;
+use crate::common;
 
 use common::*;
 use serde_json::Value;

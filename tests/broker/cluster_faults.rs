@@ -2,7 +2,7 @@
 //! KRaft cluster of the test's own (`deploy/local/cluster.sh`, combined
 //! broker+controller nodes, replication factor 3, `min.insync.replicas` 2,
 //! ports 28092/28102/28112, a temporary data directory, stopped at the end),
-//! one stepgate on it, and the load of `tests/faults.rs` (`common::load`: an
+//! one stepgate on it, and the load of `tests/broker/faults.rs` (`common::load`: an
 //! agent publishing `keyed` and `unkeyed` steps every 25 ms, rephrased repeats
 //! in flight, effects counted at a tool that records raw invocations and
 //! deduplicates by `Idempotency-Key`). One test per fault:
@@ -18,7 +18,7 @@
 //! duplicate effects (unkeyed/keyed), lost, whether `gate::lost`'s read-back
 //! ran and what it did (from the gate's log), and the recovery times; and
 //! asserts every `call_id` answered exactly once, 0 duplicate effects and 0
-//! lost (`Summary::print_and_assert`, as in `tests/faults.rs`).
+//! lost (`Summary::print_and_assert`, as in `tests/broker/faults.rs`).
 //!
 //! Each takes ~80 s on 2 cores (three JVMs start in ~20 s, the load warms up,
 //! the outage, the restart, the catch-up and the settling). The partition
@@ -26,12 +26,12 @@
 //! suite; every role a partition leader plays is lost in it); the other four
 //! (~5.5 min more) run only with `STEPGATE_CLUSTER_FAULTS=1` and are skipped
 //! with a printed reason otherwise: `STEPGATE_CLUSTER_FAULTS=1 cargo test
-//! --features test-hooks --test cluster_faults -- --nocapture`. Outages last
+//! --features test-hooks --test broker cluster_faults:: -- --nocapture`. Outages last
 //! 10 s; `STEPGATE_LONG_FAULTS=1` makes them 30 s. Which node to aim at, and
 //! the cluster itself, come from `cluster.sh` (`coordinator`, `controller`,
 //! `kill`, `pause`, `resume`, `restart`).
 
-mod common;
+use crate::common;
 
 use common::load::*;
 use common::*;
@@ -41,13 +41,10 @@ use std::collections::BTreeMap;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-/// Three JVMs, stepgate and the load on two cores: one scenario at a time.
-static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
 /// Node 1's plaintext port; node N's is this + 10 (N - 1), +1 its controller,
 /// +2 its SASL_SSL listener. Below Linux's ephemeral range (32768–60999: a
 /// first run on 49092 lost 49094 to a client's outgoing connection), clear of
-/// `kafka.sh`'s 9092–9094 and `tests/faults.rs`'s broker on 29092/29093.
+/// `kafka.sh`'s 9092–9094 and `tests/broker/faults.rs`'s broker on 29092/29093.
 const BASE_PORT: u16 = 28092;
 const NODES: [u8; 3] = [1, 2, 3];
 
@@ -419,7 +416,7 @@ fn busiest_leader(s: &Stack, brokers: &str) -> (u8, String) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_partition_leader_killed_under_load() {
     // Runs in every `cargo test`, CI included (see the module doc).
-    let _serial = SERIAL.lock().await;
+    let _serial = common::FAULTS.lock().await;
     let mut r = under_load("ld").await;
     let brokers = r.cluster.brokers();
     let (victim, led) = busiest_leader(&r.s, &brokers);
@@ -449,7 +446,7 @@ async fn the_transaction_coordinator_killed_under_load() {
     if !enabled("the_transaction_coordinator_killed_under_load") {
         return;
     }
-    let _serial = SERIAL.lock().await;
+    let _serial = common::FAULTS.lock().await;
     let mut r = under_load("tc").await;
     let k = &r.s.config.kafka;
     // The gate's two transactional ids (`gate::Producers`), used in turn.
@@ -487,7 +484,7 @@ async fn the_active_controller_killed_under_load() {
     if !enabled("the_active_controller_killed_under_load") {
         return;
     }
-    let _serial = SERIAL.lock().await;
+    let _serial = common::FAULTS.lock().await;
     let mut r = under_load("ct").await;
     let victim = r.cluster.controller().expect("an active controller");
     let d = outage();
@@ -518,7 +515,7 @@ async fn a_broker_paused_past_its_session_under_load() {
     if !enabled("a_broker_paused_past_its_session_under_load") {
         return;
     }
-    let _serial = SERIAL.lock().await;
+    let _serial = common::FAULTS.lock().await;
     let mut r = under_load("ps").await;
     let brokers = r.cluster.brokers();
     let (victim, led) = busiest_leader(&r.s, &brokers);
@@ -551,7 +548,7 @@ async fn two_brokers_down_under_load() {
     if !enabled("two_brokers_down_under_load") {
         return;
     }
-    let _serial = SERIAL.lock().await;
+    let _serial = common::FAULTS.lock().await;
     let mut r = under_load("tw").await;
     let brokers = r.cluster.brokers();
     let (first, led) = busiest_leader(&r.s, &brokers);

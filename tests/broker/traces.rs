@@ -8,7 +8,7 @@
 //! tool is sent the `execute_tool` span as its parent; an agent's unsampled
 //! trace exports nothing.
 
-mod common;
+use crate::common;
 
 use axum::Router;
 use axum::body::Bytes;

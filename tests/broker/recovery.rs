@@ -3,7 +3,7 @@
 //! gates, a recreated changelog, a fenced consumer, a stuck gate, unreadable
 //! records. The crash points of the one-pass protocol are in `one_pass.rs`.
 
-mod common;
+use crate::common;
 
 use common::*;
 use serde_json::json;

@@ -4,7 +4,7 @@
 //! records every raw invocation with its key and deduplicates by key, so both a
 //! repeated invocation and a repeated effect would show.
 
-mod common;
+use crate::common;
 
 use common::*;
 use serde_json::{Value, json};

@@ -16,7 +16,7 @@
 //! Short by default (runs in CI); `STEPGATE_CRASH_MATRIX=long` for the long run.
 //! `STEPGATE_CRASH_SEED=n` replays a schedule.
 
-mod common;
+use crate::common;
 
 use common::*;
 use serde_json::json;

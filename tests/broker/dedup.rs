@@ -2,7 +2,7 @@
 //! default 127.0.0.1:9092): rephrased retries, identical arguments at two steps,
 //! concurrent repeats, attempts, the partition a step lives in, reads.
 
-mod common;
+use crate::common;
 
 use common::*;
 use serde_json::json;

@@ -1,6 +1,6 @@
 //! The Rust client against the real broker and the stepgate binary.
 
-mod common;
+use crate::common;
 
 use common::*;
 use serde_json::json;

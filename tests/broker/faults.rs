@@ -16,12 +16,12 @@
 //!   duplicate;
 //! - the gates still running.
 //!
-//! Each prints one summary line (`cargo test --test faults -- --nocapture`).
+//! Each prints one summary line (`cargo test --test broker faults:: -- --nocapture`).
 //! The broker outage lasts 10 s; `STEPGATE_LONG_FAULTS=1` makes it 30 s.
 //! The broker-kill test runs its own broker (`deploy/local/kafka.sh`, ports
 //! 29092/29093, its own data directory); the others use `KAFKA_BROKERS`.
 
-mod common;
+use crate::common;
 
 use common::load::*;
 use common::processes::*;
@@ -33,9 +33,6 @@ use std::collections::BTreeSet;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 use stepgate::contract::{Status, partition_for};
-
-/// The scenarios load two cores heavily: one at a time.
-static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 fn options(brokers: Option<String>, grace: &'static str) -> StackOptions {
     StackOptions {
@@ -92,7 +89,7 @@ async fn the_duplicate_checks_can_fail() {
 /// then it comes back, takes partitions back, and restores them again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gate_killed_past_the_session_timeout_under_load() {
-    let _serial = SERIAL.lock().await;
+    let _serial = common::FAULTS.lock().await;
     let s = Stack::new(options(None, "2s")).await;
     tool_delay(&s);
     let mut gates: Vec<Gate> = ["a", "b", "c"].iter().map(|n| Gate::start(&s, n)).collect();
@@ -218,7 +215,7 @@ async fn a_gate_killed_past_the_session_timeout_under_load() {
 /// generation that is gone: whatever it tries to commit is fenced.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_zombie_gate_is_fenced() {
-    let _serial = SERIAL.lock().await;
+    let _serial = common::FAULTS.lock().await;
     let s = Stack::new(options(None, "2s")).await;
     tool_delay(&s);
     let mut gates: Vec<Gate> = ["a", "b"].iter().map(|n| Gate::start(&s, n)).collect();
@@ -341,7 +338,7 @@ const ONE_LOST_BATCH: usize = 20;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_broker_killed_under_load() {
-    let _serial = SERIAL.lock().await;
+    let _serial = common::FAULTS.lock().await;
     let long = std::env::var("STEPGATE_LONG_FAULTS").as_deref() == Ok("1");
     let outage = Duration::from_secs(if long { 30 } else { 10 });
     let broker = Broker {
@@ -584,7 +581,7 @@ fn poisons() -> Vec<Poison> {
 /// being answered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn poison_inputs_under_load() {
-    let _serial = SERIAL.lock().await;
+    let _serial = common::FAULTS.lock().await;
     let mut s = Stack::new(options(None, "2s")).await;
     tool_delay(&s);
     s.start().await;

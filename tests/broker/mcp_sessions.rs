@@ -6,7 +6,7 @@
 //! and a session the front no longer knows must be refused, never numbered
 //! from step 0 again (step 0's answer would come back, nothing run).
 
-mod common;
+use crate::common;
 
 use common::*;
 use futures::StreamExt as _;

@@ -2,7 +2,7 @@
 //! (`steps show`, `resolve`, `approvals list|approve|deny`), against the real
 //! broker and the `stepgate` binary.
 
-mod common;
+use crate::common;
 
 use common::*;
 use serde_json::{Value, json};

@@ -5,7 +5,7 @@
 //! counts at the tool: raw invocations, and effects as a provider that
 //! deduplicates by `Idempotency-Key` would perform them.
 
-mod common;
+use crate::common;
 
 use common::*;
 use serde_json::json;

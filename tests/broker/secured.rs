@@ -12,7 +12,7 @@
 //! The topics are made over the plaintext listener (as an admin would); every
 //! client of the test's gate and agent uses the secured one only.
 
-mod common;
+use crate::common;
 
 use common::*;
 use serde_json::json;

@@ -1,7 +1,7 @@
 //! Clients nobody here wrote: Python's confluent-kafka (the schema examples and
 //! the example agent loop) and kcat (a raw intent line), against the binary.
 
-mod common;
+use crate::common;
 
 use common::*;
 use std::process::Command;

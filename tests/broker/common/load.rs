@@ -1,4 +1,4 @@
-//! The load of the fault tests (`tests/faults.rs`, `tests/cluster_faults.rs`):
+//! The load of the fault tests (`tests/broker/faults.rs`, `tests/broker/cluster_faults.rs`):
 //! an agent publishing `keyed` and `unkeyed` intents at a steady pace (some
 //! rephrased repeats in flight), the duplicate-effect counts at the tool, and
 //! the settlement that checks every `call_id` answered exactly once and prints

@@ -2,7 +2,7 @@
 //! 127.0.0.1:9092): bad input, retention, start-up checks, topics, config,
 //! metrics, state rebuild, audit.
 
-mod common;
+use crate::common;
 
 use common::*;
 use serde_json::json;

@@ -8,7 +8,7 @@
 //! offset, it would never read that the step was settled and purged: its
 //! deadline would run the step again and answer its `call_id` a second time.
 
-mod common;
+use crate::common;
 
 use common::*;
 use rdkafka::consumer::{BaseConsumer, Consumer};

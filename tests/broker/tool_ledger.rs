@@ -4,7 +4,7 @@
 
 #![cfg(feature = "sqlite")]
 
-mod common;
+use crate::common;
 
 use common::*;
 use serde_json::json;

@@ -6,6 +6,12 @@
 pub mod load;
 pub mod processes;
 
+/// The fault scenarios (gates killed, frozen or restarted under load; brokers
+/// of their own) load both cores, and each waits on timings the others would
+/// stretch: they run one at a time across the test binary (`edges`, `faults`,
+/// `cluster_faults`).
+pub static FAULTS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 use axum::Router;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};

@@ -2,7 +2,7 @@
 //! nothing is lost or run twice. Runs its own single-node broker (via
 //! `deploy/local/kafka.sh`, on ports 19092/19093) so the shared one is undisturbed.
 
-mod common;
+use crate::common;
 
 use common::*;
 use serde_json::json;

@@ -4,7 +4,7 @@
 //! test's tool server, which records every raw invocation and, for
 //! `Reply::Provider`, deduplicates by `Idempotency-Key` as a provider does.
 
-mod common;
+use crate::common;
 
 use common::*;
 use serde_json::json;
@@ -602,7 +602,7 @@ async fn a_workers_rate_limit_spaces_a_tools_calls() {
 /// in-process `keyed` tool and a pool's `keyed` tool (same tool server). A
 /// benchmark, not a check: run it with the binary to measure, e.g.
 /// `STEPGATE_BIN=$CARGO_TARGET_DIR/release/stepgate cargo test --features
-/// test-hooks --test workers -- --ignored --nocapture worker_path_latency`
+/// test-hooks --test broker workers::worker_path_latency -- --ignored --nocapture`
 /// (`WORKER_BENCH_STEPS`: steps per path, default 200).
 #[tokio::test]
 #[ignore = "a benchmark: prints the figures (run with --ignored --nocapture)"]

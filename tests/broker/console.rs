@@ -8,7 +8,7 @@
 //! With `STEPGATE_CONSOLE_SCREENSHOTS=DIR` it saves the screenshots of the
 //! Inbox, the in-doubt view and a timeline there (docs/ holds the last ones).
 
-mod common;
+use crate::common;
 
 use common::*;
 use serde_json::{Value, json};

@@ -7,16 +7,13 @@
 //! step invoked twice is a duplicate effect), and, for the provider, the keys
 //! it performed (it deduplicates by `Idempotency-Key`).
 
-mod common;
+use crate::common;
 
 use common::*;
 use serde_json::json;
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 use stepgate::contract::{Status, ToolResult};
-
-/// These scenarios load both cores: one at a time.
-static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// How long anything may take (generous: a compile may share the cores).
 const WAIT: Duration = Duration::from_secs(240);
@@ -26,7 +23,7 @@ const WAIT: Duration = Duration::from_secs(240);
 /// provider has finished; the step's answer is the provider's real result.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retry_answered_409_while_the_first_try_runs_gets_the_real_result_once() {
-    let _one = SERIAL.lock().await;
+    let _one = common::FAULTS.lock().await;
     let mut s = Stack::new(StackOptions {
         tools: vec![],
         tool_tables: r#"
@@ -218,7 +215,7 @@ async fn metric(http: &str, name: &str) -> f64 {
 /// owner as not invoked, and it runs them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn calls_queued_when_their_partition_moves_run_once_and_are_never_in_doubt() {
-    let _one = SERIAL.lock().await;
+    let _one = common::FAULTS.lock().await;
     let mut s = Stack::new(slow_queue()).await;
     s.tools
         .script("ticket", vec![Reply::Delay(Duration::from_millis(150))]);
@@ -294,7 +291,7 @@ async fn calls_queued_when_their_partition_moves_run_once_and_are_never_in_doubt
 /// recorded as not invoked and run by the next owner — never `in_doubt`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rolling_restart_under_backlog_leaves_no_false_in_doubt() {
-    let _one = SERIAL.lock().await;
+    let _one = common::FAULTS.lock().await;
     let mut s = Stack::new(slow_queue()).await;
     s.tools
         .script("ticket", vec![Reply::Delay(Duration::from_millis(400))]);
@@ -332,7 +329,7 @@ async fn a_rolling_restart_under_backlog_leaves_no_false_in_doubt() {
 /// runs nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_different_call_in_a_lost_calls_step_is_not_swallowed_as_its_retry() {
-    let _one = SERIAL.lock().await;
+    let _one = common::FAULTS.lock().await;
     let mut s = Stack::new(StackOptions {
         tools: vec![],
         tool_tables: r#"

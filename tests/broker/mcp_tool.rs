@@ -4,7 +4,7 @@
 //! `held_ticket` answers once the test releases it, `stuck_ticket` never
 //! answers in time.
 
-mod common;
+use crate::common;
 
 use common::*;
 use serde_json::{Value, json};

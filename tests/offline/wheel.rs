@@ -161,7 +161,7 @@ fn the_wheel_installs_in_a_fresh_venv_and_runs_the_demo() {
             .unwrap_or_else(|| panic!("no line with `{needle}`:\n{tour}"))
             .to_owned()
     };
-    // The tour's key lines (tests/demo.rs checks every one on the built binary).
+    // The tour's key lines (tests/offline/demo.rs checks every one on the built binary).
     assert!(line("send_email ran 1 time(s)").contains("original answer"));
     assert!(line("retry     call_002").contains("deduplicated=true"));
     assert!(tour.contains("create_ticket ran 2 times"), "{tour}");

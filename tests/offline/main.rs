@@ -1,0 +1,10 @@
+//! The checks that need no broker: the JSON Schemas against the types, the
+//! docs' links, the deploy manifests, the demo on librdkafka's mock cluster,
+//! the wheel, and the workspace's module boundaries. One test binary.
+
+mod demo;
+mod deploy;
+mod docs;
+mod schemas;
+mod wheel;
+mod workspace;
