@@ -2,10 +2,10 @@
 //! principals' roles.
 
 use super::ConfigError;
-use super::load::is_http;
 use crate::duration::{Dur, dur};
 use crate::redact::redact_url;
 use crate::tools::tool::{HeaderSource, HeaderSpec};
+use crate::tools::validate::is_http;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 

@@ -3,8 +3,6 @@
 
 use super::env::apply_env;
 use super::{Config, ConfigError, HeaderSource, refused_client_property};
-use crate::redact::redact_url;
-use crate::tools::tool::RESERVED_HEADERS;
 use std::path::Path;
 
 impl Config {
@@ -119,122 +117,7 @@ impl Config {
             ));
         }
         for (name, tool) in &self.tools {
-            if !crate::contract::valid_tool_name(name) {
-                return Err(invalid(
-                    &format!("tools.{name}"),
-                    "tool names are 1 to 128 of [A-Za-z0-9_.:-]",
-                ));
-            }
-            // A pool tool has no address here: its workers hold it.
-            let url_key = match (&tool.pool, &tool.mcp_tool) {
-                (Some(_), _) => None,
-                (None, Some(_)) => Some(format!("tools.{name}.mcp")),
-                (None, None) => Some(format!("tools.{name}.url")),
-            };
-            // The URL may carry credentials: echoed redacted, or not at all.
-            if let Some(url_key) = url_key {
-                check_tool_url(&url_key, &tool.url)?;
-            }
-            if reqwest::header::HeaderName::from_bytes(tool.idempotency_header.as_bytes()).is_err()
-            {
-                return Err(invalid(
-                    &format!("tools.{name}.idempotency_header"),
-                    &format!(
-                        "`{}` is not a valid HTTP header name",
-                        tool.idempotency_header
-                    ),
-                ));
-            }
-            if tool
-                .idempotency_field
-                .as_ref()
-                .is_some_and(|f| f.split('.').any(str::is_empty))
-            {
-                return Err(invalid(
-                    &format!("tools.{name}.idempotency_field"),
-                    "must be a dotted path like \"metadata.idempotency_key\"",
-                ));
-            }
-            if tool.timeout.0.is_zero() {
-                return Err(invalid(
-                    &format!("tools.{name}.timeout"),
-                    "must be longer than 0",
-                ));
-            }
-            if tool.max_output_bytes == 0 {
-                return Err(invalid(
-                    &format!("tools.{name}.max_output_bytes"),
-                    "must be at least 1",
-                ));
-            }
-            if tool.max_concurrency == Some(0) {
-                return Err(invalid(
-                    &format!("tools.{name}.max_concurrency"),
-                    "must be at least 1 (leave it out for no limit)",
-                ));
-            }
-            if tool.queue_timeout.0.is_zero() {
-                return Err(invalid(
-                    &format!("tools.{name}.queue_timeout"),
-                    "must be longer than 0",
-                ));
-            }
-            for (i, (header, spec)) in tool.headers.iter().enumerate() {
-                let field = format!("tools.{name}.headers.{header}");
-                if reqwest::header::HeaderName::from_bytes(header.as_bytes()).is_err() {
-                    return Err(invalid(&field, "is not a valid HTTP header name"));
-                }
-                if tool
-                    .headers
-                    .keys()
-                    .skip(i + 1)
-                    .any(|other| other.eq_ignore_ascii_case(header))
-                {
-                    return Err(invalid(
-                        &field,
-                        "is given twice (header names are case-insensitive)",
-                    ));
-                }
-                if let Some(reserved) = RESERVED_HEADERS
-                    .iter()
-                    .copied()
-                    .chain([tool.idempotency_header.as_str()])
-                    .find(|r| r.eq_ignore_ascii_case(header))
-                {
-                    return Err(invalid(
-                        &field,
-                        &format!(
-                            "cannot be set: stepgate sends `{reserved}` itself on every call \
-                             (the protocol's headers and the request's framing are not configurable)"
-                        ),
-                    ));
-                }
-                // Only what the spec names, never a value.
-                match &spec.source {
-                    HeaderSource::Env(var) if var.is_empty() => {
-                        return Err(invalid(
-                            &field,
-                            "`env:` needs a variable name, e.g. \"env:PAY_TOKEN\"",
-                        ));
-                    }
-                    HeaderSource::File(path) if path.as_os_str().is_empty() => {
-                        return Err(invalid(
-                            &field,
-                            "`file:` needs a path, e.g. \"file:/run/secrets/pay_key\"",
-                        ));
-                    }
-                    HeaderSource::Literal(v)
-                        if v.trim().is_empty()
-                            || reqwest::header::HeaderValue::from_str(v.trim()).is_err() =>
-                    {
-                        return Err(invalid(
-                            &field,
-                            "is empty or not a valid HTTP header value (write \"env:NAME\" or \"file:/path\" to read it from the environment or a file)",
-                        ));
-                    }
-                    _ => {}
-                }
-            }
+            tool.validate(name)?;
         }
         self.mcp.validate(&self.tools)?;
         self.traces.validate()?;
@@ -263,30 +146,6 @@ impl Config {
             }
         }
         Ok(())
-    }
-}
-
-/// An http(s) URL with a host (what every URL stepgate calls must be).
-pub(super) fn is_http(u: &reqwest::Url) -> bool {
-    matches!(u.scheme(), "http" | "https") && u.host().is_some()
-}
-
-/// A tool's `url` (or `mcp`), named `key`: an http(s) URL with a host. It
-/// may carry credentials: echoed redacted.
-fn check_tool_url(key: &str, url: &str) -> Result<(), ConfigError> {
-    let invalid = |message: String| ConfigError::Invalid {
-        field: key.to_owned(),
-        message,
-    };
-    match reqwest::Url::parse(url) {
-        Ok(u) if is_http(&u) => Ok(()),
-        Ok(_) => Err(invalid(format!(
-            "must be an http(s) URL with a host, got `{}`",
-            redact_url(url)
-        ))),
-        Err(e) => Err(invalid(format!(
-            "must be an http(s) URL; what is configured is not a URL ({e})"
-        ))),
     }
 }
 

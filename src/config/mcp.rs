@@ -1,10 +1,10 @@
 //! `[mcp]`: the HTTP front of `stepgate mcp` and who may call it (`[mcp.auth]`).
 
 use super::ConfigError;
-use super::load::is_http;
 use crate::duration::{Dur, dur};
 use crate::redact::redact_url;
 use crate::tools::tool::{HeaderSource, HeaderSpec, ToolConfig};
+use crate::tools::validate::is_http;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 

@@ -25,7 +25,8 @@
 //! `mcp.rs`, `console.rs`, `traces.rs`; `process.rs`: state, gate, executor,
 //! HTTP, logs), the environment overlay (`env.rs`, and `env_schema.rs`: which
 //! key a variable names), this instance's identity (`instance.rs`), and
-//! loading: the file, the overlay, the checks (`load.rs`).
+//! loading: the file, the overlay, the checks (`load.rs`). A tool's own checks
+//! are beside the tool (`src/tools/validate.rs`).
 
 mod console;
 mod env;
@@ -37,6 +38,7 @@ mod mcp;
 mod process;
 mod traces;
 
+use crate::tools::validate::InvalidTool;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -78,6 +80,16 @@ pub enum ConfigError {
         header: String,
         message: String,
     },
+}
+
+/// A tool's own check failed (`ToolConfig::validate`, beside the tool).
+impl From<InvalidTool> for ConfigError {
+    fn from(e: InvalidTool) -> Self {
+        ConfigError::Invalid {
+            field: e.field,
+            message: e.message,
+        }
+    }
 }
 
 /// The whole configuration.

@@ -1,9 +1,9 @@
 //! `[traces]`: OpenTelemetry traces of each step, exported over OTLP/HTTP.
 
 use super::ConfigError;
-use super::load::is_http;
 use crate::duration::Dur;
 use crate::redact::{REDACTED, redact_url};
+use crate::tools::validate::is_http;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
