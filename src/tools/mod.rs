@@ -1,5 +1,6 @@
 //! Tools: the registry of configured tools and the HTTP tool protocol (tools
-//! served by an MCP server: [`mcp`]).
+//! served by an MCP server: [`mcp`]). A tool's config is [`tool`]'s, and its
+//! checks are `validate.rs`'s.
 //!
 //! `POST <url>` with the arguments as the JSON body and the headers
 //! `Idempotency-Key` (stable per step key), `Stepgate-Workflow-Id`,
@@ -21,6 +22,7 @@
 
 pub mod mcp;
 pub mod tool;
+pub(crate) mod validate;
 
 use crate::contract::{Call, ErrorBody, Outcome, Texts, headers};
 use reqwest::header::{HeaderMap, HeaderName, HeaderValue};

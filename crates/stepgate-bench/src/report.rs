@@ -551,7 +551,7 @@ impl Report {
             }
             let _ = writeln!(
                 o,
-                "\nstepgate has no at-least-once mode: every gate batch commits in a Kafka transaction (src/config.rs has no processing-guarantee setting), so the ALOS rows are compared with stepgate's EOS figures."
+                "\nstepgate has no at-least-once mode: every gate batch commits in a Kafka transaction (src/config/ has no processing-guarantee setting), so the ALOS rows are compared with stepgate's EOS figures."
             );
             for (phase, g) in [("the flood", &sg.gate), ("the paced phase", &sg.gate_paced)] {
                 if let Some(g) = g {

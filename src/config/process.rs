@@ -1,0 +1,142 @@
+//! The sections of a gate's process: `[state]` (its RocksDB), `[gate]`,
+//! `[executor]` (the invoker), `[http]` (metrics and health) and `[log]`.
+
+use crate::duration::{Dur, dur};
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+
+/// The RocksDB block cache when none is configured (`state.block_cache_mib`).
+pub const DEFAULT_BLOCK_CACHE_BYTES: usize = 64 << 20;
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct StateConfig {
+    /// Directory of the gate's RocksDB.
+    pub path: PathBuf,
+    /// How long a step record answers repeats after its last change.
+    pub retention: Dur,
+    /// How often expired records are purged.
+    pub purge_interval: Dur,
+    /// How long operators' decisions (the `commands` topic: resolutions,
+    /// approvals, denials) are kept, for the audit; unset: forever. Applied by
+    /// `stepgate topics create`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decisions_retention: Option<Dur>,
+    /// RocksDB block cache, in MiB, shared by every column family: data, index
+    /// and filter blocks (so memory does not grow with the records).
+    pub block_cache_mib: usize,
+}
+
+impl Default for StateConfig {
+    fn default() -> Self {
+        StateConfig {
+            path: PathBuf::from("./stepgate-state"),
+            retention: dur("7d"),
+            purge_interval: dur("1m"),
+            decisions_retention: None,
+            block_cache_mib: DEFAULT_BLOCK_CACHE_BYTES >> 20,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct GateConfig {
+    /// Most inputs in one batch (one Kafka transaction). A batch closes when the
+    /// previous one's commit returns, or when it holds this many.
+    pub max_batch: usize,
+    /// Added to a tool's own deadline before a started call with no outcome is
+    /// declared in doubt (or re-run, when re-running is safe).
+    pub in_doubt_grace: Dur,
+    /// Largest accepted intent, in bytes.
+    pub max_intent_bytes: usize,
+    /// Refuse an intent found outside its workflow's partition (murmur2 of the
+    /// `workflow_id`, as Kafka's Java client and stepgate's clients partition):
+    /// a step is deduplicated only within one partition, so a retry published
+    /// elsewhere could run again. `false` accepts any partition — only for
+    /// producers with a partitioner of their own that never changes.
+    pub check_partition: bool,
+    /// With `check_partition`: an intent found outside its workflow's
+    /// partition is re-routed there, in the gate's transaction, and answered in
+    /// the partition it reached — whatever partitioner the agent's client used.
+    /// `false` refuses it (`wrong_partition`) instead.
+    pub forward_wrong_partition: bool,
+    /// `/healthz` fails when the gate's loop has made no progress for this
+    /// long (a stuck process is restarted by its orchestrator). Above the
+    /// longest legitimate wait: a commit retried through a broker outage.
+    pub stall_timeout: Dur,
+}
+
+impl Default for GateConfig {
+    fn default() -> Self {
+        GateConfig {
+            max_batch: 2000,
+            in_doubt_grace: dur("30s"),
+            max_intent_bytes: 1024 * 1024,
+            check_partition: true,
+            forward_wrong_partition: true,
+            stall_timeout: dur("5m"),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ExecutorConfig {
+    /// Most tool calls running at once in this process (the invoker pool); a
+    /// tool's `max_concurrency` bounds it further for that tool.
+    pub concurrency: usize,
+    /// On shutdown, how long in-flight calls may finish before the process exits
+    /// (unfinished ones stay `started` and the gate's deadline settles them).
+    pub drain_timeout: Dur,
+    /// Most calls handed to the invoker and not finished (running, or queued
+    /// for a slot). At this, the gate pauses reading `intents` until a quarter
+    /// has drained: a flood behind a slow tool waits in Kafka, not in memory.
+    pub max_queued_calls: usize,
+    /// ... and most bytes of their arguments.
+    pub max_queued_bytes: usize,
+}
+
+impl Default for ExecutorConfig {
+    fn default() -> Self {
+        ExecutorConfig {
+            concurrency: 64,
+            drain_timeout: dur("20s"),
+            max_queued_calls: 1024,
+            max_queued_bytes: 64 << 20,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HttpConfig {
+    /// Address of `/metrics`, `/healthz` and `/readyz`; empty to disable.
+    pub listen: String,
+}
+
+impl Default for HttpConfig {
+    fn default() -> Self {
+        HttpConfig {
+            listen: "127.0.0.1:9464".into(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LogConfig {
+    /// `pretty` or `json`.
+    pub format: String,
+    /// A tracing filter, e.g. `info` or `stepgate=debug,rdkafka=warn`.
+    pub level: String,
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        LogConfig {
+            format: "pretty".into(),
+            level: "info".into(),
+        }
+    }
+}
