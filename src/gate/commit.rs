@@ -1,8 +1,10 @@
 //! A batch's pipelined transaction: its records and input offsets sent
 //! while the next batch is decided, then applied once committed.
 
+use super::batch::Pending;
 use super::ownership::applied_metadata;
-use super::session::{Pending, Poison, Session};
+use super::poison::Poison;
+use super::session::Session;
 use super::{GateCore, GateError, Out, lost, now_ms, result_record};
 use crate::config::Config;
 use crate::contract::{Call, Progress};
@@ -79,6 +81,16 @@ pub(super) struct InFlight {
     pub(super) offsets: BTreeMap<i32, (i64, i64)>,
     pub(super) started: Instant,
     pub(super) first_input: Option<(String, i32, i64)>,
+}
+
+/// Resolves when the commit in flight returns; never without one.
+pub(super) async fn wait_commit(
+    f: &mut Option<InFlight>,
+) -> Result<Result<Landed, GateError>, tokio::task::JoinError> {
+    match f {
+        Some(f) => (&mut f.task).await,
+        None => std::future::pending().await,
+    }
 }
 
 /// An outcome handed to the owner of its partition.

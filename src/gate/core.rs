@@ -3,15 +3,16 @@
 //! a gate owns.
 
 use crate::config::Config;
-use crate::contract::{ApprovalEvent, Call, DlqRecord, StepKey, ToolResult};
+use crate::contract::{ApprovalEvent, Call, DlqRecord, Progress, StepKey, ToolResult};
 pub use crate::kafka::Input;
-use crate::state::{FastEntry, Phase, StateError, StateStore};
+use crate::state::{Batch, FastEntry, Phase, StateError, StateStore, StepRecord, WorkflowEnd};
 use crate::telemetry::Metrics;
 use crate::tools::ToolConfig;
 use chrono::{DateTime, TimeZone, Utc};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
+use timers::Purged;
 
 /// A message the gate wants produced (in the same transaction as its state), or
 /// a call to start once that transaction has committed.
@@ -102,6 +103,53 @@ pub struct GateCore {
     stopping: bool,
 }
 
+/// What one input is applied to: the committed state, the batch its writes
+/// go to (read through: what this batch and the one committing wrote comes
+/// first), and the time it is decided at. Built once per input — once per
+/// tick for deadlines and purges — by the entry points, and passed `&mut` to
+/// the handlers of each kind, as Restate's state machine hands each command
+/// its apply context. What a handler decides beyond the state (messages,
+/// calls, deadlines) goes to the [`GateCore`]; helpers that only shape a
+/// record or an answer (`start`, `reject`, `note_evidence`) take the time alone.
+struct Apply<'a> {
+    store: &'a StateStore,
+    batch: &'a mut Batch,
+    now_ms: i64,
+}
+
+impl<'a> Apply<'a> {
+    fn new(store: &'a StateStore, batch: &'a mut Batch, now_ms: i64) -> Self {
+        Apply {
+            store,
+            batch,
+            now_ms,
+        }
+    }
+
+    /// A step's record as the batch sees it.
+    fn step(&self, p: i32, step: &StepKey) -> Result<Option<StepRecord>, StateError> {
+        self.batch.step(self.store, p, step)
+    }
+
+    fn put_step(&mut self, p: i32, record: &StepRecord) -> Result<(), StateError> {
+        self.batch.put_step(self.store, p, record)
+    }
+
+    fn delete_step(&mut self, p: i32, step: &StepKey) -> Result<(), StateError> {
+        self.batch.delete_step(self.store, p, step)
+    }
+
+    /// Whether (and by which step) a workflow was ended by a `last_step` tool.
+    fn workflow_end(&self, p: i32, workflow_id: &str) -> Result<Option<WorkflowEnd>, StateError> {
+        self.batch.workflow_end(self.store, p, workflow_id)
+    }
+
+    /// Up to `limit` records of `p` expired by now that the batch has not removed.
+    fn expired(&self, p: i32, limit: usize) -> Result<Vec<(i64, StepKey)>, StateError> {
+        self.batch.expired(self.store, p, self.now_ms, limit)
+    }
+}
+
 /// Deadlines of a partition newly taken over wait until its `progress` has
 /// been read up to where it ended at assignment, and at least `until_ms`
 /// (`in_doubt_grace`: room for hand-overs written just after it).
@@ -123,6 +171,80 @@ fn at(ms: i64) -> DateTime<Utc> {
     Utc.timestamp_millis_opt(ms)
         .single()
         .unwrap_or_else(Utc::now)
+}
+
+/// The inputs in: each builds its `Apply` once and hands it to the handler
+/// of its kind (`core/intent.rs`, `command.rs`, `outcome.rs`, `timers.rs`).
+/// Reads and writes go to `store` through `batch`; messages and calls to
+/// [`GateCore::take_outs`] and [`GateCore::take_immediate`].
+impl GateCore {
+    /// An intent from an agent.
+    pub fn on_intent(
+        &mut self,
+        store: &StateStore,
+        batch: &mut Batch,
+        input: &Input,
+        now_ms: i64,
+    ) -> Result<(), StateError> {
+        self.apply_intent(&mut Apply::new(store, batch, now_ms), input)
+    }
+
+    /// An operator's command: settle an in-doubt step, approve or deny a held one.
+    pub fn on_command(
+        &mut self,
+        store: &StateStore,
+        batch: &mut Batch,
+        input: &Input,
+        now_ms: i64,
+    ) -> Result<(), StateError> {
+        self.apply_command(&mut Apply::new(store, batch, now_ms), input)
+    }
+
+    /// A record of `progress`: the outcome of a call whose partition moved
+    /// while it ran, or a pool worker's.
+    pub fn on_progress(
+        &mut self,
+        store: &StateStore,
+        batch: &mut Batch,
+        input: &Input,
+        now_ms: i64,
+    ) -> Result<(), StateError> {
+        self.apply_progress(&mut Apply::new(store, batch, now_ms), input)
+    }
+
+    /// An invocation's outcome, for a partition `p` this gate owns.
+    pub fn on_outcome(
+        &mut self,
+        store: &StateStore,
+        batch: &mut Batch,
+        p: i32,
+        progress: Progress,
+        now_ms: i64,
+    ) -> Result<(), StateError> {
+        self.apply_outcome(&mut Apply::new(store, batch, now_ms), p, progress)
+    }
+
+    /// Act on every deadline that has passed by `now_ms`.
+    pub fn on_deadlines(
+        &mut self,
+        store: &StateStore,
+        batch: &mut Batch,
+        now_ms: i64,
+    ) -> Result<(), StateError> {
+        self.apply_deadlines(&mut Apply::new(store, batch, now_ms))
+    }
+
+    /// Remove up to `limit` expired records of each partition.
+    pub fn purge(
+        &mut self,
+        store: &StateStore,
+        batch: &mut Batch,
+        partitions: impl IntoIterator<Item = i32>,
+        now_ms: i64,
+        limit: usize,
+    ) -> Result<Purged, StateError> {
+        self.apply_purge(&mut Apply::new(store, batch, now_ms), partitions, limit)
+    }
 }
 
 impl GateCore {

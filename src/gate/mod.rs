@@ -12,10 +12,15 @@
 //! for about one commit. If a commit fails, the batch after it is dropped and the
 //! session restarts from what Kafka committed.
 
+mod backpressure;
+mod batch;
 mod commit;
 mod core;
+mod gauges;
+mod linger;
 mod lost;
 mod ownership;
+mod poison;
 mod session;
 
 pub use self::core::{GateCore, GateSettings, Input, Out};
@@ -26,8 +31,10 @@ use crate::executor::{Finished, Invoker};
 use crate::kafka::{self, OutRecord};
 use crate::state::{StateError, StateStore};
 use crate::telemetry::{Health, Metrics};
+use linger::Linger;
+use poison::Poison;
 use rdkafka::error::KafkaError;
-use session::{Linger, Poison, Session};
+use session::Session;
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -1,20 +1,23 @@
 //! A gate session: one consumer and its transactional producers, the loop
 //! that reads inputs into batches, and a graceful end on SIGTERM.
 
-use super::commit::{InFlight, Landed, Producers};
+use super::batch::{Batches, Pending};
+use super::commit::{Landed, Producers, wait_commit};
+use super::gauges::STATE_SIZE_EVERY;
+use super::linger::Linger;
 use super::ownership::{Owned, check_layout, read_layout};
+use super::poison::Poison;
 use super::{GateCore, GateError, Input, lost, now_ms};
 use crate::config::Config;
 use crate::executor::{Finished, Invoker};
 use crate::hooks;
 use crate::kafka::{self, RebalanceContext, RebalanceEvent, TxnConsumer};
-use crate::state::{Batch, StateError, StateStore};
+use crate::state::{StateError, StateStore};
 use crate::telemetry::{Health, Metrics};
 use futures::FutureExt;
-use rdkafka::TopicPartitionList;
 use rdkafka::consumer::Consumer;
 use rdkafka::error::KafkaError;
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
@@ -49,173 +52,6 @@ pub(super) struct Session<'a> {
     pub(super) trust: Option<crate::state::Trust>,
 }
 
-/// Inputs whose processing failed on a record stepgate cannot read, counted
-/// across sessions. Such a failure repeats each time the input is re-read, so
-/// after [`Poison::SET_ASIDE_AFTER`] of them the input is set aside — dead-lettered
-/// with the reason (and answered, when its caller can be told) — and the
-/// partition moves on. Failures of the broker or the disk are not counted:
-/// they pass, and the input is processed then.
-#[derive(Default)]
-pub(super) struct Poison {
-    pub(super) failures: HashMap<(String, i32, i64), (u32, String)>,
-    /// Batches whose records the broker refused for what they are (see
-    /// [`GateError::refused_record`]), by their first input. Kept apart from
-    /// `failures`: the input itself is processed fine each time.
-    pub(super) refused: HashMap<(String, i32, i64), (u32, String)>,
-    /// After a refusal, this many batches of one input each follow, so the
-    /// input whose records are refused is the first of its batch.
-    pub(super) careful: u32,
-}
-
-impl Poison {
-    pub(super) const SET_ASIDE_AFTER: u32 = 3;
-
-    pub(super) fn key(input: &Input) -> (String, i32, i64) {
-        (input.topic.clone(), input.partition, input.offset)
-    }
-
-    pub(super) fn failed(&mut self, input: &Input, error: &StateError) {
-        let e = self.failures.entry(Self::key(input)).or_default();
-        e.0 += 1;
-        e.1 = crate::telemetry::error_chain(error);
-    }
-
-    /// One-input batches after a refused record.
-    const CAREFUL_BATCHES: u32 = 64;
-
-    /// A batch starting with `first` was refused (its session fails).
-    pub(super) fn refused(&mut self, first: (String, i32, i64), error: &GateError) {
-        let e = self.refused.entry(first).or_default();
-        e.0 += 1;
-        e.1 = format!(
-            "a record it produces is refused by Kafka: {}",
-            crate::telemetry::error_chain(error)
-        );
-        self.careful = Self::CAREFUL_BATCHES;
-    }
-
-    /// A batch starting with `first` committed.
-    pub(super) fn committed(&mut self, first: Option<&(String, i32, i64)>) {
-        if let Some(k) = first
-            && !self.refused.is_empty()
-        {
-            self.refused.remove(k);
-        }
-        self.careful = self.careful.saturating_sub(1);
-    }
-
-    /// The error to set this input aside with, once it failed often enough.
-    /// (Every input asks: nothing is built while no input has failed.)
-    pub(super) fn set_aside(&self, input: &Input) -> Option<&str> {
-        if self.failures.is_empty() && self.refused.is_empty() {
-            return None;
-        }
-        let key = Self::key(input);
-        self.failures
-            .get(&key)
-            .or_else(|| self.refused.get(&key))
-            .filter(|(n, _)| *n >= Self::SET_ASIDE_AFTER)
-            .map(|(_, e)| e.as_str())
-    }
-
-    pub(super) fn forget(&mut self, input: &Input) {
-        if !self.failures.is_empty() {
-            self.failures.remove(&Self::key(input));
-        }
-    }
-}
-
-/// Whether the next batch waits a little for the outcomes of calls just started.
-///
-/// A batch closes when the previous commit returns — which is also when the
-/// calls it recorded start. A fast tool's outcome then arrives a moment after
-/// the next batch closed and waits out that whole commit before its own. When
-/// calls have lately taken well under half a commit, the next batch waits (at
-/// most 1.5× their recent duration) for the calls just started, and their
-/// outcomes ride in it: one commit less of latency for the cost of a short wait.
-/// Slow tools (or a flood, where calls queue for the pool) make it wait for nothing.
-#[derive(Default)]
-pub(super) struct Linger {
-    /// Moving averages: hand-over → outcome, and a batch's commit.
-    pub(super) call: Duration,
-    pub(super) commit: Duration,
-    /// Calls started by the last landed batch and not yet finished, and until when to wait for them.
-    pub(super) outstanding: usize,
-    pub(super) until: Option<tokio::time::Instant>,
-}
-
-impl Linger {
-    pub(super) fn ewma(avg: &mut Duration, sample: Duration) {
-        *avg = if avg.is_zero() {
-            sample
-        } else {
-            (*avg * 7 + sample) / 8
-        };
-    }
-
-    pub(super) fn landed(&mut self, calls: usize, commit: Duration) {
-        Self::ewma(&mut self.commit, commit);
-        let wait = self.call * 3 / 2;
-        if calls > 0 && !self.call.is_zero() && wait < self.commit / 2 {
-            self.outstanding = calls;
-            self.until = Some(tokio::time::Instant::now() + wait);
-        } else {
-            self.until = None;
-        }
-    }
-
-    pub(super) fn finished(&mut self, took: Duration) {
-        Self::ewma(&mut self.call, took);
-        self.outstanding = self.outstanding.saturating_sub(1);
-        if self.outstanding == 0 {
-            self.until = None;
-        }
-    }
-
-    /// The deadline while the next batch should wait.
-    pub(super) fn waiting(&mut self) -> Option<tokio::time::Instant> {
-        if self.until.is_some_and(|t| t <= tokio::time::Instant::now()) {
-            self.until = None;
-        }
-        self.until
-    }
-}
-
-/// What one batch has gathered.
-pub(super) struct Pending {
-    pub(super) batch: Batch,
-    pub(super) inputs: usize,
-    /// Per intents partition, the next offset after the last intent consumed.
-    pub(super) intents_next: BTreeMap<i32, i64>,
-    /// Next offsets of the other inputs (progress, commands).
-    pub(super) others_next: BTreeMap<(String, i32), i64>,
-    /// Outcomes decided in this batch (carried to the next session if it fails).
-    pub(super) outcomes: Vec<Finished>,
-    /// Outcomes of partitions owned elsewhere, handed over through `progress`.
-    pub(super) orphans: Vec<Finished>,
-    /// Its first input (topic, partition, offset): the one set aside if its
-    /// records keep being refused.
-    pub(super) first_input: Option<(String, i32, i64)>,
-}
-
-impl Pending {
-    pub(super) fn on_top_of(below: Option<Arc<Batch>>) -> Pending {
-        Pending {
-            batch: Batch::on_top_of(below),
-            inputs: 0,
-            intents_next: BTreeMap::new(),
-            others_next: BTreeMap::new(),
-            outcomes: Vec::new(),
-            orphans: Vec::new(),
-            first_input: None,
-        }
-    }
-
-    pub(super) fn is_empty(&self) -> bool {
-        self.inputs == 0 && self.batch.is_empty() && self.outcomes.is_empty()
-    }
-}
-
 /// What woke the gate's loop.
 pub(super) enum Step {
     Rebalance(RebalanceEvent),
@@ -227,24 +63,11 @@ pub(super) enum Step {
     Input(Result<Input, KafkaError>),
 }
 
-/// Resolves when the commit in flight returns; never without one.
-pub(super) async fn wait_commit(
-    f: &mut Option<InFlight>,
-) -> Result<Result<Landed, GateError>, tokio::task::JoinError> {
-    match f {
-        Some(f) => (&mut f.task).await,
-        None => std::future::pending().await,
-    }
-}
-
 /// How long a failed session waits for its Kafka clients to close.
 pub(super) const CLOSE_LIMIT: Duration = Duration::from_secs(10);
 
 /// How often deadlines, purges and the state gauges are looked at.
 pub(super) const TICK: Duration = Duration::from_millis(100);
-
-/// How often the state-size gauges are refreshed (a few RocksDB property reads).
-pub(super) const STATE_SIZE_EVERY: Duration = Duration::from_secs(5);
 
 /// Expired records removed per partition per tick: up to 20 000 a second
 /// while a backlog lasts, in batches that stay small.
@@ -260,12 +83,6 @@ pub(super) struct Clients {
     pub(super) producer: Producers,
     /// The consumer's rebalances, as its context reports them.
     pub(super) events: mpsc::UnboundedReceiver<RebalanceEvent>,
-}
-
-/// The batch being gathered and the one committing.
-pub(super) struct Batches {
-    pub(super) pending: Pending,
-    pub(super) in_flight: Option<InFlight>,
 }
 
 impl Session<'_> {
@@ -515,60 +332,6 @@ impl Session<'_> {
         }
     }
 
-    /// Backpressure, as Kafka Streams and Vector do it: while the invoker is
-    /// full, the `intents` partitions are paused — the consumer keeps polling
-    /// (outcomes, commands, the group's heartbeat go on) but fetches no
-    /// intents, which wait in Kafka; resumed once it has drained to room
-    /// ([`Invoker::has_room`]). Nothing is refused or lost: a paused partition
-    /// resumes from the position after its last input read.
-    pub(super) fn apply_backpressure(&mut self, consumer: &Arc<TxnConsumer>) {
-        let full = if self.paused.is_empty() {
-            self.invoker.is_full()
-        } else {
-            !self.invoker.has_room()
-        };
-        let intents = &self.config.kafka.topics.intents;
-        let list = |ps: &[i32]| {
-            let mut tpl = TopicPartitionList::new();
-            for &p in ps {
-                tpl.add_partition(intents, p);
-            }
-            tpl
-        };
-        if full {
-            // Partitions assigned while paused are paused too.
-            let more: Vec<i32> = self.assigned.difference(&self.paused).copied().collect();
-            if more.is_empty() {
-                return;
-            }
-            match consumer.pause(&list(&more)) {
-                Ok(()) => {
-                    if self.paused.is_empty() {
-                        info!(
-                            queued = self.invoker.running(),
-                            "the invoker is full: intents paused until it drains (executor.max_queued_calls / max_queued_bytes)"
-                        );
-                        self.metrics.intents_paused(true);
-                    }
-                    self.paused.extend(more);
-                }
-                Err(e) => warn!(error = %e, "could not pause the intents partitions"),
-            }
-        } else if !self.paused.is_empty() {
-            let back: Vec<i32> = self.paused.intersection(&self.assigned).copied().collect();
-            if let Err(e) = consumer.resume(&list(&back)) {
-                warn!(error = %e, "could not resume the intents partitions; trying again");
-                return;
-            }
-            info!(
-                queued = self.invoker.running(),
-                "the invoker has room: intents resumed"
-            );
-            self.paused.clear();
-            self.metrics.intents_paused(false);
-        }
-    }
-
     /// Every partition is revoked while a batch is open (the range assignor's
     /// eager rebalances revoke all): nothing of the batch is durable, so drop
     /// it and go on from what is committed, as a new owner would — librdkafka
@@ -668,33 +431,6 @@ impl Session<'_> {
             self.backlog.push(f);
         }
         Ok(())
-    }
-
-    /// Export how many steps of the owned partitions wait for a person (the
-    /// gauges the alerts watch: a counter's increase would clear while a step
-    /// is still unresolved).
-    pub(super) fn count_open_steps(&self) {
-        let mut total = crate::state::OpenSteps::default();
-        for &p in self.owned.keys() {
-            match self.store.open_steps(p) {
-                Ok(n) => {
-                    total.in_doubt += n.in_doubt;
-                    total.awaiting_approval += n.awaiting_approval;
-                }
-                Err(e) => {
-                    warn!(partition = p, error = %e, "could not count the steps waiting for a person");
-                    return;
-                }
-            }
-        }
-        self.metrics
-            .open_steps(total.in_doubt, total.awaiting_approval);
-    }
-
-    pub(super) fn report_state_size(&self) {
-        let size = self.store.size();
-        self.metrics
-            .state_size(size.steps, size.disk_bytes, &size.memory());
     }
 
     /// SIGTERM: start no more calls; commit what is decided; let running

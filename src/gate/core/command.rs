@@ -1,22 +1,20 @@
 //! An operator's command (resolve, approve, deny), bound to the run it decides.
 
-use super::{GateCore, Out};
+use super::{Apply, GateCore, Out};
 use crate::contract::{
     Action, ApprovalEvent, ApprovalKind, Command, ErrorBody, Outcome, Rejection, RejectionReason,
     Texts,
 };
 use crate::kafka::Input;
-use crate::state::{Batch, OperatorEntry, Phase, StateError, StateStore};
+use crate::state::{OperatorEntry, Phase, StateError};
 
 impl GateCore {
     /// An operator's command: settle an in-doubt step, approve or deny a held one.
     /// A command that does not fit the step's state goes to the DLQ, with why.
-    pub fn on_command(
+    pub(super) fn apply_command(
         &mut self,
-        store: &StateStore,
-        batch: &mut Batch,
+        ax: &mut Apply<'_>,
         input: &Input,
-        now_ms: i64,
     ) -> Result<(), StateError> {
         let p = input.partition;
         let payload = input.payload.as_deref().unwrap_or_default();
@@ -27,18 +25,18 @@ impl GateCore {
                 self.reject(
                     input,
                     Rejection::new(RejectionReason::BadCommand, message),
-                    now_ms,
+                    ax.now_ms,
                 );
                 return Ok(());
             }
         };
         let action = command.action.as_str();
-        let Some(mut record) = batch.step(store, p, &command.step)? else {
+        let Some(mut record) = ax.step(p, &command.step)? else {
             let problem = format!(
                 "no step {} in partition {p} (never recorded, purged, or the command went to the wrong partition)",
                 command.step
             );
-            self.bad_command(input, &command, &problem, now_ms);
+            self.bad_command(input, &command, &problem, ax.now_ms);
             return Ok(());
         };
         // Applied already (the command was re-sent): nothing more to do.
@@ -70,7 +68,7 @@ impl GateCore {
             self.metrics
                 .operator_command(&command.step, action, &command.by, Some(&problem));
             let rejection = Rejection::new(RejectionReason::StaleCommand, problem);
-            self.reject(input, rejection, now_ms);
+            self.reject(input, rejection, ax.now_ms);
             return Ok(());
         }
         let wanted = Phase::acted_on_by(&command.action);
@@ -81,7 +79,7 @@ impl GateCore {
                 command.step,
                 record.phase.as_str()
             );
-            self.bad_command(input, &command, &problem, now_ms);
+            self.bad_command(input, &command, &problem, ax.now_ms);
             return Ok(());
         }
         // The operator's decision as a span of the step's trace (the agent's
@@ -129,7 +127,7 @@ impl GateCore {
                         Phase::NotExecuted,
                     ),
                 };
-                self.settle(store, batch, p, record, outcome, phase, now_ms)?;
+                self.settle(ax, p, record, outcome, phase)?;
             }
             Action::Approve => {
                 record.operator_log.push(entry);
@@ -142,8 +140,8 @@ impl GateCore {
                 });
                 self.metrics
                     .step_forwarded(&record.step, record.category.as_str());
-                self.start(p, &mut record, now_ms, traced.traceparent());
-                batch.put_step(store, p, &record)?;
+                self.start(p, &mut record, ax.now_ms, traced.traceparent());
+                ax.put_step(p, &record)?;
             }
             Action::Deny => {
                 record.operator_log.push(entry);
@@ -160,7 +158,7 @@ impl GateCore {
                         message: Texts::denied(&command.step.tool, command.reason.as_deref()),
                     },
                 };
-                self.settle(store, batch, p, record, outcome, Phase::Completed, now_ms)?;
+                self.settle(ax, p, record, outcome, Phase::Completed)?;
             }
         }
         self.metrics

@@ -1,26 +1,22 @@
 //! An intent: a new step recorded and started (or answered at once), a
 //! repeat answered from its record or attached to the call in flight.
 
-use super::{GateCore, Out, at, ms};
+use super::{Apply, GateCore, Out, at, ms};
 use crate::contract::{
     Address, ApprovalEvent, ApprovalKind, Call, Intent, Rejection, RejectionReason, Texts,
     parse_intent,
 };
 use crate::kafka::Input;
-use crate::state::{
-    Batch, FastEntry, NotWaiting, Phase, StateError, StateStore, StepRecord, Waiter, WorkflowEnd,
-};
+use crate::state::{FastEntry, NotWaiting, Phase, StateError, StepRecord, Waiter, WorkflowEnd};
 use crate::tools::ToolConfig;
 use std::time::Duration;
 
 impl GateCore {
     /// An intent from an agent.
-    pub fn on_intent(
+    pub(super) fn apply_intent(
         &mut self,
-        store: &StateStore,
-        batch: &mut Batch,
+        ax: &mut Apply<'_>,
         input: &Input,
-        now_ms: i64,
     ) -> Result<(), StateError> {
         let p = input.partition;
         // Below the watermark, the committed state already reflects this intent
@@ -38,7 +34,7 @@ impl GateCore {
                 if counted {
                     self.metrics.intent_received(None);
                 }
-                self.reject(input, rejection, now_ms);
+                self.reject(input, rejection, ax.now_ms);
                 return Ok(());
             }
         };
@@ -93,7 +89,7 @@ impl GateCore {
                     call_id: intent.call_id,
                 }),
             };
-            self.reject(input, rejection, now_ms);
+            self.reject(input, rejection, ax.now_ms);
             return Ok(());
         }
         let tool = &self.tools[&intent.tool];
@@ -119,7 +115,7 @@ impl GateCore {
         );
         let tool = tool.clone();
         let existing = if tool.recorded() {
-            batch.step(store, p, &step)?
+            ax.step(p, &step)?
         } else {
             None
         };
@@ -128,22 +124,22 @@ impl GateCore {
         // answered: its call_id may have had its answer long ago.
         if existing.is_none()
             && let Some(ts) = input.timestamp_ms
-            && now_ms.saturating_sub(ts) > ms(self.settings.retention)
+            && ax.now_ms.saturating_sub(ts) > ms(self.settings.retention)
         {
-            let age = Duration::from_millis(now_ms.saturating_sub(ts).max(0) as u64);
+            let age = Duration::from_millis(ax.now_ms.saturating_sub(ts).max(0) as u64);
             let rejection = Rejection {
                 reason: RejectionReason::Expired,
                 message: Texts::expired(&step.tool, &step.workflow_id, age),
                 address: None,
             };
             decision.rejected(rejection.reason.as_str(), &rejection.message);
-            self.reject(input, rejection, now_ms);
+            self.reject(input, rejection, ax.now_ms);
             return Ok(());
         }
         // A workflow ended by a `last_step` tool takes no new steps (repeats of
         // its recorded steps are still answered).
         if existing.is_none()
-            && let Some(end) = batch.workflow_end(store, p, &step.workflow_id)?
+            && let Some(end) = ax.workflow_end(p, &step.workflow_id)?
             && end.step != step
         {
             let message = Texts::workflow_ended(
@@ -161,7 +157,7 @@ impl GateCore {
                 }),
             };
             decision.rejected(rejection.reason.as_str(), &rejection.message);
-            self.reject(input, rejection, now_ms);
+            self.reject(input, rejection, ax.now_ms);
             return Ok(());
         }
         if !tool.recorded() {
@@ -215,7 +211,7 @@ impl GateCore {
             None => {
                 decision.decided(new_step);
                 let parent = decision.traceparent();
-                self.begin_step(store, batch, input, &tool, intent, None, parent, now_ms)?
+                self.begin_step(ax, input, &tool, intent, None, parent)?
             }
             Some(_) if !conflict.is_empty() => {
                 self.metrics.identity_conflict(&step);
@@ -228,26 +224,17 @@ impl GateCore {
                     }),
                 };
                 decision.rejected(rejection.reason.as_str(), &rejection.message);
-                self.reject(input, rejection, now_ms);
+                self.reject(input, rejection, ax.now_ms);
             }
             // An operator confirmed the last run did not happen: run it now.
             Some(record) if record.phase == Phase::NotExecuted => {
                 decision.decided("rerun");
                 let parent = decision.traceparent();
-                self.begin_step(
-                    store,
-                    batch,
-                    input,
-                    &tool,
-                    intent,
-                    Some(record),
-                    parent,
-                    now_ms,
-                )?
+                self.begin_step(ax, input, &tool, intent, Some(record), parent)?
             }
             Some(mut record) => {
                 let rephrased =
-                    record.note_repeat(intent.call_id.clone(), &intent.arguments, now_ms);
+                    record.note_repeat(intent.call_id.clone(), &intent.arguments, ax.now_ms);
                 let in_flight = record.result.is_none() || record.phase.in_flight();
                 decision.repeat(in_flight, rephrased, record.call_id.as_deref());
                 match (&record.result, record.phase.in_flight()) {
@@ -286,7 +273,7 @@ impl GateCore {
                         }
                     }
                 }
-                batch.put_step(store, p, &record)?;
+                ax.put_step(p, &record)?;
             }
         }
         Ok(())
@@ -296,17 +283,14 @@ impl GateCore {
     /// for an `approval` tool, hold it for a person. `previous` is the record of a run an operator
     /// declared not executed (its history is kept); `parent` the `traceparent`
     /// its call carries (the decision's span, when traced).
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn begin_step(
         &mut self,
-        store: &StateStore,
-        batch: &mut Batch,
+        ax: &mut Apply<'_>,
         input: &Input,
         tool: &ToolConfig,
         intent: Intent,
         previous: Option<StepRecord>,
         parent: Option<String>,
-        now_ms: i64,
     ) -> Result<(), StateError> {
         let p = input.partition;
         let reply = input.reply_partition(self.intent_partitions);
@@ -330,8 +314,8 @@ impl GateCore {
                 phase,
                 intent.arguments.clone(),
                 p,
-                now_ms,
-                now_ms + ms(self.settings.retention),
+                ax.now_ms,
+                ax.now_ms + ms(self.settings.retention),
             )
         };
         if let Some(prev) = previous {
@@ -344,11 +328,11 @@ impl GateCore {
             record.settled_through = prev.settled_through;
         }
         if tool.ends_workflow() {
-            batch.put_workflow_end(
+            ax.batch.put_workflow_end(
                 p,
                 &WorkflowEnd {
                     step: step.clone(),
-                    at_ms: now_ms,
+                    at_ms: ax.now_ms,
                 },
             );
         }
@@ -363,14 +347,14 @@ impl GateCore {
                         call_id: intent.call_id,
                         metadata: intent.metadata,
                     },
-                    at: crate::contract::timestamp(at(now_ms)),
+                    at: crate::contract::timestamp(at(ax.now_ms)),
                 },
             });
         } else {
             self.metrics.step_forwarded(&step, tool.category.as_str());
-            self.start(p, &mut record, now_ms, parent);
+            self.start(p, &mut record, ax.now_ms, parent);
         }
-        batch.put_step(store, p, &record)
+        ax.put_step(p, &record)
     }
 
     /// Mark a recorded step `started` with its deadline, and invoke its tool

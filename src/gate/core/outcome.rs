@@ -2,13 +2,13 @@
 //! call whose partition moved, a pool worker's); the step settled and its
 //! callers answered, or the outcome kept as evidence.
 
-use super::{GateCore, Out, at, ms};
+use super::{Apply, GateCore, Out, at, ms};
 use crate::contract::{
     Call, ErrorBody, Outcome, Progress, ProgressEvent, Rejection, RejectionReason, Texts,
     ToolResult,
 };
 use crate::kafka::Input;
-use crate::state::{Batch, Evidence, MAX_EVIDENCE_KEPT, Phase, StateError, StateStore, StepRecord};
+use crate::state::{Evidence, MAX_EVIDENCE_KEPT, Phase, StateError, StepRecord};
 use crate::tools::{Category, ToolConfig};
 use std::time::Duration;
 
@@ -23,12 +23,10 @@ pub(super) const NOT_PERFORMED_KINDS: &[&str] = &[
 impl GateCore {
     /// A record of `progress`: the outcome of a call whose partition moved
     /// while it ran, or a pool worker's Outcome v1.
-    pub fn on_progress(
+    pub(super) fn apply_progress(
         &mut self,
-        store: &StateStore,
-        batch: &mut Batch,
+        ax: &mut Apply<'_>,
         input: &Input,
-        now_ms: i64,
     ) -> Result<(), StateError> {
         // The records `kafka::end_hanging_transactions` writes are aborted, so
         // read_committed never sees them on a broker; librdkafka's mock cluster
@@ -46,7 +44,7 @@ impl GateCore {
                     RejectionReason::MalformedJson,
                     format!("unreadable progress record: {e}"),
                 );
-                self.reject(input, rejection, now_ms);
+                self.reject(input, rejection, ax.now_ms);
                 return Ok(());
             }
         };
@@ -54,33 +52,31 @@ impl GateCore {
         if progress.fast_ref.is_some() {
             return Ok(());
         }
-        self.on_outcome(store, batch, input.partition, progress, now_ms)
+        self.apply_outcome(ax, input.partition, progress)
     }
 
     /// An invocation's outcome, for a partition this gate owns: answer a
     /// fast-path call, or settle a step — once: a step no longer in flight
     /// keeps its first outcome (a late one after `in_doubt` is kept for the
     /// operator).
-    pub fn on_outcome(
+    pub(super) fn apply_outcome(
         &mut self,
-        store: &StateStore,
-        batch: &mut Batch,
+        ax: &mut Apply<'_>,
         p: i32,
         progress: Progress,
-        now_ms: i64,
     ) -> Result<(), StateError> {
         let outcome = match progress.event {
             ProgressEvent::Finished { outcome } => outcome,
             ProgressEvent::NotInvoked => {
-                return self.on_not_invoked(store, batch, p, &progress, now_ms);
+                return self.on_not_invoked(ax, p, &progress);
             }
             // A pool's worker took the call.
-            ProgressEvent::Started => return self.on_taken(store, batch, p, &progress, now_ms),
+            ProgressEvent::Started => return self.on_taken(ax, p, &progress),
         };
         if let Some(fast_ref) = progress.fast_ref {
             if let Some(entry) = self.fast.remove(&(p, fast_ref)) {
                 let result =
-                    ToolResult::from_outcome(&entry.step, entry.call_id, outcome, at(now_ms));
+                    ToolResult::from_outcome(&entry.step, entry.call_id, outcome, at(ax.now_ms));
                 self.outs.push(Out::Result {
                     partition: entry.reply_partition,
                     result,
@@ -90,7 +86,7 @@ impl GateCore {
             }
             return Ok(());
         }
-        let Some(mut record) = batch.step(store, p, &progress.step)? else {
+        let Some(mut record) = ax.step(p, &progress.step)? else {
             tracing::warn!(step = %progress.step, dispatch = progress.dispatch, outcome = outcome.label(), "an outcome for a step with no record (purged after its retention): nothing to settle");
             return Ok(());
         };
@@ -103,7 +99,7 @@ impl GateCore {
         if settles && progress.dispatch == record.dispatch {
             let outcome = self.unless_earlier_may_have_run(&record, outcome);
             let phase = Phase::settled_by(&outcome);
-            return self.settle(store, batch, p, record, outcome, phase, now_ms);
+            return self.settle(ax, p, record, outcome, phase);
         }
         let why = if progress.dispatch != record.dispatch {
             "stale_dispatch"
@@ -112,8 +108,8 @@ impl GateCore {
         } else {
             "after_settled"
         };
-        self.keep_evidence(&mut record, progress.dispatch, outcome, why, now_ms);
-        batch.put_step(store, p, &record)
+        self.keep_evidence(&mut record, progress.dispatch, outcome, why, ax.now_ms);
+        ax.put_step(p, &record)
     }
 
     /// A pool's worker says it took the current dispatch of a step (before
@@ -122,11 +118,9 @@ impl GateCore {
     /// here. Anything else (a stale dispatch, a settled step) changes nothing.
     pub(super) fn on_taken(
         &mut self,
-        store: &StateStore,
-        batch: &mut Batch,
+        ax: &mut Apply<'_>,
         p: i32,
         progress: &Progress,
-        now_ms: i64,
     ) -> Result<(), StateError> {
         let in_pool = self
             .tools
@@ -135,7 +129,7 @@ impl GateCore {
         if !in_pool || progress.fast_ref.is_some() {
             return Ok(());
         }
-        let Some(mut record) = batch.step(store, p, &progress.step)? else {
+        let Some(mut record) = ax.step(p, &progress.step)? else {
             return Ok(());
         };
         if record.phase != Phase::Started
@@ -146,12 +140,12 @@ impl GateCore {
         }
         record.taken = Some(progress.dispatch);
         let later =
-            now_ms + ms(self.tool_deadline(&record.step.tool) + self.settings.in_doubt_grace);
+            ax.now_ms + ms(self.tool_deadline(&record.step.tool) + self.settings.in_doubt_grace);
         if record.deadline_ms.is_none_or(|d| d < later) {
             record.deadline_ms = Some(later);
             self.due.insert((later, p, record.step.clone()));
         }
-        batch.put_step(store, p, &record)
+        ax.put_step(p, &record)
     }
 
     /// A call that never left its process (its partition moved, or the
@@ -160,11 +154,9 @@ impl GateCore {
     /// this process stops, leave it due at once for the next owner.
     pub(super) fn on_not_invoked(
         &mut self,
-        store: &StateStore,
-        batch: &mut Batch,
+        ax: &mut Apply<'_>,
         p: i32,
         progress: &Progress,
-        now_ms: i64,
     ) -> Result<(), StateError> {
         if let Some(fast_ref) = progress.fast_ref {
             // A read: run it again here, or leave it to the owner, which
@@ -187,7 +179,7 @@ impl GateCore {
             }
             return Ok(());
         }
-        let Some(mut record) = batch.step(store, p, &progress.step)? else {
+        let Some(mut record) = ax.step(p, &progress.step)? else {
             tracing::warn!(step = %progress.step, dispatch = progress.dispatch, "a call handed back not invoked, for a step with no record (purged after its retention): nothing to run");
             return Ok(());
         };
@@ -201,16 +193,16 @@ impl GateCore {
                 "not_invoked",
                 None,
                 "stale_dispatch",
-                now_ms,
+                ax.now_ms,
             );
         } else if self.stopping {
             record.not_invoked = Some(record.dispatch);
-            record.deadline_ms = Some(now_ms);
-            self.due.insert((now_ms, p, record.step.clone()));
+            record.deadline_ms = Some(ax.now_ms);
+            self.due.insert((ax.now_ms, p, record.step.clone()));
         } else {
-            self.rerun_not_invoked(p, &mut record, now_ms);
+            self.rerun_not_invoked(p, &mut record, ax.now_ms);
         }
-        batch.put_step(store, p, &record)
+        ax.put_step(p, &record)
     }
 
     /// Dispatch again a step whose current dispatch was never invoked.
@@ -314,16 +306,13 @@ impl GateCore {
 
     /// Store an outcome, leaving the step in `phase`, and answer the first
     /// caller and every waiting repeat.
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn settle(
         &mut self,
-        store: &StateStore,
-        batch: &mut Batch,
+        ax: &mut Apply<'_>,
         p: i32,
         mut record: StepRecord,
         outcome: Outcome,
         phase: Phase,
-        now_ms: i64,
     ) -> Result<(), StateError> {
         if let Outcome::InDoubt { error } = &outcome {
             self.metrics.in_doubt(&record.step, &error.kind);
@@ -334,7 +323,7 @@ impl GateCore {
         let answer_caller = record.result.is_none();
         record.phase = phase;
         let result =
-            ToolResult::from_outcome(&record.step, record.call_id.clone(), outcome, at(now_ms));
+            ToolResult::from_outcome(&record.step, record.call_id.clone(), outcome, at(ax.now_ms));
         if answer_caller {
             self.outs.push(Out::Result {
                 partition: record.reply_partition.unwrap_or(p),
@@ -353,7 +342,7 @@ impl GateCore {
         }
         record.result = Some(result);
         record.deadline_ms = None;
-        record.expires_at_ms = now_ms + ms(self.settings.retention);
-        batch.put_step(store, p, &record)
+        record.expires_at_ms = ax.now_ms + ms(self.settings.retention);
+        ax.put_step(p, &record)
     }
 }

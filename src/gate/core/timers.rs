@@ -1,9 +1,9 @@
 //! Time: started steps past their deadline (re-run where safe, in doubt
 //! otherwise), and retention's purge.
 
-use super::{GateCore, HOLD_LIMIT_MS, KEPT_UNTIL_RESOLVED, ms};
+use super::{Apply, GateCore, HOLD_LIMIT_MS, KEPT_UNTIL_RESOLVED, ms};
 use crate::contract::{ErrorBody, Outcome, Texts};
-use crate::state::{Batch, Phase, StateError, StateStore};
+use crate::state::{Phase, StateError};
 
 /// What one purge round did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -21,15 +21,10 @@ impl GateCore {
     /// Act on every deadline that has passed: a call still running here gets
     /// more time (its outcome will come); otherwise re-run where that is safe,
     /// and declare the rest in doubt.
-    pub fn on_deadlines(
-        &mut self,
-        store: &StateStore,
-        batch: &mut Batch,
-        now_ms: i64,
-    ) -> Result<(), StateError> {
+    pub(super) fn apply_deadlines(&mut self, ax: &mut Apply<'_>) -> Result<(), StateError> {
         self.held.retain(|p, h| {
-            let waiting = !h.progress_read || h.until_ms > now_ms;
-            if waiting && now_ms > h.until_ms + HOLD_LIMIT_MS {
+            let waiting = !h.progress_read || h.until_ms > ax.now_ms;
+            if waiting && ax.now_ms > h.until_ms + HOLD_LIMIT_MS {
                 tracing::warn!(partition = p, "the partition's progress was not read to its end within 5 minutes of its assignment: its deadlines are settled from now on");
                 return false;
             }
@@ -37,7 +32,7 @@ impl GateCore {
         });
         let mut waiting = Vec::new();
         while let Some((deadline, p, step)) = self.due.first().cloned() {
-            if deadline > now_ms {
+            if deadline > ax.now_ms {
                 break;
             }
             self.due.pop_first();
@@ -45,7 +40,7 @@ impl GateCore {
                 waiting.push((deadline, p, step));
                 continue;
             }
-            let Some(mut record) = batch.step(store, p, &step)? else {
+            let Some(mut record) = ax.step(p, &step)? else {
                 continue;
             };
             if record.phase != Phase::Started || record.deadline_ms.is_some_and(|d| d != deadline) {
@@ -53,8 +48,8 @@ impl GateCore {
             }
             // Handed back never invoked by a process that was stopping.
             if record.not_invoked == Some(record.dispatch) {
-                self.rerun_not_invoked(p, &mut record, now_ms);
-                batch.put_step(store, p, &record)?;
+                self.rerun_not_invoked(p, &mut record, ax.now_ms);
+                ax.put_step(p, &record)?;
                 continue;
             }
             let key = (p, step.clone());
@@ -63,10 +58,10 @@ impl GateCore {
             {
                 // Running here (queued for a slot, retrying) or waiting for the
                 // commit that starts it: the invocation reports itself.
-                let later = now_ms + ms(self.tool_deadline(&step.tool));
+                let later = ax.now_ms + ms(self.tool_deadline(&step.tool));
                 record.deadline_ms = Some(later);
                 self.due.insert((later, p, step));
-                batch.put_step(store, p, &record)?;
+                ax.put_step(p, &record)?;
                 continue;
             }
             // A pool's dispatch no worker took was never invoked: said so,
@@ -85,14 +80,14 @@ impl GateCore {
                 };
                 let outcome = self.unless_earlier_may_have_run(&record, outcome);
                 let phase = Phase::settled_by(&outcome);
-                self.settle(store, batch, p, record, outcome, phase, now_ms)?;
+                self.settle(ax, p, record, outcome, phase)?;
                 continue;
             }
             if record.category.rerun_is_safe() {
                 record.dispatch += 1;
                 self.metrics.reforwarded(&step, record.dispatch);
-                self.start(p, &mut record, now_ms, None);
-                batch.put_step(store, p, &record)?;
+                self.start(p, &mut record, ax.now_ms, None);
+                ax.put_step(p, &record)?;
             } else {
                 let outcome = Outcome::InDoubt {
                     error: ErrorBody {
@@ -101,7 +96,7 @@ impl GateCore {
                     },
                 };
                 let phase = Phase::settled_by(&outcome);
-                self.settle(store, batch, p, record, outcome, phase, now_ms)?;
+                self.settle(ax, p, record, outcome, phase)?;
             }
         }
         self.due.extend(waiting);
@@ -110,40 +105,38 @@ impl GateCore {
 
     /// Remove up to `limit` expired records of each partition (records this
     /// batch or the one committing already removed are not counted twice).
-    pub fn purge(
+    pub(super) fn apply_purge(
         &mut self,
-        store: &StateStore,
-        batch: &mut Batch,
+        ax: &mut Apply<'_>,
         partitions: impl IntoIterator<Item = i32>,
-        now_ms: i64,
         limit: usize,
     ) -> Result<Purged, StateError> {
         let mut out = Purged::default();
         for p in partitions {
-            let expired = batch.expired(store, p, now_ms, limit)?;
+            let expired = ax.expired(p, limit)?;
             out.more |= expired.len() >= limit;
             for (expires_at, step) in expired {
-                match batch.step(store, p, &step)? {
+                match ax.step(p, &step)? {
                     // Unresolved (in doubt, held for approval, started): kept
                     // until someone settles it, whatever the retention — its
                     // next retry must not find it gone and run it again. Its
                     // settlement sets a retention from then (`settle`).
                     Some(mut r) if r.expires_at_ms == expires_at && r.phase.unresolved() => {
                         r.expires_at_ms = KEPT_UNTIL_RESOLVED;
-                        batch.put_step(store, p, &r)?;
+                        ax.put_step(p, &r)?;
                         out.kept += 1;
                     }
                     Some(r) if r.expires_at_ms == expires_at => {
-                        batch.delete_step(store, p, &step)?;
-                        if batch
-                            .workflow_end(store, p, &step.workflow_id)?
+                        ax.delete_step(p, &step)?;
+                        if ax
+                            .workflow_end(p, &step.workflow_id)?
                             .is_some_and(|e| e.step == step)
                         {
-                            batch.delete_workflow_end(p, &step.workflow_id);
+                            ax.batch.delete_workflow_end(p, &step.workflow_id);
                         }
                         out.removed += 1;
                     }
-                    _ => batch.delete_expiry(p, &step, expires_at),
+                    _ => ax.batch.delete_expiry(p, &step, expires_at),
                 }
             }
         }
