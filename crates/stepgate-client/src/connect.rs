@@ -10,6 +10,7 @@
 
 use rdkafka::ClientConfig;
 use rdkafka::client::ClientContext;
+use rdkafka::config::RDKafkaLogLevel;
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use std::sync::Mutex;
@@ -70,7 +71,47 @@ struct Watch {
     last: Mutex<Option<String>>,
 }
 
+/// A refused handshake or login, read from a librdkafka `FAIL` log line.
+fn fatal_in_log(message: &str) -> Option<Fatal> {
+    if message.contains("SSL handshake failed") || message.contains("certificate verify failed") {
+        Some(Fatal::Tls(message.into()))
+    } else if message.contains("SASL authentication error") {
+        Some(Fatal::Authentication(message.into()))
+    } else {
+        None
+    }
+}
+
 impl ClientContext for Watch {
+    // librdkafka reports a refused handshake or login as an error event, but
+    // under load a whole check window once went by with only its `FAIL` log
+    // lines and no event (CI, an untrusted CA said "no broker answered"): the
+    // log is read too. Lines are logged as rdkafka's default does.
+    fn log(&self, level: RDKafkaLogLevel, fac: &str, log_message: &str) {
+        if fac == "FAIL"
+            && let Some(f) = fatal_in_log(log_message)
+        {
+            self.fatal.lock().expect("watch lock").get_or_insert(f);
+        }
+        match level {
+            RDKafkaLogLevel::Emerg
+            | RDKafkaLogLevel::Alert
+            | RDKafkaLogLevel::Critical
+            | RDKafkaLogLevel::Error => {
+                tracing::error!(target: "librdkafka", "librdkafka: {fac} {log_message}")
+            }
+            RDKafkaLogLevel::Warning => {
+                tracing::warn!(target: "librdkafka", "librdkafka: {fac} {log_message}")
+            }
+            RDKafkaLogLevel::Notice | RDKafkaLogLevel::Info => {
+                tracing::info!(target: "librdkafka", "librdkafka: {fac} {log_message}")
+            }
+            RDKafkaLogLevel::Debug => {
+                tracing::debug!(target: "librdkafka", "librdkafka: {fac} {log_message}")
+            }
+        }
+    }
+
     fn error(&self, error: KafkaError, reason: &str) {
         let fatal = match error.rdkafka_error_code() {
             Some(RDKafkaErrorCode::Authentication) => Some(Fatal::Authentication(reason.into())),
@@ -148,6 +189,17 @@ pub fn topic_partitions(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_refused_handshake_or_login_in_a_fail_line_is_named() {
+        let tls = "sasl_ssl://127.0.0.1:9094/bootstrap: SSL handshake failed: error:0A000086:SSL routines::certificate verify failed: broker certificate could not be verified";
+        assert!(matches!(fatal_in_log(tls), Some(Fatal::Tls(d)) if d == tls));
+        let sasl = "sasl_ssl://127.0.0.1:9094/bootstrap: SASL authentication error: Authentication failed during authentication due to invalid credentials with SASL mechanism SCRAM-SHA-512";
+        assert!(matches!(fatal_in_log(sasl), Some(Fatal::Authentication(_))));
+        let refused =
+            "127.0.0.1:9092/bootstrap: Connect to ipv4#127.0.0.1:9092 failed: Connection refused";
+        assert!(fatal_in_log(refused).is_none());
+    }
 
     #[test]
     fn a_broker_that_is_not_there_is_reported_when_the_limit_runs_out() {
