@@ -65,6 +65,13 @@ pub struct GateConfig {
     /// long (a stuck process is restarted by its orchestrator). Above the
     /// longest legitimate wait: a commit retried through a broker outage.
     pub stall_timeout: Dur,
+    /// Record a step of a re-runnable recorded tool (`keyed`, or `idempotent`
+    /// / `read_only` with `record = true`) as `started` before its call, as
+    /// an `unkeyed` one is: two changelog records and two commits a step.
+    /// `false` (the default) records it once, settled: its intent is the
+    /// durable intent, and the partition's committed offset is held at it
+    /// until then (docs/design.md "One record for a re-runnable step").
+    pub start_record: bool,
 }
 
 impl Default for GateConfig {
@@ -76,6 +83,7 @@ impl Default for GateConfig {
             check_partition: true,
             forward_wrong_partition: true,
             stall_timeout: dur("5m"),
+            start_record: false,
         }
     }
 }

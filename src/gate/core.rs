@@ -9,6 +9,7 @@ use crate::state::{Batch, FastEntry, Phase, StateError, StateStore, StepRecord, 
 use crate::telemetry::Metrics;
 use crate::tools::ToolConfig;
 use chrono::{DateTime, TimeZone, Utc};
+use deferred::Deferred;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
@@ -59,6 +60,9 @@ pub struct GateSettings {
     pub max_intent_bytes: usize,
     pub check_partition: bool,
     pub forward_wrong_partition: bool,
+    /// Record a re-runnable tool's step `started` before its call (two
+    /// records a step) instead of once, settled (`core/deferred.rs`).
+    pub start_record: bool,
 }
 
 pub struct GateCore {
@@ -85,8 +89,12 @@ pub struct GateCore {
     /// returned yet: not invoked, and not lost either — a commit slower than
     /// the tool's deadline must not turn them into doubt before they start.
     awaiting_commit: HashMap<(i32, StepKey), u32>,
+    /// Steps of re-runnable tools whose call runs before anything is written
+    /// (recorded once settled); lent to each input's `Apply`.
+    deferred: Deferred,
     /// Per partition, the first intent offset not yet applied to the committed
-    /// state; intents below it are re-read only to re-run fast-path calls.
+    /// state; intents below it are re-read only to re-run fast-path calls
+    /// and deferred steps (which have no record until settled).
     applied: HashMap<i32, i64>,
     /// Calls of a batch whose commit reported an error: it may have committed
     /// all the same (a lost reply). Kept across sessions; when the partition is
@@ -114,29 +122,64 @@ pub struct GateCore {
 struct Apply<'a> {
     store: &'a StateStore,
     batch: &'a mut Batch,
+    /// Records of steps recorded once settled (`core/deferred.rs`): read
+    /// first, and kept there while their call runs.
+    deferred: &'a mut Deferred,
     now_ms: i64,
 }
 
 impl<'a> Apply<'a> {
-    fn new(store: &'a StateStore, batch: &'a mut Batch, now_ms: i64) -> Self {
-        Apply {
-            store,
-            batch,
-            now_ms,
-        }
-    }
-
-    /// A step's record as the batch sees it.
+    /// A step's record as the batch sees it (a deferred step's, in memory).
     fn step(&self, p: i32, step: &StepKey) -> Result<Option<StepRecord>, StateError> {
+        if let Some(r) = self.deferred.get(p, step) {
+            return Ok(Some(r.clone()));
+        }
         self.batch.step(self.store, p, step)
     }
 
+    /// Write a step's record: in memory while a deferred step's call runs,
+    /// else in the batch (a deferred step settled is written once, here).
     fn put_step(&mut self, p: i32, record: &StepRecord) -> Result<(), StateError> {
+        if self.deferred.update(p, record) {
+            return Ok(());
+        }
         self.batch.put_step(self.store, p, record)
     }
 
     fn delete_step(&mut self, p: i32, step: &StepKey) -> Result<(), StateError> {
+        self.deferred.remove(p, step);
         self.batch.delete_step(self.store, p, step)
+    }
+
+    /// A step's record whose call may run before anything is written: its
+    /// intent (at `offset`) holds the partition's committed offset back.
+    fn defer_step(&mut self, p: i32, record: StepRecord, offset: i64) {
+        self.deferred.insert(p, record, offset);
+    }
+
+    /// A deferred step's record written to the batch now, as `started`: a
+    /// decision rests on it (a repeat waits on it, a call was refused by it,
+    /// a step ending its workflow began), and a re-read of that decision's
+    /// intent must find it. Nothing for a step not deferred.
+    fn write_deferred(&mut self, p: i32, step: &StepKey) -> Result<(), StateError> {
+        match self.deferred.remove(p, step) {
+            Some(r) => self.batch.put_step(self.store, p, &r),
+            None => Ok(()),
+        }
+    }
+
+    /// [`Apply::write_deferred`] for every deferred step of a workflow.
+    fn write_deferred_of(&mut self, p: i32, workflow_id: &str) -> Result<(), StateError> {
+        for step in self.deferred.of_workflow(p, workflow_id) {
+            self.write_deferred(p, &step)?;
+        }
+        Ok(())
+    }
+
+    /// Whether a step's record is in the committed state or the batch (not
+    /// only in memory, deferred).
+    fn recorded(&self, p: i32, step: &StepKey) -> Result<bool, StateError> {
+        Ok(!self.deferred.contains(p, step) && self.batch.step(self.store, p, step)?.is_some())
     }
 
     /// Whether (and by which step) a workflow was ended by a `last_step` tool.
@@ -186,7 +229,9 @@ impl GateCore {
         input: &Input,
         now_ms: i64,
     ) -> Result<(), StateError> {
-        self.apply_intent(&mut Apply::new(store, batch, now_ms), input)
+        self.with_apply(store, batch, now_ms, |core, ax| {
+            core.apply_intent(ax, input)
+        })
     }
 
     /// An operator's command: settle an in-doubt step, approve or deny a held one.
@@ -197,7 +242,9 @@ impl GateCore {
         input: &Input,
         now_ms: i64,
     ) -> Result<(), StateError> {
-        self.apply_command(&mut Apply::new(store, batch, now_ms), input)
+        self.with_apply(store, batch, now_ms, |core, ax| {
+            core.apply_command(ax, input)
+        })
     }
 
     /// A record of `progress`: the outcome of a call whose partition moved
@@ -209,7 +256,9 @@ impl GateCore {
         input: &Input,
         now_ms: i64,
     ) -> Result<(), StateError> {
-        self.apply_progress(&mut Apply::new(store, batch, now_ms), input)
+        self.with_apply(store, batch, now_ms, |core, ax| {
+            core.apply_progress(ax, input)
+        })
     }
 
     /// An invocation's outcome, for a partition `p` this gate owns.
@@ -221,7 +270,9 @@ impl GateCore {
         progress: Progress,
         now_ms: i64,
     ) -> Result<(), StateError> {
-        self.apply_outcome(&mut Apply::new(store, batch, now_ms), p, progress)
+        self.with_apply(store, batch, now_ms, |core, ax| {
+            core.apply_outcome(ax, p, progress)
+        })
     }
 
     /// Act on every deadline that has passed by `now_ms`.
@@ -231,7 +282,7 @@ impl GateCore {
         batch: &mut Batch,
         now_ms: i64,
     ) -> Result<(), StateError> {
-        self.apply_deadlines(&mut Apply::new(store, batch, now_ms))
+        self.with_apply(store, batch, now_ms, |core, ax| core.apply_deadlines(ax))
     }
 
     /// Remove up to `limit` expired records of each partition.
@@ -243,7 +294,32 @@ impl GateCore {
         now_ms: i64,
         limit: usize,
     ) -> Result<Purged, StateError> {
-        self.apply_purge(&mut Apply::new(store, batch, now_ms), partitions, limit)
+        self.with_apply(store, batch, now_ms, |core, ax| {
+            core.apply_purge(ax, partitions, limit)
+        })
+    }
+
+    /// Build the input's `Apply` (lending it the deferred steps) and run
+    /// `handler` with it.
+    fn with_apply<R>(
+        &mut self,
+        store: &StateStore,
+        batch: &mut Batch,
+        now_ms: i64,
+        handler: impl FnOnce(&mut Self, &mut Apply<'_>) -> R,
+    ) -> R {
+        let mut deferred = std::mem::take(&mut self.deferred);
+        let out = handler(
+            self,
+            &mut Apply {
+                store,
+                batch,
+                deferred: &mut deferred,
+                now_ms,
+            },
+        );
+        self.deferred = deferred;
+        out
     }
 }
 
@@ -259,6 +335,7 @@ impl GateCore {
                 max_intent_bytes: config.gate.max_intent_bytes,
                 check_partition: config.gate.check_partition,
                 forward_wrong_partition: config.gate.forward_wrong_partition,
+                start_record: config.gate.start_record,
             },
             metrics,
             due: BTreeSet::new(),
@@ -266,6 +343,7 @@ impl GateCore {
             immediate: Vec::new(),
             fast: BTreeMap::new(),
             running: HashMap::new(),
+            deferred: Deferred::default(),
             awaiting_commit: HashMap::new(),
             applied: HashMap::new(),
             unsure: Vec::new(),
@@ -289,12 +367,39 @@ impl GateCore {
     }
 
     /// The lowest intent offset of `partition` whose fast-path answer is still
-    /// awaited: the partition's committed offset must not pass it.
+    /// awaited, or whose deferred step is not settled: the partition's
+    /// committed offset must not pass it.
     pub fn first_unanswered(&self, partition: i32) -> Option<i64> {
-        self.fast
+        let fast = self
+            .fast
             .range((partition, i64::MIN)..=(partition, i64::MAX))
             .next()
-            .map(|((_, o), _)| *o)
+            .map(|((_, o), _)| *o);
+        match (fast, self.deferred.first_offset(partition)) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// A step's record as the next input would see it (a deferred step's
+    /// from memory), for the simulation's checks.
+    #[cfg(test)]
+    pub(crate) fn step_view(
+        &self,
+        store: &StateStore,
+        batch: &Batch,
+        p: i32,
+        step: &StepKey,
+    ) -> Result<Option<StepRecord>, StateError> {
+        match self.deferred.get(p, step) {
+            Some(r) => Ok(Some(r.clone())),
+            None => batch.step(store, p, step),
+        }
+    }
+
+    /// Steps whose call runs with no record written yet (a gauge).
+    pub fn deferred_steps(&self) -> usize {
+        self.deferred.len()
     }
 
     /// Forget everything in memory (a session restarts from committed state),
@@ -305,6 +410,7 @@ impl GateCore {
         self.outs.clear();
         self.immediate.clear();
         self.fast.clear();
+        self.deferred.clear();
         self.applied.clear();
         self.held.clear();
     }
@@ -387,6 +493,7 @@ impl GateCore {
         self.awaiting_commit.retain(|(p, _), _| *p != partition);
         self.due.retain(|(_, p, _)| *p != partition);
         self.fast.retain(|(p, _), _| *p != partition);
+        self.deferred.drop_partition(partition);
         self.applied.remove(&partition);
         self.held.remove(&partition);
     }
@@ -432,6 +539,7 @@ pub const KEPT_UNTIL_RESOLVED: i64 = i64::MAX;
 const MAX_UNSURE: usize = 10_000;
 
 mod command;
+mod deferred;
 mod intent;
 mod outcome;
 mod reject;

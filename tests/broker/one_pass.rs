@@ -286,3 +286,81 @@ async fn a_gate_back_after_another_owned_its_partitions_holds_only_committed_his
     gate_b.kill().unwrap();
     gate_b.wait().unwrap();
 }
+
+/// A keyed step is recorded once, settled (docs/design.md "One record for a
+/// re-runnable step"): while its call runs, the gate holds the partition's
+/// committed offset at its intent and settles later steps past it. A kill -9
+/// then re-reads from the held offset: the step in flight runs again with its
+/// one key (one effect at a provider deduplicating by key), and the steps
+/// answered after it are neither run nor answered again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keyed_call_in_flight_at_a_kill_runs_again_with_its_key_and_nothing_after_it_does() {
+    let mut s = Stack::new(StackOptions {
+        tools: vec![("charge", "keyed", "60s")],
+        ..StackOptions::default()
+    })
+    .await;
+    // The first invocation hangs past the kill; every later one answers at once.
+    s.tools.script(
+        "charge",
+        vec![Reply::Delay(Duration::from_secs(120)), Reply::Ok],
+    );
+    s.start().await;
+    let agent = s.agent();
+    let wf = "wf-held";
+    agent
+        .send(&intent(wf, 1, "charge", json!({"cents": 1}), "held-1"))
+        .await;
+    let tools = s.tools.clone();
+    eventually(WAIT, "the first charge is running", || {
+        tools.count("charge") == 1
+    })
+    .await;
+    // Later steps of the same workflow (the same partition): answered past it.
+    for n in 2..=6 {
+        let r = agent
+            .call(intent(
+                wf,
+                n,
+                "charge",
+                json!({"cents": n}),
+                &format!("held-{n}"),
+            ))
+            .await;
+        assert_eq!(r.status, Status::Ok, "{r:?}");
+    }
+    assert!(
+        agent.answers("held-1").is_empty(),
+        "the first is still running"
+    );
+    s.kill();
+    s.start().await;
+    let r = agent.answer("held-1", WAIT).await;
+    assert_eq!(r.status, Status::Ok, "{r:?}\n{}", s.log());
+    assert!(!r.deduplicated, "{r:?}");
+    // A new step after them all: once it is answered, everything before it in
+    // the partition has been read again.
+    let last = agent
+        .call(intent(wf, 7, "charge", json!({"cents": 7}), "held-7"))
+        .await;
+    assert_eq!(last.status, Status::Ok, "{last:?}");
+    for n in 1..=7 {
+        assert_eq!(
+            agent.answers(&format!("held-{n}")).len(),
+            1,
+            "one answer for held-{n}"
+        );
+    }
+    // Steps 2..6 ran once; step 1 twice (the hung call and its re-run), with
+    // one key: seven effects in eight invocations.
+    assert_eq!(
+        s.tools.count("charge"),
+        8,
+        "{:?}",
+        s.tools.keys_per_step("charge")
+    );
+    for (step, keys) in s.tools.keys_per_step("charge") {
+        assert_eq!(keys.len(), 1, "one key for {step:?}");
+    }
+    assert_eq!(s.tools.effects("charge"), 7);
+}

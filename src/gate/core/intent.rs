@@ -1,6 +1,7 @@
 //! An intent: a new step recorded and started (or answered at once), a
 //! repeat answered from its record or attached to the call in flight.
 
+use super::deferred::RUN_BEFORE_REREAD;
 use super::{Apply, GateCore, Out, at, ms};
 use crate::contract::{
     Address, ApprovalEvent, ApprovalKind, Call, Intent, Rejection, RejectionReason, Texts,
@@ -93,10 +94,17 @@ impl GateCore {
             return Ok(());
         }
         let tool = &self.tools[&intent.tool];
-        if replayed && tool.recorded() {
+        let step = intent.step_key();
+        // Re-read below the watermark: a recorded step's intent was applied,
+        // unless its step was deferred (no record until settled) — then its
+        // call, or a repeat waiting on it, is decided again.
+        // (A decision that rests on a deferred step's record — a repeat
+        // waiting on it, a conflicting call refused — writes the record in
+        // its batch, so a re-read of that intent finds it.)
+        let deferrable = self.defers(tool);
+        if replayed && tool.recorded() && (!deferrable || ax.recorded(p, &step)?) {
             return Ok(());
         }
-        let step = intent.step_key();
         let traceparent = input.traceparent();
         let _span = tracing::info_span!(
             "intent",
@@ -126,6 +134,9 @@ impl GateCore {
             && let Some(ts) = input.timestamp_ms
             && ax.now_ms.saturating_sub(ts) > ms(self.settings.retention)
         {
+            if replayed {
+                return Ok(()); // refused when it was first read
+            }
             let age = Duration::from_millis(ax.now_ms.saturating_sub(ts).max(0) as u64);
             let rejection = Rejection {
                 reason: RejectionReason::Expired,
@@ -142,6 +153,11 @@ impl GateCore {
             && let Some(end) = ax.workflow_end(p, &step.workflow_id)?
             && end.step != step
         {
+            // A deferred step's record is written when a step ending its
+            // workflow begins: re-read with none, it was refused then.
+            if replayed {
+                return Ok(());
+            }
             let message = Texts::workflow_ended(
                 &step.tool,
                 &step.workflow_id,
@@ -211,9 +227,14 @@ impl GateCore {
             None => {
                 decision.decided(new_step);
                 let parent = decision.traceparent();
-                self.begin_step(ax, input, &tool, intent, None, parent)?
+                if deferrable {
+                    self.begin_deferred(ax, input, &tool, intent, replayed, parent);
+                } else {
+                    self.begin_step(ax, input, &tool, intent, None, parent)?
+                }
             }
-            Some(_) if !conflict.is_empty() => {
+            Some(record) if !conflict.is_empty() => {
+                ax.write_deferred(p, &record.step)?;
                 self.metrics.identity_conflict(&step);
                 let rejection = Rejection {
                     reason: RejectionReason::IdentityConflict,
@@ -273,6 +294,10 @@ impl GateCore {
                         }
                     }
                 }
+                // A waiter, or a rephrased copy, of a deferred step is kept
+                // durably: its record is written now (from here on the step
+                // is recorded `started`, as with `gate.start_record`).
+                ax.write_deferred(p, &step)?;
                 ax.put_step(p, &record)?;
             }
         }
@@ -328,6 +353,7 @@ impl GateCore {
             record.settled_through = prev.settled_through;
         }
         if tool.ends_workflow() {
+            ax.write_deferred_of(p, &step.workflow_id)?;
             ax.batch.put_workflow_end(
                 p,
                 &WorkflowEnd {
@@ -355,6 +381,72 @@ impl GateCore {
             self.start(p, &mut record, ax.now_ms, parent);
         }
         ax.put_step(p, &record)
+    }
+
+    /// Whether a tool's new steps are recorded once, settled
+    /// (`core/deferred.rs`): re-running it with the same key is safe, nothing
+    /// but this process runs it (a pool's call is published with its
+    /// record), no person holds it, and it ends no workflow.
+    pub(super) fn defers(&self, tool: &ToolConfig) -> bool {
+        !self.settings.start_record
+            && tool.recorded()
+            && tool.category.rerun_is_safe()
+            && tool.pool.is_none()
+            && !tool.awaits_approval()
+            && !tool.ends_workflow()
+    }
+
+    /// Start a step of a re-runnable tool with no record written: its record
+    /// stays in memory until it settles, and its intent's offset holds the
+    /// partition's committed offset back. Its call starts once the batch
+    /// that decided it has committed (so the offset's `applied` mark says it
+    /// may have run). Re-read (`replayed`), it may have run before — in a
+    /// process that crashed or lost the partition, or in this one before its
+    /// session restarted — and was never heard from: that run is assumed
+    /// ([`RUN_BEFORE_REREAD`]), so a "not performed" of this one alone is
+    /// answered as in doubt.
+    fn begin_deferred(
+        &mut self,
+        ax: &mut Apply<'_>,
+        input: &Input,
+        tool: &ToolConfig,
+        intent: Intent,
+        replayed: bool,
+        parent: Option<String>,
+    ) {
+        let p = input.partition;
+        let reply = input.reply_partition(self.intent_partitions);
+        let step = intent.step_key();
+        let mut record = StepRecord {
+            call_id: intent.call_id,
+            metadata: intent.metadata,
+            traceparent: input.traceparent(),
+            intent_ts_ms: input.timestamp_ms,
+            reply_partition: Some(reply).filter(|r| *r != p),
+            ..StepRecord::new(
+                step.clone(),
+                tool.category,
+                Phase::Started,
+                intent.arguments,
+                p,
+                ax.now_ms,
+                ax.now_ms + ms(self.settings.retention),
+            )
+        };
+        if replayed {
+            // Above any run of this process still going (its outcome is then
+            // a stale dispatch's: evidence, never the answer).
+            let running = self.running.get(&(p, step.clone())).copied();
+            let earlier = running.unwrap_or(RUN_BEFORE_REREAD).max(RUN_BEFORE_REREAD);
+            record.dispatch = earlier + 1;
+            record.open_dispatches = vec![RUN_BEFORE_REREAD];
+            if earlier != RUN_BEFORE_REREAD {
+                record.open_dispatches.push(earlier);
+            }
+        }
+        self.metrics.step_forwarded(&step, tool.category.as_str());
+        self.start(p, &mut record, ax.now_ms, parent);
+        ax.defer_step(p, record, input.offset);
     }
 
     /// Mark a recorded step `started` with its deadline, and invoke its tool

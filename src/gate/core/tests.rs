@@ -85,6 +85,14 @@ impl Fixture {
         outs
     }
 
+    /// A step's record as the gate sees it (a deferred one's, in memory).
+    fn record(&self, step: &StepKey) -> StepRecord {
+        self.core
+            .step_view(&self.store, &Batch::default(), 0, step)
+            .unwrap()
+            .expect("a record")
+    }
+
     fn input(&mut self, topic: &str, payload: Vec<u8>) -> Input {
         self.offset += 1;
         Input {
@@ -174,13 +182,18 @@ fn finished(call: &Call, outcome: Outcome) -> Progress {
 fn a_rephrased_repeat_in_flight_waits_and_gets_the_same_answer() {
     let mut f = Fixture::new();
     let call = call_of(&f.intent(email("c1", "Order confirmed"), 1000));
-    assert_eq!(
-        f.store.step(0, &call.step).unwrap().unwrap().phase,
-        Phase::Started,
-        "`started` is in the batch whose commit precedes the call"
-    );
+    // A keyed step is recorded once settled: while it runs, its record is in
+    // memory and its intent's offset is held back.
+    assert!(f.store.step(0, &call.step).unwrap().is_none());
+    assert_eq!(f.record(&call.step).phase, Phase::Started);
+    assert_eq!(f.core.first_unanswered(0), Some(1));
     let outs = f.intent(email("c2", "Your order is confirmed"), 1100);
     assert!(outs.is_empty(), "a repeat is never run: {outs:?}");
+    // The repeat waits on it durably: the record is written with it.
+    let rec = f.store.step(0, &call.step).unwrap().unwrap();
+    assert_eq!(rec.phase, Phase::Started);
+    assert_eq!(rec.waiters.len(), 1);
+    assert_eq!(f.core.first_unanswered(0), None, "the record holds it now");
     let outs = f.outcome(
         &call,
         Outcome::Ok {
@@ -295,7 +308,7 @@ fn a_stale_dispatch_never_settles_a_re_run_step_and_is_kept_as_evidence() {
         results(&outs).is_empty(),
         "a stale dispatch answers nothing: {outs:?}"
     );
-    let rec = f.store.step(0, &first.step).unwrap().unwrap();
+    let rec = f.record(&first.step);
     assert_eq!(rec.phase, Phase::Started);
     assert_eq!(rec.evidence.len(), 1);
     assert_eq!(
@@ -1171,4 +1184,159 @@ fn a_keyed_pool_call_taken_then_lost_is_dispatched_again_and_never_told_not_perf
             .iter()
             .any(|e| e.dispatch == 1 && e.status == "ok")
     );
+}
+
+/// A keyed step's intent re-read below the applied mark (a crash, a session
+/// restart, the partition moving) with `input`'s offset.
+fn reread(f: &mut Fixture, input: &Input, now: i64) -> Vec<Out> {
+    f.core.reset();
+    f.core
+        .load_partition(&f.store, 0, input.offset + 1, now)
+        .unwrap();
+    f.core.progress_read(0);
+    let mut b = Batch::default();
+    f.core.on_intent(&f.store, &mut b, input, now).unwrap();
+    f.commit(b);
+    f.outs()
+}
+
+#[test]
+fn a_keyed_step_writes_one_record_settled_and_holds_its_offset_until_then() {
+    let mut f = Fixture::new();
+    let input = f.input("intents", email("c1", "x").to_string().into_bytes());
+    let mut b = Batch::default();
+    f.core.on_intent(&f.store, &mut b, &input, 0).unwrap();
+    assert!(
+        b.changelog().is_empty(),
+        "nothing is written before the call: {:?}",
+        b.changelog()
+    );
+    f.commit(b);
+    let call = call_of(&f.outs());
+    assert_eq!(f.core.first_unanswered(0), Some(input.offset));
+    assert_eq!(f.core.deferred_steps(), 1);
+
+    f.core.finished(0, &call.step, call.dispatch);
+    let mut b = Batch::default();
+    let ok = Outcome::Ok {
+        output: json!("sent"),
+    };
+    f.core
+        .on_outcome(&f.store, &mut b, 0, finished(&call, ok), 50)
+        .unwrap();
+    assert_eq!(b.changelog().len(), 1, "one record: the settled step");
+    f.commit(b);
+    let rs = results(&f.outs());
+    assert_eq!((rs.len(), rs[0].status), (1, Status::Ok));
+    assert_eq!(f.core.first_unanswered(0), None, "the offset may move on");
+    assert_eq!(f.core.deferred_steps(), 0);
+    assert_eq!(
+        f.store.step(0, &call.step).unwrap().unwrap().phase,
+        Phase::Completed
+    );
+}
+
+#[test]
+fn a_re_read_keyed_intent_runs_again_with_its_key_and_never_says_not_performed() {
+    let mut f = Fixture::new();
+    let input = f.input("intents", email("c1", "x").to_string().into_bytes());
+    let mut b = Batch::default();
+    f.core.on_intent(&f.store, &mut b, &input, 0).unwrap();
+    f.commit(b);
+    let first = call_of(&f.outs());
+    // The process crashes while the call runs: nothing was written. Its
+    // intent is re-read (the offset was held at it) and run again, with the
+    // same step key (so the same Idempotency-Key) and a higher dispatch.
+    let again = call_of(&reread(&mut f, &input, 100));
+    assert_eq!(again.step, first.step);
+    assert_eq!(again.step.idempotency_key(), first.step.idempotency_key());
+    assert_eq!(again.dispatch, 2);
+    // The run before the crash may have acted: this run's "not performed"
+    // alone is not the whole truth.
+    let rs = results(&f.outcome(&again, refused(), 200));
+    assert_eq!(rs.len(), 1);
+    assert_eq!(rs[0].status, Status::InDoubt, "{:?}", rs[0]);
+    // Re-read once more after it settled: answered already, nothing to do.
+    let outs = reread(&mut f, &input, 300);
+    assert!(outs.is_empty(), "{outs:?}");
+}
+
+#[test]
+fn a_re_read_keyed_step_settles_with_its_ok_and_a_fresh_one_says_not_performed() {
+    let mut f = Fixture::new();
+    let input = f.input("intents", email("c1", "x").to_string().into_bytes());
+    let mut b = Batch::default();
+    f.core.on_intent(&f.store, &mut b, &input, 0).unwrap();
+    f.commit(b);
+    let again = call_of(&reread(&mut f, &input, 100));
+    let rs = results(&f.outcome(
+        &again,
+        Outcome::Ok {
+            output: json!("sent once"),
+        },
+        200,
+    ));
+    assert_eq!((rs.len(), rs[0].status), (1, Status::Ok));
+    // A step read for the first time was run by nobody before: its "not
+    // performed" is told as it is.
+    let call = call_of(&f.intent(
+        json!({"workflow_id": "wf", "step_index": 2, "tool": "send_email",
+            "arguments": {"subject": "y"}, "call_id": "c2"}),
+        300,
+    ));
+    let rs = results(&f.outcome(&call, refused(), 400));
+    assert_eq!(rs[0].status, Status::Error);
+    assert_eq!(rs[0].error.as_ref().unwrap().kind, "tool_refused");
+}
+
+#[test]
+fn a_repeat_re_read_after_its_step_settled_is_not_answered_twice() {
+    let mut f = Fixture::new();
+    let first = f.input("intents", email("c1", "x").to_string().into_bytes());
+    let mut b = Batch::default();
+    f.core.on_intent(&f.store, &mut b, &first, 0).unwrap();
+    f.commit(b);
+    let call = call_of(&f.outs());
+    let repeat = f.input("intents", email("c2", "x again").to_string().into_bytes());
+    let mut b = Batch::default();
+    f.core.on_intent(&f.store, &mut b, &repeat, 10).unwrap();
+    f.commit(b);
+    let rs = results(&f.outcome(&call, Outcome::Ok { output: json!(1) }, 20));
+    assert_eq!(rs.len(), 2, "the caller and the waiting repeat");
+    // Both re-read (the committed offset lagged): both were answered.
+    f.core.reset();
+    f.core
+        .load_partition(&f.store, 0, repeat.offset + 1, 30)
+        .unwrap();
+    let mut b = Batch::default();
+    for input in [&first, &repeat] {
+        f.core.on_intent(&f.store, &mut b, input, 30).unwrap();
+    }
+    assert!(b.changelog().is_empty());
+    let outs = f.outs();
+    assert!(outs.is_empty(), "{outs:?}");
+}
+
+#[test]
+fn start_record_keeps_the_started_record_before_the_call() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = StateStore::open(dir.path()).unwrap();
+    let config = Config::from_toml_str(
+        &CONFIG.replace("[gate]\n", "[gate]\nstart_record = true\n"),
+        Vec::new(),
+    )
+    .unwrap();
+    let mut f = Fixture {
+        core: GateCore::new(&config, Arc::new(Metrics::new())),
+        store,
+        _dir: dir,
+        offset: 0,
+    };
+    let call = call_of(&f.intent(email("c1", "x"), 0));
+    assert_eq!(
+        f.store.step(0, &call.step).unwrap().unwrap().phase,
+        Phase::Started,
+        "`started` is in the batch whose commit precedes the call"
+    );
+    assert_eq!(f.core.first_unanswered(0), None);
 }
