@@ -1,8 +1,11 @@
 """stepgate beside the durable-execution engines agent teams pick instead:
 Restate (a service journaling the tool call with `ctx.run`, invoked with the
-step key as its idempotency key) and DBOS Transact on PostgreSQL (a workflow per
-tool call, the step key as its workflow id). Each calls the same HTTP no-op tool
-(tool.py), which counts raw invocations and deduplicates by key.
+step key as its idempotency key; once with Restate's Python SDK, `restate`, and
+once with its TypeScript SDK on Node, `restate-ts`, each with its own
+restate-server) and DBOS Transact on PostgreSQL (a workflow per tool call, the
+step key as its workflow id). Each calls the same HTTP no-op tool (tool.py),
+which counts raw invocations and deduplicates by key. `--systems` picks which
+run (default: all four).
 
 Measured for each engine, the same way (an agent calling over loopback HTTP):
   - sequential: one call at a time, nothing else running — N new steps, then N
@@ -207,6 +210,7 @@ class Dbos:
 class Restate:
     """restate-server, and the Python service (hypercorn) running each call."""
     name = "Restate"
+    log_name = "restate-service.log"
 
     def __init__(self, work, tool, peers):
         self.work, self.tool, self.peers = work, tool, peers
@@ -231,7 +235,7 @@ class Restate:
         self.svc_port = port or free_port()
         self.svc = spawn([peers_hypercorn(self.peers), "--bind", f"127.0.0.1:{self.svc_port}",
                           "--workers", "1", "restate_service:app"],
-                         open(os.path.join(self.work, "restate-service.log"), "a"),
+                         open(os.path.join(self.work, self.log_name), "a"),
                          env={"TOOL_URL": self.tool.url, "PYTHONPATH": HERE})
         wait_port(self.svc_port, what="the Restate service")
 
@@ -255,6 +259,23 @@ class Restate:
     def stop(self):
         kill9(self.svc)
         kill9(self.server)
+
+
+class RestateTs(Restate):
+    """restate-server, and the same service written with Restate's TypeScript
+    SDK (restate_ts/service.mjs on Node, HTTP/2 cleartext) running each call;
+    started, registered, called, killed and restarted as the Python one."""
+    name = "Restate (TypeScript SDK)"
+    log_name = "restate-ts-service.log"
+
+    def start_service(self, port=None):
+        self.svc_port = port or free_port()
+        # RESTATE_LOGGING=WARN: the SDK logs each invocation at INFO by default;
+        # the Python SDK's are below Python's default level (WARNING), unwritten.
+        self.svc = spawn([self.peers["node"], self.peers["restate_ts_service"], str(self.svc_port)],
+                         open(os.path.join(self.work, self.log_name), "a"),
+                         env={"TOOL_URL": self.tool.url, "RESTATE_LOGGING": "WARN"})
+        wait_port(self.svc_port, what="the Restate TypeScript service")
 
 
 def peers_hypercorn(peers):
@@ -441,7 +462,8 @@ def cut_off(system, tool, tool_kind):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--systems", default="restate,dbos,stepgate")
+    ap.add_argument("--systems", default="restate,restate-ts,dbos,stepgate",
+                    help="comma-separated, of restate, restate-ts, dbos, stepgate")
     ap.add_argument("--sequential", type=int, default=200)
     ap.add_argument("--paced-rate", type=int, default=1000)
     ap.add_argument("--paced-seconds", type=int, default=10)
@@ -472,11 +494,13 @@ def main():
                 system = Dbos(sub, tool, peers)
             elif name == "restate":
                 system = Restate(sub, tool, peers)
+            elif name == "restate-ts":
+                system = RestateTs(sub, tool, peers)
             else:
                 system = Stepgate(sub, tool, peers, a.stepgate_bin, a.brokers)
             r = {"name": system.name}
             try:
-                # One Python caller, one call at a time, for all three (stepgate
+                # One Python caller, one call at a time, for all of them (stepgate
                 # through its Python client); loads: the engines here, stepgate's
                 # from stepgate-bench (its Python client makes one call at a time).
                 tool.reset()

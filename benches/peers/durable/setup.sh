@@ -2,7 +2,10 @@
 # Installs the durable-execution peers of benches/peers/durable/run.py, as a new
 # user would, from the package registries: PostgreSQL (Debian's package, for
 # DBOS), a Python venv with dbos, restate-sdk, hypercorn and confluent-kafka, and
-# the Restate server (npm's @restatedev/restate-server, a prebuilt binary).
+# the Restate server (npm's @restatedev/restate-server, a prebuilt binary), and
+# the TypeScript-SDK Restate service (restate_ts/: its package.json and
+# service.mjs are copied to $dir/restate_ts and its dependencies installed there,
+# not in the repo).
 # Prints the directory it installed into (peers.json there names the pieces).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -29,9 +32,19 @@ if [[ ! -x "$dir/node/node_modules/@restatedev/restate-server-linux-x64/bin/rest
   mkdir -p "$dir/node"
   (cd "$dir/node" && npm install --silent --no-audit --no-fund "@restatedev/restate-server@1.7.12" >&2)
 fi
+node="$(command -v node)" || { echo "setup.sh: node is needed" >&2; exit 1; }
+ts="$dir/restate_ts"
+mkdir -p "$ts"
+if ! cmp -s "$here/restate_ts/package.json" "$ts/package.json" \
+    || [[ ! -f "$ts/node_modules/@restatedev/restate-sdk/package.json" ]]; then
+  cp "$here/restate_ts/package.json" "$ts/package.json"
+  (cd "$ts" && npm install --silent --no-audit --no-fund >&2) || { rm -f "$ts/package.json"; exit 1; }
+fi
+cp "$here/restate_ts/service.mjs" "$ts/service.mjs"  # beside its node_modules
 server="$(find "$dir/node/node_modules/@restatedev" -path '*/bin/restate-server' -type f | head -1)"
 cat > "$dir/peers.json" <<JSON
 {"python": "$dir/venv/bin/python", "restate_server": "$server",
+ "node": "$node", "restate_ts_service": "$ts/service.mjs",
  "stepgate_client": "$repo/clients/python"}
 JSON
 echo "$dir"
