@@ -5,7 +5,7 @@
 # inline and calling the HTTP tool, on one workload; the sequential mode, one
 # call at a time; then stepgate with 1 M and 10 M step records in its state).
 #
-#   benches/bench.sh                 # full size (~25 min on 2 cores, release build warm; ~14 with DURABLE=0)
+#   benches/bench.sh                 # full size (~27 min on 2 cores, release build warm; ~14 with DURABLE=0)
 #   benches/bench.sh quick           # small sizes (~4 min), to check the setup
 #   benches/bench.sh [quick] --intents 50000 ...   # any stepgate-bench option
 #   benches/bench.sh cluster [quick]  # stepgate and the passthrough on one node (replication
@@ -16,7 +16,7 @@
 # Env: KAFKA_BROKERS (default: the local broker deploy/local/kafka.sh starts),
 # CARGO_TARGET_DIR, BENCH_JSON (where the figures go as JSON; default
 # /tmp/stepgate-bench.json), PERF=1 (profile stepgate's flood with perf record),
-# DURABLE=0 (skip the Restate/DBOS peers), DURABLE_JSON (their figures; default
+# DURABLE=0 (skip the Restate (Python and TypeScript SDKs) and DBOS peers), DURABLE_JSON (their figures; default
 # /tmp/stepgate-durable.json), STEPGATE_BENCH_RUN_ID (the run's id).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -76,7 +76,8 @@ fi
 
 "$target/release/stepgate-bench" all --fast-path --json "${BENCH_JSON:-/tmp/stepgate-bench.json}" "${args[@]}" "$@"
 
-# The durable-execution engines (Restate, DBOS on PostgreSQL) beside stepgate,
+# The durable-execution engines (Restate with its Python and TypeScript SDKs,
+# DBOS on PostgreSQL) beside stepgate,
 # and what each does with a call cut off by kill -9 (issue #17). DURABLE=0 skips.
 if [[ "${DURABLE:-1}" != 0 ]]; then
     durable=(--sequential 200 --paced-rate 1000 --paced-seconds 10 --flood 5000)

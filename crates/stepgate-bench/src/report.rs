@@ -581,9 +581,22 @@ impl Report {
                 .iter()
                 .map(|(t, n)| format!("{t} {n:.2}"))
                 .collect();
+            // Durable writes per new step: the flood's changelog records over
+            // its new steps (intents received less repeats, from /metrics).
+            let new_steps = r
+                .gate
+                .as_ref()
+                .map_or(0.0, |g| g.intents_received - g.repeats);
+            let per_step = match r.records_per_intent.get("changelog") {
+                Some(c) if new_steps > 0.0 && *c > 0.0 => format!(
+                    "; changelog records per new step: **{:.2}**",
+                    c * r.flood_intents as f64 / new_steps
+                ),
+                _ => String::new(),
+            };
             let _ = writeln!(
                 o,
-                "- {} {}: **{total:.2}** ({})",
+                "- {} {}: **{total:.2}** ({}){per_step}",
                 r.system,
                 r.mode,
                 parts.join(", ")
