@@ -12,6 +12,14 @@ use crate::state::{FastEntry, NotWaiting, Phase, StateError, StepRecord, Waiter,
 use crate::tools::ToolConfig;
 use std::time::Duration;
 
+/// The largest intent whose step is recorded once, settled. Its record is
+/// written only after the call, so a record the changelog refuses (its
+/// `max.message.bytes` lowered below it after the gate started) would be
+/// refused after the effect; far under any topic's limit (Kafka's default is
+/// 1 MiB, `stepgate topics create` sets 4 MiB) that cannot happen, and a
+/// larger step is recorded `started` first, refused before its call.
+pub(super) const DEFER_MAX_INTENT_BYTES: usize = 4 * 1024;
+
 impl GateCore {
     /// An intent from an agent.
     pub(super) fn apply_intent(
@@ -101,7 +109,7 @@ impl GateCore {
         // (A decision that rests on a deferred step's record — a repeat
         // waiting on it, a conflicting call refused — writes the record in
         // its batch, so a re-read of that intent finds it.)
-        let deferrable = self.defers(tool);
+        let deferrable = self.defers(tool, payload.len());
         if replayed && tool.recorded() && (!deferrable || ax.recorded(p, &step)?) {
             return Ok(());
         }
@@ -134,9 +142,8 @@ impl GateCore {
             && let Some(ts) = input.timestamp_ms
             && ax.now_ms.saturating_sub(ts) > ms(self.settings.retention)
         {
-            if replayed {
-                return Ok(()); // refused when it was first read
-            }
+            // (Re-read, it may be a deferred step whose gate was down past
+            // the retention: dead-lettered as on a first read, not answered.)
             let age = Duration::from_millis(ax.now_ms.saturating_sub(ts).max(0) as u64);
             let rejection = Rejection {
                 reason: RejectionReason::Expired,
@@ -383,12 +390,14 @@ impl GateCore {
         ax.put_step(p, &record)
     }
 
-    /// Whether a tool's new steps are recorded once, settled
-    /// (`core/deferred.rs`): re-running it with the same key is safe, nothing
-    /// but this process runs it (a pool's call is published with its
-    /// record), no person holds it, and it ends no workflow.
-    pub(super) fn defers(&self, tool: &ToolConfig) -> bool {
+    /// Whether a tool's new step, from an intent of `intent_bytes`, is
+    /// recorded once, settled (`core/deferred.rs`): re-running it with the
+    /// same key is safe, nothing but this process runs it (a pool's call is
+    /// published with its record), no person holds it, it ends no workflow,
+    /// and its record is small ([`DEFER_MAX_INTENT_BYTES`]).
+    pub(super) fn defers(&self, tool: &ToolConfig, intent_bytes: usize) -> bool {
         !self.settings.start_record
+            && intent_bytes <= DEFER_MAX_INTENT_BYTES
             && tool.recorded()
             && tool.category.rerun_is_safe()
             && tool.pool.is_none()
