@@ -151,6 +151,11 @@ impl<'a> Apply<'a> {
         self.batch.delete_step(self.store, p, step)
     }
 
+    /// A deferred step's record (in memory), if the step is deferred.
+    fn deferred_step(&self, p: i32, step: &StepKey) -> Option<StepRecord> {
+        self.deferred.get(p, step).cloned()
+    }
+
     /// A step's record whose call may run before anything is written: its
     /// intent (at `offset`) holds the partition's committed offset back.
     fn defer_step(&mut self, p: i32, record: StepRecord, offset: i64) {
@@ -395,6 +400,13 @@ impl GateCore {
             Some(r) => Ok(Some(r.clone())),
             None => batch.step(store, p, step),
         }
+    }
+
+    /// Whether a step's record is deferred (in memory only), for the
+    /// simulation's checks.
+    #[cfg(test)]
+    pub(crate) fn is_deferred(&self, p: i32, step: &StepKey) -> bool {
+        self.deferred.contains(p, step)
     }
 
     /// Steps whose call runs with no record written yet (a gauge).

@@ -52,6 +52,23 @@ impl GateCore {
         if progress.fast_ref.is_some() {
             return Ok(());
         }
+        // A deferred step's runs are numbered afresh each time its intent is
+        // re-read (`core/deferred.rs`): a report handed over on `progress` is
+        // of a run of another reading, whatever its number — evidence (an
+        // outcome it had), never this run's end, and it closes no run.
+        if let Some(mut record) = ax.deferred_step(input.partition, &progress.step) {
+            if let ProgressEvent::Finished { outcome } = progress.event {
+                self.keep_evidence(
+                    &mut record,
+                    progress.dispatch,
+                    outcome,
+                    "earlier_reading",
+                    ax.now_ms,
+                );
+                ax.put_step(input.partition, &record)?;
+            }
+            return Ok(());
+        }
         self.apply_outcome(ax, input.partition, progress)
     }
 

@@ -282,6 +282,8 @@ struct Counts {
     /// Outcomes of a deferred step whose record was lost with its process's
     /// memory (its intent re-read later).
     outcomes_before_reread: u64,
+    /// Reports on `progress` that reached a deferred step (evidence only).
+    handed_to_deferred: u64,
     /// Intents of deferred steps decided again (re-read below the mark).
     reread: u64,
     not_invoked: u64,
@@ -301,6 +303,7 @@ impl Counts {
         self.outcomes += o.outcomes;
         self.stale_outcomes += o.stale_outcomes;
         self.outcomes_before_reread += o.outcomes_before_reread;
+        self.handed_to_deferred += o.handed_to_deferred;
         self.reread += o.reread;
         self.not_invoked += o.not_invoked;
         self.answers += o.answers;
@@ -1067,10 +1070,18 @@ impl World {
                     .core
                     .step_view(&pr.store, &pr.open.batch, p, &progress.step)
                     .map_err(state_err)?;
+                // A deferred step takes a handed-over report as evidence of
+                // another reading's run only (its runs are numbered afresh).
+                let deferred = pr.core.is_deferred(p, &progress.step);
                 pr.core
                     .on_progress(&pr.store, &mut pr.open.batch, &input, now)
                     .map_err(state_err)?;
-                self.outcome_taken(x, p, &progress, before)?;
+                if deferred {
+                    self.counts.outcomes += 1;
+                    self.counts.handed_to_deferred += 1;
+                } else {
+                    self.outcome_taken(x, p, &progress, before)?;
+                }
                 self.progress_caught_up(x, p);
             }
         }
@@ -1916,7 +1927,7 @@ fn the_gate_keeps_the_contract_under_random_schedules() {
     let keep_going = std::env::var_os("STEPGATE_SIM_KEEP_GOING").is_some();
     let (counts, failure) = run_seeds(seeds.iter().copied(), steps, keep_going);
     let summary = format!(
-        "gate simulation: {} seeds × {steps} steps ({} steps in all) in {:.1?}: {} intents, {} invocations, {} outcomes ({} of an older dispatch, {} not invoked, {} before their deferred step's intent was re-read), {} intents re-read below the applied mark, {} answers, {} operator commands, {} crashes, {} rebalances, {} failed commits; contract carries not_invoked: {}, command run: {}",
+        "gate simulation: {} seeds × {steps} steps ({} steps in all) in {:.1?}: {} intents, {} invocations, {} outcomes ({} of an older dispatch, {} not invoked, {} before their deferred step's intent was re-read, {} handed over to a deferred step), {} intents re-read below the applied mark, {} answers, {} operator commands, {} crashes, {} rebalances, {} failed commits; contract carries not_invoked: {}, command run: {}",
         counts.seeds,
         counts.steps,
         started.elapsed(),
@@ -1926,6 +1937,7 @@ fn the_gate_keeps_the_contract_under_random_schedules() {
         counts.stale_outcomes,
         counts.not_invoked,
         counts.outcomes_before_reread,
+        counts.handed_to_deferred,
         counts.reread,
         counts.answers,
         counts.commands,
