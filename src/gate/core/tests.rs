@@ -53,9 +53,20 @@ struct Fixture {
 
 impl Fixture {
     fn new() -> Self {
+        Self::with_config(CONFIG)
+    }
+
+    /// With `gate.start_record`: keyed steps recorded `started` before their
+    /// call, as the tests of outcomes handed over on `progress` by a process
+    /// that ran them need (a deferred step takes those as evidence only).
+    fn started_first() -> Self {
+        Self::with_config(&CONFIG.replace("[gate]\n", "[gate]\nstart_record = true\n"))
+    }
+
+    fn with_config(toml: &str) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let store = StateStore::open(dir.path()).unwrap();
-        let config = Config::from_toml_str(CONFIG, Vec::new()).unwrap();
+        let config = Config::from_toml_str(toml, Vec::new()).unwrap();
         Fixture {
             core: GateCore::new(&config, Arc::new(Metrics::new())),
             store,
@@ -276,7 +287,7 @@ fn an_unkeyed_step_past_its_deadline_is_in_doubt_not_rerun() {
 
 #[test]
 fn a_keyed_step_past_its_deadline_is_forwarded_again_with_the_same_key() {
-    let mut f = Fixture::new();
+    let mut f = Fixture::started_first();
     let call = call_of(&f.intent(email("c1", "x"), 0));
     let again = call_of(&f.tick(3001));
     assert_eq!(again.step, call.step);
@@ -298,7 +309,7 @@ fn refused() -> Outcome {
 
 #[test]
 fn a_stale_dispatch_never_settles_a_re_run_step_and_is_kept_as_evidence() {
-    let mut f = Fixture::new();
+    let mut f = Fixture::started_first();
     let first = call_of(&f.intent(email("c1", "x"), 0));
     let second = call_of(&f.tick(3001));
     assert_eq!(second.dispatch, 2);
@@ -337,7 +348,7 @@ fn a_stale_dispatch_never_settles_a_re_run_step_and_is_kept_as_evidence() {
 
 #[test]
 fn not_performed_from_a_re_run_while_an_earlier_run_is_unaccounted_for_is_in_doubt() {
-    let mut f = Fixture::new();
+    let mut f = Fixture::started_first();
     call_of(&f.intent(email("c1", "x"), 0));
     let second = call_of(&f.tick(3001));
     // Dispatch 1 never reports (its process is gone); dispatch 2 is refused.
@@ -351,7 +362,7 @@ fn not_performed_from_a_re_run_while_an_earlier_run_is_unaccounted_for_is_in_dou
 fn not_performed_after_an_earlier_run_reported_it_ran_is_in_doubt() {
     // Found by the simulation (seed 0x5eed002a): run 1 reported `ok` late,
     // as evidence; run 2 of the same key found the tool unreachable.
-    let mut f = Fixture::new();
+    let mut f = Fixture::started_first();
     let first = call_of(&f.intent(email("c1", "x"), 0));
     let second = call_of(&f.tick(3001));
     assert!(
@@ -1319,19 +1330,7 @@ fn a_repeat_re_read_after_its_step_settled_is_not_answered_twice() {
 
 #[test]
 fn start_record_keeps_the_started_record_before_the_call() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = StateStore::open(dir.path()).unwrap();
-    let config = Config::from_toml_str(
-        &CONFIG.replace("[gate]\n", "[gate]\nstart_record = true\n"),
-        Vec::new(),
-    )
-    .unwrap();
-    let mut f = Fixture {
-        core: GateCore::new(&config, Arc::new(Metrics::new())),
-        store,
-        _dir: dir,
-        offset: 0,
-    };
+    let mut f = Fixture::started_first();
     let call = call_of(&f.intent(email("c1", "x"), 0));
     assert_eq!(
         f.store.step(0, &call.step).unwrap().unwrap().phase,
@@ -1339,4 +1338,28 @@ fn start_record_keeps_the_started_record_before_the_call() {
         "`started` is in the batch whose commit precedes the call"
     );
     assert_eq!(f.core.first_unanswered(0), None);
+}
+
+#[test]
+fn a_report_handed_over_to_a_deferred_step_is_evidence_only() {
+    // Its runs are numbered afresh at each reading: a "not invoked" of run 2
+    // of an earlier reading must not be taken for this reading's run 2.
+    let mut f = Fixture::new();
+    let input = f.input("intents", email("c1", "x").to_string().into_bytes());
+    let mut b = Batch::default();
+    f.core.on_intent(&f.store, &mut b, &input, 0).unwrap();
+    f.commit(b);
+    let mine = call_of(&reread(&mut f, &input, 100));
+    assert_eq!(mine.dispatch, 2);
+    let outs = f.progress(not_invoked(&mine), 200);
+    assert!(outs.is_empty(), "not re-run, not answered: {outs:?}");
+    let outs = f.progress(finished(&mine, refused()), 300);
+    assert!(results(&outs).is_empty(), "{outs:?}");
+    let rec = f.record(&mine.step);
+    assert_eq!(rec.dispatch, 2);
+    assert_eq!(rec.evidence.len(), 1, "{rec:?}");
+    assert_eq!(rec.evidence[0].why, "earlier_reading");
+    // This reading's own run settles it.
+    let rs = results(&f.outcome(&mine, Outcome::Ok { output: json!(1) }, 400));
+    assert_eq!((rs.len(), rs[0].status), (1, Status::Ok));
 }
