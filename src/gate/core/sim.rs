@@ -39,6 +39,11 @@
 //!   `STEPGATE_SIM_SLOW_COMMITS=1` — batches may stay open or committing past
 //!   the tools' deadlines (see [`COMMIT_WITHIN_MS`]).
 //!
+//! The keyed tool (`charge`) takes the one-record path (`core/deferred.rs`):
+//! the committed intents offset is held at its unsettled steps and the
+//! `applied` mark kept as the offset's metadata, so crashes, session restarts
+//! and rebalances re-read its intents (counted in the summary line).
+//!
 //! Not simulated: fast-path tools (they record nothing), retention purges, a
 //! frozen process that writes after it was fenced.
 
