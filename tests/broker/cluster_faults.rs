@@ -251,7 +251,7 @@ impl Run {
             let sent = self.load.sent();
             if sent[..self.sent_at_fault]
                 .iter()
-                .all(|c| a.contains_key(&c.id))
+                .all(|c| self.load.settled(&c.id, &a))
             {
                 self.cleared_at = Some(Instant::now());
             }
@@ -303,7 +303,10 @@ impl Run {
     async fn why_unanswered(&self, n: usize) -> String {
         let seen = answers(&self.results);
         let calls: Vec<Call> = self.load.sent().into_iter().take(n).collect();
-        let missing: Vec<&Call> = calls.iter().filter(|c| !seen.contains_key(&c.id)).collect();
+        let missing: Vec<&Call> = calls
+            .iter()
+            .filter(|c| !self.load.settled(&c.id, &seen))
+            .collect();
         let fresh = TopicReader::new(&self.s.config.kafka.brokers, &self.s.topic("results"));
         let total = seen.values().map(Vec::len).sum::<usize>();
         wait_until(Duration::from_secs(30), || fresh.all().len() >= total).await;
@@ -339,8 +342,14 @@ impl Run {
         }
         if !caught_up {
             let why = self.why_unanswered(sent_until_back).await;
+            // The whole log and the gate's metrics, kept for whoever looks.
+            let keep = std::env::temp_dir().join(format!("stepgate-faults-{}", self.s.prefix));
+            let _ = std::fs::create_dir_all(&keep);
+            let _ = std::fs::write(keep.join("gate.log"), self.s.log());
+            let _ = std::fs::write(keep.join("metrics.txt"), self.s.metrics().await);
             panic!(
-                "{scenario}: stepgate answers everything sent until the cluster was whole again\n{why}\nlog (tail):\n{}",
+                "{scenario}: stepgate answers everything sent until the cluster was whole again\n{why}\n(the gate's log and metrics kept in {})\nlog (tail):\n{}",
+                keep.display(),
                 self.s.log_tail(120)
             );
         }

@@ -261,7 +261,7 @@ async fn a_zombie_gate_is_fenced() {
     let settled = wait_until(WAIT, || {
         let a = answers(&results);
         stopped_at.elapsed() > Duration::from_secs(12)
-            && before_stop.iter().all(|c| a.contains_key(&c.id))
+            && before_stop.iter().all(|c| load.settled(&c.id, &a))
     })
     .await;
     if !settled {
@@ -373,7 +373,7 @@ async fn the_broker_killed_under_load() {
         let missing: Vec<String> = load
             .sent()
             .iter()
-            .filter(|c| !a.contains_key(&c.id))
+            .filter(|c| !load.settled(&c.id, &a))
             .map(|c| format!("{} ({} step {})", c.id, c.wf, c.step))
             .collect();
         let metrics = s.metrics().await;

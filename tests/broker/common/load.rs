@@ -1,8 +1,9 @@
 //! The load of the fault tests (`tests/broker/faults.rs`, `tests/broker/cluster_faults.rs`):
 //! an agent publishing `keyed` and `unkeyed` intents at a steady pace (some
-//! rephrased repeats in flight), the duplicate-effect counts at the tool, and
-//! the settlement that checks every `call_id` answered exactly once and prints
-//! one `FAULTS |` summary line.
+//! rephrased repeats in flight; an intent whose delivery its producer reports
+//! failed sent again as a new call, as an agent would), the duplicate-effect
+//! counts at the tool, and the settlement that checks every `call_id` answered
+//! exactly once and prints one `FAULTS |` summary line.
 
 use super::*;
 use rdkafka::config::ClientConfig;
@@ -103,6 +104,42 @@ pub fn agent_producer(brokers: &str) -> FutureProducer {
         .unwrap()
 }
 
+/// One intent of the load, as the agent publishes it (again, if need be).
+#[derive(Clone)]
+struct Sent {
+    wf: String,
+    step: u64,
+    tool: &'static str,
+    args: serde_json::Value,
+}
+
+impl Sent {
+    /// Publish it as call `id` (noted in `calls` first), waiting while the
+    /// producer's queue is full (the broker away), in order.
+    async fn publish(
+        &self,
+        producer: &FutureProducer,
+        topic: &str,
+        id: &str,
+        calls: &Mutex<Vec<Call>>,
+    ) -> rdkafka::producer::DeliveryFuture {
+        let payload = intent(&self.wf, self.step, self.tool, self.args.clone(), id).to_string();
+        calls.lock().unwrap().push(Call {
+            id: id.to_owned(),
+            wf: self.wf.clone(),
+            step: self.step,
+            tool: self.tool,
+            sent: Instant::now(),
+        });
+        loop {
+            match producer.send_result(FutureRecord::to(topic).key(&self.wf).payload(&payload)) {
+                Ok(f) => return f,
+                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        }
+    }
+}
+
 /// An agent publishing intents at a steady pace until stopped.
 pub struct Load {
     pub started: Instant,
@@ -110,6 +147,8 @@ pub struct Load {
     pub undelivered: Arc<AtomicUsize>,
     /// The delivery errors the agent's producer reported: (call id, error).
     pub delivery_errors: Arc<Mutex<Vec<(String, String)>>>,
+    /// A call whose delivery failed → the call the agent sent again for it.
+    pub resent: Arc<Mutex<HashMap<String, String>>>,
     pub stop: Arc<AtomicBool>,
     pub task: Option<tokio::task::JoinHandle<()>>,
 }
@@ -122,11 +161,13 @@ impl Load {
         let calls = Arc::new(Mutex::new(Vec::new()));
         let undelivered = Arc::new(AtomicUsize::new(0));
         let delivery_errors = Arc::new(Mutex::new(Vec::new()));
+        let resent = Arc::new(Mutex::new(HashMap::new()));
         let stop = Arc::new(AtomicBool::new(false));
-        let (c, u, errs, st, topic, tag) = (
+        let (c, u, errs, rs, st, topic, tag) = (
             calls.clone(),
             undelivered.clone(),
             delivery_errors.clone(),
+            resent.clone(),
             stop.clone(),
             intents.to_owned(),
             tag.to_owned(),
@@ -148,32 +189,40 @@ impl Load {
                     send.push((format!("{id}-r"), json!({"n": n, "again": true})));
                 }
                 for (id, args) in send {
-                    let payload = intent(&wf, step, tool, args, &id).to_string();
-                    c.lock().unwrap().push(Call {
-                        id: id.clone(),
+                    let record = Sent {
                         wf: wf.clone(),
                         step,
                         tool,
-                        sent: Instant::now(),
-                    });
-                    let fut = loop {
-                        match producer
-                            .send_result(FutureRecord::to(&topic).key(&wf).payload(&payload))
-                        {
-                            Ok(f) => break f,
-                            // Queue full (the broker is away): wait, keep order.
-                            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
-                        }
+                        args,
                     };
-                    let (u, errs, id) = (u.clone(), errs.clone(), id.clone());
+                    let fut = record.publish(&producer, &topic, &id, &c).await;
+                    let (u, errs, c, producer, topic, resent) = (
+                        u.clone(),
+                        errs.clone(),
+                        c.clone(),
+                        producer.clone(),
+                        topic.clone(),
+                        rs.clone(),
+                    );
                     tokio::spawn(async move {
-                        let error = match fut.await {
-                            Ok(Ok(_)) => return,
-                            Ok(Err((e, _))) => e.to_string(),
-                            Err(_) => "the delivery report was dropped".to_owned(),
-                        };
-                        u.fetch_add(1, Ordering::SeqCst);
-                        errs.lock().unwrap().push((id, error));
+                        let (mut fut, mut this) = (fut, id.clone());
+                        for again in 1.. {
+                            let error = match fut.await {
+                                Ok(Ok(_)) => return,
+                                Ok(Err((e, _))) => e.to_string(),
+                                Err(_) => "the delivery report was dropped".to_owned(),
+                            };
+                            u.fetch_add(1, Ordering::SeqCst);
+                            errs.lock().unwrap().push((this.clone(), error));
+                            // Told its intent was not delivered (it may have
+                            // been: a purged in-flight request can have been
+                            // written), the agent sends the step again as a
+                            // new call, as a model's retry would.
+                            let next = format!("{id}-resent{again}");
+                            resent.lock().unwrap().insert(this, next.clone());
+                            this = next;
+                            fut = record.publish(&producer, &topic, &this, &c).await;
+                        }
                     });
                 }
                 n += 1;
@@ -185,6 +234,7 @@ impl Load {
             calls,
             undelivered,
             delivery_errors,
+            resent,
             stop,
             task: Some(task),
         }
@@ -192,6 +242,22 @@ impl Load {
 
     pub fn sent(&self) -> Vec<Call> {
         self.calls.lock().unwrap().clone()
+    }
+
+    /// Whether `id` is answered, or was re-sent by the agent (its delivery
+    /// failed) and that call is.
+    pub fn settled(&self, id: &str, a: &HashMap<String, Vec<ToolResult>>) -> bool {
+        let resent = self.resent.lock().unwrap();
+        let mut id = id;
+        loop {
+            if a.contains_key(id) {
+                return true;
+            }
+            match resent.get(id) {
+                Some(next) => id = next,
+                None => return false,
+            }
+        }
     }
 
     pub async fn stop(&mut self) {
@@ -225,7 +291,7 @@ pub fn in_flight(load: &Load, results: &TopicReader) -> usize {
     let a = answers(results);
     load.sent()
         .iter()
-        .filter(|c| !a.contains_key(&c.id))
+        .filter(|c| !load.settled(&c.id, &a))
         .count()
 }
 
@@ -281,6 +347,10 @@ impl Summary {
             if self.running { "yes" } else { "NO" },
             self.extra,
         );
+        // Printed before the asserts: a failure's message may be cut short.
+        for v in self.violations.iter().take(12) {
+            println!("FAULTS violation | {v}");
+        }
         assert_eq!(
             self.lost, 0,
             "{}: intents lost: {:?}",
@@ -324,7 +394,7 @@ pub async fn settle(
     let calls = load.sent();
     let all_answered = wait_until(Duration::from_secs(240), || {
         let a = answers(results);
-        calls.iter().all(|c| a.contains_key(&c.id))
+        calls.iter().all(|c| load.settled(&c.id, &a))
     })
     .await;
     // A window for late duplicates (e.g. a zombie's) to show; passing never
@@ -336,8 +406,14 @@ pub async fn settle(
     let mut by_step: BTreeMap<(String, u64, &str), Vec<&ToolResult>> = BTreeMap::new();
     let (mut doubt_at, mut doubt_parts) = (Vec::new(), BTreeSet::new());
     let mut doubt_msg = String::new();
+    // Unanswered calls whose delivery the agent's producer reported failed
+    // (and which it sent again): lost only if their intent is on `intents`.
+    let mut unanswered_resent = Vec::new();
     for c in &calls {
         match a.get(&c.id).map(Vec::as_slice) {
+            None | Some([]) if load.resent.lock().unwrap().contains_key(&c.id) => {
+                unanswered_resent.push(c.id.clone())
+            }
             None | Some([]) => lost += 1,
             Some(rs) => {
                 answered += 1;
@@ -372,6 +448,29 @@ pub async fn settle(
                     .entry((c.wf.clone(), c.step, c.tool))
                     .or_default()
                     .push(r);
+            }
+        }
+    }
+    let mut not_delivered = 0;
+    if !unanswered_resent.is_empty() {
+        let intents = TopicReader::new(&s.config.kafka.brokers, &s.topic("intents"));
+        let delivered = calls.len() - unanswered_resent.len();
+        wait_until(Duration::from_secs(30), || intents.all().len() >= delivered).await;
+        let on_topic: BTreeSet<String> = intents
+            .all()
+            .iter()
+            .filter_map(|r| r.value["call_id"].as_str().map(str::to_owned))
+            .collect();
+        for id in &unanswered_resent {
+            if on_topic.contains(id) {
+                lost += 1;
+                violations.push(format!(
+                    "{id}: on `intents` (its delivery reported failed) and never answered"
+                ));
+            } else if !load.settled(id, &a) {
+                lost += 1;
+            } else {
+                not_delivered += 1;
             }
         }
     }
@@ -417,22 +516,18 @@ pub async fn settle(
     }
     // A delivery report can say failed for a record the broker did write
     // (librdkafka purging an in-flight request it gave up on, e.g. when the
-    // active controller of a cluster dies): an intent that was answered was
-    // delivered. Every other failed delivery is the harness's failure.
-    let (reached, undelivered): (Vec<_>, Vec<_>) = load
+    // leader or the active controller of a cluster dies): an intent that was
+    // answered was delivered. One that is not on `intents` was not: the agent
+    // sent it again (`Load::start`), and that call is answered.
+    let reached: Vec<_> = load
         .delivery_errors
         .lock()
         .unwrap()
         .iter()
+        .filter(|(id, _)| a.contains_key(id))
         .cloned()
-        .partition(|(id, _)| a.contains_key(id));
-    if load.undelivered.load(Ordering::SeqCst) > reached.len() {
-        violations.push(format!(
-            "{} intents the agent's producer failed to deliver: {undelivered:?}",
-            load.undelivered.load(Ordering::SeqCst) - reached.len()
-        ));
-    }
-    let misreported = if reached.is_empty() {
+        .collect();
+    let mut misreported = if reached.is_empty() {
         String::new()
     } else {
         format!(
@@ -441,6 +536,11 @@ pub async fn settle(
             reached[0].1
         )
     };
+    if not_delivered > 0 {
+        misreported += &format!(
+            "; {not_delivered} intents the agent's producer reported failed were not on `intents`: sent again as new calls, answered"
+        );
+    }
     Summary {
         scenario: scenario.into(),
         in_flight: in_flight_at_fault,
