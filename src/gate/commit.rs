@@ -15,6 +15,7 @@ use crate::state::Batch;
 use rdkafka::producer::FutureProducer;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::{Duration, Instant};
 use tokio::task::JoinHandle;
 use tracing::warn;
@@ -81,7 +82,52 @@ pub(super) struct InFlight {
     pub(super) offsets: BTreeMap<i32, (i64, i64)>,
     pub(super) started: Instant,
     pub(super) first_input: Option<(String, i32, i64)>,
+    /// Where its transaction is ([`Stage`]), for the log of a slow commit.
+    pub(super) stage: Arc<AtomicU8>,
+    /// When a slow commit was last logged.
+    pub(super) logged: Option<Instant>,
 }
+
+/// The stages of a batch's transaction, as [`InFlight::stage`] holds them.
+pub(super) struct Stage;
+
+impl Stage {
+    pub(super) const SENDING: u8 = 0;
+    pub(super) const ENDING: u8 = 1;
+    pub(super) const DONE: u8 = 2;
+
+    pub(super) fn name(stage: u8) -> &'static str {
+        match stage {
+            Stage::SENDING => "sending its records and offsets",
+            Stage::ENDING => "committing",
+            _ => "done",
+        }
+    }
+}
+
+impl InFlight {
+    /// A commit in flight for over [`SLOW_COMMIT`] is logged (again every
+    /// [`SLOW_COMMIT`]) with where its transaction is: the gate answers
+    /// nothing new until it returns.
+    pub(super) fn log_if_slow(&mut self) {
+        let now = Instant::now();
+        if self.started.elapsed() < SLOW_COMMIT
+            || self.logged.is_some_and(|t| now - t < SLOW_COMMIT)
+        {
+            return;
+        }
+        self.logged = Some(now);
+        warn!(
+            secs = self.started.elapsed().as_secs(),
+            stage = Stage::name(self.stage.load(Ordering::Relaxed)),
+            records = self.records.len(),
+            "a batch's commit is still in flight: nothing new is answered until it returns"
+        );
+    }
+}
+
+/// How long a commit may take before it is logged as slow.
+const SLOW_COMMIT: Duration = Duration::from_secs(10);
 
 /// Resolves when the commit in flight returns; never without one.
 pub(super) async fn wait_commit(
@@ -268,11 +314,14 @@ impl Session<'_> {
         let records = Arc::new(records);
         let (slot, producer) = producer.next();
         let (consumer, sent_records) = (consumer.clone(), records.clone());
+        let stage = Arc::new(AtomicU8::new(Stage::SENDING));
+        let at = stage.clone();
         let task = tokio::spawn(async move {
             let records = sent_records;
             let t0 = Instant::now();
             let (mut t1, mut marker_lost) = (t0, false);
             let landed = kafka::transact(&producer, &consumer, &records, tpl, || {
+                at.store(Stage::ENDING, Ordering::Relaxed);
                 t1 = Instant::now();
                 hooks::crash_before_commit();
                 marker_lost = hooks::lose_commit_marker(answers);
@@ -282,7 +331,9 @@ impl Session<'_> {
                     kafka::Ending::Commit
                 })
             })
-            .await?;
+            .await;
+            at.store(Stage::DONE, Ordering::Relaxed);
+            let landed = landed?;
             hooks::lose_commit_reply(starts_calls)?;
             tracing::debug!(
                 records = records.len(),
@@ -318,6 +369,8 @@ impl Session<'_> {
             offsets,
             started,
             first_input: pending.first_input,
+            stage,
+            logged: None,
         })
     }
 

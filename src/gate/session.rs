@@ -254,6 +254,9 @@ impl Session<'_> {
                         unassigned_since = Instant::now();
                     }
                     self.check_progress_read(core, consumer);
+                    if let Some(f) = in_flight.as_mut() {
+                        f.log_if_slow();
+                    }
                     // The layout, read again now and then (in a task: a
                     // broker outage must not hold the loop).
                     if layout.as_ref().is_some_and(JoinHandle::is_finished) {
