@@ -268,8 +268,15 @@ class _Core:
                 assign, self._to_assign = self._to_assign, []
             if assign:
                 self.consumer.incremental_assign(assign)
+            # Wait for one answer, then take what else has arrived without
+            # waiting: a batch `consume` waits out its whole timeout to fill
+            # the batch (confluent-kafka 2.16), which put a 50 ms floor under
+            # every call.
             try:
-                msgs = self.consumer.consume(num_messages=500, timeout=0.05)
+                first = self.consumer.poll(0.05)
+                if first is None:
+                    continue
+                msgs = [first, *self.consumer.consume(num_messages=499, timeout=0)]
             except RuntimeError:  # closed under us
                 return
             except KafkaException:
