@@ -117,6 +117,28 @@ pub(crate) fn session_lost() -> KafkaError {
     KafkaError::MessageProduction(RDKafkaErrorCode::BrokerTransportFailure)
 }
 
+/// `STEPGATE_TEST_HANG_SEND=N`: the N-th transaction that publishes answers
+/// never finishes sending its records and offsets, as a send seen to hang
+/// after a partition leader's SIGKILL (`kafka::send_limit` bounds it).
+/// [`arm_hang_send`] counts the gate's batches; the transaction that follows
+/// hangs in [`hang_send`].
+pub(crate) fn arm_hang_send(answers: bool) {
+    static HOOK: Nth = Nth::new("STEPGATE_TEST_HANG_SEND");
+    if let Some(n) = answers.then(|| HOOK.hit()).flatten() {
+        tracing::warn!("STEPGATE_TEST_HANG_SEND={n}: this transaction's send never returns");
+        HANG_ARMED.store(true, Ordering::SeqCst);
+    }
+}
+
+static HANG_ARMED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Never returns for a transaction [`arm_hang_send`] armed; at once otherwise.
+pub(crate) async fn hang_send() {
+    if HANG_ARMED.swap(false, Ordering::SeqCst) {
+        std::future::pending::<()>().await;
+    }
+}
+
 /// `STEPGATE_TEST_CRASH_BEFORE_INVOKE=N`: the process aborts when the N-th
 /// call is handed over (after its `started` commit, before the tool is called).
 pub(crate) fn crash_before_invoke() {

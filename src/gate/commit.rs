@@ -314,13 +314,15 @@ impl Session<'_> {
         let records = Arc::new(records);
         let (slot, producer) = producer.next();
         let (consumer, sent_records) = (consumer.clone(), records.clone());
+        let limit = kafka::send_limit(self.config.kafka.transaction_timeout.0);
         let stage = Arc::new(AtomicU8::new(Stage::SENDING));
         let at = stage.clone();
+        hooks::arm_hang_send(answers);
         let task = tokio::spawn(async move {
             let records = sent_records;
             let t0 = Instant::now();
             let (mut t1, mut marker_lost) = (t0, false);
-            let landed = kafka::transact(&producer, &consumer, &records, tpl, || {
+            let landed = kafka::transact(&producer, &consumer, &records, tpl, limit, || {
                 at.store(Stage::ENDING, Ordering::Relaxed);
                 t1 = Instant::now();
                 hooks::crash_before_commit();

@@ -313,7 +313,8 @@ pub(super) async fn mend(
         offsets = rewrite.offsets.len(),
         "a transaction the broker acknowledged lost its commit marker: writing its records again"
     );
-    match write_again(producer, consumer, &rewrite).await {
+    let limit = kafka::send_limit(cfg.transaction_timeout.0);
+    match write_again(producer, consumer, &rewrite, limit).await {
         Ok(landed) => {
             metrics.lost_commit_rewritten(rewrite.records.len());
             info!(
@@ -468,9 +469,10 @@ async fn write_again(
     producer: &FutureProducer,
     consumer: &Arc<TxnConsumer>,
     rewrite: &Rewrite,
+    limit: Duration,
 ) -> Result<Vec<(i32, i64)>, GateError> {
     let offsets = InputOffset::list(&rewrite.offsets)?;
-    kafka::transact(producer, consumer, &rewrite.records, offsets, || {
+    kafka::transact(producer, consumer, &rewrite.records, offsets, limit, || {
         Ok::<_, GateError>(kafka::Ending::Commit)
     })
     .await

@@ -140,8 +140,15 @@ impl Session<'_> {
                     .flat_map(|(name, n)| (0..n as i32).map(move |q| (name.clone(), q)))
                     .collect();
                     let started = Instant::now();
+                    let limit = kafka::send_limit(self.config.kafka.transaction_timeout.0);
                     let ends = producer.all.iter().map(|pr| {
-                        kafka::end_hanging_transactions(pr, consumer, &written, (&t.intents, p))
+                        kafka::end_hanging_transactions(
+                            pr,
+                            consumer,
+                            &written,
+                            (&t.intents, p),
+                            limit,
+                        )
                     });
                     for r in futures::future::join_all(ends).await {
                         if let Err(e) = r {

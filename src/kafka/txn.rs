@@ -5,6 +5,7 @@ use super::{TxnConsumer, blocking};
 use rdkafka::consumer::Consumer;
 use rdkafka::error::KafkaError;
 use rdkafka::producer::{FutureProducer, Producer};
+use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::util::Timeout;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -70,6 +71,7 @@ pub async fn end_hanging_transactions(
     consumer: &Arc<TxnConsumer>,
     partitions: &[(String, i32)],
     offsets_partition: (&str, i32),
+    limit: Duration,
 ) -> Result<(), KafkaError> {
     let probes: Vec<OutRecord> = partitions
         .iter()
@@ -90,7 +92,7 @@ pub async fn end_hanging_transactions(
         offsets_partition.1,
         rdkafka::Offset::Offset(0),
     )?;
-    transact(producer, consumer, &probes, offsets, || {
+    transact(producer, consumer, &probes, offsets, limit, || {
         Ok::<_, KafkaError>(Ending::Abort)
     })
     .await
@@ -104,26 +106,59 @@ pub enum Ending {
     Abort,
 }
 
+/// How long a transaction's records and offsets may take to be acknowledged,
+/// for a producer whose `transaction.timeout.ms` is `transaction_timeout`:
+/// past it the coordinator has aborted the transaction anyway. Each delivery
+/// is bounded by the transaction timeout (librdkafka caps `message.timeout.ms`
+/// at it) and the offsets by [`OFFSETS_TIMEOUT`]; yet after a partition
+/// leader's SIGKILL a send was seen never to return (issue #34's cluster
+/// test: a gate answering nothing for minutes), so the stage as a whole is
+/// bounded here too.
+pub fn send_limit(transaction_timeout: Duration) -> Duration {
+    transaction_timeout.max(OFFSETS_TIMEOUT) + Duration::from_secs(10)
+}
+
+/// How long `send_offsets_to_transaction` may block.
+const OFFSETS_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// One transaction: `records` produced and `offsets` (consumed by
 /// `consumer`'s group) sent together — neither waits for the other — then
-/// ended as `ending` decides once both are acknowledged; aborted on any error.
+/// ended as `ending` decides once both are acknowledged; aborted on any error,
+/// or when sending takes longer than `limit` ([`send_limit`]).
 /// Returns where each record landed (partition, offset), in order.
 pub async fn transact<E: From<KafkaError>>(
     producer: &FutureProducer,
     consumer: &Arc<TxnConsumer>,
     records: &[OutRecord],
     offsets: rdkafka::TopicPartitionList,
+    limit: Duration,
     ending: impl FnOnce() -> Result<Ending, E>,
 ) -> Result<Vec<(i32, i64)>, E> {
     producer.begin_transaction()?;
     let sent = async {
-        let (landed, offsets) = tokio::join!(send_all(producer, records), async {
-            if offsets.count() > 0 {
-                send_offsets(producer, consumer, offsets).await
-            } else {
-                Ok(())
+        let sending = async {
+            crate::hooks::hang_send().await;
+            tokio::join!(send_all(producer, records), async {
+                if offsets.count() > 0 {
+                    send_offsets(producer, consumer, offsets).await
+                } else {
+                    Ok(())
+                }
+            })
+        };
+        let (landed, offsets) = match tokio::time::timeout(limit, sending).await {
+            Ok(sent) => sent,
+            Err(_) => {
+                tracing::warn!(
+                    secs = limit.as_secs(),
+                    records = records.len(),
+                    "a transaction's records and offsets were not all acknowledged in time: aborted"
+                );
+                return Err(
+                    KafkaError::MessageProduction(RDKafkaErrorCode::MessageTimedOut).into(),
+                );
             }
-        });
+        };
         let (landed, ()) = (landed?, offsets?);
         match ending()? {
             Ending::Commit => commit_txn(producer).await?,
@@ -269,7 +304,7 @@ pub async fn send_offsets(
     ))?;
     let p = producer.clone();
     blocking(move || {
-        p.send_offsets_to_transaction(&offsets, &meta, Timeout::After(Duration::from_secs(30)))
+        p.send_offsets_to_transaction(&offsets, &meta, Timeout::After(OFFSETS_TIMEOUT))
     })
     .await
 }

@@ -619,6 +619,48 @@ async fn a_commit_reported_failed_that_landed_runs_its_calls_once() {
     assert_eq!(s.tools.count("wire"), 1);
 }
 
+/// A transaction whose send never returns — seen after a partition leader's
+/// SIGKILL on a three-node cluster (the gate then answered nothing for
+/// minutes) — is bounded (`kafka::send_limit`: the transaction timeout, at
+/// least 30 s, + 10 s), aborted, and the session started over; the outcome it
+/// carried is settled by the next session: the unkeyed call ran once and its
+/// answer arrives once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_whose_send_never_returns_is_aborted_and_its_outcome_settled_once() {
+    let mut s = Stack::new(StackOptions::default()).await;
+    s.spawn(&[], &[("STEPGATE_TEST_HANG_SEND", "1")]);
+    s.wait_ready().await;
+    let agent = s.agent();
+    let first = intent("wf-hang", 1, "wire", json!({"amount": 9}), "h1");
+    agent.send(&first).await;
+    let r = agent.answer("h1", Duration::from_secs(150)).await;
+    assert_eq!(r.status, Status::Ok, "{r:?}\n{}", s.log_tail(40));
+    let log = s.log();
+    assert!(
+        log.contains("this transaction's send never returns"),
+        "the hook fired:\n{}",
+        s.log_tail(40)
+    );
+    assert!(
+        log.contains("were not all acknowledged in time: aborted"),
+        "the hung send was bounded:\n{}",
+        s.log_tail(40)
+    );
+    assert!(
+        log.contains("a batch's commit is still in flight"),
+        "the slow commit was logged:\n{}",
+        s.log_tail(40)
+    );
+    assert_eq!(s.tools.count("wire"), 1, "invoked once");
+    let again = agent
+        .call(intent("wf-hang", 1, "wire", json!({"amount": 9}), "h2"))
+        .await;
+    assert!(again.deduplicated, "{again:?}");
+    same_but_call_id(&r, &again);
+    assert_eq!(s.tools.count("wire"), 1);
+    assert_eq!(agent.answers("h1").len(), 1, "h1 answered once");
+}
+
 /// A transaction the broker acknowledged and then lost — a commit marker lost
 /// when a single broker is SIGKILLed mid-commit (`deploy/local/repro/
 /// hanging-transaction.sh`), which the next session's end of hanging
