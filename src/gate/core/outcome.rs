@@ -104,7 +104,7 @@ impl GateCore {
             return Ok(());
         }
         let Some(mut record) = ax.step(p, &progress.step)? else {
-            tracing::warn!(step = %progress.step, dispatch = progress.dispatch, outcome = outcome.label(), "an outcome for a step with no record (purged after its retention): nothing to settle");
+            tracing::warn!(step = %progress.step, dispatch = progress.dispatch, outcome = outcome.label(), "an outcome for a step with no record (purged after its retention, or a re-runnable step recorded only once settled, whose re-read intent runs it again with its key): nothing to settle");
             return Ok(());
         };
         record.open_dispatches.retain(|d| *d != progress.dispatch);
@@ -197,7 +197,7 @@ impl GateCore {
             return Ok(());
         }
         let Some(mut record) = ax.step(p, &progress.step)? else {
-            tracing::warn!(step = %progress.step, dispatch = progress.dispatch, "a call handed back not invoked, for a step with no record (purged after its retention): nothing to run");
+            tracing::warn!(step = %progress.step, dispatch = progress.dispatch, "a call handed back not invoked, for a step with no record (purged after its retention, or a re-runnable step recorded only once settled, whose re-read intent runs it): nothing to run here");
             return Ok(());
         };
         record.open_dispatches.retain(|d| *d != progress.dispatch);
