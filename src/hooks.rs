@@ -139,6 +139,18 @@ pub(crate) async fn hang_send() {
     }
 }
 
+/// `STEPGATE_TEST_DELAY_COMMIT_MS=MS`: every gate transaction waits this long
+/// before it sends anything — a slow broker, which lets a test act between a
+/// call sent before its batch commits and that commit.
+pub(crate) async fn delay_commit() {
+    static MS: OnceLock<Option<u64>> = OnceLock::new();
+    let ms =
+        *MS.get_or_init(|| setting("STEPGATE_TEST_DELAY_COMMIT_MS").and_then(|v| v.parse().ok()));
+    if let Some(ms) = ms {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+}
+
 /// `STEPGATE_TEST_CRASH_BEFORE_INVOKE=N`: the process aborts when the N-th
 /// call is handed over (after its `started` commit, before the tool is called).
 pub(crate) fn crash_before_invoke() {

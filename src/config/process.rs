@@ -72,6 +72,15 @@ pub struct GateConfig {
     /// durable intent, and the partition's committed offset is held at it
     /// until then (docs/design.md "One record for a re-runnable step").
     pub start_record: bool,
+    /// Send a `keyed` step's call as soon as its intent is decided, before
+    /// the batch that decided it commits (its outcome then usually settles
+    /// in that same batch: one commit a new step instead of two). Sound
+    /// because a re-read runs the step again only with its one key; the cost
+    /// is that a call that never reached its tool (`tool_unreachable`) is
+    /// answered in doubt, since a gate that read the intent before this one
+    /// may have sent it. `false`: calls start after that commit
+    /// (docs/design.md "One commit for a keyed step").
+    pub invoke_before_commit: bool,
 }
 
 impl Default for GateConfig {
@@ -84,6 +93,7 @@ impl Default for GateConfig {
             forward_wrong_partition: true,
             stall_timeout: dur("5m"),
             start_record: false,
+            invoke_before_commit: true,
         }
     }
 }

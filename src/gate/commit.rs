@@ -320,6 +320,7 @@ impl Session<'_> {
         hooks::arm_hang_send(answers);
         let task = tokio::spawn(async move {
             let records = sent_records;
+            hooks::delay_commit().await;
             let t0 = Instant::now();
             let (mut t1, mut marker_lost) = (t0, false);
             let landed = kafka::transact(&producer, &consumer, &records, tpl, limit, || {

@@ -63,6 +63,9 @@ pub struct GateSettings {
     /// Record a re-runnable tool's step `started` before its call (two
     /// records a step) instead of once, settled (`core/deferred.rs`).
     pub start_record: bool,
+    /// Send a first-read `keyed` step's call before its batch commits
+    /// (`gate.invoke_before_commit`).
+    pub invoke_before_commit: bool,
 }
 
 pub struct GateCore {
@@ -341,6 +344,7 @@ impl GateCore {
                 check_partition: config.gate.check_partition,
                 forward_wrong_partition: config.gate.forward_wrong_partition,
                 start_record: config.gate.start_record,
+                invoke_before_commit: config.gate.invoke_before_commit,
             },
             metrics,
             due: BTreeSet::new(),

@@ -1,5 +1,5 @@
 //! Group commit's one wait: the next batch held a moment for the outcomes of
-//! fast calls just started.
+//! fast calls just started (after a commit, or at once: a keyed step's).
 
 use std::time::Duration;
 
@@ -33,12 +33,23 @@ impl Linger {
 
     pub(super) fn landed(&mut self, calls: usize, commit: Duration) {
         Self::ewma(&mut self.commit, commit);
+        // A new batch opens: its wait starts now.
+        self.until = None;
+        self.started(calls);
+    }
+
+    /// Calls just started: after their batch's commit, or at once — a fast
+    /// path's or a keyed step's, before the batch deciding it closes, which
+    /// then waits for its outcome and commits decision and outcome together.
+    /// The first calls of a batch set its wait; later ones never lengthen it
+    /// (a steady stream of calls must not hold a batch open).
+    pub(super) fn started(&mut self, calls: usize) {
         let wait = self.call * 3 / 2;
         if calls > 0 && !self.call.is_zero() && wait < self.commit / 2 {
-            self.outstanding = calls;
-            self.until = Some(tokio::time::Instant::now() + wait);
-        } else {
-            self.until = None;
+            self.outstanding += calls;
+            if self.until.is_none() {
+                self.until = Some(tokio::time::Instant::now() + wait);
+            }
         }
     }
 
@@ -56,5 +67,46 @@ impl Linger {
             self.until = None;
         }
         self.until
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn warm() -> Linger {
+        Linger {
+            call: Duration::from_millis(1),
+            commit: Duration::from_millis(10),
+            ..Linger::default()
+        }
+    }
+
+    /// Calls started while a batch waits never lengthen its wait: a steady
+    /// stream of calls must not hold the batch open.
+    #[tokio::test]
+    async fn a_batch_waits_once_for_the_calls_it_started() {
+        let mut l = warm();
+        l.started(1);
+        let first = l.until.expect("waits for a fast call");
+        l.started(3);
+        assert_eq!(l.until, Some(first), "not lengthened");
+        assert_eq!(l.outstanding, 4);
+        for _ in 0..4 {
+            l.finished(Duration::from_millis(1));
+        }
+        assert_eq!(l.until, None, "every outcome is in");
+    }
+
+    /// Slow calls (or none measured yet) are not waited for.
+    #[tokio::test]
+    async fn slow_calls_are_not_waited_for() {
+        let mut l = Linger::default();
+        l.started(1);
+        assert_eq!(l.until, None, "nothing measured yet");
+        let mut l = warm();
+        l.call = Duration::from_millis(8);
+        l.started(1);
+        assert_eq!(l.until, None, "1.5x the call is over half a commit");
     }
 }

@@ -316,8 +316,12 @@ impl Session<'_> {
                     }
                 }
             }
-            // Fast-path calls start at once: they record nothing first.
-            for (p, call) in core.take_immediate() {
+            // Fast-path calls start at once: they record nothing first; so
+            // does a keyed step's (`gate.invoke_before_commit`). The open
+            // batch waits a moment for their outcomes (`Linger`).
+            let immediate = core.take_immediate();
+            self.linger.started(immediate.len());
+            for (p, call) in immediate {
                 self.invoker.start(p, call);
             }
             self.apply_backpressure(consumer);

@@ -255,6 +255,14 @@ pub struct StepRecord {
     /// was published to another partition and re-routed here.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reply_partition: Option<i32>,
+    /// A keyed step read for the first time whose call may be sent before any
+    /// commit (`gate.invoke_before_commit`): a process that read the same
+    /// intent before this one (and crashed, or was fenced, before its commit)
+    /// may have sent it too, with the same key. The tool's own answer under
+    /// the key covers that run; an outcome in which nothing reached the tool
+    /// (`tool_unreachable`, `tool_redirected`) does not, and is in doubt.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub unseen_reader: bool,
 }
 
 /// An outcome that did not settle its step, in brief.
@@ -329,6 +337,7 @@ impl StepRecord {
             operator_log: Vec::new(),
             partition,
             reply_partition: None,
+            unseen_reader: false,
         }
     }
 

@@ -68,7 +68,9 @@ async fn a_crash_after_the_started_commit_before_the_call_is_in_doubt_for_unkeye
     assert_eq!(agent.answers("w1").len(), 1);
 }
 
-/// The same point for a keyed tool: re-run with the step's one key.
+/// The same point for a keyed tool: re-run with the step's one key. (A keyed
+/// step's call is sent before the batch deciding it commits — the crash here
+/// comes before any commit; the next test holds that commit back to be sure.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crash_after_the_started_commit_before_the_call_reruns_keyed_with_its_key() {
     let mut s = Stack::new(StackOptions::default()).await;
@@ -85,6 +87,54 @@ async fn a_crash_after_the_started_commit_before_the_call_reruns_keyed_with_its_
     assert_eq!(s.tools.count("charge"), 1);
     assert_eq!(s.tools.effects("charge"), 1);
     assert_eq!(agent.answers("k1").len(), 1);
+}
+
+/// `gate.invoke_before_commit`: a keyed step's call is sent as soon as it is
+/// decided, before the batch deciding it commits (held back here by a slow
+/// broker). Killed after the call and before any commit, nothing durable says
+/// it ran: the intent is read again as new and run again with its one key —
+/// two invocations, one effect at a provider deduplicating by key, one answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keyed_call_sent_before_its_deciding_commit_runs_again_with_its_key_after_a_kill() {
+    let mut s = Stack::new(StackOptions::default()).await;
+    let agent = s.agent();
+    s.spawn(
+        &[],
+        &[
+            ("STEPGATE_TEST_DELAY_COMMIT_MS", "5000"),
+            ("STEPGATE_TEST_CRASH_AFTER_INVOKE", "1"),
+            // Its commits are logged at debug.
+            ("RUST_LOG", "info,stepgate::gate=debug"),
+        ],
+    );
+    s.wait_ready().await;
+    agent
+        .send(&intent("wf-e", 1, "charge", json!({"cents": 3}), "e1"))
+        .await;
+    let status = s.exited(WAIT).await;
+    assert!(!status.success(), "the fault was injected");
+    assert!(
+        s.log().contains("STEPGATE_TEST_CRASH_AFTER_INVOKE=1"),
+        "{}",
+        s.log()
+    );
+    assert!(
+        !s.log().contains("batch committed"),
+        "no batch had committed: {}",
+        s.log()
+    );
+    assert_eq!(s.tools.count("charge"), 1, "sent before any commit");
+    s.start().await;
+    let r = agent.answer("e1", WAIT).await;
+    assert_eq!(r.status, Status::Ok, "{r:?}");
+    assert!(!r.deduplicated, "read again as new: {r:?}");
+    assert_eq!(s.tools.count("charge"), 2, "run again after the kill");
+    assert_eq!(
+        s.tools.effects("charge"),
+        1,
+        "with the same key: one effect"
+    );
+    assert_eq!(agent.answers("e1").len(), 1, "one answer per call_id");
 }
 
 /// After the call, before the outcome's commit: the effect happened and its

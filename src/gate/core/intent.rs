@@ -409,7 +409,9 @@ impl GateCore {
     /// stays in memory until it settles, and its intent's offset holds the
     /// partition's committed offset back. Its call starts once the batch
     /// that decided it has committed (so the offset's `applied` mark says it
-    /// may have run). Re-read (`replayed`), it may have run before — in a
+    /// may have run) — a `keyed` one read for the first time at once
+    /// (`gate.invoke_before_commit`; docs/design.md "One commit for a keyed
+    /// step"). Re-read (`replayed`), it may have run before — in a
     /// process that crashed or lost the partition, or in this one before its
     /// session restarted — and was never heard from: that run is assumed
     /// ([`RUN_BEFORE_REREAD`]), so a "not performed" of this one alone is
@@ -442,19 +444,39 @@ impl GateCore {
                 ax.now_ms + ms(self.settings.retention),
             )
         };
+        let running = self.running.get(&(p, step.clone())).copied();
+        let early = !replayed
+            && self.settings.invoke_before_commit
+            && tool.category == crate::tools::Category::Keyed;
         if replayed {
             // Above any run of this process still going (its outcome is then
             // a stale dispatch's: evidence, never the answer).
-            let running = self.running.get(&(p, step.clone())).copied();
             let earlier = running.unwrap_or(RUN_BEFORE_REREAD).max(RUN_BEFORE_REREAD);
             record.dispatch = earlier + 1;
             record.open_dispatches = vec![RUN_BEFORE_REREAD];
             if earlier != RUN_BEFORE_REREAD {
                 record.open_dispatches.push(earlier);
             }
+        } else if let Some(earlier) = running {
+            // Read again from below its deciding batch (a session restarted
+            // before that batch committed) while its call, sent before that
+            // commit, still runs here.
+            record.dispatch = earlier + 1;
+            record.open_dispatches = vec![earlier];
         }
+        // Sent before any commit, as every gate of the group sends it: a
+        // process that read it before this one may have sent it too and
+        // stopped before its commit.
+        record.unseen_reader = early;
         self.metrics.step_forwarded(&step, tool.category.as_str());
-        self.start(p, &mut record, ax.now_ms, parent);
+        let call = self.mark_started(p, &mut record, ax.now_ms, parent);
+        if early {
+            self.invoked(p, &call);
+            self.immediate.push((p, call));
+        } else {
+            self.awaiting_commit.insert((p, step), call.dispatch);
+            self.outs.push(Out::Invoke { partition: p, call });
+        }
         ax.defer_step(p, record, input.offset);
     }
 
@@ -469,6 +491,21 @@ impl GateCore {
         now_ms: i64,
         parent: Option<String>,
     ) {
+        let call = self.mark_started(partition, record, now_ms, parent);
+        self.awaiting_commit
+            .insert((partition, record.step.clone()), record.dispatch);
+        self.outs.push(Out::Invoke { partition, call });
+    }
+
+    /// [`GateCore::start`]'s record and deadline; the call, for the caller to
+    /// send after the commit or at once.
+    fn mark_started(
+        &mut self,
+        partition: i32,
+        record: &mut StepRecord,
+        now_ms: i64,
+        parent: Option<String>,
+    ) -> Call {
         let deadline =
             now_ms + ms(self.tool_deadline(&record.step.tool) + self.settings.in_doubt_grace);
         record.phase = Phase::Started;
@@ -478,18 +515,13 @@ impl GateCore {
         }
         record.deadline_ms = Some(deadline);
         self.due.insert((deadline, partition, record.step.clone()));
-        self.awaiting_commit
-            .insert((partition, record.step.clone()), record.dispatch);
-        self.outs.push(Out::Invoke {
-            partition,
-            call: Call {
-                step: record.step.clone(),
-                arguments: record.arguments.clone(),
-                dispatch: record.dispatch,
-                fast_ref: None,
-                traceparent: parent.or_else(|| record.traceparent.clone()),
-                call_id: record.call_id.clone(),
-            },
-        });
+        Call {
+            step: record.step.clone(),
+            arguments: record.arguments.clone(),
+            dispatch: record.dispatch,
+            fast_ref: None,
+            traceparent: parent.or_else(|| record.traceparent.clone()),
+            call_id: record.call_id.clone(),
+        }
     }
 }

@@ -20,6 +20,10 @@ pub(super) const NOT_PERFORMED_KINDS: &[&str] = &[
     "no_worker",
 ];
 
+/// Error kinds in which the tool never answered the call's request: they
+/// say nothing of another run with the same key.
+const UNSENT_KINDS: &[&str] = &["tool_unreachable", "tool_redirected"];
+
 impl GateCore {
     /// A record of `progress`: the outcome of a call whose partition moved
     /// while it ran, or a pool worker's Outcome v1.
@@ -287,6 +291,17 @@ impl GateCore {
         let Outcome::Error { error } = &outcome else {
             return outcome;
         };
+        // A keyed step sent before any commit: the tool's own answer under
+        // the key covers a run an unseen earlier reader may have made; an
+        // outcome in which nothing reached the tool does not.
+        if record.unseen_reader && UNSENT_KINDS.contains(&error.kind.as_str()) {
+            return Outcome::InDoubt {
+                error: ErrorBody {
+                    kind: "outcome_unknown".into(),
+                    message: Texts::in_doubt_unseen_reader(&record.step.tool, &error.message),
+                },
+            };
+        }
         let effectful = matches!(record.category, Category::Keyed | Category::Unkeyed);
         let not_performed = |status: &str, kind: Option<&str>| {
             status == "not_invoked"

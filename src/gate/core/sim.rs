@@ -42,7 +42,10 @@
 //! The keyed tool (`charge`) takes the one-record path (`core/deferred.rs`):
 //! the committed intents offset is held at its unsettled steps and the
 //! `applied` mark kept as the offset's metadata, so crashes, session restarts
-//! and rebalances re-read its intents (counted in the summary line).
+//! and rebalances re-read its intents (counted in the summary line). Read for
+//! the first time, its call is queued at once, before the batch deciding it
+//! commits (`gate.invoke_before_commit`): a crash or a lost partition before
+//! that commit leaves a run no committed state knows of.
 //!
 //! Not simulated: fast-path tools (they record nothing), retention purges, a
 //! frozen process that writes after it was fenced.

@@ -1247,6 +1247,131 @@ fn a_keyed_step_writes_one_record_settled_and_holds_its_offset_until_then() {
     );
 }
 
+fn unreachable() -> Outcome {
+    Outcome::Error {
+        error: ErrorBody {
+            kind: "tool_unreachable".into(),
+            message: "connection refused".into(),
+        },
+    }
+}
+
+/// `gate.invoke_before_commit` (the default): a keyed step read for the
+/// first time is sent at once, and when its outcome is in before its batch
+/// closes, the decision, the settled record, the answer and the offset are
+/// one transaction — one commit a new step.
+#[test]
+fn a_first_read_keyed_call_is_sent_before_its_batch_commits_and_settles_in_it() {
+    let mut f = Fixture::new();
+    let input = f.input("intents", email("c1", "x").to_string().into_bytes());
+    let mut b = Batch::default();
+    f.core.on_intent(&f.store, &mut b, &input, 0).unwrap();
+    let now: Vec<Call> = f
+        .core
+        .take_immediate()
+        .into_iter()
+        .map(|(_, c)| c)
+        .collect();
+    assert_eq!(now.len(), 1, "sent at once");
+    assert!(
+        !f.core
+            .take_outs()
+            .iter()
+            .any(|o| matches!(o, Out::Invoke { .. })),
+        "nothing waits for the commit"
+    );
+    let call = &now[0];
+    assert_eq!(f.core.first_unanswered(0), Some(input.offset));
+    f.core.finished(0, &call.step, call.dispatch);
+    let ok = Outcome::Ok {
+        output: json!("sent"),
+    };
+    f.core
+        .on_outcome(&f.store, &mut b, 0, finished(call, ok), 5)
+        .unwrap();
+    assert_eq!(b.changelog().len(), 1, "one record: the settled step");
+    let rs = results(&f.core.take_outs());
+    assert_eq!((rs.len(), rs[0].status), (1, Status::Ok));
+    assert_eq!(f.core.first_unanswered(0), None, "the offset may move on");
+    f.commit(b);
+    assert_eq!(
+        f.store.step(0, &call.step).unwrap().unwrap().phase,
+        Phase::Completed
+    );
+}
+
+/// A keyed call sent before any commit may follow one that a gate which
+/// read the same intent before (and stopped before its commit) sent with
+/// the same key. The tool's own answer under the key covers that run — a
+/// 4xx is told as it is — but a try that never reached the tool does not:
+/// in doubt. Sent after the commit (`invoke_before_commit = false`), nothing
+/// can have run before, and "unreachable" is told as such.
+#[test]
+fn a_keyed_call_sent_before_its_commit_that_never_reached_its_tool_is_in_doubt() {
+    let mut f = Fixture::new();
+    let call = call_of(&f.intent(email("c1", "x"), 0));
+    assert!(f.record(&call.step).unseen_reader);
+    let r = results(&f.outcome(&call, unreachable(), 500)).remove(0);
+    assert_eq!(r.status, Status::InDoubt, "{r:?}");
+    let e = r.error.as_ref().unwrap();
+    assert_eq!(e.kind, "outcome_unknown");
+    assert!(e.message.contains("could not reach"), "{}", e.message);
+
+    let call = call_of(&f.intent(
+        json!({"workflow_id": "wf", "step_index": 2, "tool": "send_email",
+            "arguments": {"subject": "y"}, "call_id": "c2"}),
+        600,
+    ));
+    let r = results(&f.outcome(&call, refused(), 700)).remove(0);
+    assert_eq!(r.status, Status::Error, "the tool's own answer: {r:?}");
+    assert_eq!(r.error.as_ref().unwrap().kind, "tool_refused");
+
+    let mut f =
+        Fixture::with_config(&CONFIG.replace("[gate]\n", "[gate]\ninvoke_before_commit = false\n"));
+    let outs = f.intent(email("c1", "x"), 0);
+    assert!(f.core.take_immediate().is_empty());
+    let call = call_of(&outs);
+    assert!(!f.record(&call.step).unseen_reader);
+    let r = results(&f.outcome(&call, unreachable(), 500)).remove(0);
+    assert_eq!(r.status, Status::Error, "{r:?}");
+    assert_eq!(r.error.as_ref().unwrap().kind, "tool_unreachable");
+}
+
+/// A session restarted before the batch that decided a keyed step committed
+/// (its call, sent at once, still running here) reads the intent again as
+/// new: the new run is numbered above the running one, whose late outcome
+/// is then evidence, never the answer.
+#[test]
+fn a_keyed_step_read_again_while_its_early_call_runs_is_numbered_above_it() {
+    let mut f = Fixture::new();
+    let input = f.input("intents", email("c1", "x").to_string().into_bytes());
+    let mut b = Batch::default();
+    f.core.on_intent(&f.store, &mut b, &input, 0).unwrap();
+    let first = call_of(&f.outs());
+    // The batch never committed; the session starts over.
+    f.core.reset();
+    f.core
+        .load_partition(&f.store, 0, input.offset, 10)
+        .unwrap();
+    f.core.progress_read(0);
+    let mut b = Batch::default();
+    f.core.on_intent(&f.store, &mut b, &input, 20).unwrap();
+    f.commit(b);
+    let again = call_of(&f.outs());
+    assert_eq!(again.dispatch, first.dispatch + 1);
+    assert_eq!(again.step.idempotency_key(), first.step.idempotency_key());
+    // The first run's "unreachable" arrives first: evidence, no answer.
+    assert!(results(&f.outcome(&first, unreachable(), 30)).is_empty());
+    let rs = results(&f.outcome(
+        &again,
+        Outcome::Ok {
+            output: json!("sent once"),
+        },
+        40,
+    ));
+    assert_eq!((rs.len(), rs[0].status), (1, Status::Ok));
+}
+
 #[test]
 fn a_re_read_keyed_intent_runs_again_with_its_key_and_never_says_not_performed() {
     let mut f = Fixture::new();

@@ -92,6 +92,20 @@ impl Texts {
         )
     }
 
+    /// A keyed call sent before anything was recorded could not reach its
+    /// tool: another gate process that read the same call just before (and
+    /// stopped before recording it) may have sent it with the same key.
+    pub fn in_doubt_unseen_reader(tool: &str, detail: &str) -> String {
+        let detail = excerpt(detail);
+        format!(
+            "The call to `{tool}` may have taken effect: this try could not reach the tool \
+             ({detail}), and a stepgate process that received this same call just before may \
+             have sent it and stopped before recording it. Do not call `{tool}` again for this \
+             step: repeating it returns this same answer. Tell the user that the outcome is \
+             unconfirmed and a person must check it before anything else is done about it."
+        )
+    }
+
     /// A keyed tool kept answering that a request with this call's key is
     /// still being processed (409/423/425), past the time stepgate waits.
     pub fn in_doubt_still_processing(tool: &str, http_status: u16, waited: &str) -> String {
@@ -463,6 +477,7 @@ mod golden {
             Texts::in_doubt_earlier_try("charge", "refused (HTTP 400)"),
             Texts::in_doubt_still_processing("charge", 409, "10s"),
             Texts::no_worker("render", "gpu"),
+            Texts::in_doubt_unseen_reader("charge", "connection refused"),
             Texts::identity_conflict(
                 "send_email",
                 &[("/to".into(), "\"alice@x\"".into(), "\"bob@x\"".into())],
@@ -472,7 +487,7 @@ mod golden {
             assert!(!t.contains("attempt"), "{t}");
         }
         assert_eq!(
-            texts[3],
+            texts[4],
             "This call of `send_email` was not performed: it arrived as a retry of a call \
              already recorded for this step, but it is a different call (`to` is \"bob@x\" here \
              but \"alice@x\" in the recorded call). It was not run, and the recorded call's \
@@ -482,6 +497,11 @@ mod golden {
         assert!(texts[0].contains("may have taken effect") && texts[0].contains("Do not call"));
         assert!(texts[1].contains("HTTP 409") && texts[1].contains("Do not call"));
         assert!(texts[2].contains("not performed") && texts[2].contains("`gpu`"));
+        assert!(
+            texts[3].contains("may have taken effect")
+                && texts[3].contains("connection refused")
+                && texts[3].contains("Do not call")
+        );
     }
 
     #[test]
