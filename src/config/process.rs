@@ -74,12 +74,13 @@ pub struct GateConfig {
     pub start_record: bool,
     /// Send a `keyed` step's call as soon as its intent is decided, before
     /// the batch that decided it commits (its outcome then usually settles
-    /// in that same batch: one commit a new step instead of two). Sound
-    /// because a re-read runs the step again only with its one key; the cost
-    /// is that a call that never reached its tool (`tool_unreachable`) is
-    /// answered in doubt, since a gate that read the intent before this one
-    /// may have sent it. `false`: calls start after that commit
-    /// (docs/design.md "One commit for a keyed step").
+    /// in that same batch: one commit a new step instead of two). A re-read
+    /// runs the step again only with its one key; the cost is that a call
+    /// that never reached its tool (`tool_unreachable`) is answered in doubt,
+    /// since a gate that read the intent before this one may have sent it.
+    /// Off by default: with it on, the three-node leader-kill test once left
+    /// two keyed calls unanswered, not yet explained (docs/design.md "One
+    /// commit for a keyed step").
     pub invoke_before_commit: bool,
 }
 
@@ -93,7 +94,7 @@ impl Default for GateConfig {
             forward_wrong_partition: true,
             stall_timeout: dur("5m"),
             start_record: false,
-            invoke_before_commit: true,
+            invoke_before_commit: false,
         }
     }
 }

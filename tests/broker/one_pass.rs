@@ -68,9 +68,7 @@ async fn a_crash_after_the_started_commit_before_the_call_is_in_doubt_for_unkeye
     assert_eq!(agent.answers("w1").len(), 1);
 }
 
-/// The same point for a keyed tool: re-run with the step's one key. (A keyed
-/// step's call is sent before the batch deciding it commits — the crash here
-/// comes before any commit; the next test holds that commit back to be sure.)
+/// The same point for a keyed tool: re-run with the step's one key.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crash_after_the_started_commit_before_the_call_reruns_keyed_with_its_key() {
     let mut s = Stack::new(StackOptions::default()).await;
@@ -89,7 +87,7 @@ async fn a_crash_after_the_started_commit_before_the_call_reruns_keyed_with_its_
     assert_eq!(agent.answers("k1").len(), 1);
 }
 
-/// `gate.invoke_before_commit`: a keyed step's call is sent as soon as it is
+/// `gate.invoke_before_commit = true`: a keyed step's call is sent as soon as it is
 /// decided, before the batch deciding it commits (held back here by a slow
 /// broker). Killed after the call and before any commit, nothing durable says
 /// it ran: the intent is read again as new and run again with its one key —
@@ -101,6 +99,7 @@ async fn a_keyed_call_sent_before_its_deciding_commit_runs_again_with_its_key_af
     s.spawn(
         &[],
         &[
+            ("STEPGATE_GATE_INVOKE_BEFORE_COMMIT", "true"),
             ("STEPGATE_TEST_DELAY_COMMIT_MS", "5000"),
             ("STEPGATE_TEST_CRASH_AFTER_INVOKE", "1"),
             // Its commits are logged at debug.

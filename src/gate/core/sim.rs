@@ -44,7 +44,7 @@
 //! `applied` mark kept as the offset's metadata, so crashes, session restarts
 //! and rebalances re-read its intents (counted in the summary line). Read for
 //! the first time, its call is queued at once, before the batch deciding it
-//! commits (`gate.invoke_before_commit`): a crash or a lost partition before
+//! commits (`gate.invoke_before_commit`, on here): a crash or a lost partition before
 //! that commit leaves a run no committed state knows of.
 //!
 //! Not simulated: fast-path tools (they record nothing), retention purges, a
@@ -61,6 +61,7 @@ const CONFIG: &str = r#"
 [state]
 retention = "7d"
 [gate]
+invoke_before_commit = true
 in_doubt_grace = "1s"
 [tools.charge]
 category = "keyed"

@@ -63,6 +63,12 @@ impl Fixture {
         Self::with_config(&CONFIG.replace("[gate]\n", "[gate]\nstart_record = true\n"))
     }
 
+    /// With `gate.invoke_before_commit`: a first-read keyed step's call is
+    /// started at once, before its batch commits.
+    fn early() -> Self {
+        Self::with_config(&CONFIG.replace("[gate]\n", "[gate]\ninvoke_before_commit = true\n"))
+    }
+
     fn with_config(toml: &str) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let store = StateStore::open(dir.path()).unwrap();
@@ -1262,7 +1268,7 @@ fn unreachable() -> Outcome {
 /// one transaction — one commit a new step.
 #[test]
 fn a_first_read_keyed_call_is_sent_before_its_batch_commits_and_settles_in_it() {
-    let mut f = Fixture::new();
+    let mut f = Fixture::early();
     let input = f.input("intents", email("c1", "x").to_string().into_bytes());
     let mut b = Batch::default();
     f.core.on_intent(&f.store, &mut b, &input, 0).unwrap();
@@ -1308,7 +1314,7 @@ fn a_first_read_keyed_call_is_sent_before_its_batch_commits_and_settles_in_it() 
 /// can have run before, and "unreachable" is told as such.
 #[test]
 fn a_keyed_call_sent_before_its_commit_that_never_reached_its_tool_is_in_doubt() {
-    let mut f = Fixture::new();
+    let mut f = Fixture::early();
     let call = call_of(&f.intent(email("c1", "x"), 0));
     assert!(f.record(&call.step).unseen_reader);
     let r = results(&f.outcome(&call, unreachable(), 500)).remove(0);
@@ -1343,7 +1349,7 @@ fn a_keyed_call_sent_before_its_commit_that_never_reached_its_tool_is_in_doubt()
 /// is then evidence, never the answer.
 #[test]
 fn a_keyed_step_read_again_while_its_early_call_runs_is_numbered_above_it() {
-    let mut f = Fixture::new();
+    let mut f = Fixture::early();
     let input = f.input("intents", email("c1", "x").to_string().into_bytes());
     let mut b = Batch::default();
     f.core.on_intent(&f.store, &mut b, &input, 0).unwrap();
