@@ -280,13 +280,11 @@ impl Session<'_> {
         // committed offset may move now that a fast-path call was answered.
         let mut offsets = BTreeMap::new();
         let mut input_offsets = Vec::new();
-        for (p, o) in &self.owned {
-            let applied = pending
-                .intents_next
-                .get(p)
-                .map_or(o.applied, |n| (*n).max(o.applied));
-            let next = pending.intents_next.get(p).copied().unwrap_or(o.applied);
-            let commit = core.first_unanswered(*p).map_or(next, |f| f.min(next));
+        for (p, o) in self.owned.iter_mut() {
+            let (applied, commit) = o.batch_offsets(
+                pending.intents_next.get(p).copied(),
+                core.first_unanswered(*p),
+            );
             if commit == o.committed && applied == o.applied && !touched.contains(p) {
                 continue;
             }

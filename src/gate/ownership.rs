@@ -86,6 +86,35 @@ pub(super) struct Owned {
     pub(super) applied: i64,
     /// The intents offset last committed for this partition.
     pub(super) committed: i64,
+    /// The next intents offset this session reads (it starts at the committed
+    /// offset, and re-reads up to `applied` what it must decide again):
+    /// nothing at or past it has been decided in this session, so the
+    /// committed offset never passes it — memory knows nothing of an
+    /// unsettled step or unanswered read there until it is read again.
+    pub(super) read: i64,
+}
+
+impl Owned {
+    /// A closing batch's (applied mark, committed offset) for this partition,
+    /// given the next offset after the intents it consumed from it (if any)
+    /// and the first intent memory holds unanswered. The committed offset
+    /// stops at that intent, and never passes what this session has read:
+    /// after a restart, the intents between the committed offset and the
+    /// applied mark are read again, and an unsettled step among them is
+    /// known only once read. (The next batch closes after this one lands;
+    /// if this one fails, the session starts over, `read` at the committed
+    /// offset.)
+    pub(super) fn batch_offsets(
+        &mut self,
+        consumed: Option<i64>,
+        first_unanswered: Option<i64>,
+    ) -> (i64, i64) {
+        let applied = consumed.map_or(self.applied, |n| n.max(self.applied));
+        let next = consumed.unwrap_or(self.read);
+        self.read = self.read.max(next);
+        let commit = first_unanswered.map_or(next, |f| f.min(next));
+        (applied, commit)
+    }
 }
 
 /// One ask for a partition's committed offset, and how long to go on asking
@@ -332,7 +361,14 @@ impl Session<'_> {
         }
         core.load_partition(self.store, p, applied, now_ms())?;
         self.hold_until_progress_read(core, consumer, p).await;
-        self.owned.insert(p, Owned { applied, committed });
+        self.owned.insert(
+            p,
+            Owned {
+                applied,
+                committed,
+                read: committed,
+            },
+        );
         self.metrics.partition_ready(p, n, took);
         self.assigned.insert(p);
         self.invoker.ownership().add([p]);
@@ -388,5 +424,31 @@ impl Session<'_> {
             true
         });
         drop(positions);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Owned;
+
+    /// Restarted with the committed offset held at an unsettled step (5)
+    /// and the applied mark past it (9): until the session has read that
+    /// intent again, a batch that consumed nothing from the partition keeps
+    /// the committed offset where it is. (Committing the mark, as the gate
+    /// did, skipped the step for good: its call was never answered.)
+    #[test]
+    fn a_restarted_session_commits_no_further_than_it_has_read() {
+        let mut o = Owned {
+            applied: 9,
+            committed: 5,
+            read: 5,
+        };
+        assert_eq!(o.batch_offsets(None, None), (9, 5));
+        // It reads the step again (5) and the rest: held at the step.
+        assert_eq!(o.batch_offsets(Some(9), Some(5)), (9, 5));
+        // Settled in a batch that read nothing more: past everything read.
+        assert_eq!(o.batch_offsets(None, None), (9, 9));
+        // New intents read past the mark.
+        assert_eq!(o.batch_offsets(Some(12), None), (12, 12));
     }
 }

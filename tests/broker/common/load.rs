@@ -497,8 +497,9 @@ pub async fn settle(
         }
     }
     let late_doubt = doubt_at.iter().filter(|t| **t > 1.0).count();
-    if late_doubt > 0 {
-        // Doubt about calls the fault cannot have cut off: keep the logs.
+    // Doubt about calls the fault cannot have cut off, or a call lost or
+    // answered twice: keep the logs.
+    let keep_logs = || {
         let keep = std::env::temp_dir().join(format!("stepgate-faults-{}", s.prefix));
         std::fs::create_dir_all(&keep).unwrap();
         for e in std::fs::read_dir(s.dir.path()).unwrap().flatten() {
@@ -506,12 +507,17 @@ pub async fn settle(
                 let _ = std::fs::copy(e.path(), keep.join(e.file_name()));
             }
         }
+        keep
+    };
+    if late_doubt > 0 {
+        let keep = keep_logs();
         println!(
             "{scenario}: {in_doubt} in doubt ({late_doubt} sent over 1 s after the fault), first: {doubt_msg}; logs kept in {}",
             keep.display()
         );
     }
     if lost > 0 || dup_answers > 0 {
+        violations.push(format!("logs kept in {}", keep_logs().display()));
         violations.push(on_the_intents_topic(s, &calls, &a).await);
     }
     // A delivery report can say failed for a record the broker did write
