@@ -79,8 +79,8 @@ pub struct GateConfig {
     /// that never reached its tool (`tool_unreachable`) is answered in doubt,
     /// since a gate that read the intent before this one may have sent it.
     /// Off by default: with it on, the three-node leader-kill test once left
-    /// two keyed calls unanswered, not yet explained (docs/design.md "One
-    /// commit for a keyed step").
+    /// two keyed calls unanswered (a likely cause, in the gate's offsets, is
+    /// fixed; docs/design.md "One commit for a keyed step").
     pub invoke_before_commit: bool,
 }
 
