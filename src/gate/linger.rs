@@ -35,21 +35,31 @@ impl Linger {
         Self::ewma(&mut self.commit, commit);
         // A new batch opens: its wait starts now.
         self.until = None;
-        self.started(calls);
-    }
-
-    /// Calls just started: after their batch's commit, or at once — a fast
-    /// path's or a keyed step's, before the batch deciding it closes, which
-    /// then waits for its outcome and commits decision and outcome together.
-    /// The first calls of a batch set its wait; later ones never lengthen it
-    /// (a steady stream of calls must not hold a batch open).
-    pub(super) fn started(&mut self, calls: usize) {
         let wait = self.call * 3 / 2;
         if calls > 0 && !self.call.is_zero() && wait < self.commit / 2 {
-            self.outstanding += calls;
-            if self.until.is_none() {
-                self.until = Some(tokio::time::Instant::now() + wait);
-            }
+            self.wait_for(calls, wait);
+        }
+    }
+
+    /// Calls started at once — a fast path's, or a keyed step's — before the
+    /// batch that decided them closes. Closing it without their outcomes
+    /// commits nothing they need (their intents' offsets stay held), and
+    /// their answers then wait for that commit and one more; waiting for
+    /// them instead costs their run and saves a commit, as long as they
+    /// come back within about a commit: so the wait is 1.5× their recent
+    /// duration, at most one commit.
+    pub(super) fn started(&mut self, calls: usize) {
+        if calls > 0 && !self.call.is_zero() && self.call < self.commit {
+            self.wait_for(calls, (self.call * 3 / 2).min(self.commit));
+        }
+    }
+
+    /// The first calls of a batch set its wait; later ones never lengthen
+    /// it (a steady stream of calls must not hold a batch open).
+    fn wait_for(&mut self, calls: usize, wait: Duration) {
+        self.outstanding += calls;
+        if self.until.is_none() {
+            self.until = Some(tokio::time::Instant::now() + wait);
         }
     }
 
@@ -98,15 +108,27 @@ mod tests {
         assert_eq!(l.until, None, "every outcome is in");
     }
 
-    /// Slow calls (or none measured yet) are not waited for.
+    /// Calls slower than a commit (or none measured yet) are not waited for;
+    /// after a commit, calls over a third of one are not.
     #[tokio::test]
     async fn slow_calls_are_not_waited_for() {
         let mut l = Linger::default();
         l.started(1);
         assert_eq!(l.until, None, "nothing measured yet");
         let mut l = warm();
+        l.call = Duration::from_millis(12);
+        l.started(1);
+        assert_eq!(l.until, None, "slower than a commit");
         l.call = Duration::from_millis(8);
         l.started(1);
-        assert_eq!(l.until, None, "1.5x the call is over half a commit");
+        let waited = l
+            .until
+            .expect("started at once: waited for, at most a commit");
+        assert!(waited <= tokio::time::Instant::now() + Duration::from_millis(10));
+        l.landed(1, Duration::from_millis(10));
+        assert_eq!(
+            l.until, None,
+            "after a commit: 1.5x the call is over half a commit"
+        );
     }
 }
