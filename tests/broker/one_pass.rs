@@ -17,13 +17,27 @@ const WAIT: Duration = Duration::from_secs(60);
 /// Starts with `var=1` set, publishes `intent`, waits for the injected crash,
 /// then restarts without it.
 async fn crash_once(s: &mut Stack, var: &str, agent: &Agent, intent: serde_json::Value) {
-    s.spawn(&[], &[(var, "1")]);
+    crash(s, var, &[], agent, intent).await;
+    s.start().await;
+}
+
+/// Starts with `var=1` and `env` set, publishes `intent`, and waits for the
+/// injected crash (the process is left down).
+async fn crash(
+    s: &mut Stack,
+    var: &str,
+    env: &[(&str, &str)],
+    agent: &Agent,
+    intent: serde_json::Value,
+) {
+    let mut env = env.to_vec();
+    env.push((var, "1"));
+    s.spawn(&[], &env);
     s.wait_ready().await;
     agent.send(&intent).await;
     let status = s.exited(WAIT).await;
     assert!(!status.success(), "the fault was injected");
     assert!(s.log().contains(&format!("{var}=1")), "{}", s.log());
-    s.start().await;
 }
 
 /// Before the `started` commit: nothing is durable and nothing ran; the intent
@@ -96,27 +110,19 @@ async fn a_crash_after_the_started_commit_before_the_call_reruns_keyed_with_its_
 async fn a_keyed_call_sent_before_its_deciding_commit_runs_again_with_its_key_after_a_kill() {
     let mut s = Stack::new(StackOptions::default()).await;
     let agent = s.agent();
-    s.spawn(
-        &[],
+    crash(
+        &mut s,
+        "STEPGATE_TEST_CRASH_AFTER_INVOKE",
         &[
             ("STEPGATE_GATE_INVOKE_BEFORE_COMMIT", "true"),
             ("STEPGATE_TEST_DELAY_COMMIT_MS", "5000"),
-            ("STEPGATE_TEST_CRASH_AFTER_INVOKE", "1"),
             // Its commits are logged at debug.
             ("RUST_LOG", "info,stepgate::gate=debug"),
         ],
-    );
-    s.wait_ready().await;
-    agent
-        .send(&intent("wf-e", 1, "charge", json!({"cents": 3}), "e1"))
-        .await;
-    let status = s.exited(WAIT).await;
-    assert!(!status.success(), "the fault was injected");
-    assert!(
-        s.log().contains("STEPGATE_TEST_CRASH_AFTER_INVOKE=1"),
-        "{}",
-        s.log()
-    );
+        &agent,
+        intent("wf-e", 1, "charge", json!({"cents": 3}), "e1"),
+    )
+    .await;
     assert!(
         !s.log().contains("batch committed"),
         "no batch had committed: {}",

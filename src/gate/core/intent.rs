@@ -469,13 +469,12 @@ impl GateCore {
         // stopped before its commit.
         record.unseen_reader = early;
         self.metrics.step_forwarded(&step, tool.category.as_str());
-        let call = self.mark_started(p, &mut record, ax.now_ms, parent);
         if early {
+            let call = self.mark_started(p, &mut record, ax.now_ms, parent);
             self.invoked(p, &call);
             self.immediate.push((p, call));
         } else {
-            self.awaiting_commit.insert((p, step), call.dispatch);
-            self.outs.push(Out::Invoke { partition: p, call });
+            self.start(p, &mut record, ax.now_ms, parent);
         }
         ax.defer_step(p, record, input.offset);
     }

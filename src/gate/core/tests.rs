@@ -313,6 +313,15 @@ fn refused() -> Outcome {
     }
 }
 
+fn unreachable() -> Outcome {
+    Outcome::Error {
+        error: ErrorBody {
+            kind: "tool_unreachable".into(),
+            message: "connection refused".into(),
+        },
+    }
+}
+
 #[test]
 fn a_stale_dispatch_never_settles_a_re_run_step_and_is_kept_as_evidence() {
     let mut f = Fixture::started_first();
@@ -374,13 +383,7 @@ fn not_performed_after_an_earlier_run_reported_it_ran_is_in_doubt() {
     assert!(
         results(&f.progress(finished(&first, Outcome::Ok { output: json!(1) }), 3100)).is_empty()
     );
-    let unreachable = Outcome::Error {
-        error: ErrorBody {
-            kind: "tool_unreachable".into(),
-            message: "connection refused".into(),
-        },
-    };
-    let r = results(&f.progress(finished(&second, unreachable), 3500)).remove(0);
+    let r = results(&f.progress(finished(&second, unreachable()), 3500)).remove(0);
     assert_eq!(r.status, Status::InDoubt, "{r:?}");
 }
 
@@ -1206,10 +1209,15 @@ fn a_keyed_pool_call_taken_then_lost_is_dispatched_again_and_never_told_not_perf
 /// A keyed step's intent re-read below the applied mark (a crash, a session
 /// restart, the partition moving) with `input`'s offset.
 fn reread(f: &mut Fixture, input: &Input, now: i64) -> Vec<Out> {
+    reread_from(f, input, input.offset + 1, now)
+}
+
+/// `input` read again after the memory was dropped, with the partition's
+/// applied mark at `applied` (at the intent: its deciding batch never
+/// committed, and it is read as new).
+fn reread_from(f: &mut Fixture, input: &Input, applied: i64, now: i64) -> Vec<Out> {
     f.core.reset();
-    f.core
-        .load_partition(&f.store, 0, input.offset + 1, now)
-        .unwrap();
+    f.core.load_partition(&f.store, 0, applied, now).unwrap();
     f.core.progress_read(0);
     let mut b = Batch::default();
     f.core.on_intent(&f.store, &mut b, input, now).unwrap();
@@ -1251,15 +1259,6 @@ fn a_keyed_step_writes_one_record_settled_and_holds_its_offset_until_then() {
         f.store.step(0, &call.step).unwrap().unwrap().phase,
         Phase::Completed
     );
-}
-
-fn unreachable() -> Outcome {
-    Outcome::Error {
-        error: ErrorBody {
-            kind: "tool_unreachable".into(),
-            message: "connection refused".into(),
-        },
-    }
 }
 
 /// `gate.invoke_before_commit` (the default): a keyed step read for the
@@ -1355,15 +1354,7 @@ fn a_keyed_step_read_again_while_its_early_call_runs_is_numbered_above_it() {
     f.core.on_intent(&f.store, &mut b, &input, 0).unwrap();
     let first = call_of(&f.outs());
     // The batch never committed; the session starts over.
-    f.core.reset();
-    f.core
-        .load_partition(&f.store, 0, input.offset, 10)
-        .unwrap();
-    f.core.progress_read(0);
-    let mut b = Batch::default();
-    f.core.on_intent(&f.store, &mut b, &input, 20).unwrap();
-    f.commit(b);
-    let again = call_of(&f.outs());
+    let again = call_of(&reread_from(&mut f, &input, input.offset, 20));
     assert_eq!(again.dispatch, first.dispatch + 1);
     assert_eq!(again.step.idempotency_key(), first.step.idempotency_key());
     // The first run's "unreachable" arrives first: evidence, no answer.
