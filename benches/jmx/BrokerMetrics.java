@@ -7,7 +7,8 @@
 //
 // Prints `name value` lines, each summed over the pids given: request counts by
 // API (`requests.Produce`, `requests.FetchConsumer`, `requests.EndTxn`, …),
-// `bytes_in`, `bytes_out`, `messages_in`, `produce_requests`, `fetch_requests`.
+// `bytes_in`, `bytes_out`, `messages_in`, `produce_requests`, `fetch_requests`,
+// and `bytes_in.topic.T` / `bytes_out.topic.T` for each topic T.
 import com.sun.tools.attach.VirtualMachine;
 import java.util.Map;
 import java.util.TreeMap;
@@ -45,6 +46,13 @@ public class BrokerMetrics {
                     ObjectName n = new ObjectName("kafka.server:type=BrokerTopicMetrics,name=" + t[0]);
                     if (s.isRegistered(n)) {
                         add(sum, t[1], s.getAttribute(n, "Count"));
+                    }
+                }
+                // Bytes by topic: which reader or writer the broker's bytes go to.
+                for (String[] t : new String[][] {{"BytesInPerSec", "bytes_in"}, {"BytesOutPerSec", "bytes_out"}}) {
+                    for (ObjectName n : s.queryNames(
+                            new ObjectName("kafka.server:type=BrokerTopicMetrics,name=" + t[0] + ",topic=*"), null)) {
+                        add(sum, t[1] + ".topic." + n.getKeyProperty("topic"), s.getAttribute(n, "Count"));
                     }
                 }
             }

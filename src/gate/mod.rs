@@ -141,6 +141,7 @@ pub async fn run(
             poison: &mut poison,
             last_commits: &mut last_commits,
             paused: BTreeSet::new(),
+            held_since: None,
             trust: None,
         };
         let result = session.run(&mut core, &mut outcomes, &shutdown).await;

@@ -47,6 +47,8 @@ pub(super) struct Session<'a> {
     pub(super) last_commits: &'a mut lost::LastCommits,
     /// `intents` partitions paused while the invoker is full (backpressure).
     pub(super) paused: BTreeSet<i32>,
+    /// Since when the invoker has been full, reading held (backpressure).
+    pub(super) held_since: Option<std::time::Instant>,
     /// How old a partition's local state may be and still be resumed from
     /// (from the changelog's `delete.retention.ms`, read once per session).
     pub(super) trust: Option<crate::state::Trust>,
@@ -206,7 +208,7 @@ impl Session<'_> {
                 Some(f) = outcomes.recv() => Step::Outcome(f),
                 _ = tick.tick() => Step::Tick,
                 _ = tokio::time::sleep_until(linger.unwrap_or_else(tokio::time::Instant::now)), if linger.is_some() => Step::Lingered,
-                msg = consumer.recv(), if pending.inputs < max_batch => {
+                msg = consumer.recv(), if pending.inputs < max_batch && !self.reading_held() => {
                     Step::Input(msg.map(|m| kafka::to_input(&m)))
                 }
             };

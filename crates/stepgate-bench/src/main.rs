@@ -805,17 +805,24 @@ async fn measure(
     };
     let (through, last) = flood_end?;
     let (brokers, topics) = (c.brokers.clone(), d.topics.clone());
+    let prefix = format!("{}-{}", bench.run_id, system.slug());
+    let short = |t: &str| {
+        t.strip_prefix(&prefix)
+            .unwrap_or(t)
+            .trim_start_matches(['.', '-'])
+            .to_owned()
+    };
     let records = tokio::task::spawn_blocking(move || systems::topic_records(&brokers, &topics))
         .await?
         .into_iter()
-        .map(|(t, n)| {
-            let short = t
-                .strip_prefix(&format!("{}-{}", bench.run_id, system.slug()))
-                .unwrap_or(&t);
-            (
-                short.trim_start_matches(['.', '-']).to_owned(),
-                n as f64 / nf as f64,
-            )
+        .map(|(t, n)| (short(&t), n as f64 / nf as f64))
+        .collect();
+    // The per-topic byte counters, under the topics' short names too.
+    let broker_per_intent = systems::per_intent(counters0, counters1, nf)
+        .into_iter()
+        .map(|(k, v)| match k.split_once(".topic.") {
+            Some((what, t)) => (format!("{what}.topic.{}", short(t)), v),
+            None => (k, v),
         })
         .collect();
     let t0 = agent.first_sent(0..nf).context("nothing was sent")?;
@@ -875,7 +882,7 @@ async fn measure(
         ready_s: d.ready_s,
         tool_invocations: tool.clone(),
         records_per_intent: records,
-        broker_per_intent: systems::per_intent(counters0, counters1, nf),
+        broker_per_intent,
         gate: gate.map(|g| g.with_wall(flood_s)),
         gate_paced,
         problems: Vec::new(),

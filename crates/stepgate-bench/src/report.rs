@@ -642,6 +642,38 @@ impl Report {
                 );
             }
         }
+        if self
+            .rows
+            .iter()
+            .any(|r| r.broker_per_intent.keys().any(|k| k.contains(".topic.")))
+        {
+            let _ = writeln!(
+                o,
+                "\nBytes the broker sent per flood intent, by topic (each topic read once per reader comes to about its bytes in):\n"
+            );
+            for r in &self.rows {
+                let by_topic = |what: &str| -> Vec<String> {
+                    r.broker_per_intent
+                        .iter()
+                        .filter_map(|(k, v)| {
+                            let t = k.strip_prefix(what)?.strip_prefix(".topic.")?;
+                            (!t.starts_with("__")).then(|| format!("{t} {v:.0}"))
+                        })
+                        .collect()
+                };
+                let (sent, received) = (by_topic("bytes_out"), by_topic("bytes_in"));
+                if !sent.is_empty() || !received.is_empty() {
+                    let _ = writeln!(
+                        o,
+                        "- {} {}: out {}; in {}",
+                        r.system,
+                        r.mode,
+                        sent.join(", "),
+                        received.join(", ")
+                    );
+                }
+            }
+        }
         let failed: Vec<&Row> = self
             .rows
             .iter()
