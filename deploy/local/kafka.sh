@@ -239,10 +239,13 @@ cmd_logs() {
     esac
 }
 
+# An argument a command does not take is refused, not ignored: `start --wipe`
+# would otherwise start on the old data as if it had been wiped.
+(($# <= 2)) || usage
 case "${1:-}" in
-start) cmd_start ;;
+start) [[ $# == 1 ]] || usage; cmd_start ;;
 stop) cmd_stop "${2:-}" ;;
-status) cmd_status ;;
+status) [[ $# == 1 ]] || usage; cmd_status ;;
 logs) cmd_logs "${2:-}" ;;
 *) usage ;;
 esac
