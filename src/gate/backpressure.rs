@@ -38,25 +38,26 @@ impl Session<'_> {
     /// refused or lost: a paused partition resumes from the position after its
     /// last input read.
     pub(super) fn apply_backpressure(&mut self, consumer: &Arc<TxnConsumer>) {
-        let full = if self.paused.is_empty() && self.held_since.is_none() {
-            self.invoker.is_full()
-        } else {
-            !self.invoker.has_room()
-        };
-        if full {
-            let since = *self.held_since.get_or_insert_with(|| {
-                debug!(
-                    queued = self.invoker.running(),
-                    "the invoker is full: reading held"
-                );
-                Instant::now()
-            });
-            if since.elapsed() < HOLD_BEFORE_PAUSE {
-                return;
-            }
-        } else {
-            self.held_since = None;
+        let was_held = self.held_since.is_some();
+        let (held_since, step) = decide(
+            self.held_since,
+            !self.paused.is_empty(),
+            self.invoker.is_full(),
+            self.invoker.has_room(),
+            Instant::now(),
+        );
+        self.held_since = held_since;
+        if step == Step::Hold && !was_held {
+            debug!(
+                queued = self.invoker.running(),
+                "the invoker is full: reading held"
+            );
         }
+        let full = match step {
+            Step::Read | Step::Hold => return,
+            Step::Pause => true,
+            Step::Resume => false,
+        };
         let intents = &self.config.kafka.topics.intents;
         let list = |ps: &[i32]| {
             let mut tpl = TopicPartitionList::new();
@@ -84,7 +85,7 @@ impl Session<'_> {
                 }
                 Err(e) => warn!(error = %e, "could not pause the intents partitions"),
             }
-        } else if !self.paused.is_empty() {
+        } else {
             let back: Vec<i32> = self.paused.intersection(&self.assigned).copied().collect();
             if let Err(e) = consumer.resume(&list(&back)) {
                 warn!(error = %e, "could not resume the intents partitions; trying again");
@@ -97,5 +98,109 @@ impl Session<'_> {
             self.paused.clear();
             self.metrics.intents_paused(false);
         }
+    }
+}
+
+/// What backpressure does next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Step {
+    /// The invoker has room and nothing is paused: read on.
+    Read,
+    /// The invoker is full, for less than [`HOLD_BEFORE_PAUSE`]: leave the
+    /// consumer unread, keeping librdkafka's prefetch.
+    Hold,
+    /// Full for [`HOLD_BEFORE_PAUSE`] or more: pause the `intents`
+    /// partitions (those not paused yet).
+    Pause,
+    /// Held or paused, and the invoker has drained to room: resume.
+    Resume,
+}
+
+/// The backpressure decision, apart from the consumer so it can be tested:
+/// given when the hold began (if it did), whether any partition is paused,
+/// the invoker's `is_full` and `has_room`, and now, the new hold start and
+/// the step to take. Once held or paused, the gate waits for room
+/// (`has_room`, below full), not just for "not full", so it does not flap at
+/// the limit.
+pub(super) fn decide(
+    held_since: Option<Instant>,
+    any_paused: bool,
+    is_full: bool,
+    has_room: bool,
+    now: Instant,
+) -> (Option<Instant>, Step) {
+    let full = if !any_paused && held_since.is_none() {
+        is_full
+    } else {
+        !has_room
+    };
+    if !full {
+        let step = if any_paused { Step::Resume } else { Step::Read };
+        return (None, step);
+    }
+    let since = held_since.unwrap_or(now);
+    let step = if now.saturating_duration_since(since) < HOLD_BEFORE_PAUSE {
+        Step::Hold
+    } else {
+        Step::Pause
+    };
+    (Some(since), step)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    #[test]
+    fn an_invoker_with_room_reads_on() {
+        let now = Instant::now();
+        assert_eq!(decide(None, false, false, true, now), (None, Step::Read));
+        // Not full yet, but short of room: nothing was held, so read on.
+        assert_eq!(decide(None, false, false, false, now), (None, Step::Read));
+    }
+
+    #[test]
+    fn a_full_invoker_holds_the_reading_before_it_pauses() {
+        let t0 = Instant::now();
+        assert_eq!(decide(None, false, true, false, t0), (Some(t0), Step::Hold));
+        let t = t0 + HOLD_BEFORE_PAUSE - MS;
+        assert_eq!(
+            decide(Some(t0), false, true, false, t),
+            (Some(t0), Step::Hold)
+        );
+        // Below full but without room yet: the hold goes on, measured from t0.
+        assert_eq!(
+            decide(Some(t0), false, false, false, t),
+            (Some(t0), Step::Hold)
+        );
+    }
+
+    #[test]
+    fn an_invoker_full_for_the_whole_hold_pauses_the_intents() {
+        let t0 = Instant::now();
+        let t = t0 + HOLD_BEFORE_PAUSE;
+        assert_eq!(
+            decide(Some(t0), false, true, false, t),
+            (Some(t0), Step::Pause)
+        );
+        // Still paused and still short of room: stay paused (partitions
+        // assigned meanwhile are paused too).
+        let later = t + HOLD_BEFORE_PAUSE;
+        assert_eq!(
+            decide(Some(t0), true, false, false, later),
+            (Some(t0), Step::Pause)
+        );
+    }
+
+    #[test]
+    fn room_ends_a_hold_without_a_pause_and_resumes_a_pause() {
+        let t0 = Instant::now();
+        let t = t0 + 10 * MS;
+        // A brief full spell ends in a read, never a pause: no refetch.
+        assert_eq!(decide(Some(t0), false, false, true, t), (None, Step::Read));
+        let t = t0 + 5 * HOLD_BEFORE_PAUSE;
+        assert_eq!(decide(Some(t0), true, false, true, t), (None, Step::Resume));
     }
 }
