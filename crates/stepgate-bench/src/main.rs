@@ -787,6 +787,7 @@ async fn measure(
         (systems::cpu_secs("self"), broker)
     };
     let (bench0, broker0) = others(&bench.broker);
+    let split0 = systems::jvm_cpu_split(&bench.broker);
     let counters0 = systems::broker_counters(&bench.broker).await;
     let cpu0 = d.proc.cpu_secs();
     let (a, f) = (agent.clone(), flood.clone());
@@ -795,6 +796,7 @@ async fn measure(
     publish.await??;
     let cpu_flood = d.proc.cpu_secs() - cpu0;
     let (bench1, broker1) = others(&bench.broker);
+    let split1 = systems::jvm_cpu_split(&bench.broker);
     let counters1 = systems::broker_counters(&bench.broker).await;
     if let Some(p) = profile {
         p.stop().await?;
@@ -875,6 +877,8 @@ async fn measure(
         cpu_flood_s: cpu_flood,
         bench_cpu_flood_s: bench1 - bench0,
         broker_cpu_flood_s: broker1 - broker0,
+        broker_jit_cpu_flood_s: split1.0 - split0.0,
+        broker_gc_cpu_flood_s: split1.1 - split0.1,
         flood_s,
         cpu_total_s: cpu_total,
         rss_mib: rss,

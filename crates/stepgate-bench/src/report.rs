@@ -29,6 +29,10 @@ pub struct Row {
     /// CPU seconds of the bench itself (agent, no-op tool) and of the broker during the flood.
     pub bench_cpu_flood_s: f64,
     pub broker_cpu_flood_s: f64,
+    /// Of `broker_cpu_flood_s`: the broker JVM's JIT compiler threads, and its
+    /// garbage collector's (`systems::jvm_cpu_split`).
+    pub broker_jit_cpu_flood_s: f64,
+    pub broker_gc_cpu_flood_s: f64,
     /// Wall time of the flood: first intent published → last answer received.
     pub flood_s: f64,
     /// Since the process started: startup, flood and paced phase.
@@ -60,6 +64,15 @@ impl Row {
     /// The system's and the broker's CPU per intent.
     pub fn cpu_with_broker_us_per_intent(&self) -> f64 {
         (self.cpu_flood_s + self.broker_cpu_flood_s) * 1e6 / self.flood_intents as f64
+    }
+
+    /// The broker's CPU per intent, all of it and without its JIT compiler.
+    pub fn broker_us_per_intent(&self) -> (f64, f64) {
+        let per = |s: f64| s * 1e6 / self.flood_intents as f64;
+        (
+            per(self.broker_cpu_flood_s),
+            per(self.broker_cpu_flood_s - self.broker_jit_cpu_flood_s),
+        )
     }
 
     /// What the checks found, in a sentence.
@@ -639,6 +652,46 @@ impl Report {
                     get("bytes_in"),
                     get("bytes_out"),
                     get("requests.EndTxn") * r.flood_intents as f64 / r.flood_s,
+                );
+            }
+        }
+        if self.rows.iter().any(|r| r.broker_cpu_flood_s > 0.0) {
+            let base = self
+                .rows
+                .iter()
+                .rev()
+                .find(|r| r.slug.starts_with("sg-keyed"));
+            let _ = writeln!(
+                o,
+                "\nThe broker's CPU per flood intent, by its threads (/proc): its JIT compiler compiles the broker's code as it meets new work, most in the first floods after the broker starts, and stepgate's floods come first; so the broker's own work is compared without it. GC is the garbage collector's threads; requests, all the rest (network, request handlers, coordinators).\n"
+            );
+            let _ = writeln!(
+                o,
+                "| system | all µs | JIT µs | GC µs | requests µs | without JIT µs | stepgate ÷, all | stepgate ÷, without JIT |"
+            );
+            let _ = writeln!(o, "|---|---:|---:|---:|---:|---:|---:|---:|");
+            for r in self.rows.iter().filter(|r| r.broker_cpu_flood_s > 0.0) {
+                let per = |s: f64| s * 1e6 / r.flood_intents as f64;
+                let (all, no_jit) = r.broker_us_per_intent();
+                let (vs_all, vs_no_jit) = match base {
+                    Some(sg) if sg.slug != r.slug => {
+                        let (sa, sn) = sg.broker_us_per_intent();
+                        (ratio(sa, all), ratio(sn, no_jit))
+                    }
+                    _ => ("".to_string(), "".to_string()),
+                };
+                let _ = writeln!(
+                    o,
+                    "| {} {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {} | {} |",
+                    r.system,
+                    r.mode,
+                    all,
+                    per(r.broker_jit_cpu_flood_s),
+                    per(r.broker_gc_cpu_flood_s),
+                    per(r.broker_cpu_flood_s - r.broker_jit_cpu_flood_s - r.broker_gc_cpu_flood_s),
+                    no_jit,
+                    vs_all,
+                    vs_no_jit,
                 );
             }
         }

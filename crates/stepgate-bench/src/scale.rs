@@ -137,6 +137,8 @@ async fn one(bench: &Bench, opts: &ScaleOpts, n: usize) -> anyhow::Result<ScaleR
         cpu_flood_s: 0.0,
         bench_cpu_flood_s: 0.0,
         broker_cpu_flood_s: 0.0,
+        broker_jit_cpu_flood_s: 0.0,
+        broker_gc_cpu_flood_s: 0.0,
         flood_s: 0.0,
         cpu_total_s: 0.0,
         rss_mib: 0.0,

@@ -197,6 +197,41 @@ pub fn cpu_secs(pid: &str) -> f64 {
     (ticks(11) + ticks(12)) / clock_ticks()
 }
 
+/// CPU seconds of the JVMs `pids` spent in their JIT compiler threads and in
+/// their garbage collector's threads, summed: (JIT, GC). A broker's JIT
+/// compiles its code as it meets new work, most in the floods after it
+/// starts, so it is a cost of the broker's age rather than of the system
+/// under test (issue #34 found it 40–50% of the broker's CPU in stepgate's
+/// floods, which come first).
+pub fn jvm_cpu_split(pids: &[String]) -> (f64, f64) {
+    let (mut jit, mut gc) = (0.0, 0.0);
+    for pid in pids {
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+            continue;
+        };
+        for t in tasks.flatten() {
+            let Ok(comm) = std::fs::read_to_string(t.path().join("comm")) else {
+                continue;
+            };
+            // Thread names are cut to 15 bytes: "C2 CompilerThre", "GC Thread#0",
+            // "G1 Conc#0", "G1 Refine#0", "G1 Main Marker", "G1 Service".
+            let slot = if comm.starts_with("C1 Compiler") || comm.starts_with("C2 Compiler") {
+                &mut jit
+            } else if comm.starts_with("GC Thread") || comm.starts_with("G1 ") {
+                &mut gc
+            } else {
+                continue;
+            };
+            let tid = t.file_name().to_string_lossy().into_owned();
+            let secs = cpu_secs(&format!("{pid}/task/{tid}"));
+            if secs.is_finite() {
+                *slot += secs;
+            }
+        }
+    }
+    (jit, gc)
+}
+
 /// The local broker deploy/local/kafka.sh runs for the port of `brokers`, if any
 /// (its CPU time is reported next to the systems').
 /// The local broker's processes: the node `deploy/local/kafka.sh` runs for
