@@ -16,7 +16,8 @@
 # Env: KAFKA_BROKERS (default: the local broker deploy/local/kafka.sh starts),
 # CARGO_TARGET_DIR, BENCH_JSON (where the figures go as JSON; default
 # /tmp/stepgate-bench.json), PERF=1 (profile stepgate's flood with perf record),
-# DURABLE=0 (skip the Restate (Python and TypeScript SDKs) and DBOS peers), DURABLE_JSON (their figures; default
+# KAFKA_JVM_OPTS (the broker's JVM options when bench.sh starts it; default
+# -XX:-UseCodeCacheFlushing), DURABLE=0 (skip the Restate (Python and TypeScript SDKs) and DBOS peers), DURABLE_JSON (their figures; default
 # /tmp/stepgate-durable.json), STEPGATE_BENCH_RUN_ID (the run's id).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -36,7 +37,12 @@ if [[ "${1:-}" == quick ]]; then
 fi
 
 if [[ -z "${KAFKA_BROKERS:-}" ]]; then
-    bash deploy/local/kafka.sh start >/dev/null
+    # A broker started here keeps its compiled code: JDK 17's code cache
+    # sweeper otherwise throws away what went cold in the bench's quiet
+    # stretches, and the next flood pays the broker's JIT again (issue #34).
+    # A broker already running keeps its own options (the report names them).
+    KAFKA_JVM_OPTS="${KAFKA_JVM_OPTS--XX:-UseCodeCacheFlushing}" \
+        bash deploy/local/kafka.sh start >/dev/null
     export KAFKA_BROKERS=127.0.0.1:9092
 fi
 

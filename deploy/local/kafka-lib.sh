@@ -192,6 +192,7 @@ launch_node() {
     # shellcheck disable=SC2016 # $$ and $1 belong to the inner shell
     setsid nohup bash -c 'echo $$ >"$1"; shift; exec "$@"' _ "$pid_file" \
         "$JAVA" "-Xmx$KAFKA_HEAP" -Xms64m -XX:+UseG1GC -Djava.awt.headless=true \
+        ${KAFKA_JVM_OPTS:-} \
         -Dlog4j2.configurationFile="$log4j" \
         -cp "$LIBS/*" kafka.Kafka "$props" \
         </dev/null >"$out" 2>&1 9>&- &

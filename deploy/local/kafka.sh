@@ -23,6 +23,8 @@
 #                          (default $STEPGATE_CACHE/kafka-run-$KAFKA_PORT)
 #   KAFKA_START_TIMEOUT    seconds to wait for readiness   (default 60)
 #   KAFKA_HEAP             JVM max heap                    (default 512m)
+#   KAFKA_JVM_OPTS         more JVM options, split on spaces (default none;
+#                          benches/bench.sh: -XX:-UseCodeCacheFlushing)
 set -euo pipefail
 
 LOG_NAME=kafka.sh

@@ -163,6 +163,13 @@ pub struct CompareOpts {
     /// Length of the paced phase.
     #[arg(long, default_value = "10s")]
     paced: humantime::Duration,
+    /// Before the measured floods, a flood of this many intents through each
+    /// system, not measured, so that the broker's JIT has compiled every
+    /// system's paths first: on a freshly started broker its JIT compiler was
+    /// 25–55% of the broker's CPU in the first floods, and stepgate's come
+    /// first. 0 skips it.
+    #[arg(long, default_value_t = 50_000)]
+    broker_warmup: usize,
     /// Also run stepgate with a `read_only` tool (fast path, no step log).
     #[arg(long)]
     fast_path: bool,
@@ -375,6 +382,13 @@ async fn run(
         bench.work.display()
     );
     let mut out = report::Report::new(&bench);
+    if let Some((topics, partitions)) = out.broker_load
+        && partitions > report::BUSY_BROKER_PARTITIONS
+    {
+        eprintln!(
+            "warning: the broker already holds {topics} topics ({partitions} partitions); its figures will not be a fresh broker's (wipe it: bash deploy/local/kafka.sh stop --wipe)"
+        );
+    }
     if let Some(c) = &compare {
         if floods {
             out.workload = Some(report::WorkloadInfo::new(&bench, c));
@@ -609,10 +623,32 @@ async fn compare_all(bench: &Bench, opts: &CompareOpts) -> anyhow::Result<Vec<Ro
             Err(note) => notes.push(note),
         }
     }
+    if opts.broker_warmup > 0 {
+        // Same shape, other seeds; no profile; each system's own topics.
+        let flood = Arc::new(workload::build("wf", &bench.shape(opts.broker_warmup), 5));
+        let paced = Arc::new(workload::build("wp", &bench.shape(100), 13));
+        let quiet = CompareOpts {
+            perf: None,
+            ..opts.clone()
+        };
+        for system in &systems {
+            eprintln!("== broker warm-up, not measured: {system:?}");
+            let row = measure(bench, &quiet, system, &flood, &paced, "warm-").await?;
+            eprintln!("   {}", row.summary());
+            if !row.problems.is_empty() {
+                anyhow::bail!(
+                    "the warm-up flood of {} {} failed its checks: {}",
+                    row.system,
+                    row.mode,
+                    row.problems.join("; ")
+                );
+            }
+        }
+    }
     let mut rows = Vec::new();
     for system in systems {
         eprintln!("== {system:?}");
-        let row = measure(bench, opts, &system, &flood, &paced).await?;
+        let row = measure(bench, opts, &system, &flood, &paced, "").await?;
         eprintln!("   {}", row.summary());
         rows.push(row);
     }
@@ -750,10 +786,12 @@ async fn measure(
     system: &System,
     flood: &Arc<Vec<Spec>>,
     paced: &Arc<Vec<Spec>>,
+    slug_prefix: &str,
 ) -> anyhow::Result<Row> {
     let c = &bench.common;
     bench.tool.take();
-    let mut d = deploy(bench, opts, system, &system.slug()).await?;
+    let slug = format!("{slug_prefix}{}", system.slug());
+    let mut d = deploy(bench, opts, system, &slug).await?;
     let expect = system.expect();
     let kinds = flood.iter().chain(paced.iter()).map(|s| s.kind).collect();
     let agent = Arc::new(Agent::start(

@@ -364,6 +364,8 @@ pub struct WorkloadInfo {
     pub repeat_lag: usize,
     pub paced_rate: f64,
     pub paced: String,
+    /// Intents of the unmeasured warm-up flood through each system first.
+    pub broker_warmup: usize,
 }
 
 impl WorkloadInfo {
@@ -375,6 +377,7 @@ impl WorkloadInfo {
             repeat_lag: b.common.repeat_lag,
             paced_rate: c.rate,
             paced: c.paced.to_string(),
+            broker_warmup: c.broker_warmup,
         }
     }
 }
@@ -392,11 +395,20 @@ pub struct Report {
     /// pipelines its commits (a batch closes when the previous commit returns).
     pub stepgate_commit_interval: Option<String>,
     pub max_batch: usize,
+    /// The topics and partitions the broker held when the run began, its own
+    /// `__` topics aside (`systems::broker_load`).
+    pub broker_load: Option<(usize, usize)>,
+    /// The broker JVMs' `-XX:` options (e.g. `-XX:-UseCodeCacheFlushing`).
+    pub broker_jvm_flags: Vec<String>,
     pub workload: Option<WorkloadInfo>,
     pub rows: Vec<Row>,
     pub sequential: Vec<SeqRow>,
     pub scale: Vec<ScaleRow>,
 }
+
+/// More partitions than this before a run, and the report calls the broker
+/// not fresh (a run itself creates a few dozen at a time).
+pub const BUSY_BROKER_PARTITIONS: usize = 200;
 
 fn fmt_rate(r: Option<f64>) -> String {
     r.map_or("n/a".into(), |r| format!("{r:.0}"))
@@ -424,6 +436,8 @@ impl Report {
                 .has(&["gate", "commit_interval"])
                 .then(|| b.common.commit_interval.to_string()),
             max_batch: b.common.max_batch,
+            broker_load: crate::systems::broker_load(&b.common.brokers),
+            broker_jvm_flags: crate::systems::jvm_flags(&b.broker),
             workload: None,
             rows: Vec::new(),
             sequential: Vec::new(),
@@ -469,6 +483,27 @@ impl Report {
             },
             self.max_batch
         );
+        match self.broker_load {
+            Some((topics, partitions)) => {
+                let _ = writeln!(
+                    o,
+                    "The broker held {topics} topics ({partitions} partitions) besides its own when the run began{}. Its JVM's -XX options: {}.\n",
+                    if partitions > BUSY_BROKER_PARTITIONS {
+                        ": **not a fresh broker**, and a broker with many partitions does more for every request (wipe it: `bash deploy/local/kafka.sh stop --wipe`)"
+                    } else {
+                        ""
+                    },
+                    if self.broker_jvm_flags.is_empty() {
+                        "none".to_string()
+                    } else {
+                        format!("`{}`", self.broker_jvm_flags.join(" "))
+                    }
+                );
+            }
+            None => {
+                let _ = writeln!(o, "The broker's topics could not be read before the run.\n");
+            }
+        }
         if let Some(w) = &self.workload {
             self.render_compare(&mut o, w);
         }
@@ -486,13 +521,21 @@ impl Report {
             o,
             "Workload: {} intents over {} workflows, {:.0}% repeats of earlier steps (half rephrased: same step key, other arguments), one no-op HTTP tool (stepgate calls it; the Kafka Streams peer runs its no-op inline, and its HTTP variant calls the same tool synchronously from the processor for each new step, with stepgate's Idempotency-Key). \
              Throughput: all intents published at once; **in/s** = intents committed by the system's consuming group per second, **answers/s** = answers received by the agent per second. \
-             Latency: a paced phase at {:.0} intents/s for {}, publish → answer received. CPU: seconds used during the flood by the system's process, the broker and the bench (agent + no-op tool), out of {} × the flood's wall time.\n",
+             Latency: a paced phase at {:.0} intents/s for {}, publish → answer received. CPU: seconds used during the flood by the system's process, the broker and the bench (agent + no-op tool), out of {} × the flood's wall time. {}\n",
             w.intents,
             w.workflows,
             w.repeat_share * 100.0,
             w.paced_rate,
             w.paced,
-            self.cores
+            self.cores,
+            if w.broker_warmup > 0 {
+                format!(
+                    "Before them, a flood of {} intents through each system, not measured, so the broker's JIT had compiled every system's paths.",
+                    w.broker_warmup
+                )
+            } else {
+                "No warm-up: the broker's JIT compiles as the first systems run (see the broker's CPU by its threads).".to_string()
+            }
         );
         let _ = writeln!(
             o,
@@ -663,7 +706,7 @@ impl Report {
                 .find(|r| r.slug.starts_with("sg-keyed"));
             let _ = writeln!(
                 o,
-                "\nThe broker's CPU per flood intent, by its threads (/proc): its JIT compiler compiles the broker's code as it meets new work, most in the first floods after the broker starts, and stepgate's floods come first; so the broker's own work is compared without it. GC is the garbage collector's threads; requests, all the rest (network, request handlers, coordinators).\n"
+                "\nThe broker's CPU per flood intent, by its threads (/proc): its JIT compiler compiles the broker's code as it meets new work, most in the first floods after the broker starts (stepgate's come first; the warm-up floods, when run, take most of it), and its code cache sweeper (JDK 17) throws away code gone cold, to be compiled again; so the broker's own work is compared without it too. GC is the garbage collector's threads; requests, all the rest (network, request handlers, coordinators).\n"
             );
             let _ = writeln!(
                 o,

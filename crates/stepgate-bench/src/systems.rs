@@ -374,6 +374,44 @@ pub async fn delete_topics(brokers: &str, names: &[String]) {
     }
 }
 
+/// The topics and partitions the broker holds, its internal `__` topics
+/// aside; None if its metadata cannot be read. A broker that already holds
+/// thousands of partitions (the broker test suite leaves its topics) does
+/// more work for every request, so the report says what it began with.
+pub fn broker_load(brokers: &str) -> Option<(usize, usize)> {
+    let c = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .create::<BaseConsumer>()
+        .ok()?;
+    let md = c.fetch_metadata(None, Duration::from_secs(10)).ok()?;
+    let topics: Vec<_> = md
+        .topics()
+        .iter()
+        .filter(|t| !t.name().starts_with("__"))
+        .collect();
+    Some((
+        topics.len(),
+        topics.iter().map(|t| t.partitions().len()).sum(),
+    ))
+}
+
+/// The `-XX:` options on the command lines of the JVMs `pids`, deduplicated.
+pub fn jvm_flags(pids: &[String]) -> Vec<String> {
+    let mut flags: Vec<String> = pids
+        .iter()
+        .filter_map(|p| std::fs::read(format!("/proc/{p}/cmdline")).ok())
+        .flat_map(|cmd| {
+            cmd.split(|&b| b == 0)
+                .map(|a| String::from_utf8_lossy(a).into_owned())
+                .filter(|a| a.starts_with("-XX:"))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    flags.sort();
+    flags.dedup();
+    flags
+}
+
 /// Records in each of `topics` (the sum of its partitions' end offsets; topics
 /// are fresh), transaction markers included.
 pub fn topic_records(brokers: &str, topics: &[String]) -> BTreeMap<String, i64> {
