@@ -33,7 +33,7 @@ fi
 if [[ "${1:-}" == quick ]]; then
     shift
     quick=1
-    args+=(--intents 20000 --paced 5s --sequential 50 --scale-sizes 100000,1000000 --scale-intents 20000)
+    args+=(--intents 20000 --broker-warmup 10000 --paced 5s --sequential 50 --scale-sizes 100000,1000000 --scale-intents 20000)
 fi
 
 if [[ -z "${KAFKA_BROKERS:-}" ]]; then
@@ -64,7 +64,7 @@ if [[ "$cluster" == 1 ]]; then
     [[ -n "$cluster_brokers" ]] || { echo "bench.sh: the cluster did not start" >&2; exit 1; }
     size=(--intents 100000 --paced 10s --sequential 200)
     if [[ "$quick" == 1 ]]; then
-        size=(--intents 20000 --paced 5s --sequential 50)
+        size=(--intents 20000 --broker-warmup 10000 --paced 5s --sequential 50)
     fi
     exec "$target/release/stepgate-bench" cluster --cluster-brokers "$cluster_brokers" \
         --only stepgate,passthrough --executor-concurrency 1024 "${size[@]}" \
