@@ -189,7 +189,8 @@ storage_format() {
 launch_node() {
     local pid_file="$1" out="$2" log4j="$3" props="$4"
     if [[ -f "$out" ]]; then mv -f "$out" "$out.prev"; fi
-    # shellcheck disable=SC2016 # $$ and $1 belong to the inner shell
+    # shellcheck disable=SC2016,SC2086 # $$ and $1 belong to the inner shell;
+    # KAFKA_JVM_OPTS is split into its options on purpose
     setsid nohup bash -c 'echo $$ >"$1"; shift; exec "$@"' _ "$pid_file" \
         "$JAVA" "-Xmx$KAFKA_HEAP" -Xms64m -XX:+UseG1GC -Djava.awt.headless=true \
         ${KAFKA_JVM_OPTS:-} \

@@ -53,11 +53,9 @@ impl Session<'_> {
                 "the invoker is full: reading held"
             );
         }
-        let full = match step {
-            Step::Read | Step::Hold => return,
-            Step::Pause => true,
-            Step::Resume => false,
-        };
+        if matches!(step, Step::Read | Step::Hold) {
+            return;
+        }
         let intents = &self.config.kafka.topics.intents;
         let list = |ps: &[i32]| {
             let mut tpl = TopicPartitionList::new();
@@ -66,7 +64,7 @@ impl Session<'_> {
             }
             tpl
         };
-        if full {
+        if step == Step::Pause {
             // Partitions assigned while paused are paused too.
             let more: Vec<i32> = self.assigned.difference(&self.paused).copied().collect();
             if more.is_empty() {
@@ -86,6 +84,7 @@ impl Session<'_> {
                 Err(e) => warn!(error = %e, "could not pause the intents partitions"),
             }
         } else {
+            // Step::Resume.
             let back: Vec<i32> = self.paused.intersection(&self.assigned).copied().collect();
             if let Err(e) = consumer.resume(&list(&back)) {
                 warn!(error = %e, "could not resume the intents partitions; trying again");

@@ -201,8 +201,8 @@ pub fn cpu_secs(pid: &str) -> f64 {
 /// their garbage collector's threads, summed: (JIT, GC). A broker's JIT
 /// compiles its code as it meets new work, most in the floods after it
 /// starts, so it is a cost of the broker's age rather than of the system
-/// under test (issue #34 found it 40–50% of the broker's CPU in stepgate's
-/// floods, which come first).
+/// under test (issue #34 found it 25–55% of the broker's CPU in stepgate's
+/// floods on a fresh broker, which come first).
 pub fn jvm_cpu_split(pids: &[String]) -> (f64, f64) {
     let (mut jit, mut gc) = (0.0, 0.0);
     for pid in pids {
