@@ -82,6 +82,17 @@ pub struct GateConfig {
     /// two keyed calls unanswered (a likely cause, in the gate's offsets, is
     /// fixed; docs/design.md "One commit for a keyed step").
     pub invoke_before_commit: bool,
+    /// Answer a repeat of a step whose outcome is committed (`ok` or
+    /// `error`, never `in_doubt`) at once, through an idempotent producer
+    /// outside the batch's transaction, instead of in it: a repeat then takes
+    /// one produce (~1 ms) rather than a commit (~4 ms). The repeat's offset
+    /// is still committed in a transaction, only after its answer is
+    /// acknowledged, so no answer is lost; the price is that a gate that
+    /// crashes (or loses the partition) before that commit answers the repeat
+    /// again when it is re-read: a second, identical answer to its `call_id`.
+    /// Off by default: with it off, every `call_id` is answered exactly once
+    /// (docs/design.md "Repeats answered at once").
+    pub answer_repeats_at_once: bool,
 }
 
 impl Default for GateConfig {
@@ -95,6 +106,7 @@ impl Default for GateConfig {
             stall_timeout: dur("5m"),
             start_record: false,
             invoke_before_commit: false,
+            answer_repeats_at_once: false,
         }
     }
 }

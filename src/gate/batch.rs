@@ -4,8 +4,10 @@
 use super::commit::InFlight;
 use crate::executor::Finished;
 use crate::state::Batch;
+use rdkafka::error::KafkaError;
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use tokio::task::JoinHandle;
 
 /// What one batch has gathered.
 pub(super) struct Pending {
@@ -22,6 +24,10 @@ pub(super) struct Pending {
     /// Its first input (topic, partition, offset): the one set aside if its
     /// records keep being refused.
     pub(super) first_input: Option<(String, i32, i64)>,
+    /// Answers sent at once, outside the transaction
+    /// (`gate.answer_repeats_at_once`): the batch commits their intents'
+    /// offsets only once they are acknowledged.
+    pub(super) sent_at_once: Vec<JoinHandle<Result<(), KafkaError>>>,
 }
 
 impl Pending {
@@ -34,7 +40,20 @@ impl Pending {
             outcomes: Vec::new(),
             orphans: Vec::new(),
             first_input: None,
+            sent_at_once: Vec::new(),
         }
+    }
+
+    /// Whether all it would commit is input offsets, its answers having gone
+    /// out at once (`gate.answer_repeats_at_once`): nobody waits on that
+    /// commit, so it closes at the next tick rather than at once — one
+    /// transaction per tick for a run of repeats, not one per repeat.
+    pub(super) fn answered_at_once_only(&self, core: &super::GateCore) -> bool {
+        !self.sent_at_once.is_empty()
+            && self.batch.is_empty()
+            && self.outcomes.is_empty()
+            && self.orphans.is_empty()
+            && !core.has_outs()
     }
 
     pub(super) fn is_empty(&self) -> bool {

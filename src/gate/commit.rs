@@ -181,6 +181,48 @@ pub(super) fn pool_call_record(
 }
 
 impl Session<'_> {
+    /// Send answers that rest only on committed state at once, through the
+    /// session's idempotent producer (`gate.answer_repeats_at_once`), in a
+    /// task the open batch's commit waits for.
+    pub(super) fn send_at_once(
+        &self,
+        producer: &FutureProducer,
+        pending: &mut Pending,
+        outs: Vec<Out>,
+    ) {
+        let topic = &self.config.kafka.topics.results;
+        let mut records = Vec::with_capacity(outs.len());
+        let mut results = Vec::with_capacity(outs.len());
+        for o in outs {
+            if let Out::Result {
+                partition,
+                result,
+                traceparent,
+                since_ms,
+                ..
+            } = o
+            {
+                records.push(result_record(
+                    topic,
+                    partition,
+                    &result,
+                    traceparent.as_deref(),
+                ));
+                results.push((result.status, result.deduplicated, since_ms));
+            }
+        }
+        let (producer, metrics) = (producer.clone(), self.metrics.clone());
+        pending.sent_at_once.push(tokio::spawn(async move {
+            kafka::send_all(&producer, &records).await?;
+            let now = now_ms();
+            for (status, deduplicated, since_ms) in results {
+                let latency = since_ms.map(|t| Duration::from_millis((now - t).max(0) as u64));
+                metrics.result_published(status.as_str(), deduplicated, latency);
+            }
+            Ok(())
+        }));
+    }
+
     /// Close a batch: produce its messages and changelog records, its input
     /// offsets, and commit — in a task, while the next batch is decided.
     pub(super) fn send(
@@ -216,6 +258,7 @@ impl Session<'_> {
                     result,
                     traceparent,
                     since_ms,
+                    at_once: _,
                 } => {
                     touched.insert(partition);
                     results.push((
@@ -316,8 +359,14 @@ impl Session<'_> {
         let stage = Arc::new(AtomicU8::new(Stage::SENDING));
         let at = stage.clone();
         hooks::arm_hang_send(answers);
+        let sent_at_once = pending.sent_at_once;
         let task = tokio::spawn(async move {
             let records = sent_records;
+            // Answers sent at once first: their intents' offsets are in this
+            // transaction, and none may be committed past a lost answer.
+            for sent in sent_at_once {
+                sent.await??;
+            }
             hooks::delay_commit().await;
             let t0 = Instant::now();
             let (mut t1, mut marker_lost) = (t0, false);

@@ -3,7 +3,7 @@
 //! a gate owns.
 
 use crate::config::Config;
-use crate::contract::{ApprovalEvent, Call, DlqRecord, Progress, StepKey, ToolResult};
+use crate::contract::{ApprovalEvent, Call, DlqRecord, Progress, Status, StepKey, ToolResult};
 pub use crate::kafka::Input;
 use crate::state::{Batch, FastEntry, Phase, StateError, StateStore, StepRecord, WorkflowEnd};
 use crate::telemetry::Metrics;
@@ -28,6 +28,10 @@ pub enum Out {
         traceparent: Option<String>,
         /// When the answered intent was published, for the answer-latency metric.
         since_ms: Option<i64>,
+        /// It rests only on committed state (a repeat of a committed `ok` or
+        /// `error` outcome): it may be sent before the batch commits
+        /// (`gate.answer_repeats_at_once`; the session decides).
+        at_once: bool,
     },
     /// To the operators' approvals topic, in the step's partition.
     Approval {
@@ -66,6 +70,9 @@ pub struct GateSettings {
     /// Send a first-read `keyed` step's call before its batch commits
     /// (`gate.invoke_before_commit`).
     pub invoke_before_commit: bool,
+    /// Mark a repeat answered from a committed outcome to be sent at once,
+    /// outside the batch's transaction (`gate.answer_repeats_at_once`).
+    pub answer_repeats_at_once: bool,
 }
 
 pub struct GateCore {
@@ -79,6 +86,9 @@ pub struct GateCore {
     /// (deadline ms, partition, step): started steps to check.
     due: BTreeSet<(i64, i32, StepKey)>,
     outs: Vec<Out>,
+    /// Answers resting only on committed state, which the session may send
+    /// before their batch commits (`gate.answer_repeats_at_once`).
+    at_once: Vec<Out>,
     /// Fast-path calls to start at once (they record nothing first).
     immediate: Vec<(i32, Call)>,
     /// Fast-path calls awaiting their answer, by (partition, intent offset).
@@ -182,6 +192,26 @@ impl<'a> Apply<'a> {
             self.write_deferred(p, &step)?;
         }
         Ok(())
+    }
+
+    /// Whether `result` is a step's final, committed answer: in the
+    /// committed state (not only in a batch, or in memory), `ok` or `error`
+    /// (never `in_doubt`, which an operator may still resolve). Such an answer
+    /// rests on nothing a failed commit could undo, and no later input
+    /// changes it: any gate that reads the step answers the same.
+    fn committed_final(
+        &self,
+        p: i32,
+        step: &StepKey,
+        result: &ToolResult,
+    ) -> Result<bool, StateError> {
+        if self.deferred.contains(p, step) || result.status == Status::InDoubt {
+            return Ok(false);
+        }
+        Ok(self
+            .store
+            .step(p, step)?
+            .is_some_and(|r| r.phase == Phase::Completed && r.result.as_ref() == Some(result)))
     }
 
     /// Whether a step's record is in the committed state or the batch (not
@@ -345,10 +375,12 @@ impl GateCore {
                 forward_wrong_partition: config.gate.forward_wrong_partition,
                 start_record: config.gate.start_record,
                 invoke_before_commit: config.gate.invoke_before_commit,
+                answer_repeats_at_once: config.gate.answer_repeats_at_once,
             },
             metrics,
             due: BTreeSet::new(),
             outs: Vec::new(),
+            at_once: Vec::new(),
             immediate: Vec::new(),
             fast: BTreeMap::new(),
             running: HashMap::new(),
@@ -363,11 +395,20 @@ impl GateCore {
 
     /// Messages decided since the last call.
     pub fn take_outs(&mut self) -> Vec<Out> {
-        std::mem::take(&mut self.outs)
+        let mut outs = std::mem::take(&mut self.outs);
+        outs.append(&mut self.at_once);
+        outs
+    }
+
+    /// The answers decided since the last call that may be sent before their
+    /// batch commits (`gate.answer_repeats_at_once`); any not taken go out
+    /// with the batch ([`GateCore::take_outs`]).
+    pub fn take_at_once(&mut self) -> Vec<Out> {
+        std::mem::take(&mut self.at_once)
     }
 
     pub fn has_outs(&self) -> bool {
-        !self.outs.is_empty()
+        !self.outs.is_empty() || !self.at_once.is_empty()
     }
 
     /// Fast-path calls decided since the last call, to start now.
@@ -424,6 +465,7 @@ impl GateCore {
         self.awaiting_commit.clear();
         self.due.clear();
         self.outs.clear();
+        self.at_once.clear();
         self.immediate.clear();
         self.fast.clear();
         self.deferred.clear();

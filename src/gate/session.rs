@@ -17,6 +17,7 @@ use crate::telemetry::{Health, Metrics};
 use futures::FutureExt;
 use rdkafka::consumer::Consumer;
 use rdkafka::error::KafkaError;
+use rdkafka::producer::FutureProducer;
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -85,6 +86,9 @@ pub(super) struct Clients {
     pub(super) producer: Producers,
     /// The consumer's rebalances, as its context reports them.
     pub(super) events: mpsc::UnboundedReceiver<RebalanceEvent>,
+    /// The idempotent producer of answers sent outside the transactions
+    /// (with `gate.answer_repeats_at_once` only).
+    pub(super) answers: Option<FutureProducer>,
 }
 
 impl Session<'_> {
@@ -104,10 +108,16 @@ impl Session<'_> {
         consumer.subscribe(&[&k.topics.intents, &k.topics.progress, &k.topics.commands])?;
         info!(intents = %k.topics.intents, progress = %k.topics.progress, commands = %k.topics.commands, "gate consuming");
 
+        let answers = if self.config.gate.answer_repeats_at_once {
+            Some(kafka::direct_producer_config(k).create()?)
+        } else {
+            None
+        };
         let mut clients = Clients {
             consumer,
             producer,
             events,
+            answers,
         };
         let mut batches = Batches {
             pending: Pending::on_top_of(None),
@@ -119,6 +129,7 @@ impl Session<'_> {
         let Clients {
             consumer,
             mut producer,
+            answers,
             ..
         } = clients;
         let Batches {
@@ -147,6 +158,9 @@ impl Session<'_> {
         // would otherwise leave the gate silent, never restarting its session.
         let close = async move {
             kafka::close_within("the gate's producers", producer, CLOSE_LIMIT).await;
+            if let Some(answers) = answers {
+                kafka::close_within("the gate's answers producer", answers, CLOSE_LIMIT).await;
+            }
             kafka::close_within("the gate's consumer", consumer, CLOSE_LIMIT).await;
         };
         if result.is_ok() {
@@ -176,6 +190,7 @@ impl Session<'_> {
             consumer,
             producer,
             events,
+            answers,
         } = clients;
         let Batches { pending, in_flight } = batches;
         let k = &self.config.kafka;
@@ -212,6 +227,7 @@ impl Session<'_> {
                     Step::Input(msg.map(|m| kafka::to_input(&m)))
                 }
             };
+            let step_is_tick = matches!(step, Step::Tick);
             match step {
                 Step::Rebalance(ev) => {
                     if let RebalanceEvent::Revoked(parts) = &ev {
@@ -318,6 +334,14 @@ impl Session<'_> {
                     }
                 }
             }
+            // Repeats of committed outcomes are answered at once, outside
+            // the transaction (`gate.answer_repeats_at_once`).
+            if let Some(answers) = answers.as_ref() {
+                let outs = core.take_at_once();
+                if !outs.is_empty() {
+                    self.send_at_once(answers, pending, outs);
+                }
+            }
             // Fast-path calls start at once: they record nothing first; so
             // does a keyed step's (`gate.invoke_before_commit`). The open
             // batch waits a moment for their outcomes (`Linger`).
@@ -332,6 +356,7 @@ impl Session<'_> {
             if in_flight.is_none()
                 && (!pending.is_empty() || core.has_outs())
                 && self.linger.waiting().is_none()
+                && (step_is_tick || !pending.answered_at_once_only(core))
             {
                 let closing = std::mem::replace(pending, Pending::on_top_of(None));
                 let f = self.send(core, consumer, producer, closing)?;

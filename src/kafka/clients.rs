@@ -98,10 +98,11 @@ pub fn worker_consumer_config(
     c
 }
 
-/// The producer of a pool's worker: idempotent, every write acknowledged by
-/// all in-sync replicas (an outcome, or a `started` that lets a call be
-/// invoked), sent at once.
-pub fn worker_producer_config(cfg: &KafkaConfig) -> ClientConfig {
+/// A producer outside transactions: idempotent, every write acknowledged by
+/// all in-sync replicas, sent at once. A pool's worker sends its outcomes
+/// (and the `started` that lets a call be invoked) with it, and the gate its
+/// answers at once (`gate.answer_repeats_at_once`).
+pub fn direct_producer_config(cfg: &KafkaConfig) -> ClientConfig {
     let mut c = ClientConfig::new();
     c.set("bootstrap.servers", &cfg.brokers)
         .set("enable.idempotence", "true")

@@ -120,7 +120,7 @@ pub async fn run(
             .create_with_context(PoolContext(owned.clone()))?,
     );
     consumer.subscribe(&[&topic])?;
-    let producer: FutureProducer = kafka::worker_producer_config(k).create()?;
+    let producer: FutureProducer = kafka::direct_producer_config(k).create()?;
     let concurrency = opts.concurrency.max(1);
     let worker = Arc::new(Worker {
         tools: ToolRegistry::new(&config.tools, concurrency),

@@ -142,6 +142,84 @@ async fn a_keyed_call_sent_before_its_deciding_commit_runs_again_with_its_key_af
     assert_eq!(agent.answers("e1").len(), 1, "one answer per call_id");
 }
 
+/// `gate.answer_repeats_at_once = true`: a repeat of a committed outcome is
+/// answered outside the batch's transaction — here while no transaction can
+/// commit (a broker that holds every commit 10 minutes). Killed before the
+/// repeat's offset commits, the restarted gate reads the repeat again and
+/// answers it again: a second, identical answer to its `call_id`, nothing lost,
+/// nothing run again. That second answer is the setting's documented price.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeat_answered_at_once_outside_the_transaction_is_answered_again_after_a_kill() {
+    const AT_ONCE: (&str, &str) = ("STEPGATE_GATE_ANSWER_REPEATS_AT_ONCE", "true");
+    let mut s = Stack::new(StackOptions::default()).await;
+    let agent = s.agent();
+    s.spawn(&[], &[AT_ONCE]);
+    s.wait_ready().await;
+    let first = agent
+        .call(intent("wf-ao", 1, "charge", json!({"cents": 9}), "o1"))
+        .await;
+    assert_eq!(first.status, Status::Ok, "{first:?}");
+    s.kill();
+
+    s.spawn(
+        &[],
+        &[
+            AT_ONCE,
+            ("STEPGATE_TEST_DELAY_COMMIT_MS", "600000"),
+            ("RUST_LOG", "info,stepgate::gate=debug"),
+        ],
+    );
+    s.wait_ready().await;
+    agent
+        .send(&intent(
+            "wf-ao",
+            1,
+            "charge",
+            json!({"cents": 9, "note": "retry"}),
+            "o2",
+        ))
+        .await;
+    let again = agent.answer("o2", WAIT).await;
+    assert!(
+        !s.log().contains("batch committed"),
+        "answered while no batch could commit: {}",
+        s.log()
+    );
+    assert_eq!(
+        again,
+        first.for_repeat(Some("o2".into())),
+        "the same answer"
+    );
+    s.kill();
+
+    s.spawn(&[], &[AT_ONCE]);
+    s.wait_ready().await;
+    eventually(WAIT, "the repeat answered again after the kill", || {
+        agent.answers("o2").len() == 2
+    })
+    .await;
+    let answers = agent.answers("o2");
+    assert_eq!(answers[0].1, answers[1].1, "identical answers: {answers:?}");
+    // With nothing else to write and no other input, the repeat's offset is
+    // committed all the same (at the gate's next tick): killed once that is
+    // done, the next gate does not answer it a third time.
+    eventually(WAIT, "both intents committed past", || {
+        s.committed_intents() == 2
+    })
+    .await;
+    s.kill();
+    s.spawn(&[], &[AT_ONCE]);
+    s.wait_ready().await;
+    let next = agent
+        .call(intent("wf-ao", 2, "charge", json!({"cents": 1}), "o3"))
+        .await;
+    assert_eq!(next.status, Status::Ok, "{next:?}");
+    assert_eq!(agent.answers("o2").len(), 2, "not answered a third time");
+    assert_eq!(s.tools.count("charge"), 2, "nothing ran again");
+    assert_eq!(s.tools.effects("charge"), 2);
+    assert_eq!(agent.answers("o1").len(), 1);
+}
+
 /// After the call, before the outcome's commit: the effect happened and its
 /// answer is lost. Unkeyed: `in_doubt`, never re-run. Keyed: re-run with the
 /// same key, so the provider performs one effect.

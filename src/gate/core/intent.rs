@@ -267,14 +267,21 @@ impl GateCore {
                 decision.repeat(in_flight, rephrased, record.call_id.as_deref());
                 match (&record.result, record.phase.in_flight()) {
                     (Some(first), false) => {
-                        let answer = first.for_repeat(intent.call_id);
-                        self.metrics.repeat(&step, false, rephrased);
-                        self.outs.push(Out::Result {
+                        let at_once = self.settings.answer_repeats_at_once
+                            && ax.committed_final(p, &step, first)?;
+                        let answer = Out::Result {
                             partition: reply,
-                            result: answer,
+                            result: first.for_repeat(intent.call_id),
                             traceparent,
                             since_ms: input.timestamp_ms,
-                        });
+                            at_once,
+                        };
+                        self.metrics.repeat(&step, false, rephrased);
+                        if at_once {
+                            self.at_once.push(answer);
+                        } else {
+                            self.outs.push(answer);
+                        }
                         // A verbatim repeat of a settled step changes nothing
                         // worth a changelog record (metrics and the audit count
                         // it); a rephrased one is kept for the audit.

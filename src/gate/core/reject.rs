@@ -64,6 +64,7 @@ impl GateCore {
                 },
                 traceparent: input.traceparent(),
                 since_ms: input.timestamp_ms,
+                at_once: false,
             });
         }
         self.outs.push(Out::Dlq {

@@ -257,6 +257,75 @@ fn a_repeat_after_completion_is_answered_from_the_record() {
     assert_eq!(rec.rephrased_count, 1);
 }
 
+/// With `gate.answer_repeats_at_once`: an intent applied to `batch` (not
+/// committed), and what it decided — the answers it may send at once, then
+/// the rest.
+fn at_once_and_rest(
+    f: &mut Fixture,
+    batch: &mut Batch,
+    v: serde_json::Value,
+) -> (Vec<Out>, Vec<Out>) {
+    let input = f.input("intents", v.to_string().into_bytes());
+    f.core.on_intent(&f.store, batch, &input, 5000).unwrap();
+    (f.core.take_at_once(), f.outs())
+}
+
+#[test]
+fn only_a_repeat_of_a_committed_final_outcome_is_answered_at_once() {
+    let mut f = Fixture::with_config(
+        &CONFIG.replace("[gate]\n", "[gate]\nanswer_repeats_at_once = true\n"),
+    );
+    let call = call_of(&f.intent(email("c1", "a"), 1000));
+    // Its outcome is decided in a batch that has not committed yet: a repeat
+    // read meanwhile is answered with that batch, never before it.
+    let mut b = Batch::default();
+    f.core.finished(0, &call.step, call.dispatch);
+    f.core
+        .on_outcome(
+            &f.store,
+            &mut b,
+            0,
+            finished(&call, Outcome::Ok { output: json!(1) }),
+            1200,
+        )
+        .unwrap();
+    let first = results(&f.outs()).remove(0);
+    let (now, rest) = at_once_and_rest(&mut f, &mut b, email("c2", "a"));
+    assert!(
+        now.is_empty(),
+        "an uncommitted outcome waits for its commit: {now:?}"
+    );
+    assert_eq!(results(&rest), vec![first.for_repeat(Some("c2".into()))]);
+    f.commit(b);
+    // Committed: a repeat, verbatim or rephrased, is sent at once, the same answer.
+    for (id, subject) in [("c3", "a"), ("c4", "rephrased")] {
+        let mut b = Batch::default();
+        let (now, rest) = at_once_and_rest(&mut f, &mut b, email(id, subject));
+        assert_eq!(results(&now), vec![first.for_repeat(Some(id.into()))]);
+        assert!(results(&rest).is_empty(), "answered once: {rest:?}");
+        f.commit(b);
+    }
+    // An in-doubt outcome (an operator may still resolve it) goes with its batch.
+    let wire = json!({"workflow_id": "wf", "step_index": 2, "tool": "wire", "arguments": {}, "call_id": "w1"});
+    f.intent(wire.clone(), 0);
+    assert_eq!(results(&f.tick(3001))[0].status, Status::InDoubt);
+    let mut again = wire;
+    again["call_id"] = json!("w2");
+    let (now, rest) = at_once_and_rest(&mut f, &mut Batch::default(), again);
+    assert!(now.is_empty(), "{now:?}");
+    assert_eq!(results(&rest)[0].status, Status::InDoubt);
+}
+
+#[test]
+fn without_the_setting_no_answer_is_sent_at_once() {
+    let mut f = Fixture::new();
+    let call = call_of(&f.intent(email("c1", "a"), 1000));
+    f.outcome(&call, Outcome::Ok { output: json!(1) }, 1200);
+    let (now, rest) = at_once_and_rest(&mut f, &mut Batch::default(), email("c2", "a"));
+    assert!(now.is_empty(), "{now:?}");
+    assert_eq!(results(&rest).len(), 1);
+}
+
 #[test]
 fn identical_arguments_at_two_steps_are_two_calls() {
     let mut f = Fixture::new();

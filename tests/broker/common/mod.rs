@@ -654,6 +654,35 @@ impl Stack {
         }
     }
 
+    /// The gate group's committed offsets of `intents`, summed over its
+    /// partitions (those with none count 0): how many intents it has
+    /// committed past.
+    pub fn committed_intents(&self) -> i64 {
+        use rdkafka::consumer::{BaseConsumer, Consumer};
+        let k = &self.config.kafka;
+        let consumer: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", &k.brokers)
+            .set("group.id", &k.gate_group)
+            .create()
+            .unwrap();
+        let meta = consumer
+            .fetch_metadata(Some(&k.topics.intents), Duration::from_secs(10))
+            .unwrap();
+        let mut tpl = rdkafka::TopicPartitionList::new();
+        for p in meta.topics()[0].partitions() {
+            tpl.add_partition(&k.topics.intents, p.id());
+        }
+        let committed = consumer
+            .committed_offsets(tpl, Duration::from_secs(10))
+            .unwrap();
+        committed
+            .elements()
+            .iter()
+            .filter_map(|e| e.offset().to_raw())
+            .filter(|o| *o > 0)
+            .sum()
+    }
+
     pub fn agent(&self) -> Agent {
         Agent::new(
             &self.config.kafka.brokers,
