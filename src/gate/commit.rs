@@ -12,6 +12,7 @@ use crate::executor::Finished;
 use crate::hooks;
 use crate::kafka::{self, OutRecord, TxnConsumer};
 use crate::state::Batch;
+use rdkafka::error::KafkaError;
 use rdkafka::producer::FutureProducer;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -363,10 +364,14 @@ impl Session<'_> {
         let task = tokio::spawn(async move {
             let records = sent_records;
             // Answers sent at once first: their intents' offsets are in this
-            // transaction, and none may be committed past a lost answer.
-            for sent in sent_at_once {
-                sent.await??;
-            }
+            // transaction, and none may be committed past a lost answer. They
+            // get the transaction's own bound (a broker gone away).
+            let acked = tokio::time::timeout(limit, futures::future::try_join_all(sent_at_once))
+                .await
+                .map_err(|_| {
+                    KafkaError::MessageProduction(rdkafka::types::RDKafkaErrorCode::MessageTimedOut)
+                })??;
+            acked.into_iter().collect::<Result<(), KafkaError>>()?;
             hooks::delay_commit().await;
             let t0 = Instant::now();
             let (mut t1, mut marker_lost) = (t0, false);
