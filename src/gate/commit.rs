@@ -259,7 +259,6 @@ impl Session<'_> {
                     result,
                     traceparent,
                     since_ms,
-                    at_once: _,
                 } => {
                     touched.insert(partition);
                     results.push((

@@ -28,10 +28,6 @@ pub enum Out {
         traceparent: Option<String>,
         /// When the answered intent was published, for the answer-latency metric.
         since_ms: Option<i64>,
-        /// It rests only on committed state (a repeat of a committed `ok` or
-        /// `error` outcome): it may be sent before the batch commits
-        /// (`gate.answer_repeats_at_once`; the session decides).
-        at_once: bool,
     },
     /// To the operators' approvals topic, in the step's partition.
     Approval {
@@ -86,8 +82,9 @@ pub struct GateCore {
     /// (deadline ms, partition, step): started steps to check.
     due: BTreeSet<(i64, i32, StepKey)>,
     outs: Vec<Out>,
-    /// Answers resting only on committed state, which the session may send
-    /// before their batch commits (`gate.answer_repeats_at_once`).
+    /// Answers resting only on committed state (repeats of a committed `ok`
+    /// or `error` outcome), which the session may send before their batch
+    /// commits (`gate.answer_repeats_at_once`).
     at_once: Vec<Out>,
     /// Fast-path calls to start at once (they record nothing first).
     immediate: Vec<(i32, Call)>,

@@ -274,7 +274,6 @@ impl GateCore {
                             result: first.for_repeat(intent.call_id),
                             traceparent,
                             since_ms: input.timestamp_ms,
-                            at_once,
                         };
                         self.metrics.repeat(&step, false, rephrased);
                         if at_once {

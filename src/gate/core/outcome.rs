@@ -103,7 +103,6 @@ impl GateCore {
                     result,
                     traceparent: entry.traceparent,
                     since_ms: entry.intent_ts_ms,
-                    at_once: false,
                 });
             }
             return Ok(());
@@ -363,7 +362,6 @@ impl GateCore {
                 result: result.clone(),
                 traceparent: record.traceparent.clone(),
                 since_ms: record.intent_ts_ms,
-                at_once: false,
             });
         }
         for w in record.waiters.drain(..) {
@@ -372,7 +370,6 @@ impl GateCore {
                 result: result.for_repeat(w.call_id),
                 traceparent: w.traceparent,
                 since_ms: w.intent_ts_ms,
-                at_once: false,
             });
         }
         record.result = Some(result);

@@ -64,7 +64,6 @@ impl GateCore {
                 },
                 traceparent: input.traceparent(),
                 since_ms: input.timestamp_ms,
-                at_once: false,
             });
         }
         self.outs.push(Out::Dlq {
