@@ -7,7 +7,9 @@ use crate::state::Batch;
 use rdkafka::error::KafkaError;
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::time::Duration;
 use tokio::task::JoinHandle;
+use tokio::time::Instant;
 
 /// What one batch has gathered.
 pub(super) struct Pending {
@@ -28,6 +30,13 @@ pub(super) struct Pending {
     /// (`gate.answer_repeats_at_once`): the batch commits their intents'
     /// offsets only once they are acknowledged.
     pub(super) sent_at_once: Vec<JoinHandle<Result<(), KafkaError>>>,
+    /// When it opened (the one before it was sent): under load it fills
+    /// until `gate.busy_batch_age` from here.
+    pub(super) opened: Instant,
+    /// The commit before it returned with an eighth of `max_batch` inputs and
+    /// outcomes or more already in it: they arrive faster than one commit
+    /// takes them.
+    pub(super) busy: bool,
 }
 
 impl Pending {
@@ -41,7 +50,23 @@ impl Pending {
             orphans: Vec::new(),
             first_input: None,
             sent_at_once: Vec::new(),
+            opened: Instant::now(),
+            busy: false,
         }
+    }
+
+    /// The commit before it returned: under load it fills before it closes.
+    /// Outcomes count too: behind a full invoker, whose reading is held, a
+    /// batch gathers only outcomes, and the next inputs can ride with them.
+    pub(super) fn previous_committed(&mut self, max_batch: usize) {
+        self.busy = self.inputs + self.outcomes.len() >= (max_batch / 8).max(2);
+    }
+
+    /// Until when it stays open to fill (`gate.busy_batch_age`): while it is
+    /// busy and holds fewer than `max_batch` inputs.
+    pub(super) fn filling(&self, max_batch: usize, age: Duration) -> Option<Instant> {
+        let until = self.opened + age;
+        (self.busy && self.inputs < max_batch && until > Instant::now()).then_some(until)
     }
 
     /// Whether all it would commit is input offsets, its answers having gone
@@ -65,4 +90,84 @@ impl Pending {
 pub(super) struct Batches {
     pub(super) pending: Pending,
     pub(super) in_flight: Option<InFlight>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn finished() -> Finished {
+        use crate::contract::{Outcome, Progress, ProgressEvent, StepKey};
+        Finished {
+            partition: 0,
+            progress: Progress {
+                step: StepKey {
+                    workflow_id: "w".into(),
+                    step_index: 0,
+                    tool: "t".into(),
+                    attempt: 0,
+                },
+                dispatch: 1,
+                fast_ref: None,
+                at_ms: 0,
+                event: ProgressEvent::Finished {
+                    outcome: Outcome::Ok {
+                        output: serde_json::Value::Null,
+                    },
+                },
+            },
+            took: Duration::ZERO,
+        }
+    }
+
+    fn with_inputs(n: usize) -> Pending {
+        let mut p = Pending::on_top_of(None);
+        p.inputs = n;
+        p
+    }
+
+    /// Under a light load a batch closes as soon as the commit before it
+    /// returns: fewer than an eighth of `max_batch` arrived during it.
+    #[test]
+    fn a_batch_fills_only_when_the_last_commit_left_it_busy() {
+        let age = Duration::from_millis(100);
+        let mut light = with_inputs(249);
+        light.previous_committed(2000);
+        assert_eq!(light.filling(2000, age), None);
+        // Inputs taken after the commit returned do not make it busy.
+        light.inputs = 1999;
+        assert_eq!(light.filling(2000, age), None);
+
+        let mut busy = with_inputs(250);
+        busy.previous_committed(2000);
+        assert_eq!(busy.filling(2000, age), Some(busy.opened + age));
+        assert_eq!(busy.filling(2000, Duration::ZERO), None, "0s: never");
+
+        // Behind a full invoker a batch gathers outcomes, not inputs: busy too.
+        let mut outcomes_only = with_inputs(0);
+        outcomes_only.outcomes = (0..250).map(|_| finished()).collect();
+        outcomes_only.previous_committed(2000);
+        assert!(outcomes_only.filling(2000, age).is_some());
+    }
+
+    /// A busy batch fills until it holds `max_batch` inputs or is
+    /// `gate.busy_batch_age` old, whichever comes first.
+    #[test]
+    fn a_busy_batch_fills_until_full_or_old() {
+        let age = Duration::from_millis(100);
+        let mut p = with_inputs(900);
+        p.previous_committed(2000);
+        assert!(p.filling(2000, age).is_some());
+        p.inputs = 2000;
+        assert_eq!(p.filling(2000, age), None, "full");
+        p.inputs = 1500;
+        p.opened = Instant::now() - Duration::from_millis(90);
+        assert!(p.filling(2000, age).is_some());
+        p.opened = Instant::now() - age;
+        assert_eq!(p.filling(2000, age), None, "old enough");
+        // A gate taking one input a batch (after a refused record) never waits.
+        let mut careful = with_inputs(1);
+        careful.previous_committed(1);
+        assert_eq!(careful.filling(1, age), None);
+    }
 }

@@ -204,6 +204,7 @@ impl Session<'_> {
         let mut unassigned_since = Instant::now();
         let mut last_layout = Instant::now();
         let mut layout: Option<JoinHandle<Result<kafka::Layout, kafka::KafkaSetupError>>> = None;
+        let busy_age = self.config.gate.busy_batch_age.0;
         let mut tick = tokio::time::interval(TICK);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -214,7 +215,12 @@ impl Session<'_> {
             };
             self.health.beat();
             hooks::maybe_stall();
-            let linger = self.linger.waiting();
+            // The open batch's one wake-up: the end of a wait for fast
+            // outcomes (`Linger`) or of a busy batch's filling.
+            let wake = match (self.linger.waiting(), pending.filling(max_batch, busy_age)) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
             let step = tokio::select! {
                 biased;
                 _ = shutdown.cancelled() => return Ok(()),
@@ -222,7 +228,7 @@ impl Session<'_> {
                 done = wait_commit(in_flight) => Step::Committed(done.map_err(GateError::from).and_then(|r| r)),
                 Some(f) = outcomes.recv() => Step::Outcome(f),
                 _ = tick.tick() => Step::Tick,
-                _ = tokio::time::sleep_until(linger.unwrap_or_else(tokio::time::Instant::now)), if linger.is_some() => Step::Lingered,
+                _ = tokio::time::sleep_until(wake.unwrap_or_else(tokio::time::Instant::now)), if wake.is_some() => Step::Lingered,
                 msg = consumer.recv(), if pending.inputs < max_batch && !self.reading_held() => {
                     Step::Input(msg.map(|m| kafka::to_input(&m)))
                 }
@@ -256,6 +262,7 @@ impl Session<'_> {
                 Step::Committed(r) => {
                     let f = in_flight.take().expect("a commit was in flight");
                     self.landed(core, f, r)?;
+                    pending.previous_committed(max_batch);
                 }
                 Step::Outcome(f) => self.on_finished(core, consumer, pending, f).await?,
                 Step::Lingered => {}
@@ -352,10 +359,12 @@ impl Session<'_> {
             }
             self.apply_backpressure(consumer);
             // Group commit: a batch closes when the previous commit returns
-            // (and the outcomes worth waiting for are in).
+            // (and the outcomes worth waiting for are in; under load, once
+            // it has filled).
             if in_flight.is_none()
                 && (!pending.is_empty() || core.has_outs())
                 && self.linger.waiting().is_none()
+                && pending.filling(max_batch, busy_age).is_none()
                 && (step_is_tick || !pending.answered_at_once_only(core))
             {
                 let closing = std::mem::replace(pending, Pending::on_top_of(None));
