@@ -49,7 +49,7 @@ pub struct GateConfig {
     /// returns and the open batch already holds an eighth of `max_batch`
     /// inputs (intents arrive faster than one commit takes them), it stays
     /// open until it holds `max_batch` or is this old. Fewer, larger
-    /// transactions: each costs the broker about 2 ms of CPU whatever it
+    /// transactions: each costs the broker 1–2 ms of CPU whatever it
     /// holds. A busy gate's answers wait up to this much longer; an idle
     /// one's never do. `0s` closes every batch as soon as the commit before
     /// it returns.

@@ -9,7 +9,8 @@
 //! two commits: `started` with the intent's offset, then the outcome with the
 //! answer. While one batch commits, the next is decided; it is closed when that
 //! commit returns (or at `gate.max_batch` inputs), so at low load an answer waits
-//! for about one commit. If a commit fails, the batch after it is dropped and the
+//! for about one commit; under load it fills first (`gate.busy_batch_age`:
+//! fewer transactions). If a commit fails, the batch after it is dropped and the
 //! session restarts from what Kafka committed.
 
 mod backpressure;
