@@ -33,6 +33,9 @@ pub(super) struct Pending {
     /// When it opened (the one before it was sent): under load it fills
     /// until `gate.busy_batch_age` from here.
     pub(super) opened: Instant,
+    /// Calls started at once while it was open (a keyed step's with
+    /// `gate.invoke_before_commit`, a fast path's).
+    pub(super) started_at_once: usize,
     /// The commit before it returned with an eighth of `max_batch` inputs and
     /// outcomes or more already in it: they arrive faster than one commit
     /// takes them.
@@ -52,6 +55,7 @@ impl Pending {
             sent_at_once: Vec::new(),
             opened: Instant::now(),
             busy: false,
+            started_at_once: 0,
         }
     }
 
@@ -67,6 +71,21 @@ impl Pending {
     pub(super) fn filling(&self, max_batch: usize, age: Duration) -> Option<Instant> {
         let until = self.opened + age;
         (self.busy && self.inputs < max_batch && until > Instant::now()).then_some(until)
+    }
+
+    /// Whether all it holds is intents whose calls were started at once (a
+    /// keyed step's with `gate.invoke_before_commit`, a fast path's): it
+    /// would commit no record and no answer, and no offset past those calls,
+    /// only the mark that they were read. Closing it while they run would
+    /// cost a transaction now and their outcomes another.
+    pub(super) fn only_calls_started(&self, core: &super::GateCore) -> bool {
+        self.started_at_once > 0
+            && self.batch.is_empty()
+            && self.outcomes.is_empty()
+            && self.orphans.is_empty()
+            && self.sent_at_once.is_empty()
+            && self.others_next.is_empty()
+            && !core.has_outs()
     }
 
     /// Whether all it would commit is input offsets, its answers having gone

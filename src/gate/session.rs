@@ -354,17 +354,21 @@ impl Session<'_> {
             // batch waits a moment for their outcomes (`Linger`).
             let immediate = core.take_immediate();
             self.linger.started(immediate.len());
+            pending.started_at_once += immediate.len();
             for (p, call) in immediate {
                 self.invoker.start(p, call);
             }
             self.apply_backpressure(consumer);
             // Group commit: a batch closes when the previous commit returns
             // (and the outcomes worth waiting for are in; under load, once
-            // it has filled).
+            // it has filled). A batch of nothing but calls started at once
+            // waits while calls run, however long they take: it has nothing
+            // to commit before their outcomes.
             if in_flight.is_none()
                 && (!pending.is_empty() || core.has_outs())
                 && self.linger.waiting().is_none()
                 && pending.filling(max_batch, busy_age).is_none()
+                && !(pending.only_calls_started(core) && self.invoker.running() > 0)
                 && (step_is_tick || !pending.answered_at_once_only(core))
             {
                 let closing = std::mem::replace(pending, Pending::on_top_of(None));

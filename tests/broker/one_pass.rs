@@ -497,3 +497,52 @@ async fn a_keyed_call_in_flight_at_a_kill_runs_again_with_its_key_and_nothing_af
     }
     assert_eq!(s.tools.effects("charge"), 7);
 }
+
+/// `gate.invoke_before_commit = true`: a keyed step whose call takes longer
+/// than a commit is still one transaction. The batch that read it holds
+/// nothing but the call started at once, so it waits for the outcome instead
+/// of committing the read by itself (which cost a second transaction a step
+/// for every tool slower than a commit, and for the first call of any tool).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keyed_step_slower_than_a_commit_is_still_one_transaction() {
+    let mut s = Stack::new(StackOptions::default()).await;
+    let agent = s.agent();
+    s.tools
+        .script("charge", vec![Reply::Provider(Duration::from_millis(400))]);
+    s.spawn(&[], &[("STEPGATE_GATE_INVOKE_BEFORE_COMMIT", "true")]);
+    s.wait_ready().await;
+    let commits = |m: &str| -> f64 {
+        m.lines()
+            .find_map(|l| l.strip_prefix("stepgate_commit_latency_seconds_count "))
+            .map_or(0.0, |v| v.trim().parse().unwrap())
+    };
+    let before = commits(&s.metrics().await);
+    for (i, call_id) in ["s1", "s2"].into_iter().enumerate() {
+        let r = agent
+            .call(intent(
+                "wf-s",
+                i as u64 + 1,
+                "charge",
+                json!({"cents": 5}),
+                call_id,
+            ))
+            .await;
+        assert_eq!(r.status, Status::Ok, "{r:?}");
+    }
+    // The answer is read once its transaction commits; the gate counts that
+    // commit when the reply reaches it.
+    let mut after = commits(&s.metrics().await);
+    let start = std::time::Instant::now();
+    while after < before + 2.0 && start.elapsed() < WAIT {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        after = commits(&s.metrics().await);
+    }
+    assert_eq!(
+        after - before,
+        2.0,
+        "one transaction a step:\n{}",
+        s.log_tail(40)
+    );
+    assert_eq!(s.tools.count("charge"), 2);
+    assert_eq!(s.tools.effects("charge"), 2);
+}
