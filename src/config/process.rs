@@ -47,7 +47,8 @@ pub struct GateConfig {
     pub max_batch: usize,
     /// Under load, a batch fills before it closes: when the previous commit
     /// returns and the open batch already holds an eighth of `max_batch`
-    /// inputs (intents arrive faster than one commit takes them), it stays
+    /// inputs and outcomes (they arrive faster than one commit takes them;
+    /// behind a full invoker, only outcomes do), it stays
     /// open until it holds `max_batch` or is this old. Fewer, larger
     /// transactions: each costs the broker 1–2 ms of CPU whatever it
     /// holds. A busy gate's answers wait up to this much longer; an idle

@@ -80,12 +80,9 @@ impl Pending {
     /// cost a transaction now and their outcomes another.
     pub(super) fn only_calls_started(&self, core: &super::GateCore) -> bool {
         self.started_at_once > 0
-            && self.batch.is_empty()
-            && self.outcomes.is_empty()
-            && self.orphans.is_empty()
             && self.sent_at_once.is_empty()
             && self.others_next.is_empty()
-            && !core.has_outs()
+            && self.writes_nothing(core)
     }
 
     /// Whether all it would commit is input offsets, its answers having gone
@@ -93,8 +90,13 @@ impl Pending {
     /// commit, so it closes at the next tick rather than at once — one
     /// transaction per tick for a run of repeats, not one per repeat.
     pub(super) fn answered_at_once_only(&self, core: &super::GateCore) -> bool {
-        !self.sent_at_once.is_empty()
-            && self.batch.is_empty()
+        !self.sent_at_once.is_empty() && self.writes_nothing(core)
+    }
+
+    /// No state write, outcome, hand-over or record to publish: its
+    /// transaction would carry input offsets alone.
+    fn writes_nothing(&self, core: &super::GateCore) -> bool {
+        self.batch.is_empty()
             && self.outcomes.is_empty()
             && self.orphans.is_empty()
             && !core.has_outs()

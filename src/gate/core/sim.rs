@@ -489,6 +489,16 @@ fn is_not_invoked(p: &Progress) -> bool {
     serde_json::to_value(p).is_ok_and(|v| v.get("event") == Some(&json!("not_invoked")))
 }
 
+/// The step an answer is for.
+fn step_of(r: &ToolResult) -> StepKey {
+    StepKey {
+        workflow_id: r.workflow_id.clone(),
+        step_index: r.step_index,
+        tool: r.tool.clone(),
+        attempt: r.attempt,
+    }
+}
+
 fn outcome_of(p: &Progress) -> Option<&Outcome> {
     match &p.event {
         ProgressEvent::Finished { outcome } => Some(outcome),
@@ -762,12 +772,7 @@ impl World {
                 partition, result, ..
             } = o
             {
-                let step = StepKey {
-                    workflow_id: result.workflow_id.clone(),
-                    step_index: result.step_index,
-                    tool: result.tool.clone(),
-                    attempt: result.attempt,
-                };
+                let step = step_of(&result);
                 let pr = &self.procs[x];
                 let dispatch = pr
                     .store
@@ -791,12 +796,7 @@ impl World {
                 Out::Result {
                     partition, result, ..
                 } => {
-                    let step = StepKey {
-                        workflow_id: result.workflow_id.clone(),
-                        step_index: result.step_index,
-                        tool: result.tool.clone(),
-                        attempt: result.attempt,
-                    };
+                    let step = step_of(&result);
                     let dispatch = pr
                         .open
                         .batch
@@ -1443,12 +1443,7 @@ impl World {
             } => {
                 self.counts.answers += 1;
                 self.counts.at_once += u64::from(*at_once);
-                let step = StepKey {
-                    workflow_id: result.workflow_id.clone(),
-                    step_index: result.step_index,
-                    tool: result.tool.clone(),
-                    attempt: result.attempt,
-                };
+                let step = step_of(result);
                 let call_id = result.call_id.clone().unwrap_or_default();
                 if let Some(first) = self.model.answers.get(&call_id) {
                     // Answered at once, then read again (its batch lost): the
