@@ -5,11 +5,14 @@
 use crate::config::Config;
 use crate::contract::{ApprovalEvent, Call, DlqRecord, Progress, Status, StepKey, ToolResult};
 pub use crate::kafka::Input;
-use crate::state::{Batch, FastEntry, Phase, StateError, StateStore, StepRecord, WorkflowEnd};
+use crate::state::{
+    Batch, FastEntry, Indexed, Phase, StateError, StateStore, StepRecord, WorkflowEnd,
+};
 use crate::telemetry::Metrics;
 use crate::tools::ToolConfig;
 use chrono::{DateTime, TimeZone, Utc};
 use deferred::Deferred;
+use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
@@ -136,6 +139,12 @@ struct Apply<'a> {
     /// first, and kept there while their call runs.
     deferred: &'a mut Deferred,
     now_ms: i64,
+    /// The step [`Apply::step`] last read from the batch, and its index
+    /// fields then: a handler reads a step, then writes it, and the write
+    /// need not read it again. Only `Apply`'s own writes change a step's
+    /// record while it lives (one input, applied synchronously), and each
+    /// of them forgets what it touches.
+    last_read: RefCell<Option<(i32, StepKey, Option<Indexed>)>>,
 }
 
 impl<'a> Apply<'a> {
@@ -144,19 +153,38 @@ impl<'a> Apply<'a> {
         if let Some(r) = self.deferred.get(p, step) {
             return Ok(Some(r.clone()));
         }
-        self.batch.step(self.store, p, step)
+        let r = self.batch.step(self.store, p, step)?;
+        *self.last_read.borrow_mut() = Some((p, step.clone(), r.as_ref().map(Indexed::of)));
+        Ok(r)
+    }
+
+    /// What [`Apply::step`] last read of `step`, if that was the last step
+    /// read, taken (any write of it makes it stale).
+    fn take_read(&mut self, p: i32, step: &StepKey) -> Option<Option<Indexed>> {
+        match self.last_read.take() {
+            Some((q, s, old)) if q == p && s == *step => Some(old),
+            _ => None,
+        }
     }
 
     /// Write a step's record: in memory while a deferred step's call runs,
     /// else in the batch (a deferred step settled is written once, here).
     fn put_step(&mut self, p: i32, record: &StepRecord) -> Result<(), StateError> {
+        let read = self.take_read(p, &record.step);
         if self.deferred.update(p, record) {
             return Ok(());
         }
-        self.batch.put_step(self.store, p, record)
+        match read {
+            Some(old) => {
+                self.batch.put_step_known(p, old, record);
+                Ok(())
+            }
+            None => self.batch.put_step(self.store, p, record),
+        }
     }
 
     fn delete_step(&mut self, p: i32, step: &StepKey) -> Result<(), StateError> {
+        self.last_read.take();
         self.deferred.remove(p, step);
         self.batch.delete_step(self.store, p, step)
     }
@@ -177,6 +205,7 @@ impl<'a> Apply<'a> {
     /// a step ending its workflow began), and a re-read of that decision's
     /// intent must find it. Nothing for a step not deferred.
     fn write_deferred(&mut self, p: i32, step: &StepKey) -> Result<(), StateError> {
+        self.last_read.take();
         match self.deferred.remove(p, step) {
             Some(r) => self.batch.put_step(self.store, p, &r),
             None => Ok(()),
@@ -351,6 +380,7 @@ impl GateCore {
                 batch,
                 deferred: &mut deferred,
                 now_ms,
+                last_read: RefCell::new(None),
             },
         );
         self.deferred = deferred;

@@ -107,6 +107,40 @@ fn a_batch_reads_its_own_writes() {
 }
 
 #[test]
+fn a_step_written_over_its_read_indexes_as_a_write_that_reads_again() {
+    // `put_step_known` skips the read `put_step` makes; given what `step`
+    // returned, it must leave the same writes, whatever changed of the
+    // indexed fields — and an index entry wrongly kept or left behind would
+    // show here as a differing write.
+    let dir = tempfile::tempdir().unwrap();
+    let s = StateStore::open(dir.path()).unwrap();
+    let mut b = Batch::default();
+    b.put_step(&s, 0, &record(1, Phase::Started, 1000)).unwrap();
+    b.put_step(&s, 0, &record(2, Phase::InDoubt, 1000)).unwrap();
+    s.apply(&b, &at(0, 1)).unwrap();
+    let below = std::sync::Arc::new({
+        let mut b = Batch::default();
+        b.put_step(&s, 0, &record(3, Phase::Started, 1000)).unwrap();
+        b
+    });
+    let cases = [
+        record(1, Phase::Completed, 4000), // committed; phase, deadline, expiry change
+        record(1, Phase::Started, 1000),   // committed; nothing indexed changes
+        record(2, Phase::Completed, 1000), // committed; leaves the attention index
+        record(3, Phase::AwaitingApproval, 2000), // in the batch below
+        record(4, Phase::Started, 1000),   // no record yet
+    ];
+    for new in cases {
+        let mut read_again = Batch::on_top_of(Some(below.clone()));
+        read_again.put_step(&s, 0, &new).unwrap();
+        let mut known = Batch::on_top_of(Some(below.clone()));
+        let old = known.step(&s, 0, &new.step).unwrap();
+        known.put_step_known(0, old.as_ref().map(Indexed::of), &new);
+        assert_eq!(known.writes, read_again.writes, "{:?}", new.step);
+    }
+}
+
+#[test]
 fn a_partition_restored_from_its_changelog_equals_the_original() {
     let a_dir = tempfile::tempdir().unwrap();
     let a = StateStore::open(a_dir.path()).unwrap();
