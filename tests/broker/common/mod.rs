@@ -499,6 +499,7 @@ impl Stack {
     /// Start `stepgate run` without waiting for readiness.
     pub fn spawn(&mut self, args: &[&str], env: &[(&str, &str)]) {
         assert!(self.child.is_none());
+        self.keep_http_free();
         self.starts += 1;
         let log = std::fs::File::create(
             self.dir
@@ -516,6 +517,26 @@ impl Stack {
             .spawn()
             .expect("stepgate binary starts");
         self.child = Some(child);
+    }
+
+    /// The HTTP port was free when the stack was made, but between a stop
+    /// and a restart any process may take it — another test's listener, or
+    /// an outgoing connection's ephemeral port (seen under CI's load: the
+    /// restart failed on "Address already in use"). Then the stack moves to
+    /// a free port, in the config file as the test left it.
+    fn keep_http_free(&mut self) {
+        if self.http.is_empty() || std::net::TcpListener::bind(&self.http).is_ok() {
+            return;
+        }
+        let moved = format!("127.0.0.1:{}", free_port());
+        let text = std::fs::read_to_string(&self.config_path).unwrap();
+        let quoted = format!("\"{}\"", self.http);
+        assert!(text.contains(&quoted), "the config names {quoted}");
+        let text = text.replace(&quoted, &format!("\"{moved}\""));
+        std::fs::write(&self.config_path, text).unwrap();
+        eprintln!("{} was taken: stepgate listens on {moved} now", self.http);
+        self.config.http.listen = moved.clone();
+        self.http = moved;
     }
 
     /// Wait until /readyz says ready.
