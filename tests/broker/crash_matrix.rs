@@ -186,6 +186,7 @@ async fn crash_matrix() {
                     moved += 1;
                 }
                 let p = &mut procs[*victim];
+                still_free(&mut p.http);
                 p.child = Some(s.spawn_other(p.name, &p.http, &p.args));
                 down = None;
             }
@@ -239,6 +240,7 @@ async fn crash_matrix() {
             moved += 1;
         }
         let p = &mut procs[victim];
+        still_free(&mut p.http);
         p.child = Some(s.spawn_other(p.name, &p.http, &p.args));
     }
     let limit = Duration::from_secs(if long { 600 } else { 180 });

@@ -420,6 +420,15 @@ pub fn free_port() -> u16 {
         .port()
 }
 
+/// `http` again if it can still be bound, else a free address: a process
+/// restarted on the port it had may find it taken meanwhile (see
+/// [`Stack::spawn`]).
+pub fn still_free(http: &mut String) {
+    if !http.is_empty() && std::net::TcpListener::bind(http.as_str()).is_err() {
+        *http = format!("127.0.0.1:{}", free_port());
+    }
+}
+
 impl Stack {
     /// Topics, a tool server and a config; the process is started with [`Stack::start`].
     pub async fn new(opts: StackOptions) -> Stack {
@@ -525,10 +534,11 @@ impl Stack {
     /// restart failed on "Address already in use"). Then the stack moves to
     /// a free port, in the config file as the test left it.
     fn keep_http_free(&mut self) {
-        if self.http.is_empty() || std::net::TcpListener::bind(&self.http).is_ok() {
+        let mut moved = self.http.clone();
+        still_free(&mut moved);
+        if moved == self.http {
             return;
         }
-        let moved = format!("127.0.0.1:{}", free_port());
         let text = std::fs::read_to_string(&self.config_path).unwrap();
         let quoted = format!("\"{}\"", self.http);
         assert!(text.contains(&quoted), "the config names {quoted}");
