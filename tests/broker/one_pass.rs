@@ -512,9 +512,10 @@ async fn a_keyed_step_slower_than_a_commit_is_still_one_transaction() {
     s.spawn(&[], &[("STEPGATE_GATE_INVOKE_BEFORE_COMMIT", "true")]);
     s.wait_ready().await;
     let commits = |m: &str| -> f64 {
-        m.lines()
-            .find_map(|l| l.strip_prefix("stepgate_commit_latency_seconds_count "))
-            .map_or(0.0, |v| v.trim().parse().unwrap())
+        parse_metrics(m)
+            .get("stepgate_commit_latency_seconds_count")
+            .copied()
+            .unwrap_or(0.0)
     };
     let before = commits(&s.metrics().await);
     for (i, call_id) in ["s1", "s2"].into_iter().enumerate() {

@@ -414,16 +414,6 @@ async fn metrics_count_a_known_workload_exactly() {
     assert!(health.status().is_success());
 }
 
-fn parse_metrics(text: &str) -> std::collections::HashMap<String, f64> {
-    text.lines()
-        .filter(|l| !l.starts_with('#') && !l.is_empty())
-        .filter_map(|l| {
-            let (k, v) = l.rsplit_once(' ')?;
-            Some((k.to_owned(), v.parse().ok()?))
-        })
-        .collect()
-}
-
 /// `stepgate state rebuild` reconstructs the state from the topics into a new
 /// directory; a gate started on it answers repeats as before, and finds every
 /// partition in sync (no restore needed).

@@ -89,6 +89,17 @@ pub fn random_name(prefix: &str) -> String {
     )
 }
 
+/// A `/metrics` scrape as series (name with labels) → value.
+pub fn parse_metrics(text: &str) -> std::collections::HashMap<String, f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .filter_map(|l| {
+            let (k, v) = l.rsplit_once(' ')?;
+            Some((k.to_owned(), v.parse().ok()?))
+        })
+        .collect()
+}
+
 /// Wait for `cond` (polled every 50 ms) or fail after `limit`.
 pub async fn eventually<F: FnMut() -> bool>(limit: Duration, what: &str, mut cond: F) {
     let start = Instant::now();
