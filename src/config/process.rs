@@ -25,6 +25,13 @@ pub struct StateConfig {
     /// RocksDB block cache, in MiB, shared by every column family: data, index
     /// and filter blocks (so memory does not grow with the records).
     pub block_cache_mib: usize,
+    /// Write the changelog's records compact: field names as numbers
+    /// (`contract::codec::MSGPACK_NUMBERED_V2`), about half a settled step
+    /// record's bytes. Every stepgate reads both forms; a release before the
+    /// one that added it cannot read compact records, so turn it on once every
+    /// gate, console and operator command reading this changelog runs one
+    /// that can (docs/configuration.md).
+    pub compact_changelog: bool,
 }
 
 impl Default for StateConfig {
@@ -35,6 +42,7 @@ impl Default for StateConfig {
             purge_interval: dur("1m"),
             decisions_retention: None,
             block_cache_mib: DEFAULT_BLOCK_CACHE_BYTES >> 20,
+            compact_changelog: false,
         }
     }
 }

@@ -7,7 +7,7 @@ use super::poison::Poison;
 use super::session::Session;
 use super::{GateCore, GateError, Out, lost, now_ms, result_record};
 use crate::config::Config;
-use crate::contract::{Call, Progress};
+use crate::contract::{Call, Progress, codec};
 use crate::executor::Finished;
 use crate::hooks;
 use crate::kafka::{self, OutRecord, TxnConsumer};
@@ -310,11 +310,16 @@ impl Session<'_> {
         for f in &pending.orphans {
             records.push(progress_record(&t.progress, f.partition, &f.progress));
         }
+        let compact = self.config.state.compact_changelog;
         records.extend(pending.batch.changelog().into_iter().map(|e| OutRecord {
             topic: t.changelog.clone(),
             partition: Some(e.partition),
             key: Some(e.key),
-            payload: e.value,
+            // RocksDB keeps the named form: the gate reads it without expanding.
+            payload: match e.value {
+                Some(v) if compact => codec::compact(&v).or(Some(v)),
+                v => v,
+            },
             headers: Vec::new(),
             timestamp_ms: None,
         }));

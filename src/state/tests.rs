@@ -247,14 +247,10 @@ fn size_counts_index_and_filter_blocks_in_the_bounded_cache() {
     );
 }
 
-/// Every field of a step record survives the record encoding, through the
-/// batch (decoded overlay) and through RocksDB (encoded bytes); JSON, never a
-/// step record's encoding, is not read as one.
-#[test]
-fn a_full_record_round_trips_and_json_is_refused() {
+/// A step record with every field set (and data in its arguments, metadata,
+/// answer and late outcome).
+fn full_record() -> StepRecord {
     use crate::contract::{ErrorBody, Outcome, ToolResult};
-    let dir = tempfile::tempdir().unwrap();
-    let s = StateStore::open(dir.path()).unwrap();
     let mut r = record(7, Phase::InDoubt, 9_000);
     r.arguments = Arguments::try_from(
         serde_json::json!({"to": "a@b.c", "n": [1, 2.5, null, {"deep": true}], "big": u64::MAX}),
@@ -301,6 +297,32 @@ fn a_full_record_round_trips_and_json_is_refused() {
         reason: Some("checked".into()),
         from: Phase::InDoubt,
     }];
+    r.started_at_ms = Some(2);
+    r.evidence = vec![Evidence {
+        dispatch: 1,
+        status: "error".into(),
+        kind: Some("tool_unreachable".into()),
+        why: "stale_dispatch".into(),
+        at_ms: 4,
+    }];
+    r.open_dispatches = vec![2];
+    r.not_invoked = Some(2);
+    r.taken = Some(2);
+    r.settled_through = 1;
+    r.intent_ts_ms = Some(1);
+    r.reply_partition = Some(2);
+    r.unseen_reader = true;
+    r
+}
+
+/// Every field of a step record survives the record encoding, through the
+/// batch (decoded overlay) and through RocksDB (encoded bytes); JSON, never a
+/// step record's encoding, is not read as one.
+#[test]
+fn a_full_record_round_trips_and_json_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = StateStore::open(dir.path()).unwrap();
+    let r = full_record();
     let mut b = Batch::default();
     b.put_step(&s, 1, &r).unwrap();
     assert_eq!(b.step(&s, 1, &r.step).unwrap().as_ref(), Some(&r));
@@ -586,4 +608,87 @@ fn after_an_unclean_stop_no_partition_is_resumed_from() {
         s.resume_point(5, now(), &trust).unwrap(),
         Resume::Full(FullReason::UnknownAge)
     );
+}
+
+/// A compact changelog (`state.compact_changelog`) restores the same records
+/// and indexes as a named one, every field name of a step record has a number
+/// (a field added without one still works, written out in full), and a step
+/// record takes less than half the bytes.
+#[test]
+fn a_compact_changelog_restores_what_a_named_one_does() {
+    let r = full_record();
+    let named = codec::encode(&r);
+    let compact = codec::compact(&named).unwrap();
+    // Struct field names are map keys outside the data the record carries
+    // (metadata, outputs: their keys are the caller's).
+    fn unnumbered(v: &Value, out: &mut Vec<String>) {
+        match v {
+            Value::Object(m) => {
+                for (k, v) in m {
+                    if !codec::FIELD_NAMES.contains(&k.as_str()) {
+                        out.push(k.clone());
+                    }
+                    if k != "metadata" && k != "output" {
+                        unnumbered(v, out);
+                    }
+                }
+            }
+            Value::Array(a) => a.iter().for_each(|v| unnumbered(v, out)),
+            _ => {}
+        }
+    }
+    let mut missing = Vec::new();
+    unnumbered(&codec::decode::<Value>(&named).unwrap(), &mut missing);
+    assert!(
+        missing.is_empty(),
+        "field names without a number: {missing:?}"
+    );
+    assert!(
+        compact.len() * 2 < named.len() + 120,
+        "{} of {}",
+        compact.len(),
+        named.len()
+    );
+
+    // The same batch restored from its changelog written named and compact.
+    let src_dir = tempfile::tempdir().unwrap();
+    let src = StateStore::open(src_dir.path()).unwrap();
+    let mut b = Batch::default();
+    b.put_step(&src, 1, &r).unwrap();
+    let mut started = record(8, Phase::Started, 7_000);
+    started.deadline_ms = Some(600);
+    b.put_step(&src, 1, &started).unwrap();
+    let log: Vec<(Vec<u8>, Option<Vec<u8>>)> = b
+        .changelog()
+        .into_iter()
+        .map(|e| (e.key, e.value))
+        .collect();
+    let compacted: Vec<(Vec<u8>, Option<Vec<u8>>)> = log
+        .iter()
+        .map(|(k, v)| (k.clone(), v.as_deref().map(|v| codec::compact(v).unwrap())))
+        .collect();
+    let restore = |log: &[(Vec<u8>, Option<Vec<u8>>)]| {
+        let dir = tempfile::tempdir().unwrap();
+        let s = StateStore::open(dir.path()).unwrap();
+        assert_eq!(s.apply_changelog(log).unwrap(), 2);
+        let steps = (
+            s.step(1, &r.step).unwrap(),
+            s.step(1, &started.step).unwrap(),
+        );
+        let due = s.deadlines(1).unwrap();
+        (steps, due, dir)
+    };
+    let (named_steps, named_due, _a) = restore(&log);
+    let (compact_steps, compact_due, _b) = restore(&compacted);
+    assert_eq!(named_steps, (Some(r.clone()), Some(started.clone())));
+    assert_eq!(compact_steps, named_steps);
+    assert_eq!(compact_due, named_due);
+    assert!(
+        !named_due.is_empty(),
+        "the started step's deadline is indexed"
+    );
+    // What readers of the changelog (steps show, the console) decode.
+    let (p, step, decoded) = changelog_step(&compacted[0].0, compacted[0].1.as_deref()).unwrap();
+    assert_eq!((p, step), (1, r.step.clone()));
+    assert_eq!(decoded.as_ref(), Some(&r));
 }

@@ -807,3 +807,87 @@ async fn a_record_kafka_keeps_refusing_is_counted_and_its_input_set_aside() {
         .unwrap_or(0.0);
     assert!(failures >= 3.0, "refusals counted: {failures}\n{m}");
 }
+
+/// `state.compact_changelog` turned on in a running deployment (the rolling
+/// upgrade's last step): the changelog then holds records of both forms. A
+/// lost disk is restored from it, every step's repeat is answered from its
+/// record, nothing runs twice, and `steps show` reads both forms.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_changelog_turned_compact_midway_restores_both_forms() {
+    let mut s = Stack::new(StackOptions::default()).await;
+    s.start().await;
+    let agent = s.agent();
+    let call = |n: usize, again: bool| {
+        intent(
+            &format!("wf-compact-{n}"),
+            1,
+            "create_ticket",
+            json!({"n": n, "again": again}),
+            &format!("cc{n}-{again}"),
+        )
+    };
+    let mut firsts = Vec::new();
+    for n in 0..4 {
+        firsts.push(agent.call(call(n, false)).await);
+    }
+    s.terminate().await;
+    let compact = [("STEPGATE_STATE_COMPACT_CHANGELOG", "true")];
+    s.spawn(&[], &compact);
+    s.wait_ready().await;
+    for n in 4..8 {
+        firsts.push(agent.call(call(n, false)).await);
+    }
+    // Both forms are on the changelog: named before the switch, compact after.
+    let values = changelog_values(
+        &s.config.kafka.brokers,
+        &s.topic("changelog"),
+        "wf-compact-",
+    )
+    .await;
+    let forms: Vec<u8> = values.iter().flatten().map(|v| v[0]).collect();
+    assert!(forms.contains(&0x01) && forms.contains(&0x02), "{forms:?}");
+    let mut compact_sizes = values.iter().flatten().filter(|v| v[0] == 0x02);
+    let named_max = values
+        .iter()
+        .flatten()
+        .filter(|v| v[0] == 0x01)
+        .map(Vec::len)
+        .max();
+    assert!(
+        compact_sizes.all(|v| Some(v.len()) < named_max),
+        "a compact record is smaller than a named one of the same tool"
+    );
+    for n in [1, 6] {
+        let out = s
+            .cli(&["steps", "show", &format!("wf-compact-{n}"), "--json"])
+            .await;
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let shown: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(shown["steps"][0]["phase"], "completed", "{shown}");
+        assert_eq!(
+            shown["steps"][0]["call_id"],
+            format!("cc{n}-false"),
+            "{shown}"
+        );
+    }
+
+    s.kill();
+    std::fs::remove_dir_all(s.dir.path().join("state")).unwrap();
+    s.spawn(&[], &compact);
+    s.wait_ready().await;
+    for (n, first) in firsts.iter().enumerate() {
+        let again = agent.call(call(n, true)).await;
+        assert!(again.deduplicated, "{again:?}");
+        same_but_call_id(first, &again);
+    }
+    assert_eq!(s.tools.count("create_ticket"), 8, "nothing ran twice");
+    let m = s.metrics().await;
+    assert!(
+        !m.contains("stepgate_state_restored_records_total 0"),
+        "{m}"
+    );
+}

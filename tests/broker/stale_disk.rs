@@ -11,9 +11,6 @@
 use crate::common;
 
 use common::*;
-use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::message::Message;
-use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use serde_json::json;
 use std::time::{Duration, Instant};
 use stepgate::contract::Status;
@@ -95,8 +92,8 @@ async fn a_gate_back_with_an_old_disk_neither_reruns_nor_answers_again_a_step_pu
     let mut tombstoned = false;
     let mut n = 0;
     loop {
-        let records = changelog_records(&brokers, &changelog, STALE_WF).await;
-        tombstoned |= records.iter().any(|tombstone| *tombstone);
+        let records = changelog_values(&brokers, &changelog, STALE_WF).await;
+        tombstoned |= records.iter().any(Option::is_none);
         if tombstoned && records.is_empty() {
             break;
         }
@@ -190,44 +187,4 @@ async fn terminate_other(child: &mut std::process::Child) {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-}
-
-/// The changelog's records (partition 0, all of it) whose key names
-/// `workflow`: for each, whether it is a tombstone.
-async fn changelog_records(brokers: &str, topic: &str, workflow: &str) -> Vec<bool> {
-    let (brokers, topic, workflow) = (brokers.to_owned(), topic.to_owned(), workflow.to_owned());
-    tokio::task::spawn_blocking(move || {
-        let consumer: BaseConsumer = ClientConfig::new()
-            .set("bootstrap.servers", &brokers)
-            .set("group.id", random_name("changelog-reader"))
-            .set("enable.auto.commit", "false")
-            .set("enable.partition.eof", "true")
-            .set("isolation.level", "read_committed")
-            .create()
-            .unwrap();
-        let mut tpl = TopicPartitionList::new();
-        tpl.add_partition_offset(&topic, 0, Offset::Beginning)
-            .unwrap();
-        consumer.assign(&tpl).unwrap();
-        let mut out = Vec::new();
-        let until = Instant::now() + Duration::from_secs(30);
-        loop {
-            assert!(Instant::now() < until, "reading the changelog took 30 s");
-            match consumer.poll(Duration::from_millis(200)) {
-                Some(Ok(m))
-                    if m.key().is_some_and(|k| {
-                        k.windows(workflow.len()).any(|w| w == workflow.as_bytes())
-                    }) =>
-                {
-                    out.push(m.payload().is_none());
-                }
-                Some(Ok(_)) => {}
-                Some(Err(rdkafka::error::KafkaError::PartitionEOF(_))) => return out,
-                Some(Err(e)) => panic!("reading the changelog: {e}"),
-                None => {}
-            }
-        }
-    })
-    .await
-    .unwrap()
 }

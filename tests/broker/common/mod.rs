@@ -100,6 +100,57 @@ pub fn parse_metrics(text: &str) -> std::collections::HashMap<String, f64> {
         .collect()
 }
 
+/// The values of the changelog's records (every partition, all of it) whose
+/// key names `workflow`, in each partition's order; `None` for a tombstone.
+pub async fn changelog_values(brokers: &str, topic: &str, workflow: &str) -> Vec<Option<Vec<u8>>> {
+    let (brokers, topic, workflow) = (brokers.to_owned(), topic.to_owned(), workflow.to_owned());
+    tokio::task::spawn_blocking(move || {
+        let consumer: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", &brokers)
+            .set("group.id", random_name("changelog-reader"))
+            .set("enable.auto.commit", "false")
+            .set("enable.partition.eof", "true")
+            .set("isolation.level", "read_committed")
+            .create()
+            .unwrap();
+        let metadata = consumer
+            .fetch_metadata(Some(&topic), Duration::from_secs(10))
+            .unwrap();
+        let partitions = metadata.topics()[0].partitions().len();
+        assert!(partitions > 0, "{topic} has partitions");
+        let mut tpl = TopicPartitionList::new();
+        for p in 0..partitions {
+            tpl.add_partition_offset(&topic, p as i32, Offset::Beginning)
+                .unwrap();
+        }
+        consumer.assign(&tpl).unwrap();
+        let mut out = Vec::new();
+        let mut ended = std::collections::BTreeSet::new();
+        let until = Instant::now() + Duration::from_secs(30);
+        while ended.len() < partitions {
+            assert!(Instant::now() < until, "reading the changelog took 30 s");
+            match consumer.poll(Duration::from_millis(200)) {
+                Some(Ok(m))
+                    if m.key().is_some_and(|k| {
+                        k.windows(workflow.len()).any(|w| w == workflow.as_bytes())
+                    }) =>
+                {
+                    out.push(m.payload().map(<[u8]>::to_vec));
+                }
+                Some(Ok(_)) => {}
+                Some(Err(rdkafka::error::KafkaError::PartitionEOF(p))) => {
+                    ended.insert(p);
+                }
+                Some(Err(e)) => panic!("reading the changelog: {e}"),
+                None => {}
+            }
+        }
+        out
+    })
+    .await
+    .unwrap()
+}
+
 /// Wait for `cond` (polled every 50 ms) or fail after `limit`.
 pub async fn eventually<F: FnMut() -> bool>(limit: Duration, what: &str, mut cond: F) {
     let start = Instant::now();

@@ -392,3 +392,37 @@ fn dlq_records_never_panic_and_stay_under_the_bound() {
         },
     );
 }
+
+#[test]
+fn compact_records_decode_as_the_named_ones_and_bad_ones_never_panic() {
+    // Keys drawn from the field names as often as not: those are compacted.
+    let key = prop_oneof![
+        text(),
+        proptest::sample::select(codec::FIELD_NAMES).prop_map(str::to_owned),
+    ];
+    let value = leaf().prop_recursive(6, 48, 6, move |inner| {
+        prop_oneof![
+            vec(inner.clone(), 0..6).prop_map(Value::Array),
+            btree_map(key.clone(), inner, 0..6)
+                .prop_map(|m| Value::Object(m.into_iter().collect())),
+        ]
+    });
+    run("compact(any record)", cases(1_500), value, |v| {
+        let named = codec::encode(&v);
+        let compact = codec::compact(&named).expect("a JSON value always compacts");
+        prop_assert!(compact.len() <= named.len());
+        prop_assert_eq!(&*codec::expand(&compact).unwrap(), &named[..]);
+        prop_assert_eq!(codec::decode::<Value>(&compact).unwrap(), v);
+        Ok(())
+    });
+    run(
+        "decode compact(arbitrary bytes)",
+        cases(1_500),
+        vec(any::<u8>(), 0..512),
+        |mut b| {
+            b.insert(0, codec::MSGPACK_NUMBERED_V2);
+            let _ = codec::decode::<Value>(&b);
+            Ok(())
+        },
+    );
+}
