@@ -539,7 +539,13 @@ impl StateStore {
             if state_key.len() < 4 {
                 continue;
             }
-            match value {
+            // A compact record (`state.compact_changelog`) is kept named, as
+            // the gate writes it, so that its reads never expand; one that
+            // cannot be expanded is kept as it came, refused when read.
+            let value = value
+                .as_deref()
+                .map(|v| codec::expand(v).unwrap_or(v.into()));
+            match &value {
                 Some(v) => wb.put_cf(self.cf(cf), state_key, v),
                 None => wb.delete_cf(self.cf(cf), state_key),
             }
