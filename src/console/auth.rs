@@ -182,7 +182,7 @@ pub fn new_csrf() -> String {
     let mut b = [0u8; 32];
     // The OS's randomness; without it no form could be trusted.
     getrandom::fill(&mut b).expect("the OS's random numbers");
-    b.iter().map(|x| format!("{x:02x}")).collect()
+    crate::contract::hex(&b)
 }
 
 /// Whether a form's CSRF token matches its cookie, and the request's

@@ -27,7 +27,7 @@ use prost::Message;
 use serde_json::json;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use stepgate::contract::Status;
+use stepgate::contract::{Status, hex};
 
 const WAIT: Duration = Duration::from_secs(30);
 
@@ -122,10 +122,6 @@ fn string_attr(attrs: &[KeyValue], key: &str) -> Option<String> {
         AnyValue::StringValue(s) => Some(s.clone()),
         _ => None,
     }
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// A W3C trace id or span id of `len` bytes, random (std's randomly keyed

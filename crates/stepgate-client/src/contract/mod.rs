@@ -479,8 +479,9 @@ fn cut_at_char(s: &str, max: usize) -> &str {
 }
 
 /// Lowercase hex, by table: it runs for every tool call (the idempotency
-/// key), where a formatter per byte was 1.6 % of a flood's CPU.
-fn hex(bytes: &[u8]) -> String {
+/// key), where a formatter per byte was 1.6 % of a flood's CPU. The one hex
+/// encoder of the code (also the console's CSRF tokens).
+pub fn hex(bytes: &[u8]) -> String {
     const DIGITS: &[u8; 16] = b"0123456789abcdef";
     let mut s = String::with_capacity(bytes.len() * 2);
     for b in bytes {
