@@ -220,6 +220,12 @@ impl<'a> Walk<'a, '_> {
         Ok(len)
     }
 
+    /// A value of a `len_bytes` length and `extra` bytes more, copied.
+    fn sized(&mut self, len_bytes: usize, extra: usize) -> WalkResult {
+        let n = self.len(len_bytes)?;
+        self.copy(n + extra)
+    }
+
     fn value(&mut self, depth: usize) -> WalkResult {
         if depth > MAX_DEPTH {
             return Err("nested too deeply");
@@ -231,31 +237,14 @@ impl<'a> Walk<'a, '_> {
             0x80..=0x8f => self.map(usize::from(m & 0x0f), depth),
             0x90..=0x9f => self.array(usize::from(m & 0x0f), depth),
             0xa0..=0xbf => self.copy(usize::from(m & 0x1f)),
-            0xc4 | 0xd9 => {
-                let n = self.len(1)?;
-                self.copy(n)
-            }
-            0xc5 | 0xda => {
-                let n = self.len(2)?;
-                self.copy(n)
-            }
-            0xc6 | 0xdb => {
-                let n = self.len(4)?;
-                self.copy(n)
-            }
+            // bin and str 8/16/32: length, data.
+            0xc4 | 0xd9 => self.sized(1, 0),
+            0xc5 | 0xda => self.sized(2, 0),
+            0xc6 | 0xdb => self.sized(4, 0),
             // ext 8/16/32: length, type byte, data.
-            0xc7 => {
-                let n = self.len(1)?;
-                self.copy(n + 1)
-            }
-            0xc8 => {
-                let n = self.len(2)?;
-                self.copy(n + 1)
-            }
-            0xc9 => {
-                let n = self.len(4)?;
-                self.copy(n + 1)
-            }
+            0xc7 => self.sized(1, 1),
+            0xc8 => self.sized(2, 1),
+            0xc9 => self.sized(4, 1),
             0xca | 0xce | 0xd2 => self.copy(4),
             0xcb | 0xcf | 0xd3 => self.copy(8),
             0xcc | 0xd0 => self.copy(1),
@@ -333,15 +322,14 @@ impl<'a> Walk<'a, '_> {
     }
 }
 
-/// A short string (field names are) in MessagePack.
+/// A field name as a MessagePack fixstr: every name, and the stand-in for an
+/// unknown number, is at most 31 bytes (a test checks the list).
 fn write_str(out: &mut Vec<u8>, s: &[u8]) {
-    match s.len() {
-        n @ 0..=31 => out.push(0xa0 | n as u8),
-        n => {
-            out.push(0xd9);
-            out.push(u8::try_from(n).expect("field names are short"));
-        }
-    }
+    let n = u8::try_from(s.len())
+        .ok()
+        .filter(|n| *n <= 31)
+        .expect("field names are at most 31 bytes");
+    out.push(0xa0 | n);
     out.extend_from_slice(s);
 }
 

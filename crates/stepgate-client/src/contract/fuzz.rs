@@ -79,10 +79,16 @@ fn leaf() -> impl Strategy<Value = Value> {
 
 /// Arbitrary JSON values, a few levels deep and wide.
 fn json_value() -> impl Strategy<Value = Value> {
-    leaf().prop_recursive(6, 48, 6, |inner| {
+    json_value_keyed(text().boxed())
+}
+
+/// [`json_value`] with its objects' keys drawn from `keys`.
+fn json_value_keyed(keys: BoxedStrategy<String>) -> impl Strategy<Value = Value> {
+    leaf().prop_recursive(6, 48, 6, move |inner| {
         prop_oneof![
             vec(inner.clone(), 0..6).prop_map(Value::Array),
-            btree_map(text(), inner, 0..6).prop_map(|m| Value::Object(m.into_iter().collect())),
+            btree_map(keys.clone(), inner, 0..6)
+                .prop_map(|m| Value::Object(m.into_iter().collect())),
         ]
     })
 }
@@ -400,13 +406,7 @@ fn compact_records_decode_as_the_named_ones_and_bad_ones_never_panic() {
         text(),
         proptest::sample::select(codec::FIELD_NAMES).prop_map(str::to_owned),
     ];
-    let value = leaf().prop_recursive(6, 48, 6, move |inner| {
-        prop_oneof![
-            vec(inner.clone(), 0..6).prop_map(Value::Array),
-            btree_map(key.clone(), inner, 0..6)
-                .prop_map(|m| Value::Object(m.into_iter().collect())),
-        ]
-    });
+    let value = json_value_keyed(key.boxed());
     run("compact(any record)", cases(1_500), value, |v| {
         let named = codec::encode(&v);
         let compact = codec::compact(&named).expect("a JSON value always compacts");
