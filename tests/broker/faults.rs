@@ -566,6 +566,16 @@ fn poisons() -> Vec<Poison> {
             call_id: Some("p-big"),
         },
         Poison {
+            name: "a number beyond a double in arguments (1e400)",
+            payload: format!(
+                r#"{{"workflow_id":"poison-num","step_index":1,"tool":"{KEYED}","arguments":{{"amount":1e400}},"call_id":"p-num"}}"#
+            )
+            .into_bytes(),
+            headers: vec![],
+            reason: Some("invalid_value"),
+            call_id: Some("p-num"),
+        },
+        Poison {
             name: "arguments nested 70 deep",
             payload: p(intent("poison-deep", 1, KEYED, nested(70), "p-deep")),
             headers: vec![],
@@ -598,9 +608,14 @@ async fn poison_inputs_under_load() {
         let in_flight_now = in_flight(&load, &results);
         // Keyed and partitioned by its workflow when it names one (the gate
         // refuses a valid intent outside its workflow's partition).
-        let workflow = serde_json::from_slice::<Value>(&poison.payload)
+        // (Read without parsing the numbers: `1e400` is one of the poisons.)
+        #[derive(serde::Deserialize)]
+        struct Named {
+            workflow_id: String,
+        }
+        let workflow = serde_json::from_slice::<Named>(&poison.payload)
             .ok()
-            .and_then(|v| v["workflow_id"].as_str().map(str::to_owned));
+            .map(|n| n.workflow_id);
         let key = workflow.clone().unwrap_or_else(|| "poison-key".to_owned());
         let mut rec = FutureRecord::to(&intents)
             .key(&key)

@@ -3,7 +3,7 @@
 use super::{
     Arguments, Intent, MAX_TOOL_NAME_CHARS, MAX_WORKFLOW_ID_BYTES, StepKey, Texts, text_deeper_than,
 };
-use serde::de::IgnoredAny;
+use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 use serde_json::{Map, Value};
@@ -89,6 +89,53 @@ impl Rejection {
             message,
             address: None,
         }
+    }
+}
+
+/// Any JSON value, read whole and dropped. Unlike `IgnoredAny`, which skips
+/// a number's digits, every number is parsed: one beyond a double's range
+/// (`1e400`) is refused with its intent, where the gate, a tool's body with
+/// its idempotency key set inside, or the console would otherwise each read
+/// the arguments as a tree and fail on it.
+struct Parses;
+
+impl<'de> Deserialize<'de> for Parses {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(Parses)
+    }
+}
+
+impl<'de> Visitor<'de> for Parses {
+    type Value = Parses;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("any JSON value")
+    }
+    fn visit_bool<E: de::Error>(self, _: bool) -> Result<Parses, E> {
+        Ok(Parses)
+    }
+    fn visit_i64<E: de::Error>(self, _: i64) -> Result<Parses, E> {
+        Ok(Parses)
+    }
+    fn visit_u64<E: de::Error>(self, _: u64) -> Result<Parses, E> {
+        Ok(Parses)
+    }
+    fn visit_f64<E: de::Error>(self, _: f64) -> Result<Parses, E> {
+        Ok(Parses)
+    }
+    fn visit_str<E: de::Error>(self, _: &str) -> Result<Parses, E> {
+        Ok(Parses)
+    }
+    fn visit_unit<E: de::Error>(self) -> Result<Parses, E> {
+        Ok(Parses)
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Parses, A::Error> {
+        while seq.next_element::<Parses>()?.is_some() {}
+        Ok(Parses)
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Parses, A::Error> {
+        while map.next_entry::<IgnoredAny, Parses>()?.is_some() {}
+        Ok(Parses)
     }
 }
 
@@ -227,7 +274,7 @@ pub fn parse_intent(
             Err((reason, problem)) => return Err(reject(reason, problem)),
         },
     };
-    let arguments = match raw_arguments.map(RawValue::get) {
+    let (arguments, arguments_too_deep) = match raw_arguments.map(RawValue::get) {
         None | Some("null") => {
             return Err(reject(
                 RejectionReason::MissingField,
@@ -235,14 +282,25 @@ pub fn parse_intent(
             ));
         }
         Some(text) if text.starts_with('{') => {
-            // Checked whole (numbers in range), without building the tree.
-            if let Err(e) = serde_json::from_str::<IgnoredAny>(text) {
-                return Err(Rejection::new(
-                    RejectionReason::MalformedJson,
-                    format!("the intent is not valid JSON: {e}"),
-                ));
+            // Checked whole (numbers in range), without building the tree;
+            // too deep, it is refused below as such, with no parse.
+            let too_deep = text_deeper_than(text, MAX_NESTING_DEPTH);
+            if !too_deep && let Err(e) = serde_json::from_str::<Parses>(text) {
+                return Err(if e.to_string().starts_with("number out of range") {
+                    reject(
+                        RejectionReason::InvalidValue,
+                        format!(
+                            "a number in `arguments` is beyond what JSON readers hold (a 64-bit float, at most about 1.8e308; {e}): send it as a string, or a smaller number"
+                        ),
+                    )
+                } else {
+                    Rejection::new(
+                        RejectionReason::MalformedJson,
+                        format!("the intent is not valid JSON: {e}"),
+                    )
+                });
             }
-            Arguments::from_checked(text)
+            (Arguments::from_checked(text), too_deep)
         }
         Some(text) => {
             // Valid JSON: its first byte says what it is (no parse, however deep).
@@ -278,7 +336,7 @@ pub fn parse_intent(
             ));
         }
     };
-    let too_deep = if text_deeper_than(arguments.as_str(), MAX_NESTING_DEPTH) {
+    let too_deep = if arguments_too_deep {
         Some("arguments")
     } else if metadata
         .as_ref()
@@ -646,6 +704,27 @@ mod tests {
         let r = parse_intent(text.as_bytes(), 1 << 20, &tools()).unwrap_err();
         assert_eq!(r.reason, RejectionReason::WrongType);
         assert!(r.message.contains("got an array"), "{}", r.message);
+    }
+
+    /// `1e400` is JSON, but no reader holds it: a tool's body with its
+    /// idempotency key set inside, the MCP call and the console parse the
+    /// arguments, and would have lost them. Refused, saying what to do, to
+    /// the agent that waits (the address is kept); the largest double passes.
+    #[test]
+    fn a_number_beyond_a_double_is_refused_where_the_agent_reads_it() {
+        for n in ["1e400", "-1e400", "1e999999"] {
+            let text = format!(
+                r#"{{"workflow_id":"w","step_index":0,"tool":"search","arguments":{{"q":"a","n":[1,{{"x":{n}}}]}}}}"#
+            );
+            let r = parse_intent(text.as_bytes(), 1 << 20, &tools()).unwrap_err();
+            assert_eq!(r.reason, RejectionReason::InvalidValue, "{n}");
+            assert!(r.message.contains("send it as a string"), "{}", r.message);
+            assert!(r.message.contains("nothing was performed"), "{}", r.message);
+            assert!(r.address.is_some(), "answered where the agent waits");
+        }
+        let text = r#"{"workflow_id":"w","step_index":0,"tool":"search","arguments":{"n":1.7976931348623157e308,"m":-1e-400,"big":123456789012345678901234567890}}"#;
+        let i = parse_intent(text.as_bytes(), 1 << 20, &tools()).unwrap();
+        assert_eq!(i.arguments.to_value()["n"], json!(f64::MAX));
     }
 
     #[test]
