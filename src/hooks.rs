@@ -95,6 +95,20 @@ pub(crate) fn lose_commit_reply(starts_calls: bool) -> Result<(), KafkaError> {
     }
 }
 
+/// `STEPGATE_TEST_SLOW_TRANSACTION_END=N`: the N-th transaction that starts
+/// calls commits, and is then taken to have ended slowly enough that a late
+/// copy of its commit request may be on its way (`kafka::stale_end_possible`).
+pub(crate) fn slow_transaction_end(starts_calls: bool) -> bool {
+    static HOOK: Nth = Nth::new("STEPGATE_TEST_SLOW_TRANSACTION_END");
+    let hit = starts_calls.then(|| HOOK.hit()).flatten();
+    if let Some(n) = hit {
+        tracing::warn!(
+            "STEPGATE_TEST_SLOW_TRANSACTION_END={n}: a committed transaction is taken to have ended slowly"
+        );
+    }
+    hit.is_some()
+}
+
 /// `STEPGATE_TEST_LOSE_COMMIT_MARKER=N`: the N-th transaction that publishes
 /// answers is aborted where it would commit, and reported committed; the
 /// session then fails ([`session_lost`]). That is where a broker that lost an

@@ -63,6 +63,9 @@ pub(super) struct Landed {
     pub(super) landed: Vec<(i32, i64)>,
     /// A test hook aborted it instead (see `hooks::lose_commit_marker`).
     pub(super) marker_lost: bool,
+    /// Its producer must not begin another transaction
+    /// ([`kafka::Transacted::renew_producer`]).
+    pub(super) renew_producer: bool,
 }
 
 /// A batch whose transaction is being committed.
@@ -360,7 +363,7 @@ impl Session<'_> {
         let records = Arc::new(records);
         let (slot, producer) = producer.next();
         let (consumer, sent_records) = (consumer.clone(), records.clone());
-        let limit = kafka::send_limit(self.config.kafka.transaction_timeout.0);
+        let limits = kafka::TxnLimits::of(&self.config.kafka);
         let stage = Arc::new(AtomicU8::new(Stage::SENDING));
         let at = stage.clone();
         hooks::arm_hang_send(answers);
@@ -370,16 +373,19 @@ impl Session<'_> {
             // Answers sent at once first: their intents' offsets are in this
             // transaction, and none may be committed past a lost answer. They
             // get the transaction's own bound (a broker gone away).
-            let acked = tokio::time::timeout(limit, futures::future::try_join_all(sent_at_once))
-                .await
-                .map_err(|_| {
-                    KafkaError::MessageProduction(rdkafka::types::RDKafkaErrorCode::MessageTimedOut)
-                })??;
+            let acked =
+                tokio::time::timeout(limits.send, futures::future::try_join_all(sent_at_once))
+                    .await
+                    .map_err(|_| {
+                        KafkaError::MessageProduction(
+                            rdkafka::types::RDKafkaErrorCode::MessageTimedOut,
+                        )
+                    })??;
             acked.into_iter().collect::<Result<(), KafkaError>>()?;
             hooks::delay_commit().await;
             let t0 = Instant::now();
             let (mut t1, mut marker_lost) = (t0, false);
-            let landed = kafka::transact(&producer, &consumer, &records, tpl, limit, || {
+            let done = kafka::transact(&producer, &consumer, &records, tpl, limits, || {
                 at.store(Stage::ENDING, Ordering::Relaxed);
                 t1 = Instant::now();
                 hooks::crash_before_commit();
@@ -392,8 +398,12 @@ impl Session<'_> {
             })
             .await;
             at.store(Stage::DONE, Ordering::Relaxed);
-            let landed = landed?;
+            let kafka::Transacted {
+                landed,
+                renew_producer,
+            } = done?;
             hooks::lose_commit_reply(starts_calls)?;
+            let renew_producer = renew_producer || hooks::slow_transaction_end(starts_calls);
             tracing::debug!(
                 records = records.len(),
                 send_us = (t1 - t0).as_micros() as u64,
@@ -413,6 +423,7 @@ impl Session<'_> {
                 changelog_next: next,
                 landed,
                 marker_lost,
+                renew_producer,
             })
         });
         Ok(InFlight {
@@ -506,6 +517,11 @@ impl Session<'_> {
         self.metrics.committed(f.started.elapsed());
         if landed.marker_lost {
             return Err(hooks::session_lost().into());
+        }
+        // Committed and honoured above; the session's producers are then
+        // replaced (a new session's, with a new epoch) before another begins.
+        if landed.renew_producer {
+            return Err(GateError::SlowTransactionEnd);
         }
         Ok(())
     }

@@ -313,9 +313,11 @@ pub(super) async fn mend(
         offsets = rewrite.offsets.len(),
         "a transaction the broker acknowledged lost its commit marker: writing its records again"
     );
-    let limit = kafka::send_limit(cfg.transaction_timeout.0);
-    match write_again(producer, consumer, &rewrite, limit).await {
-        Ok(landed) => {
+    match write_again(producer, consumer, &rewrite, kafka::TxnLimits::of(cfg)).await {
+        Ok(kafka::Transacted {
+            landed,
+            renew_producer,
+        }) => {
             metrics.lost_commit_rewritten(rewrite.records.len());
             info!(
                 records = rewrite.records.len(),
@@ -331,6 +333,9 @@ pub(super) async fn mend(
                     at: Instant::now(),
                 },
             );
+            if renew_producer {
+                return Err(GateError::SlowTransactionEnd);
+            }
             Ok(())
         }
         Err(e) => {
@@ -469,12 +474,17 @@ async fn write_again(
     producer: &FutureProducer,
     consumer: &Arc<TxnConsumer>,
     rewrite: &Rewrite,
-    limit: Duration,
-) -> Result<Vec<(i32, i64)>, GateError> {
+    limits: kafka::TxnLimits,
+) -> Result<kafka::Transacted, GateError> {
     let offsets = InputOffset::list(&rewrite.offsets)?;
-    kafka::transact(producer, consumer, &rewrite.records, offsets, limit, || {
-        Ok::<_, GateError>(kafka::Ending::Commit)
-    })
+    kafka::transact(
+        producer,
+        consumer,
+        &rewrite.records,
+        offsets,
+        limits,
+        || Ok::<_, GateError>(kafka::Ending::Commit),
+    )
     .await
 }
 

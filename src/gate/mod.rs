@@ -66,6 +66,14 @@ pub enum GateError {
     /// deduplicate in the wrong partition.
     #[error("{0}")]
     Layout(String),
+    /// A transaction ended slowly enough that a late copy of its end request
+    /// may still reach the coordinator (`kafka::stale_end_possible`): what it
+    /// committed is kept, and the next session's producers (a new epoch)
+    /// fence that copy before any further transaction begins.
+    #[error(
+        "a transaction took long enough to end that librdkafka may have sent its end request twice: starting new producers, which fence a late copy"
+    )]
+    SlowTransactionEnd,
 }
 
 impl GateError {
@@ -82,6 +90,7 @@ impl GateError {
             GateError::Join(_) => "internal",
             GateError::FatalConsumer(_) => "fatal_consumer",
             GateError::Layout(_) => "layout",
+            GateError::SlowTransactionEnd => "slow_transaction_end",
         }
     }
 

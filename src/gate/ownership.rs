@@ -169,22 +169,29 @@ impl Session<'_> {
                     .flat_map(|(name, n)| (0..n as i32).map(move |q| (name.clone(), q)))
                     .collect();
                     let started = Instant::now();
-                    let limit = kafka::send_limit(self.config.kafka.transaction_timeout.0);
+                    let limits = kafka::TxnLimits::of(&self.config.kafka);
                     let ends = producer.all.iter().map(|pr| {
                         kafka::end_hanging_transactions(
                             pr,
                             consumer,
                             &written,
                             (&t.intents, p),
-                            limit,
+                            limits,
                         )
                     });
+                    let mut renew = false;
                     for r in futures::future::join_all(ends).await {
-                        if let Err(e) = r {
+                        match r {
+                            Ok(r) => renew |= r,
                             // Not fatal: if something did hang, the offset
                             // lookup below waits, and a new session tries again.
-                            warn!(error = %e, "could not end hanging transactions of this gate's producers");
+                            Err(e) => {
+                                warn!(error = %e, "could not end hanging transactions of this gate's producers")
+                            }
                         }
+                    }
+                    if renew {
+                        return Err(GateError::SlowTransactionEnd);
                     }
                     info!(
                         partitions = written.len(),

@@ -245,3 +245,36 @@ fn the_default_largest_intent_fits() {
             <= MESSAGE_MAX_BYTES
     );
 }
+
+/// librdkafka times out a request to the transaction coordinator, and sends
+/// it again, after `socket.timeout.ms`: by default 100 ms under the
+/// transaction timeout (at least 900 ms), or what `[kafka.client]` sets.
+#[test]
+fn the_end_request_timeout_is_librdkafkas() {
+    let mut k = KafkaConfig {
+        transaction_timeout: crate::duration::Dur(Duration::from_secs(30)),
+        ..KafkaConfig::default()
+    };
+    let l = TxnLimits::of(&k);
+    assert_eq!(l.end_request, Duration::from_millis(29_900));
+    assert_eq!(l.send, send_limit(Duration::from_secs(30)));
+    k.client.insert("socket.timeout.ms".into(), "5000".into());
+    assert_eq!(TxnLimits::of(&k).end_request, Duration::from_secs(5));
+    k.client.insert("socket.timeout.ms".into(), "soon".into());
+    assert_eq!(TxnLimits::of(&k).end_request, Duration::ZERO);
+}
+
+/// A transaction's end that was retried, or took as long as one request may
+/// before librdkafka sends it again, may have a late copy on its way: its
+/// producer is replaced. A prompt one is not.
+#[test]
+fn an_end_that_may_have_been_sent_twice_renews_the_producer() {
+    let l = TxnLimits {
+        send: Duration::from_secs(40),
+        end_request: Duration::from_millis(29_900),
+    };
+    assert!(!stale_end_possible(false, Duration::from_millis(3), l));
+    assert!(!stale_end_possible(false, Duration::from_millis(29_899), l));
+    assert!(stale_end_possible(false, Duration::from_millis(29_900), l));
+    assert!(stale_end_possible(true, Duration::from_millis(3), l));
+}

@@ -2,6 +2,7 @@
 //! committed or aborted.
 
 use super::{TxnConsumer, blocking};
+use crate::config::KafkaConfig;
 use rdkafka::consumer::Consumer;
 use rdkafka::error::KafkaError;
 use rdkafka::producer::{FutureProducer, Producer};
@@ -10,8 +11,10 @@ use rdkafka::util::Timeout;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// Commit a transaction, retrying what librdkafka says is retriable.
-pub async fn commit_txn(producer: &FutureProducer) -> Result<(), KafkaError> {
+/// Commit a transaction, retrying what librdkafka says is retriable. Ok(true)
+/// when the commit landed but its producer must not begin another transaction
+/// ([`stale_end_possible`]).
+pub async fn commit_txn(producer: &FutureProducer, limits: TxnLimits) -> Result<bool, KafkaError> {
     // rust-rdkafka's `commit_transaction` flushes first, and its flush sleeps
     // in 100 ms polls while librdkafka still counts a message whose delivery
     // report the polling thread has handed over but not yet released — a race
@@ -21,6 +24,7 @@ pub async fn commit_txn(producer: &FutureProducer) -> Result<(), KafkaError> {
     while producer.in_flight_count() > 0 && Instant::now() < until {
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
+    let started = Instant::now();
     let mut tries = 0;
     loop {
         let p = producer.clone();
@@ -30,9 +34,35 @@ pub async fn commit_txn(producer: &FutureProducer) -> Result<(), KafkaError> {
                 tries += 1;
                 tracing::warn!(error = %e, "transaction commit will be retried");
             }
-            other => return other,
+            Ok(()) => return Ok(stale_end_possible(tries > 0, started.elapsed(), limits)),
+            Err(e) => return Err(e),
         }
     }
+}
+
+/// Whether a transaction that ended may have left a copy of its `EndTxn`
+/// request on its way to the coordinator: librdkafka sends `EndTxn` again
+/// when one times out (after `limits.end_request`), and a call that took that
+/// long, or that returned a timeout and was called again, may have done so.
+/// librdkafka speaks transaction protocol v1 (no KIP-890 part 2: the
+/// producer's epoch is the same for every transaction), so that late copy
+/// would end whatever part of the producer's *next* transaction the
+/// coordinator holds by then, and the rest would commit on its own — a batch
+/// split in two, and an intent's offset committed without its records. A producer after such a commit is replaced
+/// (a new one with the same transactional id bumps the epoch, which fences
+/// every request of the old) before it begins another transaction.
+/// confluentinc/librdkafka#5423 proposes the same in librdkafka itself.
+pub fn stale_end_possible(retried: bool, took: Duration, limits: TxnLimits) -> bool {
+    let possible = retried || took >= limits.end_request;
+    if possible {
+        tracing::warn!(
+            ms = took.as_millis() as u64,
+            retried,
+            request_timeout_ms = limits.end_request.as_millis() as u64,
+            "a transaction took long enough to end that its end request may have been sent twice: its producer is replaced before it begins another"
+        );
+    }
+    possible
 }
 
 /// Abort the open transaction, if any; errors are logged (the caller is already
@@ -53,7 +83,8 @@ pub const HANGING_PROBE_KEY: &[u8] = b"stepgate:end-hanging-transaction";
 
 /// End any transaction the broker still holds open for this producer's
 /// transactional id in `partitions` and in the group's offsets (those of
-/// `offsets_partition`'s group), by writing to each and aborting.
+/// `offsets_partition`'s group), by writing to each and aborting. Ok(true)
+/// when the producer must be replaced ([`Transacted::renew_producer`]).
 ///
 /// Why: after a broker is SIGKILLed mid-transaction, the transaction
 /// coordinator can come back without the transaction (its id `Empty`), while
@@ -71,8 +102,8 @@ pub async fn end_hanging_transactions(
     consumer: &Arc<TxnConsumer>,
     partitions: &[(String, i32)],
     offsets_partition: (&str, i32),
-    limit: Duration,
-) -> Result<(), KafkaError> {
+    limits: TxnLimits,
+) -> Result<bool, KafkaError> {
     let probes: Vec<OutRecord> = partitions
         .iter()
         .map(|(topic, p)| OutRecord {
@@ -92,11 +123,11 @@ pub async fn end_hanging_transactions(
         offsets_partition.1,
         rdkafka::Offset::Offset(0),
     )?;
-    transact(producer, consumer, &probes, offsets, limit, || {
+    transact(producer, consumer, &probes, offsets, limits, || {
         Ok::<_, KafkaError>(Ending::Abort)
     })
     .await
-    .map(drop)
+    .map(|t| t.renew_producer)
 }
 
 /// How a transaction whose records and offsets were all sent ends.
@@ -118,22 +149,54 @@ pub fn send_limit(transaction_timeout: Duration) -> Duration {
     transaction_timeout.max(OFFSETS_TIMEOUT) + Duration::from_secs(10)
 }
 
+/// The time bounds of a transactional producer's transactions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TxnLimits {
+    /// How long its records and offsets may take ([`send_limit`]).
+    pub send: Duration,
+    /// When librdkafka gives up waiting for the reply to one request to the
+    /// transaction coordinator, and sends it again: `socket.timeout.ms`,
+    /// which librdkafka sets 100 ms under `transaction.timeout.ms` unless it
+    /// is set. (A value librdkafka would refuse counts as zero: every end is
+    /// then taken as slow.)
+    pub end_request: Duration,
+}
+
+impl TxnLimits {
+    pub fn of(cfg: &KafkaConfig) -> TxnLimits {
+        let txn = cfg.transaction_timeout.0;
+        // As librdkafka's config check sets it for a transactional producer.
+        let end_request = match cfg.client.get("socket.timeout.ms") {
+            Some(v) => v
+                .trim()
+                .parse()
+                .map_or(Duration::ZERO, Duration::from_millis),
+            None => txn
+                .saturating_sub(Duration::from_millis(100))
+                .max(Duration::from_millis(900)),
+        };
+        TxnLimits {
+            send: send_limit(txn),
+            end_request,
+        }
+    }
+}
+
 /// How long `send_offsets_to_transaction` may block.
 const OFFSETS_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// One transaction: `records` produced and `offsets` (consumed by
 /// `consumer`'s group) sent together — neither waits for the other — then
 /// ended as `ending` decides once both are acknowledged; aborted on any error,
-/// or when sending takes longer than `limit` ([`send_limit`]).
-/// Returns where each record landed (partition, offset), in order.
+/// or when sending takes longer than `limits.send`.
 pub async fn transact<E: From<KafkaError>>(
     producer: &FutureProducer,
     consumer: &Arc<TxnConsumer>,
     records: &[OutRecord],
     offsets: rdkafka::TopicPartitionList,
-    limit: Duration,
+    limits: TxnLimits,
     ending: impl FnOnce() -> Result<Ending, E>,
-) -> Result<Vec<(i32, i64)>, E> {
+) -> Result<Transacted, E> {
     producer.begin_transaction()?;
     let sent = async {
         let sending = async {
@@ -146,11 +209,11 @@ pub async fn transact<E: From<KafkaError>>(
                 }
             })
         };
-        let (landed, offsets) = match tokio::time::timeout(limit, sending).await {
+        let (landed, offsets) = match tokio::time::timeout(limits.send, sending).await {
             Ok(sent) => sent,
             Err(_) => {
                 tracing::warn!(
-                    secs = limit.as_secs(),
+                    secs = limits.send.as_secs(),
                     records = records.len(),
                     "a transaction's records and offsets were not all acknowledged in time: aborted"
                 );
@@ -160,21 +223,38 @@ pub async fn transact<E: From<KafkaError>>(
             }
         };
         let (landed, ()) = (landed?, offsets?);
-        match ending()? {
-            Ending::Commit => commit_txn(producer).await?,
+        let renew_producer = match ending()? {
+            Ending::Commit => commit_txn(producer, limits).await?,
+            // A late `EndTxn(abort)` would abort part of the next transaction
+            // and let the rest commit: the same hazard.
             Ending::Abort => {
-                let p = producer.clone();
+                let (p, started) = (producer.clone(), Instant::now());
                 blocking(move || p.abort_transaction(Timeout::After(Duration::from_secs(30))))
-                    .await?
+                    .await?;
+                stale_end_possible(false, started.elapsed(), limits)
             }
-        }
-        Ok(landed)
+        };
+        Ok(Transacted {
+            landed,
+            renew_producer,
+        })
     }
     .await;
     if sent.is_err() {
         abort_txn(producer).await;
     }
     sent
+}
+
+/// A transaction that ended as its caller decided.
+#[derive(Debug)]
+pub struct Transacted {
+    /// Where each record landed (partition, offset), in order.
+    pub landed: Vec<(i32, i64)>,
+    /// The producer must not begin another transaction: it committed this one
+    /// in a way that may leave a late copy of its commit request on its way
+    /// ([`stale_end_possible`]). The caller replaces it.
+    pub renew_producer: bool,
 }
 
 /// A record to produce.

@@ -619,6 +619,62 @@ async fn a_commit_reported_failed_that_landed_runs_its_calls_once() {
     assert_eq!(s.tools.count("wire"), 1);
 }
 
+/// A commit that ended slowly enough that librdkafka may have sent its
+/// `EndTxn` twice (`kafka::stale_end_possible`; forced here by a hook) is
+/// honoured — its call runs once and is answered with its outcome — and the
+/// session then starts over with new producers, whose new epoch fences a late
+/// copy before any other transaction begins. The gate goes on answering:
+/// a repeat from the record, a new step once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_that_ended_slowly_is_honoured_and_its_producers_replaced() {
+    let mut s = Stack::new(StackOptions::default()).await;
+    s.spawn(&[], &[("STEPGATE_TEST_SLOW_TRANSACTION_END", "1")]);
+    s.wait_ready().await;
+    let agent = s.agent();
+    let r = agent
+        .call(intent("wf-slow-end", 1, "wire", json!({"amount": 3}), "e1"))
+        .await;
+    assert_eq!(r.status, Status::Ok, "{r:?}\n{}", s.log_tail(40));
+    assert_eq!(s.tools.count("wire"), 1, "invoked once");
+    // Counted as the session ends, after the answer went out: wait for it.
+    let deadline = std::time::Instant::now() + WAIT;
+    let restarts = loop {
+        let m = s.metrics().await;
+        let n: f64 = m
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix(
+                    r#"stepgate_gate_session_failures_total{reason="slow_transaction_end"} "#,
+                )
+            })
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0.0);
+        if n > 0.0 || std::time::Instant::now() > deadline {
+            break n;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(restarts, 1.0, "one session restart:\n{}", s.log_tail(40));
+    assert!(
+        s.log()
+            .contains("starting new producers, which fence a late copy"),
+        "{}",
+        s.log_tail(40)
+    );
+    let again = agent
+        .call(intent("wf-slow-end", 1, "wire", json!({"amount": 3}), "e2"))
+        .await;
+    assert!(again.deduplicated, "{again:?}");
+    same_but_call_id(&r, &again);
+    let next = agent
+        .call(intent("wf-slow-end", 2, "wire", json!({"amount": 4}), "e3"))
+        .await;
+    assert_eq!(next.status, Status::Ok, "{next:?}\n{}", s.log_tail(40));
+    assert!(!next.deduplicated);
+    assert_eq!(s.tools.count("wire"), 2, "each step ran once");
+    assert_eq!(agent.answers("e1").len(), 1, "e1 answered once");
+}
+
 /// A transaction whose send never returns — seen after a partition leader's
 /// SIGKILL on a three-node cluster (the gate then answered nothing for
 /// minutes) — is bounded (`kafka::send_limit`: the transaction timeout, at

@@ -202,7 +202,12 @@ impl Hop {
         }
         if self.eos {
             kafka::send_offsets(producer, consumer, tpl).await?;
-            kafka::commit_txn(producer).await?;
+            // The passthrough has no session to restart with new producers.
+            if kafka::commit_txn(producer, kafka::TxnLimits::of(&self.cfg)).await? {
+                anyhow::bail!(
+                    "a commit ended slowly enough that its end request may have been sent twice: the passthrough stops rather than risk a split transaction"
+                );
+            }
         } else {
             consumer.commit(&tpl, CommitMode::Async)?;
         }
