@@ -277,10 +277,9 @@ pub(super) async fn try_once(
         Err(detail) => return Try::NotSent(detail),
     };
     let key = step.idempotency_key();
-    let mut arguments = match call.arguments.to_value() {
-        Value::Object(map) => map,
-        // Arguments are a JSON object by the contract; never reached.
-        other => Map::from_iter([("arguments".to_owned(), other)]),
+    let mut arguments = match call.arguments.parse() {
+        Ok(map) => map,
+        Err(e) => return Try::NotSent(super::unreadable_arguments(&e)),
     };
     if let Some(path) = &tool.idempotency_field {
         let mut body = Value::Object(arguments);

@@ -301,7 +301,10 @@ impl ToolRegistry {
         let body = match &tool.idempotency_field {
             None => call.arguments.as_str().to_owned(),
             Some(path) => {
-                let mut body = call.arguments.to_value();
+                let mut body = match call.arguments.parse() {
+                    Ok(map) => serde_json::Value::Object(map),
+                    Err(e) => return Try::NotSent(unreadable_arguments(&e)),
+                };
                 set_path(&mut body, path, serde_json::Value::String(key.clone()));
                 body.to_string()
             }
@@ -444,6 +447,16 @@ fn without_secrets(text: &str, secrets: &HeaderMap) -> String {
         }
     }
     out
+}
+
+/// Why a call whose body must be rebuilt (its idempotency key set inside, or
+/// an MCP call's arguments) was not sent: its arguments text holds what no
+/// JSON reader does. Only a step recorded before intents with such numbers
+/// were refused can; sending `{}` instead would be a different call.
+fn unreadable_arguments(e: &serde_json::Error) -> String {
+    format!(
+        "its arguments could not be read to build the request ({e}; a number beyond a 64-bit float?), so it was not sent"
+    )
 }
 
 /// Put `value` at a dotted path of `body`, creating objects on the way (a

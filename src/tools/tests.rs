@@ -236,6 +236,40 @@ async fn the_provider_key_goes_where_the_provider_reads_it() {
     assert!(h.get("idempotency-key").is_none());
 }
 
+/// A step recorded before intents with numbers beyond a double were refused
+/// may carry one (`1e400`). Where the body is rebuilt to set the key inside,
+/// it is not sent as `{}` with the key — another call under the step's key —
+/// but not sent at all, and the model is told it was not performed.
+#[tokio::test]
+async fn arguments_no_reader_holds_are_not_sent_as_others() {
+    let (url, hits, _) = server(vec![200], Duration::ZERO).await;
+    let r = registry_with(
+        "keyed",
+        &url,
+        "idempotency_field = \"idempotency_key\"\nretries = 1\nbackoff = \"1ms\"\n",
+    );
+    let text = crate::contract::codec::encode(&"{\"amount\":1e400}");
+    let mut c = call();
+    c.arguments = crate::contract::codec::decode(&text).expect("read as a record's arguments");
+    let o = r.invoke(&c).await;
+    assert_eq!(hits.load(Ordering::SeqCst), 0, "nothing sent");
+    let Outcome::Error { error } = o else {
+        panic!("{o:?}")
+    };
+    assert!(
+        error.message.contains("could not be read"),
+        "{}",
+        error.message
+    );
+    assert!(error.message.contains("not performed"), "{}", error.message);
+    // Without a key inside the body the text goes as it is, byte for byte
+    // (what the tool makes of it is the tool's).
+    registry_with("keyed", &url, "retries = 0\n")
+        .invoke(&c)
+        .await;
+    assert_eq!(hits.load(Ordering::SeqCst), 1);
+}
+
 /// A registry of one tool `t` at `url` with extra config lines.
 fn registry_with(category: &str, url: &str, extra: &str) -> ToolRegistry {
     let cfg = Config::from_toml_str(

@@ -42,8 +42,15 @@ impl Arguments {
 
     /// The arguments as a JSON object (parsed on each call: for the paths
     /// that need the tree, never for the step's own way through the gate).
+    /// An error for text no reader holds — only a record written before the
+    /// intent parser refused numbers beyond a double can carry it.
+    pub fn parse(&self) -> Result<Map<String, Value>, serde_json::Error> {
+        serde_json::from_str(&self.0)
+    }
+
+    /// [`Arguments::parse`], for display: `{}` when it fails.
     pub fn to_map(&self) -> Map<String, Value> {
-        serde_json::from_str(&self.0).unwrap_or_default()
+        self.parse().unwrap_or_default()
     }
 
     /// The arguments as a JSON value (an object).
