@@ -48,10 +48,11 @@ pub async fn commit_txn(producer: &FutureProducer, limits: TxnLimits) -> Result<
 /// producer's epoch is the same for every transaction), so that late copy
 /// would end whatever part of the producer's *next* transaction the
 /// coordinator holds by then, and the rest would commit on its own — a batch
-/// split in two, and an intent's offset committed without its records. A producer after such a commit is replaced
-/// (a new one with the same transactional id bumps the epoch, which fences
-/// every request of the old) before it begins another transaction.
-/// confluentinc/librdkafka#5423 proposes the same in librdkafka itself.
+/// split in two, and an intent's offset committed without its records. A
+/// producer after such an end is replaced (a new one with the same
+/// transactional id bumps the epoch, which fences every request of the old)
+/// before it begins another transaction. confluentinc/librdkafka#5423
+/// proposes the same in librdkafka itself.
 pub fn stale_end_possible(retried: bool, took: Duration, limits: TxnLimits) -> bool {
     let possible = retried || took >= limits.end_request;
     if possible {
