@@ -675,6 +675,66 @@ async fn a_commit_that_ended_slowly_is_honoured_and_its_producers_replaced() {
     assert_eq!(agent.answers("e1").len(), 1, "e1 answered once");
 }
 
+/// The fault itself: a request ending a transaction that is slow, not lost.
+/// A proxy holds the gate's next `EndTxn(commit)` back; librdkafka times it
+/// out (`socket.timeout.ms`, 2 s here), reconnects and sends it again, and the
+/// commit completes. The held copy is let through only after the gate has
+/// answered a later step. The gate had taken that commit as possibly sent
+/// twice and started its session over with new producers, so the coordinator
+/// refuses the late copy (a fenced epoch). Without that restart, it answers
+/// `NONE` (checked): accepted, and applied to whatever that producer has open
+/// by then.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_copy_of_a_commit_request_is_fenced() {
+    let _one = common::proxy::PROXY.lock().await;
+    let (listen, upstream) = common::proxy::ports(&common::brokers());
+    let proxy = common::proxy::KafkaProxy::start(listen, upstream).await;
+    let mut s = Stack::new(StackOptions {
+        brokers: Some(proxy.brokers.clone()),
+        configure: |c| {
+            c.kafka
+                .client
+                .insert("socket.timeout.ms".into(), "2000".into());
+        },
+        ..StackOptions::default()
+    })
+    .await;
+    s.spawn(&[], &[]);
+    s.wait_ready().await;
+    let agent = s.agent();
+    proxy.hold_next_commit();
+    let r = agent
+        .call(intent("wf-late-end", 1, "wire", json!({"amount": 1}), "t1"))
+        .await;
+    assert_eq!(r.status, Status::Ok, "{r:?}\n{}", s.log_tail(40));
+    assert!(proxy.holding(), "a commit request was held");
+    assert!(
+        common::load::wait_until(WAIT, || s
+            .log()
+            .contains("starting new producers, which fence a late copy"))
+        .await,
+        "the slow end was seen:\n{}",
+        s.log_tail(60)
+    );
+    let next = agent
+        .call(intent("wf-late-end", 2, "wire", json!({"amount": 2}), "t2"))
+        .await;
+    assert_eq!(next.status, Status::Ok, "{next:?}\n{}", s.log_tail(40));
+    // INVALID_PRODUCER_EPOCH (47) or PRODUCER_FENCED (90).
+    let code = proxy.release().await;
+    assert!(
+        code == 47 || code == 90,
+        "the late copy is refused, not applied: error code {code}\n{}",
+        s.log_tail(40)
+    );
+    let again = agent
+        .call(intent("wf-late-end", 1, "wire", json!({"amount": 1}), "t3"))
+        .await;
+    assert!(again.deduplicated, "{again:?}");
+    same_but_call_id(&r, &again);
+    assert_eq!(s.tools.count("wire"), 2, "each step ran once");
+}
+
 /// A transaction whose send never returns — seen after a partition leader's
 /// SIGKILL on a three-node cluster (the gate then answered nothing for
 /// minutes) — is bounded (`kafka::send_limit`: the transaction timeout, at

@@ -5,6 +5,7 @@
 
 pub mod load;
 pub mod processes;
+pub mod proxy;
 
 /// The fault scenarios (gates killed, frozen or restarted under load; brokers
 /// of their own) load both cores, and each waits on timings the others would
