@@ -43,6 +43,18 @@ impl Nth {
         (self.seen.fetch_add(1, Ordering::SeqCst) + 1 == n).then_some(n)
     }
 
+    /// When `counted`, counts one occurrence; at the N-th, logs `what` and
+    /// returns true.
+    fn fires(&self, counted: bool, what: &str) -> bool {
+        match counted.then(|| self.hit()).flatten() {
+            Some(n) => {
+                tracing::warn!("{}={n}: {what}", self.name);
+                true
+            }
+            None => false,
+        }
+    }
+
     /// Counts one occurrence; aborts the process (a crash, no clean-up) at
     /// the N-th, saying where.
     fn abort_at(&self, where_: &str) {
@@ -82,17 +94,12 @@ pub(crate) fn crash_before_commit() {
 /// lost.
 pub(crate) fn lose_commit_reply(starts_calls: bool) -> Result<(), KafkaError> {
     static HOOK: Nth = Nth::new("STEPGATE_TEST_LOSE_COMMIT_REPLY");
-    match starts_calls.then(|| HOOK.hit()).flatten() {
-        Some(n) => {
-            tracing::warn!(
-                "STEPGATE_TEST_LOSE_COMMIT_REPLY={n}: a committed transaction is reported failed"
-            );
-            Err(KafkaError::MessageProduction(
-                RDKafkaErrorCode::RequestTimedOut,
-            ))
-        }
-        None => Ok(()),
+    if HOOK.fires(starts_calls, "a committed transaction is reported failed") {
+        return Err(KafkaError::MessageProduction(
+            RDKafkaErrorCode::RequestTimedOut,
+        ));
     }
+    Ok(())
 }
 
 /// `STEPGATE_TEST_SLOW_TRANSACTION_END=N`: the N-th transaction that starts
@@ -100,13 +107,10 @@ pub(crate) fn lose_commit_reply(starts_calls: bool) -> Result<(), KafkaError> {
 /// copy of its commit request may be on its way (`kafka::stale_end_possible`).
 pub(crate) fn slow_transaction_end(starts_calls: bool) -> bool {
     static HOOK: Nth = Nth::new("STEPGATE_TEST_SLOW_TRANSACTION_END");
-    let hit = starts_calls.then(|| HOOK.hit()).flatten();
-    if let Some(n) = hit {
-        tracing::warn!(
-            "STEPGATE_TEST_SLOW_TRANSACTION_END={n}: a committed transaction is taken to have ended slowly"
-        );
-    }
-    hit.is_some()
+    HOOK.fires(
+        starts_calls,
+        "a committed transaction is taken to have ended slowly",
+    )
 }
 
 /// `STEPGATE_TEST_LOSE_COMMIT_MARKER=N`: the N-th transaction that publishes
@@ -116,13 +120,7 @@ pub(crate) fn slow_transaction_end(starts_calls: bool) -> bool {
 /// session has ended the hanging transaction (by aborting it).
 pub(crate) fn lose_commit_marker(answers: bool) -> bool {
     static HOOK: Nth = Nth::new("STEPGATE_TEST_LOSE_COMMIT_MARKER");
-    let hit = answers.then(|| HOOK.hit()).flatten();
-    if let Some(n) = hit {
-        tracing::warn!(
-            "STEPGATE_TEST_LOSE_COMMIT_MARKER={n}: a transaction is aborted and reported committed"
-        );
-    }
-    hit.is_some()
+    HOOK.fires(answers, "a transaction is aborted and reported committed")
 }
 
 /// The error a session fails with after [`lose_commit_marker`], as when the
@@ -138,8 +136,7 @@ pub(crate) fn session_lost() -> KafkaError {
 /// hangs in [`hang_send`].
 pub(crate) fn arm_hang_send(answers: bool) {
     static HOOK: Nth = Nth::new("STEPGATE_TEST_HANG_SEND");
-    if let Some(n) = answers.then(|| HOOK.hit()).flatten() {
-        tracing::warn!("STEPGATE_TEST_HANG_SEND={n}: this transaction's send never returns");
+    if HOOK.fires(answers, "this transaction's send never returns") {
         HANG_ARMED.store(true, Ordering::SeqCst);
     }
 }

@@ -637,23 +637,13 @@ async fn a_commit_that_ended_slowly_is_honoured_and_its_producers_replaced() {
     assert_eq!(r.status, Status::Ok, "{r:?}\n{}", s.log_tail(40));
     assert_eq!(s.tools.count("wire"), 1, "invoked once");
     // Counted as the session ends, after the answer went out: wait for it.
-    let deadline = std::time::Instant::now() + WAIT;
-    let restarts = loop {
-        let m = s.metrics().await;
-        let n: f64 = m
-            .lines()
-            .find_map(|l| {
-                l.strip_prefix(
-                    r#"stepgate_gate_session_failures_total{reason="slow_transaction_end"} "#,
-                )
-            })
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(0.0);
-        if n > 0.0 || std::time::Instant::now() > deadline {
-            break n;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    let line = r#"stepgate_gate_session_failures_total{reason="slow_transaction_end"} "#;
+    let m = s.metrics_until(line, WAIT).await;
+    let restarts: f64 = m
+        .lines()
+        .find_map(|l| l.strip_prefix(line))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0.0);
     assert_eq!(restarts, 1.0, "one session restart:\n{}", s.log_tail(40));
     assert!(
         s.log()
