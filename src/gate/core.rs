@@ -171,8 +171,13 @@ impl<'a> Apply<'a> {
     /// else in the batch (a deferred step settled is written once, here).
     fn put_step(&mut self, p: i32, record: &StepRecord) -> Result<(), StateError> {
         let read = self.take_read(p, &record.step);
-        if self.deferred.update(p, record) {
-            return Ok(());
+        match self.deferred.update(p, record) {
+            deferred::Update::Kept => return Ok(()),
+            deferred::Update::Left => {
+                self.batch.put_first_step(self.store, p, record);
+                return Ok(());
+            }
+            deferred::Update::NotDeferred => {}
         }
         match read {
             Some(old) => {
@@ -206,10 +211,10 @@ impl<'a> Apply<'a> {
     /// intent must find it. Nothing for a step not deferred.
     fn write_deferred(&mut self, p: i32, step: &StepKey) -> Result<(), StateError> {
         self.last_read.take();
-        match self.deferred.remove(p, step) {
-            Some(r) => self.batch.put_step(self.store, p, &r),
-            None => Ok(()),
+        if let Some(r) = self.deferred.remove(p, step) {
+            self.batch.put_first_step(self.store, p, &r);
         }
+        Ok(())
     }
 
     /// [`Apply::write_deferred`] for every deferred step of a workflow.

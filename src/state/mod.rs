@@ -715,6 +715,21 @@ impl Batch {
         self.put_step_over(step_key_bytes(partition, &record.step), old, record);
     }
 
+    /// [`Batch::put_step`] of a step that has no record yet, here, below
+    /// or in `store` (a deferred step's first write, `gate/core/deferred.rs`):
+    /// nothing to read. Checked in debug builds, which the simulation and
+    /// the test suites run.
+    pub fn put_first_step(&mut self, store: &StateStore, partition: i32, record: &StepRecord) {
+        let key = step_key_bytes(partition, &record.step);
+        debug_assert!(
+            matches!(self.current_index(store, &key), Ok(None)),
+            "step {} written as new has a record",
+            record.step
+        );
+        let _ = store;
+        self.put_step_over(key, None, record);
+    }
+
     fn put_step_over(&mut self, key: Vec<u8>, old: Option<Indexed>, record: &StepRecord) {
         let old_expiry = old.as_ref().map(|o| o.expires_at_ms);
         if old_expiry != Some(record.expires_at_ms) {

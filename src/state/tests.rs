@@ -137,7 +137,28 @@ fn a_step_written_over_its_read_indexes_as_a_write_that_reads_again() {
         let old = known.step(&s, 0, &new.step).unwrap();
         known.put_step_known(0, old.as_ref().map(Indexed::of), &new);
         assert_eq!(known.writes, read_again.writes, "{:?}", new.step);
+        if old.is_none() {
+            // A deferred step's first write, which reads nothing.
+            let mut first = Batch::on_top_of(Some(below.clone()));
+            first.put_first_step(&s, 0, &new);
+            assert_eq!(first.writes, read_again.writes, "{:?}", new.step);
+        }
     }
+}
+
+#[test]
+#[cfg(debug_assertions)]
+#[should_panic(expected = "written as new has a record")]
+fn a_step_with_a_record_is_never_written_as_new() {
+    // The debug check the simulation and the suites run under: a write that
+    // skipped the read over an existing record would leave its old index
+    // entries behind.
+    let dir = tempfile::tempdir().unwrap();
+    let s = StateStore::open(dir.path()).unwrap();
+    let mut b = Batch::default();
+    b.put_step(&s, 0, &record(1, Phase::Started, 1000)).unwrap();
+    s.apply(&b, &at(0, 1)).unwrap();
+    Batch::default().put_first_step(&s, 0, &record(1, Phase::Completed, 4000));
 }
 
 #[test]

@@ -16,49 +16,69 @@ use std::collections::{BTreeMap, HashMap};
 /// (`unless_earlier_may_have_run`).
 pub(super) const RUN_BEFORE_REREAD: u32 = 1;
 
-/// Records of deferred steps by (partition, step), and by intent offset (the
-/// lowest holds the partition's committed offset back).
+/// What [`Deferred::update`] did with a step's record.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Update {
+    /// Still running: kept in memory, nothing to write.
+    Kept,
+    /// It left: the caller writes it, as the step's first record. A step is
+    /// deferred only when its intent found no record, and every write of it
+    /// since ends its deferral (here, or `remove`), so none exists.
+    Left,
+    /// Not a deferred step: the caller writes it as any other.
+    NotDeferred,
+}
+
+/// Records of deferred steps by partition and step (nested, so that a
+/// lookup, made for every input, borrows the step key instead of cloning it),
+/// and by intent offset (the lowest holds the partition's committed offset
+/// back).
 #[derive(Debug, Default)]
 pub(super) struct Deferred {
-    records: HashMap<(i32, StepKey), (StepRecord, i64)>,
+    records: HashMap<i32, HashMap<StepKey, (StepRecord, i64)>>,
     by_offset: BTreeMap<(i32, i64), StepKey>,
 }
 
 impl Deferred {
     pub(super) fn get(&self, p: i32, step: &StepKey) -> Option<&StepRecord> {
-        self.records.get(&(p, step.clone())).map(|(r, _)| r)
+        self.records.get(&p)?.get(step).map(|(r, _)| r)
     }
 
     pub(super) fn contains(&self, p: i32, step: &StepKey) -> bool {
-        self.records.contains_key(&(p, step.clone()))
+        self.get(p, step).is_some()
     }
 
     /// A new deferred step, from the intent at `offset`.
     pub(super) fn insert(&mut self, p: i32, record: StepRecord, offset: i64) {
         self.by_offset.insert((p, offset), record.step.clone());
         self.records
-            .insert((p, record.step.clone()), (record, offset));
+            .entry(p)
+            .or_default()
+            .insert(record.step.clone(), (record, offset));
     }
 
-    /// Keep `record` here while its call runs (true); otherwise (settled, or
-    /// in any other phase) it leaves, and the caller writes it durably (false).
-    pub(super) fn update(&mut self, p: i32, record: &StepRecord) -> bool {
-        let key = (p, record.step.clone());
-        match self.records.get_mut(&key) {
+    /// Keep `record` here while its call runs; otherwise (settled, or in any
+    /// other phase) it leaves, and the caller writes it durably.
+    pub(super) fn update(&mut self, p: i32, record: &StepRecord) -> Update {
+        match self
+            .records
+            .get_mut(&p)
+            .and_then(|steps| steps.get_mut(&record.step))
+        {
             Some((kept, _)) if record.phase == Phase::Started => {
                 *kept = record.clone();
-                true
+                Update::Kept
             }
             Some(_) => {
                 self.remove(p, &record.step);
-                false
+                Update::Left
             }
-            None => false,
+            None => Update::NotDeferred,
         }
     }
 
     pub(super) fn remove(&mut self, p: i32, step: &StepKey) -> Option<StepRecord> {
-        let (record, offset) = self.records.remove(&(p, step.clone()))?;
+        let (record, offset) = self.records.get_mut(&p)?.remove(step)?;
         self.by_offset.remove(&(p, offset));
         Some(record)
     }
@@ -74,14 +94,16 @@ impl Deferred {
     /// The deferred steps of one workflow in `p`.
     pub(super) fn of_workflow(&self, p: i32, workflow_id: &str) -> Vec<StepKey> {
         self.records
-            .keys()
-            .filter(|(q, s)| *q == p && s.workflow_id == workflow_id)
-            .map(|(_, s)| s.clone())
+            .get(&p)
+            .into_iter()
+            .flat_map(|steps| steps.keys())
+            .filter(|s| s.workflow_id == workflow_id)
+            .cloned()
             .collect()
     }
 
     pub(super) fn drop_partition(&mut self, p: i32) {
-        self.records.retain(|(q, _), _| *q != p);
+        self.records.remove(&p);
         self.by_offset.retain(|(q, _), _| *q != p);
     }
 
@@ -91,6 +113,6 @@ impl Deferred {
     }
 
     pub(super) fn len(&self) -> usize {
-        self.records.len()
+        self.records.values().map(HashMap::len).sum()
     }
 }
