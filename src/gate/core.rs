@@ -209,20 +209,18 @@ impl<'a> Apply<'a> {
     /// decision rests on it (a repeat waits on it, a call was refused by it,
     /// a step ending its workflow began), and a re-read of that decision's
     /// intent must find it. Nothing for a step not deferred.
-    fn write_deferred(&mut self, p: i32, step: &StepKey) -> Result<(), StateError> {
+    fn write_deferred(&mut self, p: i32, step: &StepKey) {
         self.last_read.take();
         if let Some(r) = self.deferred.remove(p, step) {
             self.batch.put_first_step(self.store, p, &r);
         }
-        Ok(())
     }
 
     /// [`Apply::write_deferred`] for every deferred step of a workflow.
-    fn write_deferred_of(&mut self, p: i32, workflow_id: &str) -> Result<(), StateError> {
+    fn write_deferred_of(&mut self, p: i32, workflow_id: &str) {
         for step in self.deferred.of_workflow(p, workflow_id) {
-            self.write_deferred(p, &step)?;
+            self.write_deferred(p, &step);
         }
-        Ok(())
     }
 
     /// Whether `result` is a step's final, committed answer: in the

@@ -726,7 +726,6 @@ impl Batch {
             "step {} written as new has a record",
             record.step
         );
-        let _ = store;
         self.put_step_over(key, None, record);
     }
 

@@ -241,7 +241,7 @@ impl GateCore {
                 }
             }
             Some(record) if !conflict.is_empty() => {
-                ax.write_deferred(p, &record.step)?;
+                ax.write_deferred(p, &record.step);
                 self.metrics.identity_conflict(&step);
                 let rejection = Rejection {
                     reason: RejectionReason::IdentityConflict,
@@ -310,7 +310,7 @@ impl GateCore {
                 // A waiter, or a rephrased copy, of a deferred step is kept
                 // durably: its record is written now (from here on the step
                 // is recorded `started`, as with `gate.start_record`).
-                ax.write_deferred(p, &step)?;
+                ax.write_deferred(p, &step);
                 ax.put_step(p, &record)?;
             }
         }
@@ -366,7 +366,7 @@ impl GateCore {
             record.settled_through = prev.settled_through;
         }
         if tool.ends_workflow() {
-            ax.write_deferred_of(p, &step.workflow_id)?;
+            ax.write_deferred_of(p, &step.workflow_id);
             ax.batch.put_workflow_end(
                 p,
                 &WorkflowEnd {
