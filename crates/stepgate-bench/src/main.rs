@@ -184,12 +184,13 @@ pub struct CompareOpts {
     /// Record a CPU profile of stepgate's flood with `perf record` into this file.
     #[arg(long)]
     perf: Option<PathBuf>,
-    /// Only these systems (stepgate, passthrough, kstreams, kstreams-http: the
-    /// Kafka Streams peer whose processor calls the bench's HTTP tool).
+    /// Only these systems (stepgate, passthrough, passthrough-http: one hop
+    /// calling the bench's HTTP tool once per new step key, kstreams,
+    /// kstreams-http: the Kafka Streams peer whose processor calls that tool).
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "stepgate,passthrough,kstreams,kstreams-http"
+        default_value = "stepgate,passthrough,passthrough-http,kstreams,kstreams-http"
     )]
     only: Vec<String>,
     /// Steps of the sequential mode, per system: one agent, one call at a time,
@@ -457,6 +458,9 @@ enum System {
     Passthrough {
         hops: usize,
         eos: bool,
+        /// One hop that calls the bench's HTTP tool once per new step key
+        /// (`passthrough --tool-url`): the floor of any system calling it.
+        http: bool,
     },
     KStreams {
         eos: bool,
@@ -473,7 +477,11 @@ impl System {
                 category,
                 concurrency,
             } => format!("sg-{}-c{concurrency}", category.replace('_', "")),
-            System::Passthrough { hops, eos } => format!("pt{hops}-{}", mode(*eos)),
+            System::Passthrough { hops, eos, http } => format!(
+                "pt{hops}-{}{}",
+                mode(*eos),
+                if *http { "-http" } else { "" }
+            ),
             System::KStreams { eos, http, .. } => {
                 format!("ks-{}{}", mode(*eos), if *http { "-http" } else { "" })
             }
@@ -483,9 +491,10 @@ impl System {
     fn name(&self) -> String {
         match self {
             System::Stepgate { .. } => "stepgate".into(),
-            System::Passthrough { hops, .. } => format!(
-                "passthrough, {hops} hop{}",
-                if *hops > 1 { "s" } else { "" }
+            System::Passthrough { hops, http, .. } => format!(
+                "passthrough, {hops} hop{}{}",
+                if *hops > 1 { "s" } else { "" },
+                if *http { ", HTTP tool" } else { "" }
             ),
             System::KStreams { http: false, .. } => "Kafka Streams dedup".into(),
             System::KStreams { http: true, .. } => "Kafka Streams dedup, HTTP tool".into(),
@@ -593,9 +602,22 @@ async fn compare_all(bench: &Bench, opts: &CompareOpts) -> anyhow::Result<Vec<Ro
     if want("passthrough") {
         for hops in [1, 2] {
             for eos in [true, false] {
-                systems.push(System::Passthrough { hops, eos });
+                systems.push(System::Passthrough {
+                    hops,
+                    eos,
+                    http: false,
+                });
             }
         }
+    }
+    if want("passthrough-http") {
+        // EOS only, as the Kafka Streams HTTP variant: the floor of a system
+        // that calls the tool for each new step, beside stepgate's rows.
+        systems.push(System::Passthrough {
+            hops: 1,
+            eos: true,
+            http: true,
+        });
     }
     let mut notes = Vec::new();
     if want("kstreams") || want("kstreams-http") {
@@ -702,7 +724,7 @@ async fn deploy(
                 ready_s: ready.as_secs_f64(),
             })
         }
-        System::Passthrough { hops, eos } => {
+        System::Passthrough { hops, eos, http } => {
             let topics: Vec<String> = (0..=*hops).map(|h| format!("{prefix}.t{h}")).collect();
             systems::create_topics(&c.brokers, &topics, c.partitions, c.replication_factor).await?;
             let mut cmd = Command::new(std::env::current_exe()?);
@@ -714,6 +736,10 @@ async fn deploy(
                 .args(["--max-batch", &c.max_batch.to_string()]);
             for w in topics.windows(2) {
                 cmd.arg("--hop").arg(format!("{}:{}", w[0], w[1]));
+            }
+            if *http {
+                cmd.args(["--tool-url", &bench.tool.url, "--concurrency"])
+                    .arg(bench.concurrency().to_string());
             }
             let mut proc = Proc::spawn("passthrough", cmd, &log, true)?;
             let ready = proc.wait_ready_line(limit).await?;

@@ -5,6 +5,17 @@
 //! next topic; at the commit, deliveries are awaited, then the input offsets are
 //! committed: in the batch's transaction (EOS, read_committed) or after it
 //! (at-least-once). Run by the bench as a child process.
+//!
+//! With `--tool-url`, the floor of any system that calls the tool: one hop whose
+//! records are intents, parsed by stepgate's own parser, the tool called through
+//! stepgate's own HTTP client (`ToolRegistry`, the same key, headers and pool) once
+//! per step key this process has seen (an in-memory set: no state, no
+//! changelog, no step log), every intent echoed once its step's call returned (a
+//! repeat at once). Calls run while a batch commits, as the gate's do with
+//! `gate.invoke_before_commit`; each partition's committed offset stops at its
+//! first call still running. It is no dedup to rely on: after a crash it calls
+//! and echoes again from that offset, and it forgets every key. The bench does
+//! not crash it.
 
 use rdkafka::consumer::{CommitMode, Consumer};
 use rdkafka::error::KafkaError;
@@ -12,13 +23,17 @@ use rdkafka::message::Message;
 use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer};
 use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{Offset, TopicPartitionList};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 use stepgate::config::KafkaConfig;
+use stepgate::contract::{self, Call, Outcome, StepKey};
 use stepgate::kafka::{self, RebalanceContext, RebalanceEvent, TxnConsumer};
 use stepgate::telemetry::Metrics;
+use stepgate::tools::{ToolConfig, ToolRegistry};
+use tokio::sync::{Semaphore, mpsc};
+use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 #[derive(Debug, Clone, clap::Args)]
@@ -40,6 +55,30 @@ pub struct Args {
     /// Partitions of every input topic (READY is printed once all are assigned).
     #[arg(long)]
     partitions: usize,
+    /// Call this HTTP tool (the workload's, `keyed`) once per new step key
+    /// before echoing (one hop only): see the module's comment.
+    #[arg(long)]
+    tool_url: Option<String>,
+    /// Calls in flight at most, with `--tool-url` (stepgate's `executor.concurrency`).
+    #[arg(long, default_value_t = 1024)]
+    concurrency: usize,
+    /// With `--tool-url`: `stepgate` calls through stepgate's `ToolRegistry`
+    /// (reqwest, its retries and outcome classification); `reqwest`, a bare
+    /// reqwest client with stepgate's client settings, and `hyper`, a bare
+    /// hyper-util client, each sending the same request (a 2xx or the hop
+    /// stops): what each layer above hyper costs (docs/performance.md).
+    #[arg(
+        long,
+        env = "PASSTHROUGH_HTTP_CLIENT",
+        value_parser = ["stepgate", "hyper", "reqwest"],
+        default_value = "stepgate"
+    )]
+    http_client: String,
+    /// With `--http-client reqwest`: client settings changed from stepgate's,
+    /// comma-separated (`noproxy`, `h1`: HTTP/1.1 only, `noretry`: no
+    /// protocol-NACK retries, `nodelayoff`: Nagle's algorithm on).
+    #[arg(long, env = "PASSTHROUGH_REQWEST_TWEAKS", value_delimiter = ',')]
+    reqwest_tweaks: Vec<String>,
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
@@ -54,6 +93,23 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         s.cancel();
     });
     let assigned = Arc::new(AtomicUsize::new(0));
+    if args.tool_url.is_some() && args.hops.len() != 1 {
+        anyhow::bail!("--tool-url runs one hop, got {}", args.hops.len());
+    }
+    let tools = match &args.tool_url {
+        Some(url) => {
+            let tool: ToolConfig =
+                serde_json::from_value(serde_json::json!({ "category": "keyed", "url": url }))?;
+            let tools = BTreeMap::from([(crate::workload::TOOL.to_owned(), tool)]);
+            Some(Caller {
+                registry: ToolRegistry::new(&tools, args.concurrency),
+                bare: (args.http_client == "hyper").then(|| Bare::new(url, args.concurrency)),
+                plain: (args.http_client == "reqwest")
+                    .then(|| Plain::new(url, args.concurrency, &args.reqwest_tweaks)),
+            })
+        }
+        None => None,
+    };
     let mut tasks = Vec::new();
     for (n, hop) in args.hops.iter().enumerate() {
         let (input, output) = hop
@@ -72,7 +128,15 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             max_batch: args.max_batch,
         };
         let (a, s) = (assigned.clone(), shutdown.clone());
-        tasks.push(tokio::spawn(async move { hop.run(a, s).await }));
+        match tools.clone() {
+            Some(tools) => {
+                let calls = Arc::new(Semaphore::new(args.concurrency));
+                tasks.push(tokio::spawn(async move {
+                    hop.run_http(tools, calls, a, s).await
+                }));
+            }
+            None => tasks.push(tokio::spawn(async move { hop.run(a, s).await })),
+        }
     }
     let want = args.partitions * args.hops.len();
     while assigned.load(Ordering::Relaxed) < want && !shutdown.is_cancelled() {
@@ -103,12 +167,15 @@ struct Pending {
 }
 
 impl Hop {
-    async fn run(
-        self,
-        assigned: Arc<AtomicUsize>,
-        shutdown: CancellationToken,
-    ) -> anyhow::Result<()> {
-        let (ctx, mut events) = RebalanceContext::new(Arc::new(Metrics::new()), &self.group);
+    /// The hop's consumer (subscribed), its producer and its rebalance events.
+    async fn clients(
+        &self,
+    ) -> anyhow::Result<(
+        Arc<TxnConsumer>,
+        FutureProducer,
+        mpsc::UnboundedReceiver<RebalanceEvent>,
+    )> {
+        let (ctx, events) = RebalanceContext::new(Arc::new(Metrics::new()), &self.group);
         let consumer: Arc<TxnConsumer> = Arc::new(
             kafka::txn_consumer_config(&self.cfg, &self.group, &format!("{}-0", self.group))
                 .create_with_context(ctx)?,
@@ -122,6 +189,15 @@ impl Hop {
             c.create()?
         };
         consumer.subscribe(&[&self.input])?;
+        Ok((consumer, producer, events))
+    }
+
+    async fn run(
+        self,
+        assigned: Arc<AtomicUsize>,
+        shutdown: CancellationToken,
+    ) -> anyhow::Result<()> {
+        let (consumer, producer, mut events) = self.clients().await?;
         let mut pending = Pending::default();
         loop {
             tokio::select! {
@@ -149,24 +225,8 @@ impl Hop {
                     pending.started.get_or_insert_with(Instant::now);
                     // Produced at once, unlike the gate, which must decide first:
                     // the limit is the best a stateless hop can do.
-                    let mut rec: FutureRecord<'_, [u8], [u8]> =
-                        FutureRecord::to(&self.output).partition(m.partition());
-                    if let Some(k) = m.key() {
-                        rec = rec.key(k);
-                    }
-                    if let Some(v) = m.payload() {
-                        rec = rec.payload(v);
-                    }
-                    loop {
-                        match producer.send_result(rec) {
-                            Ok(f) => break pending.deliveries.push(f),
-                            Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), r)) => {
-                                rec = r;
-                                tokio::time::sleep(Duration::from_millis(1)).await;
-                            }
-                            Err((e, _)) => return Err(e.into()),
-                        }
-                    }
+                    let d = send(&producer, &self.output, m.partition(), m.key(), m.payload()).await?;
+                    pending.deliveries.push(d);
                     pending.next.insert(m.partition(), m.offset() + 1);
                     if pending.deliveries.len() >= self.max_batch {
                         self.commit(&consumer, &producer, std::mem::take(&mut pending)).await?;
@@ -219,5 +279,378 @@ async fn closes(started: Option<Instant>, interval: Duration) {
     match started {
         Some(t) => tokio::time::sleep_until((t + interval).into()).await,
         None => std::future::pending().await,
+    }
+}
+
+/// Produce one record to `partition` of `topic`, waiting while librdkafka's
+/// queue is full.
+async fn send(
+    producer: &FutureProducer,
+    topic: &str,
+    partition: i32,
+    key: Option<&[u8]>,
+    payload: Option<&[u8]>,
+) -> anyhow::Result<DeliveryFuture> {
+    let mut rec: FutureRecord<'_, [u8], [u8]> = FutureRecord::to(topic).partition(partition);
+    if let Some(k) = key {
+        rec = rec.key(k);
+    }
+    if let Some(v) = payload {
+        rec = rec.payload(v);
+    }
+    loop {
+        match producer.send_result(rec) {
+            Ok(f) => return Ok(f),
+            Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), r)) => {
+                rec = r;
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            Err((e, _)) => return Err(e.into()),
+        }
+    }
+}
+
+/// How the HTTP hop calls the tool.
+#[derive(Clone)]
+struct Caller {
+    registry: ToolRegistry,
+    bare: Option<Bare>,
+    plain: Option<Plain>,
+}
+
+/// A bare reqwest client with stepgate's client settings: the tool
+/// protocol's request, nothing else.
+#[derive(Clone)]
+struct Plain {
+    client: reqwest::Client,
+    url: reqwest::Url,
+}
+
+impl Plain {
+    fn new(url: &str, concurrency: usize, tweaks: &[String]) -> Plain {
+        let mut b = reqwest::Client::builder()
+            .connect_timeout(Duration::from_secs(5))
+            .redirect(reqwest::redirect::Policy::none())
+            .pool_max_idle_per_host(concurrency)
+            .pool_idle_timeout(Duration::from_secs(4))
+            .tcp_keepalive(Duration::from_secs(30));
+        for t in tweaks {
+            b = match t.as_str() {
+                "noproxy" => b.no_proxy(),
+                "h1" => b.http1_only(),
+                "noretry" => b.retry(reqwest::retry::never()),
+                "nodelayoff" => b.tcp_nodelay(false),
+                "" => b,
+                other => panic!("--reqwest-tweaks: unknown {other:?}"),
+            };
+        }
+        let client = b.build().expect("static settings");
+        Plain {
+            client,
+            url: url.parse().expect("the bench's tool URL parses"),
+        }
+    }
+
+    async fn call(&self, call: &Call) -> anyhow::Result<()> {
+        use contract::headers;
+        let step = &call.step;
+        let resp = self
+            .client
+            .post(self.url.clone())
+            .header(headers::IDEMPOTENCY_KEY, step.idempotency_key())
+            .header(headers::STEP_INDEX, step.step_index.to_string())
+            .header(headers::ATTEMPT, step.attempt.to_string())
+            .header(headers::WORKFLOW_ID, step.workflow_id.as_str())
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .body(call.arguments.as_str().to_owned())
+            .send()
+            .await?;
+        let status = resp.status();
+        resp.bytes().await?;
+        anyhow::ensure!(status.is_success(), "the tool answered {status}");
+        Ok(())
+    }
+}
+
+impl Caller {
+    async fn call(&self, call: &Call) -> anyhow::Result<()> {
+        if let Some(plain) = &self.plain {
+            return plain.call(call).await;
+        }
+        match &self.bare {
+            Some(bare) => bare.call(call).await,
+            None => match self.registry.invoke(call).await {
+                Outcome::Ok { .. } => Ok(()),
+                other => anyhow::bail!("the call of {:?} ended {}", call.step, other.label()),
+            },
+        }
+    }
+}
+
+/// A bare hyper-util client: the tool protocol's request, nothing else.
+#[derive(Clone)]
+struct Bare {
+    client: hyper_util::client::legacy::Client<
+        hyper_util::client::legacy::connect::HttpConnector,
+        http_body_util::Full<bytes::Bytes>,
+    >,
+    url: hyper::Uri,
+}
+
+impl Bare {
+    fn new(url: &str, concurrency: usize) -> Bare {
+        let client =
+            hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+                .pool_max_idle_per_host(concurrency)
+                .pool_idle_timeout(Duration::from_secs(4))
+                .build_http();
+        Bare {
+            client,
+            url: url.parse().expect("the bench's tool URL parses"),
+        }
+    }
+
+    async fn call(&self, call: &Call) -> anyhow::Result<()> {
+        use contract::headers;
+        use http_body_util::BodyExt;
+        let step = &call.step;
+        let req = hyper::Request::post(self.url.clone())
+            .header(headers::IDEMPOTENCY_KEY, step.idempotency_key())
+            .header(headers::STEP_INDEX, step.step_index.to_string())
+            .header(headers::ATTEMPT, step.attempt.to_string())
+            .header(headers::WORKFLOW_ID, step.workflow_id.as_str())
+            .header(hyper::header::CONTENT_TYPE, "application/json")
+            .body(http_body_util::Full::new(bytes::Bytes::copy_from_slice(
+                call.arguments.as_str().as_bytes(),
+            )))?;
+        let resp = self.client.request(req).await?;
+        let status = resp.status();
+        resp.into_body().collect().await?;
+        anyhow::ensure!(status.is_success(), "the tool answered {status}");
+        Ok(())
+    }
+}
+
+/// An intent to echo, once its step's call (if any) returned.
+struct Echo {
+    partition: i32,
+    offset: i64,
+    key: Option<Vec<u8>>,
+    payload: Option<Vec<u8>>,
+}
+
+/// The HTTP hop's open transaction (EOS) or batch (at-least-once).
+#[derive(Default)]
+struct Open {
+    deliveries: Vec<DeliveryFuture>,
+    started: Option<Instant>,
+}
+
+/// Where the HTTP hop's input stands, per partition.
+#[derive(Default)]
+struct Progress {
+    /// The offset after the last record consumed.
+    consumed: BTreeMap<i32, i64>,
+    /// The offsets whose call is still running: the committed offset stops at
+    /// the first of them.
+    running: BTreeMap<i32, BTreeSet<i64>>,
+}
+
+impl Progress {
+    fn offsets(&self, topic: &str) -> anyhow::Result<TopicPartitionList> {
+        let mut tpl = TopicPartitionList::new();
+        for (p, next) in &self.consumed {
+            let first_running = self.running.get(p).and_then(|r| r.first().copied());
+            tpl.add_partition_offset(topic, *p, Offset::Offset(first_running.unwrap_or(*next)))?;
+        }
+        Ok(tpl)
+    }
+}
+
+impl Hop {
+    /// The `--tool-url` hop: see the module's comment.
+    async fn run_http(
+        self,
+        tools: Caller,
+        calls: Arc<Semaphore>,
+        assigned: Arc<AtomicUsize>,
+        shutdown: CancellationToken,
+    ) -> anyhow::Result<()> {
+        let (consumer, producer, mut events) = self.clients().await?;
+        let tools = Arc::new(tools);
+        let mut seen: HashSet<StepKey> = HashSet::new();
+        let mut progress = Progress::default();
+        let mut inflight: JoinSet<anyhow::Result<Echo>> = JoinSet::new();
+        let mut open = Open::default();
+        loop {
+            tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => break,
+                Some(ev) = events.recv() => {
+                    if let RebalanceEvent::Assigned(parts) = ev {
+                        assigned.fetch_add(parts.len(), Ordering::Relaxed);
+                    }
+                }
+                _ = closes(open.started, self.interval) => {
+                    self.commit_http(&consumer, &producer, std::mem::take(&mut open), &progress).await?;
+                }
+                Some(done) = inflight.join_next() => {
+                    let echo = done??;
+                    if let Some(r) = progress.running.get_mut(&echo.partition) {
+                        r.remove(&echo.offset);
+                    }
+                    self.echo(&consumer, &producer, &mut open, &progress, echo).await?;
+                }
+                (permit, msg) = async {
+                    let permit = calls.clone().acquire_owned().await;
+                    (permit, consumer.recv().await)
+                } => {
+                    let m = match msg {
+                        Ok(m) => m,
+                        Err(e) => {
+                            eprintln!("passthrough: consumer error (librdkafka retries by itself): {e}");
+                            continue;
+                        }
+                    };
+                    let echo = Echo {
+                        partition: m.partition(),
+                        offset: m.offset(),
+                        key: m.key().map(<[u8]>::to_vec),
+                        payload: m.payload().map(<[u8]>::to_vec),
+                    };
+                    progress.consumed.insert(echo.partition, echo.offset + 1);
+                    let intent = echo.payload.as_deref().and_then(|p| {
+                        contract::parse_intent(p, 1 << 20, tools.registry.names()).ok()
+                    });
+                    let Some(intent) = intent.filter(|i| seen.insert(i.step_key())) else {
+                        // A repeat (or no intent at all): echoed at once.
+                        self.echo(&consumer, &producer, &mut open, &progress, echo).await?;
+                        continue;
+                    };
+                    progress.running.entry(echo.partition).or_default().insert(echo.offset);
+                    let call = Call {
+                        step: intent.step_key(),
+                        arguments: intent.arguments,
+                        dispatch: 1,
+                        fast_ref: None,
+                        traceparent: None,
+                        call_id: intent.call_id,
+                    };
+                    let tools = tools.clone();
+                    inflight.spawn(async move {
+                        let _slot = permit;
+                        tools.call(&call).await?;
+                        Ok(echo)
+                    });
+                }
+            }
+        }
+        while let Some(done) = inflight.join_next().await {
+            let echo = done??;
+            if let Some(r) = progress.running.get_mut(&echo.partition) {
+                r.remove(&echo.offset);
+            }
+            self.echo(&consumer, &producer, &mut open, &progress, echo)
+                .await?;
+        }
+        self.commit_http(&consumer, &producer, open, &progress)
+            .await?;
+        drop(producer);
+        drop(consumer);
+        Ok(())
+    }
+
+    /// Produce `echo` in the open transaction (begun if none is), and commit
+    /// at `max_batch` records.
+    async fn echo(
+        &self,
+        consumer: &Arc<TxnConsumer>,
+        producer: &FutureProducer,
+        open: &mut Open,
+        progress: &Progress,
+        echo: Echo,
+    ) -> anyhow::Result<()> {
+        if open.started.is_none() {
+            if self.eos {
+                producer.begin_transaction()?;
+            }
+            open.started = Some(Instant::now());
+        }
+        let d = send(
+            producer,
+            &self.output,
+            echo.partition,
+            echo.key.as_deref(),
+            echo.payload.as_deref(),
+        )
+        .await?;
+        open.deliveries.push(d);
+        if open.deliveries.len() >= self.max_batch {
+            self.commit_http(consumer, producer, std::mem::take(open), progress)
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// Wait for the open batch's deliveries, then commit each partition's
+    /// offset up to its first call still running.
+    async fn commit_http(
+        &self,
+        consumer: &Arc<TxnConsumer>,
+        producer: &FutureProducer,
+        open: Open,
+        progress: &Progress,
+    ) -> anyhow::Result<()> {
+        if open.started.is_none() {
+            return Ok(());
+        }
+        for d in open.deliveries {
+            if let Ok(Err((e, _))) = d.await {
+                return Err(e.into());
+            }
+        }
+        let tpl = progress.offsets(&self.input)?;
+        if self.eos {
+            kafka::send_offsets(producer, consumer, tpl).await?;
+            if kafka::commit_txn(producer, kafka::TxnLimits::of(&self.cfg)).await? {
+                anyhow::bail!(
+                    "a commit ended slowly enough that its end request may have been sent twice: the passthrough stops rather than risk a split transaction"
+                );
+            }
+        } else {
+            consumer.commit(&tpl, CommitMode::Async)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn offset_of(tpl: &TopicPartitionList, p: i32) -> Offset {
+        tpl.find_partition("in", p)
+            .expect("partition listed")
+            .offset()
+    }
+
+    #[test]
+    fn the_committed_offset_stops_at_the_first_call_still_running() {
+        let mut progress = Progress::default();
+        progress.consumed.insert(0, 10);
+        progress.consumed.insert(1, 7);
+        progress.running.entry(0).or_default().extend([4, 8]);
+        // Partition 1's calls all returned: the whole of it is done.
+        progress.running.entry(1).or_default().insert(5);
+        progress.running.get_mut(&1).unwrap().remove(&5);
+        let tpl = progress.offsets("in").unwrap();
+        assert_eq!(offset_of(&tpl, 0), Offset::Offset(4));
+        assert_eq!(offset_of(&tpl, 1), Offset::Offset(7));
+        // The first call returns: up to the second.
+        progress.running.get_mut(&0).unwrap().remove(&4);
+        assert_eq!(
+            offset_of(&progress.offsets("in").unwrap(), 0),
+            Offset::Offset(8)
+        );
     }
 }

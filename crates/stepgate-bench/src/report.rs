@@ -191,7 +191,12 @@ pub fn problems(
     }
     let invoked: usize = tool.iter().map(|(n, k)| *n as usize * k).sum();
     let keys: usize = tool.values().sum();
-    if slug.contains("-http") && keys != distinct {
+    if slug.starts_with("pt") && slug.contains("-http") && (keys != distinct || invoked != distinct)
+    {
+        p.push(format!(
+            "tool invoked {invoked} times for {keys} keys; want once for each of {distinct} steps (times → keys: {tool:?})"
+        ));
+    } else if slug.contains("-http") && keys != distinct {
         p.push(format!(
             "the tool was called for {keys} step keys; want each of {distinct} steps (times → keys: {tool:?})"
         ));
@@ -1074,4 +1079,41 @@ pub struct ScaleRow {
     pub state_memory: StateMemory,
     pub state_disk_mib: f64,
     pub problems: Vec<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn all_answered(intents: usize) -> Verdict {
+        Verdict {
+            intents,
+            answered: intents,
+            ..Verdict::default()
+        }
+    }
+
+    #[test]
+    fn the_http_passthrough_fails_unless_each_step_called_the_tool_once() {
+        let v = all_answered(12);
+        // 10 steps (2 repeats), each key once.
+        let once = BTreeMap::from([(1u32, 10usize)]);
+        let p = problems(&v, true, "pt1-eos-http", Expect::Echo, 10, &once);
+        assert!(p.is_empty(), "{p:?}");
+        assert_eq!(
+            check_text(&p, &v, "pt1-eos-http", &once),
+            "ok, tool once/key"
+        );
+        // A repeat that called the tool again: FAIL, not "≥ once".
+        let twice = BTreeMap::from([(1u32, 9usize), (2, 1)]);
+        let p = problems(&v, true, "pt1-eos-http", Expect::Echo, 10, &twice);
+        assert_eq!(p.len(), 1, "{p:?}");
+        assert_eq!(check_text(&p, &v, "pt1-eos-http", &twice), "FAIL");
+        // A step whose tool was never called.
+        let short = BTreeMap::from([(1u32, 9usize)]);
+        assert!(!problems(&v, true, "pt1-eos-http", Expect::Echo, 10, &short).is_empty());
+        // The Kafka Streams HTTP variant may call again (after an abort): shown.
+        let p = problems(&v, true, "ks-eos-http", Expect::StepLog, 10, &twice);
+        assert!(p.is_empty(), "{p:?}");
+    }
 }
