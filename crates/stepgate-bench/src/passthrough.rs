@@ -79,6 +79,10 @@ pub struct Args {
     /// protocol-NACK retries, `nodelayoff`: Nagle's algorithm on).
     #[arg(long, env = "PASSTHROUGH_REQWEST_TWEAKS", value_delimiter = ',')]
     reqwest_tweaks: Vec<String>,
+    /// With `--http-client hyper`: `TCP_NODELAY` on, as reqwest (and so
+    /// stepgate) sets it; hyper-util's own default is off.
+    #[arg(long, env = "PASSTHROUGH_HYPER_NODELAY")]
+    hyper_nodelay: bool,
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
@@ -103,7 +107,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             let tools = BTreeMap::from([(crate::workload::TOOL.to_owned(), tool)]);
             Some(Caller {
                 registry: ToolRegistry::new(&tools, args.concurrency),
-                bare: (args.http_client == "hyper").then(|| Bare::new(url, args.concurrency)),
+                bare: (args.http_client == "hyper")
+                    .then(|| Bare::new(url, args.concurrency, args.hyper_nodelay)),
                 plain: (args.http_client == "reqwest")
                     .then(|| Plain::new(url, args.concurrency, &args.reqwest_tweaks)),
             })
@@ -398,12 +403,16 @@ struct Bare {
 }
 
 impl Bare {
-    fn new(url: &str, concurrency: usize) -> Bare {
+    fn new(url: &str, concurrency: usize, nodelay: bool) -> Bare {
+        let mut connector = hyper_util::client::legacy::connect::HttpConnector::new();
+        connector.set_nodelay(nodelay);
+        connector.set_keepalive(Some(Duration::from_secs(30)));
+        connector.set_connect_timeout(Some(Duration::from_secs(5)));
         let client =
             hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
                 .pool_max_idle_per_host(concurrency)
                 .pool_idle_timeout(Duration::from_secs(4))
-                .build_http();
+                .build(connector);
         Bare {
             client,
             url: url.parse().expect("the bench's tool URL parses"),
