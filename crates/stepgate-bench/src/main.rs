@@ -20,6 +20,10 @@ mod sequential;
 mod systems;
 mod workload;
 
+#[cfg(feature = "jemalloc")]
+#[global_allocator]
+static ALLOC: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 use anyhow::{Context as _, bail};
 use clap::{Args, Parser, Subcommand};
 use report::{GateFigures, Row};
