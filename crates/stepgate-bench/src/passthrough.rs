@@ -164,13 +164,6 @@ struct Hop {
     max_batch: usize,
 }
 
-#[derive(Default)]
-struct Pending {
-    deliveries: Vec<DeliveryFuture>,
-    next: BTreeMap<i32, i64>,
-    started: Option<Instant>,
-}
-
 impl Hop {
     /// The hop's consumer (subscribed), its producer and its rebalance events.
     async fn clients(
@@ -203,7 +196,9 @@ impl Hop {
         shutdown: CancellationToken,
     ) -> anyhow::Result<()> {
         let (consumer, producer, mut events) = self.clients().await?;
-        let mut pending = Pending::default();
+        let mut batch = Batch::default();
+        // This batch's input only: nothing else is committed with it.
+        let mut progress = Progress::default();
         loop {
             tokio::select! {
                 biased;
@@ -213,8 +208,9 @@ impl Hop {
                         assigned.fetch_add(parts.len(), Ordering::Relaxed);
                     }
                 }
-                _ = closes(pending.started, self.interval) => {
-                    self.commit(&consumer, &producer, std::mem::take(&mut pending)).await?;
+                _ = closes(batch.started, self.interval) => {
+                    let progress = std::mem::take(&mut progress);
+                    self.commit(&consumer, &producer, std::mem::take(&mut batch), &progress).await?;
                 }
                 msg = consumer.recv() => {
                     let m = match msg {
@@ -224,47 +220,43 @@ impl Hop {
                             continue;
                         }
                     };
-                    if pending.started.is_none() && self.eos {
-                        producer.begin_transaction()?;
-                    }
-                    pending.started.get_or_insert_with(Instant::now);
+                    batch.begin(&producer, self.eos)?;
                     // Produced at once, unlike the gate, which must decide first:
                     // the limit is the best a stateless hop can do.
                     let d = send(&producer, &self.output, m.partition(), m.key(), m.payload()).await?;
-                    pending.deliveries.push(d);
-                    pending.next.insert(m.partition(), m.offset() + 1);
-                    if pending.deliveries.len() >= self.max_batch {
-                        self.commit(&consumer, &producer, std::mem::take(&mut pending)).await?;
+                    batch.deliveries.push(d);
+                    progress.consumed.insert(m.partition(), m.offset() + 1);
+                    if batch.deliveries.len() >= self.max_batch {
+                        let progress = std::mem::take(&mut progress);
+                        self.commit(&consumer, &producer, std::mem::take(&mut batch), &progress).await?;
                     }
                 }
             }
         }
-        self.commit(&consumer, &producer, pending).await?;
+        self.commit(&consumer, &producer, batch, &progress).await?;
         drop(producer);
         drop(consumer);
         Ok(())
     }
 
-    /// Wait for the batch's deliveries, then commit its input offsets (in the
-    /// transaction, for EOS).
+    /// Wait for the batch's deliveries, then commit `progress`'s offsets (in
+    /// the transaction, for EOS).
     async fn commit(
         &self,
         consumer: &Arc<TxnConsumer>,
         producer: &FutureProducer,
-        pending: Pending,
+        batch: Batch,
+        progress: &Progress,
     ) -> anyhow::Result<()> {
-        if pending.started.is_none() {
+        if batch.started.is_none() {
             return Ok(());
         }
-        for d in pending.deliveries {
+        for d in batch.deliveries {
             if let Ok(Err((e, _))) = d.await {
                 return Err(e.into());
             }
         }
-        let mut tpl = TopicPartitionList::new();
-        for (p, next) in &pending.next {
-            tpl.add_partition_offset(&self.input, *p, Offset::Offset(*next))?;
-        }
+        let tpl = progress.offsets(&self.input)?;
         if self.eos {
             kafka::send_offsets(producer, consumer, tpl).await?;
             // The passthrough has no session to restart with new producers.
@@ -448,24 +440,44 @@ struct Echo {
     payload: Option<Vec<u8>>,
 }
 
-/// The HTTP hop's open transaction (EOS) or batch (at-least-once).
+/// A hop's open transaction (EOS) or batch (at-least-once).
 #[derive(Default)]
-struct Open {
+struct Batch {
     deliveries: Vec<DeliveryFuture>,
     started: Option<Instant>,
 }
 
-/// Where the HTTP hop's input stands, per partition.
+impl Batch {
+    /// Open the batch (its transaction, for EOS) unless it is open.
+    fn begin(&mut self, producer: &FutureProducer, eos: bool) -> anyhow::Result<()> {
+        if self.started.is_none() {
+            if eos {
+                producer.begin_transaction()?;
+            }
+            self.started = Some(Instant::now());
+        }
+        Ok(())
+    }
+}
+
+/// Where a hop's input stands, per partition: what a commit commits.
 #[derive(Default)]
 struct Progress {
     /// The offset after the last record consumed.
     consumed: BTreeMap<i32, i64>,
-    /// The offsets whose call is still running: the committed offset stops at
-    /// the first of them.
+    /// The HTTP hop's offsets whose call is still running: the committed
+    /// offset stops at the first of them.
     running: BTreeMap<i32, BTreeSet<i64>>,
 }
 
 impl Progress {
+    /// A call returned: its offset no longer holds the commit back.
+    fn returned(&mut self, echo: &Echo) {
+        if let Some(r) = self.running.get_mut(&echo.partition) {
+            r.remove(&echo.offset);
+        }
+    }
+
     fn offsets(&self, topic: &str) -> anyhow::Result<TopicPartitionList> {
         let mut tpl = TopicPartitionList::new();
         for (p, next) in &self.consumed {
@@ -490,7 +502,7 @@ impl Hop {
         let mut seen: HashSet<StepKey> = HashSet::new();
         let mut progress = Progress::default();
         let mut inflight: JoinSet<anyhow::Result<Echo>> = JoinSet::new();
-        let mut open = Open::default();
+        let mut open = Batch::default();
         loop {
             tokio::select! {
                 biased;
@@ -501,13 +513,11 @@ impl Hop {
                     }
                 }
                 _ = closes(open.started, self.interval) => {
-                    self.commit_http(&consumer, &producer, std::mem::take(&mut open), &progress).await?;
+                    self.commit(&consumer, &producer, std::mem::take(&mut open), &progress).await?;
                 }
                 Some(done) = inflight.join_next() => {
                     let echo = done??;
-                    if let Some(r) = progress.running.get_mut(&echo.partition) {
-                        r.remove(&echo.offset);
-                    }
+                    progress.returned(&echo);
                     self.echo(&consumer, &producer, &mut open, &progress, echo).await?;
                 }
                 (permit, msg) = async {
@@ -556,14 +566,11 @@ impl Hop {
         }
         while let Some(done) = inflight.join_next().await {
             let echo = done??;
-            if let Some(r) = progress.running.get_mut(&echo.partition) {
-                r.remove(&echo.offset);
-            }
+            progress.returned(&echo);
             self.echo(&consumer, &producer, &mut open, &progress, echo)
                 .await?;
         }
-        self.commit_http(&consumer, &producer, open, &progress)
-            .await?;
+        self.commit(&consumer, &producer, open, &progress).await?;
         drop(producer);
         drop(consumer);
         Ok(())
@@ -575,16 +582,11 @@ impl Hop {
         &self,
         consumer: &Arc<TxnConsumer>,
         producer: &FutureProducer,
-        open: &mut Open,
+        open: &mut Batch,
         progress: &Progress,
         echo: Echo,
     ) -> anyhow::Result<()> {
-        if open.started.is_none() {
-            if self.eos {
-                producer.begin_transaction()?;
-            }
-            open.started = Some(Instant::now());
-        }
+        open.begin(producer, self.eos)?;
         let d = send(
             producer,
             &self.output,
@@ -595,39 +597,8 @@ impl Hop {
         .await?;
         open.deliveries.push(d);
         if open.deliveries.len() >= self.max_batch {
-            self.commit_http(consumer, producer, std::mem::take(open), progress)
+            self.commit(consumer, producer, std::mem::take(open), progress)
                 .await?;
-        }
-        Ok(())
-    }
-
-    /// Wait for the open batch's deliveries, then commit each partition's
-    /// offset up to its first call still running.
-    async fn commit_http(
-        &self,
-        consumer: &Arc<TxnConsumer>,
-        producer: &FutureProducer,
-        open: Open,
-        progress: &Progress,
-    ) -> anyhow::Result<()> {
-        if open.started.is_none() {
-            return Ok(());
-        }
-        for d in open.deliveries {
-            if let Ok(Err((e, _))) = d.await {
-                return Err(e.into());
-            }
-        }
-        let tpl = progress.offsets(&self.input)?;
-        if self.eos {
-            kafka::send_offsets(producer, consumer, tpl).await?;
-            if kafka::commit_txn(producer, kafka::TxnLimits::of(&self.cfg)).await? {
-                anyhow::bail!(
-                    "a commit ended slowly enough that its end request may have been sent twice: the passthrough stops rather than risk a split transaction"
-                );
-            }
-        } else {
-            consumer.commit(&tpl, CommitMode::Async)?;
         }
         Ok(())
     }
@@ -643,6 +614,15 @@ mod tests {
             .offset()
     }
 
+    fn returned(partition: i32, offset: i64) -> Echo {
+        Echo {
+            partition,
+            offset,
+            key: None,
+            payload: None,
+        }
+    }
+
     #[test]
     fn the_committed_offset_stops_at_the_first_call_still_running() {
         let mut progress = Progress::default();
@@ -651,12 +631,12 @@ mod tests {
         progress.running.entry(0).or_default().extend([4, 8]);
         // Partition 1's calls all returned: the whole of it is done.
         progress.running.entry(1).or_default().insert(5);
-        progress.running.get_mut(&1).unwrap().remove(&5);
+        progress.returned(&returned(1, 5));
         let tpl = progress.offsets("in").unwrap();
         assert_eq!(offset_of(&tpl, 0), Offset::Offset(4));
         assert_eq!(offset_of(&tpl, 1), Offset::Offset(7));
         // The first call returns: up to the second.
-        progress.running.get_mut(&0).unwrap().remove(&4);
+        progress.returned(&returned(0, 4));
         assert_eq!(
             offset_of(&progress.offsets("in").unwrap(), 0),
             Offset::Offset(8)
