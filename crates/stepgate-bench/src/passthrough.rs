@@ -105,12 +105,18 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             let tool: ToolConfig =
                 serde_json::from_value(serde_json::json!({ "category": "keyed", "url": url }))?;
             let tools = BTreeMap::from([(crate::workload::TOOL.to_owned(), tool)]);
+            let via = match args.http_client.as_str() {
+                "hyper" => Via::Hyper(Box::new(Bare::new(
+                    url,
+                    args.concurrency,
+                    args.hyper_nodelay,
+                ))),
+                "reqwest" => Via::Reqwest(Plain::new(url, args.concurrency, &args.reqwest_tweaks)),
+                _ => Via::Registry,
+            };
             Some(Caller {
                 registry: ToolRegistry::new(&tools, args.concurrency),
-                bare: (args.http_client == "hyper")
-                    .then(|| Bare::new(url, args.concurrency, args.hyper_nodelay)),
-                plain: (args.http_client == "reqwest")
-                    .then(|| Plain::new(url, args.concurrency, &args.reqwest_tweaks)),
+                via,
             })
         }
         None => None,
@@ -310,9 +316,18 @@ async fn send(
 /// How the HTTP hop calls the tool.
 #[derive(Clone)]
 struct Caller {
+    /// stepgate's registry: the tool's name for the intent parser, and the
+    /// calls themselves with `Via::Registry`.
     registry: ToolRegistry,
-    bare: Option<Bare>,
-    plain: Option<Plain>,
+    via: Via,
+}
+
+/// The client of `--http-client`.
+#[derive(Clone)]
+enum Via {
+    Registry,
+    Reqwest(Plain),
+    Hyper(Box<Bare>),
 }
 
 /// A bare reqwest client with stepgate's client settings: the tool
@@ -371,12 +386,10 @@ impl Plain {
 
 impl Caller {
     async fn call(&self, call: &Call) -> anyhow::Result<()> {
-        if let Some(plain) = &self.plain {
-            return plain.call(call).await;
-        }
-        match &self.bare {
-            Some(bare) => bare.call(call).await,
-            None => match self.registry.invoke(call).await {
+        match &self.via {
+            Via::Reqwest(plain) => plain.call(call).await,
+            Via::Hyper(bare) => bare.call(call).await,
+            Via::Registry => match self.registry.invoke(call).await {
                 Outcome::Ok { .. } => Ok(()),
                 other => anyhow::bail!("the call of {:?} ended {}", call.step, other.label()),
             },
