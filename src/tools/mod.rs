@@ -22,31 +22,18 @@
 
 pub mod mcp;
 pub mod tool;
+mod transport;
 pub(crate) mod validate;
 
 use crate::contract::{Call, ErrorBody, Outcome, Texts, headers};
-use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
+use reqwest::header::{CONTENT_TYPE, HeaderMap, HeaderName, HeaderValue};
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::Duration;
 use thiserror::Error;
 use tokio::sync::{Semaphore, SemaphorePermit};
 pub use tool::{Category, Policy, ToolAnnotations, ToolConfig};
+use transport::{Http, Route, SendError, Sent};
 
-/// Idle connections kept per tool host (scheme, host and port): as many as
-/// calls can run at once (`executor.concurrency`), so a steady load reuses its
-/// connections — with fewer, every call beyond them opened and closed a TCP
-/// connection, which cost more CPU than the rest of the hot path — and at most
-/// this many, so the sockets a burst leaves open stay bounded.
-const POOL_MAX_IDLE_PER_HOST_CAP: usize = 1024;
-/// How long an idle connection is kept for reuse. Below the 5 s keep-alive
-/// timeout of Node.js, uvicorn, hypercorn and Apache: a request written to a
-/// connection the server is closing at that moment fails after it was sent,
-/// which for an `unkeyed` tool is an `in_doubt` answer no one needed.
-const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(4);
-/// TCP keep-alive probes, so a peer that vanished during a long call is noticed
-/// by the OS, not only by the tool's timeout.
-const TCP_KEEPALIVE: Duration = Duration::from_secs(30);
 /// How much of a non-2xx body is read: enough for the excerpt in the message.
 const ERROR_BODY_PREFIX: usize = 4096;
 
@@ -55,7 +42,9 @@ const ERROR_BODY_PREFIX: usize = 4096;
 pub struct ToolRegistry {
     tools: BTreeMap<String, ToolConfig>,
     names: Vec<String>,
-    http: reqwest::Client,
+    http: Http,
+    /// How each HTTP tool's URL is called.
+    routes: BTreeMap<String, Route>,
     /// The slots of each tool with `max_concurrency`, shared by every clone.
     slots: BTreeMap<String, Arc<Semaphore>>,
     /// Each tool's configured `headers`, values marked sensitive (never in a
@@ -96,18 +85,19 @@ impl ToolRegistry {
     /// The registry of `tools`, with an HTTP client keeping up to
     /// `concurrency` idle connections per host (`executor.concurrency`).
     pub fn new(tools: &BTreeMap<String, ToolConfig>, concurrency: usize) -> Self {
-        let http = reqwest::Client::builder()
-            .connect_timeout(Duration::from_secs(5))
-            .user_agent(concat!("stepgate/", env!("CARGO_PKG_VERSION")))
-            // A 307/308 would re-POST the arguments and the key to another
-            // address; a 302/303 would turn into a GET whose answer looks like
-            // the tool's output. The tool at the configured URL answers, or no one.
-            .redirect(reqwest::redirect::Policy::none())
-            .pool_max_idle_per_host(concurrency.clamp(1, POOL_MAX_IDLE_PER_HOST_CAP))
-            .pool_idle_timeout(POOL_IDLE_TIMEOUT)
-            .tcp_keepalive(TCP_KEEPALIVE)
-            .build()
-            .expect("the HTTP client builds with static settings");
+        let routes = tools
+            .iter()
+            .filter(|(_, t)| t.mcp_tool.is_none())
+            .map(|(name, t)| (name.clone(), Http::route(&t.url)))
+            .collect();
+        Self::with_http(tools, Http::new(concurrency), routes)
+    }
+
+    fn with_http(
+        tools: &BTreeMap<String, ToolConfig>,
+        http: Http,
+        routes: BTreeMap<String, Route>,
+    ) -> Self {
         let slots = tools
             .iter()
             .filter_map(|(name, t)| {
@@ -123,6 +113,7 @@ impl ToolRegistry {
             tools: tools.clone(),
             names: tools.keys().cloned().collect(),
             http,
+            routes,
             slots,
             headers,
             mcp: mcp::McpSessions::default(),
@@ -214,7 +205,7 @@ impl ToolRegistry {
             }
             // The request's timeout starts only now, inside `try_once`.
             let tried = if tool.mcp_tool.is_some() {
-                mcp::try_once(&self.mcp, &self.http, tool, call, extra_headers).await
+                mcp::try_once(&self.mcp, &self.http.reqwest, tool, call, extra_headers).await
             } else {
                 self.try_once(tool, call, extra_headers).await
             };
@@ -311,20 +302,34 @@ impl ToolRegistry {
         };
         // The configured headers first; none of them is one of the protocol's
         // (config validation refuses those), so nothing below is doubled.
-        let mut req = self
-            .http
-            .post(&tool.url)
-            .timeout(tool.timeout.0)
-            .headers(extra_headers.clone())
-            .header(tool.idempotency_header.as_str(), key)
-            .header(headers::STEP_INDEX, step.step_index.to_string())
-            .header(headers::ATTEMPT, step.attempt.to_string())
-            .header(reqwest::header::CONTENT_TYPE, "application/json")
-            .body(body);
-        match reqwest::header::HeaderValue::from_bytes(step.workflow_id.as_bytes()) {
-            Ok(v) => req = req.header(headers::WORKFLOW_ID, v),
-            Err(_) => req = req.header(headers::WORKFLOW_ID, percent_escape(&step.workflow_id)),
+        let mut req_headers = extra_headers.clone();
+        let protocol = [
+            (
+                tool.idempotency_header.as_str(),
+                HeaderValue::from_str(&key),
+            ),
+            (headers::STEP_INDEX, Ok(HeaderValue::from(step.step_index))),
+            (headers::ATTEMPT, Ok(HeaderValue::from(step.attempt))),
+            (
+                headers::WORKFLOW_ID,
+                HeaderValue::from_bytes(step.workflow_id.as_bytes())
+                    .or_else(|_| HeaderValue::from_str(&percent_escape(&step.workflow_id))),
+            ),
+        ];
+        for (name, value) in protocol {
+            match (HeaderName::from_bytes(name.as_bytes()), value) {
+                (Ok(name), Ok(value)) => {
+                    req_headers.append(name, value);
+                }
+                // Nothing was sent: the request could not be built.
+                _ => {
+                    return Try::NotSent(format!(
+                        "the request could not be built (its header `{name}`; nothing was sent)"
+                    ));
+                }
+            }
         }
+        req_headers.append(CONTENT_TYPE, HeaderValue::from_static("application/json"));
         // An invalid traceparent is dropped, never sent: as a header value it
         // could fail the request before anything was sent, and the trace is
         // not worth the call.
@@ -332,25 +337,31 @@ impl ToolRegistry {
             .traceparent
             .as_deref()
             .filter(|tp| crate::contract::headers::is_valid_traceparent(tp))
+            .and_then(|tp| HeaderValue::from_str(tp).ok())
         {
-            req = req.header(headers::TRACEPARENT, tp);
+            req_headers.append(headers::TRACEPARENT, tp);
         }
-        let mut resp = match req.send().await {
-            Ok(r) => r,
-            Err(e) if e.is_connect() => return Try::NotSent(describe(&e)),
-            // The request could not even be built: nothing was sent.
-            Err(e) if e.is_builder() => return Try::NotSent(describe(&e)),
-            Err(e) => return Try::MaybeRan(describe(&e)),
+        // The tool's `timeout` covers the whole try: connecting, sending and
+        // reading the answer.
+        let deadline = tokio::time::Instant::now() + tool.timeout.0;
+        let route = self.routes.get(&step.tool).unwrap_or(&Route::Reqwest);
+        let sending = self.http.post(route, &tool.url, req_headers, body.into());
+        let mut resp = match tokio::time::timeout_at(deadline, sending).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(SendError::NotSent(detail))) => return Try::NotSent(detail),
+            Ok(Err(SendError::MaybeRan(detail))) => return Try::MaybeRan(detail),
+            Err(_elapsed) => return Try::MaybeRan("timed out".into()),
         };
-        let status = resp.status();
+        let status = resp.status;
         let code = status.as_u16();
         if status.is_redirection() {
             return Try::Done(redirected(tool, &step.tool, code));
         }
         if status.is_success() {
-            let body = match read_capped(&mut resp, tool.max_output_bytes).await {
-                Ok(Capped::Whole(b)) => b,
-                Ok(Capped::TooLarge(size)) => {
+            let reading = read_capped(&mut resp, tool.max_output_bytes);
+            let body = match tokio::time::timeout_at(deadline, reading).await {
+                Ok(Ok(Capped::Whole(b))) => b,
+                Ok(Ok(Capped::TooLarge(size))) => {
                     return Try::Done(Outcome::Error {
                         error: ErrorBody {
                             kind: "output_too_large".into(),
@@ -363,7 +374,8 @@ impl ToolRegistry {
                     });
                 }
                 // The tool answered but the body broke off: it ran, the answer is lost.
-                Err(e) => return Try::MaybeRan(describe(&e)),
+                Ok(Err(detail)) => return Try::MaybeRan(detail),
+                Err(_elapsed) => return Try::MaybeRan("timed out".into()),
             };
             let output = if body.is_empty() {
                 serde_json::Value::Null
@@ -397,7 +409,7 @@ impl ToolRegistry {
             );
         }
         if status.is_client_error() {
-            let body = read_prefix(&mut resp, ERROR_BODY_PREFIX).await;
+            let body = read_prefix(&mut resp, ERROR_BODY_PREFIX, deadline).await;
             // A refusal often quotes the credential it refused ("invalid API
             // key …"); the excerpt goes to a model and into Kafka records.
             let excerpt = crate::redact::redact_url_in(
@@ -481,8 +493,8 @@ fn set_path(body: &mut serde_json::Value, path: &str, value: serde_json::Value) 
 
 /// Read a 2xx body chunk by chunk, stopping as soon as it exceeds `cap` bytes
 /// (at once when the declared length does): a tool cannot make us buffer more.
-async fn read_capped(resp: &mut reqwest::Response, cap: u64) -> Result<Capped, reqwest::Error> {
-    let declared = resp.content_length();
+async fn read_capped(resp: &mut Sent, cap: u64) -> Result<Capped, String> {
+    let declared = resp.declared_length();
     if let Some(len) = declared.filter(|&len| len > cap) {
         return Ok(Capped::TooLarge(Some(len)));
     }
@@ -497,17 +509,17 @@ async fn read_capped(resp: &mut reqwest::Response, cap: u64) -> Result<Capped, r
     Ok(Capped::Whole(body))
 }
 
-/// The first `max` bytes of a body, for a message; a body that breaks off
-/// gives what arrived.
-async fn read_prefix(resp: &mut reqwest::Response, max: usize) -> Vec<u8> {
+/// The first `max` bytes of a body, for a message; a body that breaks off or
+/// is still arriving at `deadline` gives what arrived.
+async fn read_prefix(resp: &mut Sent, max: usize, deadline: tokio::time::Instant) -> Vec<u8> {
     let mut out = Vec::new();
     while out.len() < max {
-        match resp.chunk().await {
-            Ok(Some(chunk)) => {
+        match tokio::time::timeout_at(deadline, resp.chunk()).await {
+            Ok(Ok(Some(chunk))) => {
                 let take = chunk.len().min(max - out.len());
                 out.extend_from_slice(&chunk[..take]);
             }
-            Ok(None) | Err(_) => break,
+            Ok(Ok(None) | Err(_)) | Err(_) => break,
         }
     }
     out
@@ -541,20 +553,6 @@ fn in_doubt(tool: &str, detail: &str) -> Outcome {
             kind: "outcome_unknown".into(),
             message: Texts::in_doubt_unconfirmed(tool, detail),
         },
-    }
-}
-
-/// A transport error as text: what happened, never the URL (reqwest's own
-/// text names it, with any credential in it).
-fn describe(e: &reqwest::Error) -> String {
-    if e.is_timeout() {
-        "timed out".into()
-    } else if e.is_connect() {
-        "connection refused".into()
-    } else if e.is_builder() {
-        "the request could not be built (nothing was sent)".into()
-    } else {
-        "connection broken".into()
     }
 }
 

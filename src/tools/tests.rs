@@ -7,6 +7,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::routing::post;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
 
 /// A server whose `/r` answers each request with the next status of `script`
 /// (the last one repeats), counting requests and keeping the last headers.
@@ -996,4 +997,230 @@ fn a_pool_tool_has_no_address_no_headers_and_always_a_step_log() {
     .unwrap_err()
     .to_string();
     assert!(e.contains("kafka.topics.pool_calls"), "{e}");
+}
+
+/// `reg` with every HTTP tool sent through reqwest, as a proxied or `https://`
+/// one is.
+fn through_reqwest(mut reg: ToolRegistry) -> ToolRegistry {
+    for route in reg.routes.values_mut() {
+        *route = Route::Reqwest;
+    }
+    reg
+}
+
+/// A tool that answers 200 with a body that breaks off: the status line and
+/// part of a declared 100-byte body, then the connection closes.
+async fn breaking_off() -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut conn, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                // The whole request: headers, then as much body as declared.
+                let mut req = Vec::new();
+                let mut buf = [0u8; 4096];
+                while let Ok(n) = conn.read(&mut buf).await {
+                    if n == 0 {
+                        return;
+                    }
+                    req.extend_from_slice(&buf[..n]);
+                    let text = String::from_utf8_lossy(&req);
+                    if let Some(end) = text.find("\r\n\r\n") {
+                        let len = text[..end]
+                            .lines()
+                            .find_map(|l| {
+                                l.to_ascii_lowercase()
+                                    .strip_prefix("content-length:")
+                                    .map(|v| v.trim().parse::<usize>().unwrap())
+                            })
+                            .unwrap_or(0);
+                        if req.len() >= end + 4 + len {
+                            break;
+                        }
+                    }
+                }
+                let _ = conn
+                    .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n{\"partial\":")
+                    .await;
+                // Dropped: the body ends 89 bytes short.
+            });
+        }
+    });
+    format!("http://{addr}/r")
+}
+
+/// The headers a tool saw, as sorted `name: value` lines.
+fn header_lines(h: &HeaderMap) -> Vec<String> {
+    let mut lines: Vec<String> = h
+        .iter()
+        .map(|(n, v)| format!("{n}: {}", v.to_str().unwrap()))
+        .collect();
+    lines.sort();
+    lines
+}
+
+#[tokio::test]
+async fn both_clients_send_the_same_request_and_end_each_try_alike() {
+    let mut seen_by_route = Vec::new();
+    for reqwest in [false, true] {
+        let via = |reg: ToolRegistry| {
+            let reg = if reqwest { through_reqwest(reg) } else { reg };
+            assert_eq!(
+                matches!(reg.routes["t"], Route::Reqwest),
+                reqwest,
+                "a plain http:// tool on 127.0.0.1 goes direct"
+            );
+            reg
+        };
+        let label = if reqwest { "reqwest" } else { "direct" };
+
+        // The same request: every header (host, length, agent, accept and the
+        // protocol's), and the body byte for byte.
+        let (url, hits, seen) = server(vec![200], Duration::ZERO).await;
+        let o = via(registry("keyed", &url, "5s")).invoke(&call()).await;
+        assert_eq!(
+            o,
+            Outcome::Ok {
+                output: serde_json::json!({"echo": {"a": 1}})
+            },
+            "{label}"
+        );
+        assert_eq!(hits.load(Ordering::SeqCst), 1, "{label}");
+        let lines = header_lines(&seen.lock().unwrap().clone().unwrap());
+        let port = url.split(':').nth(2).unwrap().split('/').next().unwrap();
+        seen_by_route.push(
+            lines
+                .into_iter()
+                .map(|l| l.replace(port, "PORT"))
+                .collect::<Vec<_>>(),
+        );
+
+        // A refusal is definite, and read.
+        let (url, hits, _) = server(vec![422], Duration::ZERO).await;
+        let o = via(registry("unkeyed", &url, "5s")).invoke(&call()).await;
+        assert_eq!(kind(&o), ("error", "tool_refused".into()), "{label}");
+        let Outcome::Error { error } = &o else {
+            unreachable!()
+        };
+        assert!(
+            error.message.contains(r#"Its answer: {"echo":{"a":1}}"#),
+            "{label}: {o:?}"
+        );
+        assert_eq!(hits.load(Ordering::SeqCst), 1, "{label}");
+
+        // A 5xx may have run.
+        let (url, hits, _) = server(vec![503, 200], Duration::ZERO).await;
+        let o = via(registry("unkeyed", &url, "5s")).invoke(&call()).await;
+        assert_eq!(kind(&o), ("in_doubt", "outcome_unknown".into()), "{label}");
+        assert_eq!(hits.load(Ordering::SeqCst), 1, "{label}");
+
+        // A timeout after sending may have run.
+        let (url, hits, _) = server(vec![200], Duration::from_millis(800)).await;
+        let o = via(registry("unkeyed", &url, "100ms"))
+            .invoke(&call())
+            .await;
+        assert_eq!(kind(&o).0, "in_doubt", "{label}");
+        assert!(texts(&o).contains("timed out"), "{label}: {o:?}");
+        assert_eq!(hits.load(Ordering::SeqCst), 1, "{label}");
+
+        // A 2xx whose body breaks off: the tool ran, its answer is lost.
+        let url = breaking_off().await;
+        let o = via(registry("unkeyed", &url, "5s")).invoke(&call()).await;
+        assert_eq!(kind(&o), ("in_doubt", "outcome_unknown".into()), "{label}");
+        assert!(texts(&o).contains("connection broken"), "{label}: {o:?}");
+
+        // Nothing listening: never sent, so retried, then not performed.
+        let url = format!("http://127.0.0.1:{}/r", closed_port());
+        let o = via(registry("unkeyed", &url, "1s")).invoke(&call()).await;
+        assert_eq!(kind(&o), ("error", "tool_unreachable".into()), "{label}");
+        assert!(texts(&o).contains("after 3 tries"), "{label}: {o:?}");
+        assert!(texts(&o).contains("connection refused"), "{label}: {o:?}");
+    }
+    assert_eq!(seen_by_route[0], seen_by_route[1]);
+    for want in [
+        "accept: */*",
+        "content-type: application/json",
+        "content-length: 7",
+        "host: 127.0.0.1:PORT",
+        concat!("user-agent: stepgate/", env!("CARGO_PKG_VERSION")),
+    ] {
+        assert!(
+            seen_by_route[0].iter().any(|l| l == want),
+            "{want} in {:?}",
+            seen_by_route[0]
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_tool_behind_a_proxy_is_called_through_it() {
+    // The proxy: it sees the request in absolute form, and answers it.
+    let (proxied, seen) = (
+        Arc::new(std::sync::Mutex::new(Vec::new())),
+        Arc::new(std::sync::Mutex::new(None)),
+    );
+    let (p, s) = (proxied.clone(), seen.clone());
+    let proxy = serve(move |_| {
+        Router::new().fallback(move |uri: axum::http::Uri, headers: HeaderMap| {
+            let (p, s) = (p.clone(), s.clone());
+            async move {
+                p.lock().unwrap().push(uri.to_string());
+                *s.lock().unwrap() = Some(headers);
+                (StatusCode::OK, "{\"via\":\"proxy\"}")
+            }
+        })
+    })
+    .await;
+    let proxy_url = format!("http://{proxy}");
+    let cfg = Config::from_toml_str(
+        "[tools.t]\ncategory = \"keyed\"\nurl = \"http://tool.invalid/r\"\n",
+        Vec::new(),
+    )
+    .unwrap();
+    let matcher = hyper_util::client::proxy::matcher::Matcher::builder()
+        .http(proxy_url.clone())
+        .build();
+    let routes = cfg
+        .tools
+        .iter()
+        .map(|(name, t)| (name.clone(), Http::route_with(&t.url, &matcher)))
+        .collect();
+    let reg = ToolRegistry::with_http(&cfg.tools, Http::with_proxy(4, &proxy_url), routes);
+    assert!(matches!(reg.routes["t"], Route::Reqwest));
+    let o = reg.invoke(&call()).await;
+    assert_eq!(
+        o,
+        Outcome::Ok {
+            output: serde_json::json!({"via": "proxy"})
+        }
+    );
+    assert_eq!(*proxied.lock().unwrap(), ["http://tool.invalid/r"]);
+    let h = seen.lock().unwrap().clone().unwrap();
+    assert_eq!(h["idempotency-key"], call().step.idempotency_key().as_str());
+}
+
+#[test]
+fn only_a_plain_unproxied_http_url_goes_direct() {
+    use hyper_util::client::proxy::matcher::Matcher;
+    let none = Matcher::builder().build();
+    let proxied = Matcher::builder()
+        .http("http://proxy.example:3128")
+        .no("internal.example")
+        .build();
+    let direct = |url: &str, m: &Matcher| matches!(Http::route_with(url, m), Route::Direct(_));
+    assert!(direct("http://127.0.0.1:8080/tool?x=1", &none));
+    assert!(direct("http://tools.example/send", &none));
+    // reqwest's text of the URL is what goes out: normalised, as before.
+    match Http::route_with("http://Tools.Example:80/a b", &none) {
+        Route::Direct(uri) => assert_eq!(uri.to_string(), "http://tools.example/a%20b"),
+        Route::Reqwest => panic!("a plain URL goes direct"),
+    }
+    // TLS, credentials (sent as basic auth), a fragment: reqwest's.
+    assert!(!direct("https://tools.example/send", &none));
+    assert!(!direct("http://user:pw@tools.example/send", &none));
+    assert!(!direct("http://tools.example/send#x", &none));
+    // A proxy setting that covers the host: reqwest's, which honours it.
+    assert!(!direct("http://tools.example/send", &proxied));
+    assert!(direct("http://internal.example/send", &proxied));
 }
