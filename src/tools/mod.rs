@@ -85,12 +85,7 @@ impl ToolRegistry {
     /// The registry of `tools`, with an HTTP client keeping up to
     /// `concurrency` idle connections per host (`executor.concurrency`).
     pub fn new(tools: &BTreeMap<String, ToolConfig>, concurrency: usize) -> Self {
-        let routes = tools
-            .iter()
-            .filter(|(_, t)| t.mcp_tool.is_none())
-            .map(|(name, t)| (name.clone(), Http::route(&t.url)))
-            .collect();
-        Self::with_http(tools, Http::new(concurrency), routes)
+        Self::with_http(tools, Http::new(concurrency), Http::routes(tools))
     }
 
     fn with_http(

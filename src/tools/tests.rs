@@ -1181,11 +1181,7 @@ async fn a_tool_behind_a_proxy_is_called_through_it() {
     let matcher = hyper_util::client::proxy::matcher::Matcher::builder()
         .http(proxy_url.clone())
         .build();
-    let routes = cfg
-        .tools
-        .iter()
-        .map(|(name, t)| (name.clone(), Http::route_with(&t.url, &matcher)))
-        .collect();
+    let routes = Http::routes_with(&cfg.tools, &matcher);
     let reg = ToolRegistry::with_http(&cfg.tools, Http::with_proxy(4, &proxy_url), routes);
     assert!(matches!(reg.routes["t"], Route::Reqwest));
     let o = reg.invoke(&call()).await;
@@ -1208,11 +1204,11 @@ fn only_a_plain_unproxied_http_url_goes_direct() {
         .http("http://proxy.example:3128")
         .no("internal.example")
         .build();
-    let direct = |url: &str, m: &Matcher| matches!(Http::route_with(url, m), Route::Direct(_));
+    let direct = |url: &str, m: &Matcher| matches!(Http::route(url, m), Route::Direct(_));
     assert!(direct("http://127.0.0.1:8080/tool?x=1", &none));
     assert!(direct("http://tools.example/send", &none));
     // reqwest's text of the URL is what goes out: normalised, as before.
-    match Http::route_with("http://Tools.Example:80/a b", &none) {
+    match Http::route("http://Tools.Example:80/a b", &none) {
         Route::Direct(uri) => assert_eq!(uri.to_string(), "http://tools.example/a%20b"),
         Route::Reqwest => panic!("a plain URL goes direct"),
     }

@@ -8,6 +8,7 @@
 //! same request, and both end a try in the same [`Sent`] or [`SendError`], so
 //! "never sent" and "may have run" mean the same thing on either.
 
+use super::ToolConfig;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client as HyperClient;
@@ -15,6 +16,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::proxy::matcher::Matcher;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 use reqwest::header::{ACCEPT, HeaderMap, HeaderValue, USER_AGENT};
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 /// Idle connections kept per tool host (scheme, host and port): as many as
@@ -110,14 +112,27 @@ impl Http {
         Http { direct, reqwest }
     }
 
-    /// How `url` is called, with the environment's proxy settings read as
-    /// reqwest reads them (`HTTP_PROXY`, `ALL_PROXY`, `NO_PROXY`, …).
-    pub(super) fn route(url: &str) -> Route {
-        Self::route_with(url, &Matcher::from_system())
+    /// How each HTTP tool of `tools` is called, with the environment's proxy
+    /// settings (`HTTP_PROXY`, `ALL_PROXY`, `NO_PROXY`, …) read once, as
+    /// reqwest reads them.
+    pub(super) fn routes(tools: &BTreeMap<String, ToolConfig>) -> BTreeMap<String, Route> {
+        Self::routes_with(tools, &Matcher::from_system())
     }
 
-    /// [`Http::route`] under the proxy settings of `proxies`.
-    pub(super) fn route_with(url: &str, proxies: &Matcher) -> Route {
+    /// [`Http::routes`] under the proxy settings of `proxies`.
+    pub(super) fn routes_with(
+        tools: &BTreeMap<String, ToolConfig>,
+        proxies: &Matcher,
+    ) -> BTreeMap<String, Route> {
+        tools
+            .iter()
+            .filter(|(_, t)| t.mcp_tool.is_none())
+            .map(|(name, t)| (name.clone(), Self::route(&t.url, proxies)))
+            .collect()
+    }
+
+    /// How `url` is called under the proxy settings of `proxies`.
+    pub(super) fn route(url: &str, proxies: &Matcher) -> Route {
         let Ok(parsed) = reqwest::Url::parse(url) else {
             return Route::Reqwest;
         };
