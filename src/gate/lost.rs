@@ -24,6 +24,7 @@
 //! so nothing is written (as when the read-back times out).
 
 use super::GateError;
+use super::ownership::parse_applied;
 use crate::config::KafkaConfig;
 use crate::kafka::{self, OutRecord, TxnConsumer};
 use crate::telemetry::Metrics;
@@ -122,8 +123,28 @@ struct Seen {
     /// one at or past it may be in a transaction still open. A partition
     /// missing here is not known at all.
     stable: BTreeMap<(String, i32), i64>,
-    /// The group's committed offsets (None: the lookup failed).
-    offsets: Option<BTreeMap<(String, i32), i64>>,
+    /// The group's committed offsets, each with the applied mark its
+    /// metadata carries.
+    offsets: BTreeMap<(String, i32), Position>,
+}
+
+/// Where an intents partition stands: its offset, and the first offset not
+/// yet applied (the offset's metadata, [`applied_metadata`]; the offset
+/// itself without one). Ordered by offset, then mark.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+struct Position {
+    offset: i64,
+    applied: i64,
+}
+
+impl Position {
+    fn of(offset: i64, metadata: Option<&str>) -> Position {
+        let applied = metadata.and_then(|m| parse_applied(m).0);
+        Position {
+            offset,
+            applied: applied.map_or(offset, |a| a.max(offset)),
+        }
+    }
 }
 
 /// What to write again.
@@ -223,17 +244,21 @@ fn plan(commits: &[Committed], seen: &Seen, owned: &BTreeSet<i32>, changelog: &s
             });
         }
     }
-    if let Some(committed) = &seen.offsets {
-        let mut last: BTreeMap<(String, i32), &InputOffset> = BTreeMap::new();
-        for o in commits.iter().flat_map(|c| &c.offsets) {
-            if owned.contains(&o.partition) {
-                last.insert((o.topic.clone(), o.partition), o);
-            }
+    // An offset is behind when the group holds a lower one, or the same one
+    // with an earlier applied mark: a batch whose intents all wait on a call
+    // still running commits the same offset and moves only the mark. Left
+    // behind, the intents between the two marks would be decided again
+    // against a state that already holds them (a repeat answered twice).
+    let mut last: BTreeMap<(String, i32), &InputOffset> = BTreeMap::new();
+    for o in commits.iter().flat_map(|c| &c.offsets) {
+        if owned.contains(&o.partition) {
+            last.insert((o.topic.clone(), o.partition), o);
         }
-        for (tp, o) in last {
-            if committed.get(&tp).is_none_or(|c| *c < o.offset) {
-                rewrite.offsets.push(o.clone());
-            }
+    }
+    for (tp, o) in last {
+        let ours = Position::of(o.offset, o.metadata.as_deref());
+        if seen.offsets.get(&tp).is_none_or(|c| *c < ours) {
+            rewrite.offsets.push(o.clone());
         }
     }
     rewrite
@@ -390,14 +415,16 @@ async fn read_back(
                 })
                 .map(|(p, _)| *p)
                 .collect();
-            let mut ends: BTreeMap<i32, i64> =
-                seen.keys().map(|&p| (p, i64::MAX)).collect();
+            let mut ends: BTreeMap<i32, i64> = seen.keys().map(|&p| (p, i64::MAX)).collect();
             if !missing.is_empty() {
                 let Some(lso) = stable_offsets(&cfg, &group, topic, &missing, deadline)? else {
                     return Ok(None);
                 };
-                let again: BTreeMap<i32, i64> =
-                    starts.iter().filter(|(p, _)| missing.contains(p)).map(|(p, o)| (*p, *o)).collect();
+                let again: BTreeMap<i32, i64> = starts
+                    .iter()
+                    .filter(|(p, _)| missing.contains(p))
+                    .map(|(p, o)| (*p, *o))
+                    .collect();
                 let Some(read) = kafka::visible_offsets(&cfg, &group, topic, &again, deadline)?
                 else {
                     return Ok(None);
@@ -408,25 +435,32 @@ async fn read_back(
             records.extend(seen.into_iter().map(|(p, s)| ((topic.clone(), p), s)));
             stable.extend(ends.into_iter().map(|(p, e)| ((topic.clone(), p), e)));
         }
-        let offsets = if tpl.count() == 0 {
-            Some(BTreeMap::new())
-        } else {
-            match consumer.committed_offsets(tpl, Duration::from_secs(10)) {
-                Ok(c) => Some(
-                    c.elements()
-                        .iter()
-                        .filter_map(|e| match e.offset() {
-                            Offset::Offset(o) => Some(((e.topic().to_owned(), e.partition()), o)),
-                            _ => None,
-                        })
-                        .collect(),
-                ),
+        // Without the group's offsets nothing is written: records written
+        // again with their offsets left behind would be decided again.
+        let mut offsets = BTreeMap::new();
+        while tpl.count() > 0 {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Ok(None);
+            }
+            match consumer.committed_offsets(tpl.clone(), left.min(Duration::from_secs(10))) {
+                Ok(c) => {
+                    for e in c.elements() {
+                        if let Offset::Offset(o) = e.offset() {
+                            offsets.insert(
+                                (e.topic().to_owned(), e.partition()),
+                                Position::of(o, Some(e.metadata())),
+                            );
+                        }
+                    }
+                    break;
+                }
                 Err(e) => {
-                    warn!(error = %e, "could not look up the group's committed offsets: offsets not checked");
-                    None
+                    warn!(error = %e, "could not look up the group's committed offsets (retrying)");
+                    std::thread::sleep(Duration::from_millis(500));
                 }
             }
-        };
+        }
         Ok::<_, KafkaError>(Some(Seen {
             records,
             stable,

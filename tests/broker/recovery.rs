@@ -818,6 +818,71 @@ async fn a_commit_the_broker_acknowledged_and_lost_is_written_again() {
     assert_eq!(s.tools.count("wire"), 1, "the tool ran once");
 }
 
+/// The lost transaction's offset commit held the partition's committed offset
+/// where it was (at a keyed step still running, recorded only once settled)
+/// and moved only its applied mark, past a repeat it answered. Written again,
+/// the offset must carry that mark: with the mark before it, the repeat is
+/// read again as new and answered a second time (seen once in
+/// `the_broker_killed_under_load`: two identical answers to one repeat).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_commit_that_moved_only_the_applied_mark_is_written_again_with_it() {
+    let mut s = Stack::new(StackOptions::default()).await;
+    // The second transaction that publishes answers is lost: the first
+    // carries s1's.
+    s.spawn(&[], &[("STEPGATE_TEST_LOSE_COMMIT_MARKER", "2")]);
+    s.wait_ready().await;
+    let agent = s.agent();
+    let first = agent
+        .call(intent("wf-mark", 1, "charge", json!({"cents": 1}), "s1"))
+        .await;
+    assert_eq!(first.status, Status::Ok, "{first:?}\n{}", s.log_tail(40));
+    // A keyed step that runs a while holds the committed offset at its
+    // intent; the repeat behind it is answered, and its batch lost.
+    s.tools
+        .script("charge", vec![Reply::Delay(Duration::from_millis(1200))]);
+    agent
+        .send(&intent("wf-mark", 2, "charge", json!({"cents": 2}), "a1"))
+        .await;
+    let repeat = agent
+        .call(intent(
+            "wf-mark",
+            1,
+            "charge",
+            json!({"cents": 1, "note": "again"}),
+            "s2",
+        ))
+        .await;
+    assert!(repeat.deduplicated, "{repeat:?}");
+    same_but_call_id(&first, &repeat);
+    let log = s.log();
+    assert!(
+        log.contains("a transaction is aborted and reported committed"),
+        "the hook fired:\n{}",
+        s.log_tail(40)
+    );
+    assert!(
+        log.contains("lost its commit marker: writing its records again"),
+        "the lost answer was written again:\n{}",
+        s.log_tail(40)
+    );
+    // Read in order: once a later step of the partition is answered, the
+    // repeat's intent has been read again and a second answer would show.
+    let a1 = agent.answer("a1", Duration::from_secs(30)).await;
+    assert_eq!(a1.status, Status::Ok, "{a1:?}");
+    let later = agent
+        .call(intent("wf-mark", 3, "charge", json!({"cents": 3}), "b1"))
+        .await;
+    assert_eq!(later.status, Status::Ok, "{later:?}");
+    assert_eq!(
+        agent.answers("s2").len(),
+        1,
+        "the repeat answered once:\n{}",
+        s.log_tail(60)
+    );
+    assert_eq!(agent.answers("a1").len(), 1, "a1 answered once");
+    assert_eq!(agent.answers("s1").len(), 1, "s1 answered once");
+}
+
 /// A topic's `max.message.bytes` lowered below a step record after the gate
 /// started: every batch carrying that record is refused. The failures are
 /// counted (`stepgate_gate_session_failures_total{reason="record_refused"}`),

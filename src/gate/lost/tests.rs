@@ -45,12 +45,10 @@ fn seen(records: &[(&str, i32, &[i64])], offsets: &[(&str, i32, i64)]) -> Seen {
             .iter()
             .map(|(t, p, _)| (((*t).to_owned(), *p), i64::MAX))
             .collect(),
-        offsets: Some(
-            offsets
-                .iter()
-                .map(|(t, p, o)| (((*t).to_owned(), *p), *o))
-                .collect(),
-        ),
+        offsets: offsets
+            .iter()
+            .map(|(t, p, o)| (((*t).to_owned(), *p), Position::of(*o, None)))
+            .collect(),
     }
 }
 
@@ -251,15 +249,58 @@ fn partitions_now_owned_elsewhere_are_not_touched() {
     assert!(r.is_empty(), "{r:?}");
 }
 
+/// A batch whose intents all wait on a call still running commits the same
+/// offset with a later applied mark: the group holding that offset with an
+/// earlier mark has lost the commit.
 #[test]
-fn offsets_are_left_alone_when_they_could_not_be_looked_up() {
-    let c = [commit(vec![], vec![("intents", 0, 5)])];
-    let s = Seen {
+fn an_offset_whose_applied_mark_moved_alone_is_written_again() {
+    let applied = |o: i64, a: i64| InputOffset {
+        topic: "intents".to_owned(),
+        partition: 0,
+        offset: o,
+        metadata: Some(crate::gate::ownership::applied_metadata(a, Some(4))),
+    };
+    let lost = Committed {
+        records: Arc::new(Vec::new()),
+        landed: Vec::new(),
+        offsets: vec![applied(5, 9)],
+        at: Instant::now(),
+    };
+    let group_at = |o: i64, meta: &str| Seen {
         records: BTreeMap::new(),
         stable: BTreeMap::new(),
-        offsets: None,
+        offsets: [(("intents".to_owned(), 0), Position::of(o, Some(meta)))].into(),
     };
-    assert!(plan(&c, &s, &owned(&[0]), CHANGELOG).is_empty());
+    let mark = |a: i64| crate::gate::ownership::applied_metadata(a, Some(4));
+    let r = plan(
+        std::slice::from_ref(&lost),
+        &group_at(5, &mark(7)),
+        &owned(&[0]),
+        CHANGELOG,
+    );
+    assert_eq!(r.offsets, [applied(5, 9)], "the mark goes with it");
+    for (o, meta) in [
+        (5, mark(9)),
+        (5, mark(11)),
+        (6, mark(6)),
+        (6, String::new()),
+    ] {
+        let r = plan(
+            std::slice::from_ref(&lost),
+            &group_at(o, &meta),
+            &owned(&[0]),
+            CHANGELOG,
+        );
+        assert!(r.is_empty(), "the group at {o} {meta:?}: {r:?}");
+    }
+    // Metadata another tool wrote (no mark): the offset alone counts.
+    let r = plan(
+        std::slice::from_ref(&lost),
+        &group_at(5, "by hand"),
+        &owned(&[0]),
+        CHANGELOG,
+    );
+    assert_eq!(r.offsets.len(), 1);
 }
 
 /// The first input offset of each commit taken.
