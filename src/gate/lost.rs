@@ -128,9 +128,10 @@ struct Seen {
     offsets: BTreeMap<(String, i32), Position>,
 }
 
-/// Where an intents partition stands: its offset, and the first offset not
-/// yet applied (the offset's metadata, [`applied_metadata`]; the offset
-/// itself without one). Ordered by offset, then mark.
+/// Where the group stands in an input partition: its offset, and the first
+/// offset not yet applied (the applied mark an intents offset's metadata
+/// carries, [`applied_metadata`](super::ownership::applied_metadata); the
+/// offset itself without one). Ordered by offset, then mark.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 struct Position {
     offset: i64,
