@@ -472,8 +472,14 @@ impl GateCore {
         }
         // Sent before any commit, as every gate of the group sends it: a
         // process that read it before this one may have sent it too and
-        // stopped before its commit.
-        record.unseen_reader = early;
+        // stopped before its commit. Re-read below the applied mark, the
+        // same holds: a reader before the one whose batch committed may have
+        // sent it, under a run number a later reader used again (each read
+        // above the mark numbers its run 1), so a "not invoked" reported for
+        // that number does not rule out the run assumed before this one.
+        record.unseen_reader = (early || replayed)
+            && self.settings.invoke_before_commit
+            && tool.category == crate::tools::Category::Keyed;
         self.metrics.step_forwarded(&step, tool.category.as_str());
         if early {
             let call = self.mark_started(p, &mut record, ax.now_ms, parent);

@@ -1438,6 +1438,55 @@ fn a_keyed_step_read_again_while_its_early_call_runs_is_numbered_above_it() {
     assert_eq!((rs.len(), rs[0].status), (1, Status::Ok));
 }
 
+/// With `gate.invoke_before_commit`, each read of a keyed intent above the
+/// applied mark numbers its run 1. A first run 1 took effect (its batch
+/// never committed, and its `ok` came when no record was there to settle);
+/// a second run 1, whose batch did commit, was handed back not invoked. The
+/// step read again below the mark assumes a run before its own; the
+/// hand-back of "run 1" must not cancel that, and its own try that never
+/// reached the tool is then in doubt, not "not performed" (found by the
+/// simulation, seed 0x1e84a7 of a long run).
+#[test]
+fn a_hand_back_of_a_reused_run_number_never_turns_unreachable_into_not_performed() {
+    let mut f = Fixture::early();
+    let input = f.input("intents", email("c1", "x").to_string().into_bytes());
+    let mut b = Batch::default();
+    f.core.on_intent(&f.store, &mut b, &input, 0).unwrap();
+    let first = call_of(&f.outs());
+    assert_eq!(first.dispatch, 1);
+    // The session starts over before that batch commits; the call's `ok`
+    // finds no record to settle.
+    f.core.reset();
+    f.core
+        .load_partition(&f.store, 0, input.offset, 10)
+        .unwrap();
+    f.core.progress_read(0);
+    let ok = Outcome::Ok {
+        output: json!("sent"),
+    };
+    assert!(results(&f.outcome(&first, ok, 20)).is_empty());
+    // Read again as new: run 1 again, sent at once; this batch commits.
+    let mut b = Batch::default();
+    f.core.on_intent(&f.store, &mut b, &input, 30).unwrap();
+    f.commit(b);
+    let second = call_of(&f.outs());
+    assert_eq!(second.dispatch, 1, "numbered as the first run");
+    // The partition moves before that call starts; read again below the mark.
+    let third = call_of(&reread(&mut f, &input, 40));
+    assert_eq!(third.dispatch, 2);
+    // A repeat waits on it: its record is written, no longer deferred, and
+    // the hand-back of the second run 1 now reaches it as a run's end.
+    assert!(results(&f.intent(email("c2", "x, again"), 45)).is_empty());
+    assert!(!f.core.deferred.contains(0, &third.step), "written");
+    assert!(results(&f.progress(not_invoked(&second), 50)).is_empty());
+    let rs = results(&f.outcome(&third, unreachable(), 60));
+    assert_eq!(rs.len(), 2, "the first call and the repeat: {rs:?}");
+    for r in rs {
+        assert_eq!(r.status, Status::InDoubt, "{r:?}");
+        assert_eq!(r.error.as_ref().unwrap().kind, "outcome_unknown");
+    }
+}
+
 #[test]
 fn a_re_read_keyed_intent_runs_again_with_its_key_and_never_says_not_performed() {
     let mut f = Fixture::new();
