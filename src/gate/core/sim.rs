@@ -94,6 +94,10 @@ const TOOLS: [&str; 3] = ["charge", "wire", "payout"];
 const NOT_PERFORMED: [&str; 2] = ["tool_unreachable", "tool_refused"];
 /// Steps of the quiet phase at most, before the run is declared stuck.
 const DRAIN_ROUNDS: usize = 400;
+
+/// Most calls started, or inputs read, in one round of the
+/// drain: far above any seed's whole run (a few hundred intents).
+const DRAIN_SPINS: u32 = 200_000;
 /// How long (simulated) a batch may stay open or committing: well under the
 /// tools' deadlines (3 s), as the gate's linger and commits are.
 /// `STEPGATE_SIM_SLOW_COMMITS=1` lifts it.
@@ -1762,7 +1766,22 @@ impl World {
         for round in 0..DRAIN_ROUNDS {
             self.step += 1;
             let mut busy = !self.jobs.is_empty();
+            // Bounded, so that a loop (calls handed back and queued again for
+            // ever, a process that never runs out of input) fails its seed,
+            // with its trace, instead of hanging the run.
+            let mut spins = 0u32;
+            let mut spin = |what: &str| {
+                spins += 1;
+                if spins > DRAIN_SPINS {
+                    Err(format!(
+                        "drain: {what} more than {DRAIN_SPINS} times in one round: a loop"
+                    ))
+                } else {
+                    Ok(())
+                }
+            };
             while let Some(j) = (0..self.jobs.len()).find(|&j| self.jobs[j].fate.is_none()) {
+                spin("calls started")?;
                 self.job_start(Some(j))?;
             }
             let n = self.jobs.len();
@@ -1773,6 +1792,7 @@ impl World {
             }
             for x in 0..self.procs.len() {
                 while self.poll(x)? {
+                    spin("inputs read")?;
                     busy = true;
                 }
                 for _ in 0..2 {
