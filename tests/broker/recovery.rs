@@ -767,6 +767,22 @@ async fn a_transaction_whose_send_never_returns_is_aborted_and_its_outcome_settl
     assert_eq!(agent.answers("h1").len(), 1, "h1 answered once");
 }
 
+/// The test hook lost a commit (`STEPGATE_TEST_LOSE_COMMIT_MARKER`), and
+/// the next session wrote its records again.
+fn assert_lost_commit_written_again(s: &Stack) {
+    let log = s.log();
+    assert!(
+        log.contains("a transaction is aborted and reported committed"),
+        "the hook fired:\n{}",
+        s.log_tail(40)
+    );
+    assert!(
+        log.contains("lost its commit marker: writing its records again"),
+        "the lost answer was written again:\n{}",
+        s.log_tail(40)
+    );
+}
+
 /// A transaction the broker acknowledged and then lost — a commit marker lost
 /// when a single broker is SIGKILLed mid-commit (`deploy/local/repro/
 /// hanging-transaction.sh`), which the next session's end of hanging
@@ -785,17 +801,7 @@ async fn a_commit_the_broker_acknowledged_and_lost_is_written_again() {
         .await;
     assert_eq!(r.status, Status::Ok, "{r:?}\n{}", s.log_tail(40));
     assert!(!r.deduplicated, "the first answer, not a repeat's: {r:?}");
-    let log = s.log();
-    assert!(
-        log.contains("a transaction is aborted and reported committed"),
-        "the hook fired:\n{}",
-        s.log_tail(40)
-    );
-    assert!(
-        log.contains("lost its commit marker: writing its records again"),
-        "the lost answer was written again:\n{}",
-        s.log_tail(40)
-    );
+    assert_lost_commit_written_again(&s);
     let m = s.metrics().await;
     assert!(
         !m.contains("stepgate_lost_commit_records_rewritten_total 0"),
@@ -854,17 +860,7 @@ async fn a_lost_commit_that_moved_only_the_applied_mark_is_written_again_with_it
         .await;
     assert!(repeat.deduplicated, "{repeat:?}");
     same_but_call_id(&first, &repeat);
-    let log = s.log();
-    assert!(
-        log.contains("a transaction is aborted and reported committed"),
-        "the hook fired:\n{}",
-        s.log_tail(40)
-    );
-    assert!(
-        log.contains("lost its commit marker: writing its records again"),
-        "the lost answer was written again:\n{}",
-        s.log_tail(40)
-    );
+    assert_lost_commit_written_again(&s);
     // Read in order: once a later step of the partition is answered, the
     // repeat's intent has been read again and a second answer would show.
     let a1 = agent.answer("a1", Duration::from_secs(30)).await;

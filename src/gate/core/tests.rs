@@ -1281,13 +1281,19 @@ fn reread(f: &mut Fixture, input: &Input, now: i64) -> Vec<Out> {
     reread_from(f, input, input.offset + 1, now)
 }
 
+/// The session starts over: memory dropped, partition 0 loaded again with
+/// its applied mark at `applied`, its progress read.
+fn restart_session(f: &mut Fixture, applied: i64, now: i64) {
+    f.core.reset();
+    f.core.load_partition(&f.store, 0, applied, now).unwrap();
+    f.core.progress_read(0);
+}
+
 /// `input` read again after the memory was dropped, with the partition's
 /// applied mark at `applied` (at the intent: its deciding batch never
 /// committed, and it is read as new).
 fn reread_from(f: &mut Fixture, input: &Input, applied: i64, now: i64) -> Vec<Out> {
-    f.core.reset();
-    f.core.load_partition(&f.store, 0, applied, now).unwrap();
-    f.core.progress_read(0);
+    restart_session(f, applied, now);
     let mut b = Batch::default();
     f.core.on_intent(&f.store, &mut b, input, now).unwrap();
     f.commit(b);
@@ -1456,11 +1462,7 @@ fn a_hand_back_of_a_reused_run_number_never_turns_unreachable_into_not_performed
     assert_eq!(first.dispatch, 1);
     // The session starts over before that batch commits; the call's `ok`
     // finds no record to settle.
-    f.core.reset();
-    f.core
-        .load_partition(&f.store, 0, input.offset, 10)
-        .unwrap();
-    f.core.progress_read(0);
+    restart_session(&mut f, input.offset, 10);
     let ok = Outcome::Ok {
         output: json!("sent"),
     };
