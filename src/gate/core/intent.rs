@@ -451,9 +451,11 @@ impl GateCore {
             )
         };
         let running = self.running.get(&(p, step.clone())).copied();
-        let early = !replayed
-            && self.settings.invoke_before_commit
-            && tool.category == crate::tools::Category::Keyed;
+        // Under `gate.invoke_before_commit`, any reader of a keyed step may
+        // have sent its call before a commit; a first reading here does.
+        let sent_before_commit =
+            self.settings.invoke_before_commit && tool.category == crate::tools::Category::Keyed;
+        let early = !replayed && sent_before_commit;
         if replayed {
             // Above any run of this process still going (its outcome is then
             // a stale dispatch's: evidence, never the answer).
@@ -477,9 +479,7 @@ impl GateCore {
         // sent it, under a run number a later reader used again (each read
         // above the mark numbers its run 1), so a "not invoked" reported for
         // that number does not rule out the run assumed before this one.
-        record.unseen_reader = (early || replayed)
-            && self.settings.invoke_before_commit
-            && tool.category == crate::tools::Category::Keyed;
+        record.unseen_reader = sent_before_commit;
         self.metrics.step_forwarded(&step, tool.category.as_str());
         if early {
             let call = self.mark_started(p, &mut record, ax.now_ms, parent);
