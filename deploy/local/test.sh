@@ -41,6 +41,21 @@ timed clippy cargo clippy --all-targets --features test-hooks -- -D warnings
 # --all-targets builds only as test harnesses: tests/broker/tool_ledger.rs runs
 # examples/ticket_tool.
 timed build cargo test --no-run --features test-hooks
-timed test cargo test --all-targets --features test-hooks
+# A CI report shows only the end of a long output, where a failure's backtrace
+# hides its message: on a failure the messages are printed again, last.
+all_tests() {
+  local out status=0
+  out="$(mktemp)"
+  cargo test --all-targets --features test-hooks 2>&1 | tee "$out" || status=$?
+  if ((status != 0)); then
+    echo "--- the failures' messages again, without their backtraces ---"
+    awk '/panicked at/ { n = 60 }
+         n > 0 && (/^stack backtrace:/ || /^note: /) { n = 0 }
+         n > 0 { print; n-- }' "$out"
+  fi
+  rm -f "$out"
+  return "$status"
+}
+timed test all_tests
 # And that without the feature the hooks' variables do nothing.
 timed hook_tests cargo test --lib -- hook_tests

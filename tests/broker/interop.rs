@@ -19,7 +19,7 @@ fn python(s: &Stack, script: &str, args: &[&str]) -> String {
         out.status.success(),
         "{script} failed:\n{stdout}\n{}\n--- stepgate log ---\n{}",
         String::from_utf8_lossy(&out.stderr),
-        s.log()
+        s.log_tail(80)
     );
     stdout
 }

@@ -37,7 +37,7 @@ async fn crash(
     agent.send(&intent).await;
     let status = s.exited(WAIT).await;
     assert!(!status.success(), "the fault was injected");
-    assert!(s.log().contains(&format!("{var}=1")), "{}", s.log());
+    assert!(s.log().contains(&format!("{var}=1")), "{}", s.log_tail(80));
 }
 
 /// Before the `started` commit: nothing is durable and nothing ran; the intent
@@ -126,7 +126,7 @@ async fn a_keyed_call_sent_before_its_deciding_commit_runs_again_with_its_key_af
     assert!(
         !s.log().contains("batch committed"),
         "no batch had committed: {}",
-        s.log()
+        s.log_tail(80)
     );
     assert_eq!(s.tools.count("charge"), 1, "sent before any commit");
     s.start().await;
@@ -183,7 +183,7 @@ async fn a_repeat_answered_at_once_outside_the_transaction_is_answered_again_aft
     assert!(
         !s.log().contains("batch committed"),
         "answered while no batch could commit: {}",
-        s.log()
+        s.log_tail(80)
     );
     assert_eq!(
         again,
@@ -325,7 +325,7 @@ async fn outcomes_of_calls_whose_partition_moved_are_settled_once_by_the_new_own
     assert!(
         s.log().contains("handed to the partition's owner"),
         "some calls finished after their partition moved to gate B: {}",
-        s.log()
+        s.log_tail(80)
     );
     gate_b.kill().unwrap();
     gate_b.wait().unwrap();
@@ -404,7 +404,7 @@ async fn a_gate_back_after_another_owned_its_partitions_holds_only_committed_his
                     &format!("h{n}-{step}-r"),
                 ))
                 .await;
-            assert!(again.deduplicated, "{again:?}\n{}", s.log());
+            assert!(again.deduplicated, "{again:?}\n{}", s.log_tail(80));
             same_but_call_id(first, &again);
         }
     }
@@ -469,7 +469,7 @@ async fn a_keyed_call_in_flight_at_a_kill_runs_again_with_its_key_and_nothing_af
     s.kill();
     s.start().await;
     let r = agent.answer("held-1", WAIT).await;
-    assert_eq!(r.status, Status::Ok, "{r:?}\n{}", s.log());
+    assert_eq!(r.status, Status::Ok, "{r:?}\n{}", s.log_tail(80));
     assert!(!r.deduplicated, "{r:?}");
     // A new step after them all: once it is answered, everything before it in
     // the partition has been read again.

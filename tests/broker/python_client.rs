@@ -85,7 +85,7 @@ async fn the_pip_installed_python_client_answers_a_rephrased_retry_once_and_runs
         out.status.success(),
         "python_client.py:\n{stdout}\n{}\n--- stepgate log ---\n{}",
         String::from_utf8_lossy(&out.stderr),
-        s.log()
+        s.log_tail(80)
     );
     let lines: Vec<Value> = stdout
         .lines()

@@ -124,7 +124,11 @@ async fn sigterm_finishes_the_call_in_flight_and_commits_it() {
     })
     .await;
     let status = s.terminate().await;
-    assert!(status.success(), "clean exit: {status:?}\n{}", s.log());
+    assert!(
+        status.success(),
+        "clean exit: {status:?}\n{}",
+        s.log_tail(80)
+    );
     s.start().await;
     let r = agent.answer("g1", WAIT).await;
     assert_eq!(
@@ -566,7 +570,7 @@ async fn an_unreadable_step_record_sets_its_intent_aside_and_the_partition_goes_
     }
     // The same partition goes on: a later step of the same workflow runs.
     let next = agent.answer("p2", WAIT).await;
-    assert_eq!(next.status, Status::Ok, "{}", s.log());
+    assert_eq!(next.status, Status::Ok, "{}", s.log_tail(80));
     let set_aside = agent.answer("p1", WAIT).await;
     assert_eq!(set_aside.status, Status::Rejected);
     let e = set_aside.error.unwrap();

@@ -159,7 +159,11 @@ async fn refused_start(s: &mut Stack, password: &str) -> (String, Duration) {
     s.spawn(&[], &[(PASSWORD_VAR, password)]);
     let status = s.exited(REFUSED_WITHIN).await;
     let took = t0.elapsed();
-    assert!(!status.success(), "the start is refused: {}", s.log());
+    assert!(
+        !status.success(),
+        "the start is refused: {}",
+        s.log_tail(80)
+    );
     (s.log(), took)
 }
 
