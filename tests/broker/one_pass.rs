@@ -37,7 +37,7 @@ async fn crash(
     agent.send(&intent).await;
     let status = s.exited(WAIT).await;
     assert!(!status.success(), "the fault was injected");
-    assert!(s.log().contains(&format!("{var}=1")), "{}", s.log_tail(80));
+    s.assert_logged(&format!("{var}=1"), "the fault was injected");
 }
 
 /// Before the `started` commit: nothing is durable and nothing ran; the intent
@@ -322,10 +322,9 @@ async fn outcomes_of_calls_whose_partition_moved_are_settled_once_by_the_new_own
             "one answer for rv{n}"
         );
     }
-    assert!(
-        s.log().contains("handed to the partition's owner"),
-        "some calls finished after their partition moved to gate B: {}",
-        s.log_tail(80)
+    s.assert_logged(
+        "handed to the partition's owner",
+        "some calls finished after their partition moved to gate B",
     );
     gate_b.kill().unwrap();
     gate_b.wait().unwrap();

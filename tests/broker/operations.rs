@@ -713,7 +713,7 @@ async fn a_partition_count_changed_under_a_running_deployment_is_refused() {
     let said = "has 6 partitions, but this deployment's state was written with 4";
     let status = s.exited(Duration::from_secs(120)).await;
     assert!(!status.success());
-    assert!(s.log().contains(said), "{}", s.log_tail(30));
+    s.assert_logged(said, "the grown partition count was refused");
     // A gate started afresh on the grown topics refuses too: the group's
     // committed offsets say which count its state was written with.
     s.spawn(&[], &[]);

@@ -425,11 +425,9 @@ async fn a_recreated_changelog_is_restored_from_its_start_not_trusted() {
         .call(intent("wf-rc", 3, "create_ticket", json!({}), "rc3"))
         .await;
     assert_eq!(next.status, Status::Ok, "{}", s.log_tail(100));
-    assert!(
-        s.log()
-            .contains("the changelog does not hold the offset the local state reflects"),
-        "{}",
-        s.log_tail(100)
+    s.assert_logged(
+        "the changelog does not hold the offset the local state reflects",
+        "the recreated changelog was noticed",
     );
 }
 
@@ -505,7 +503,10 @@ async fn a_stuck_gate_fails_healthz() {
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    assert!(s.log().contains("the gate's loop stops here for good"));
+    s.assert_logged(
+        "the gate's loop stops here for good",
+        "the stall hook stopped the loop",
+    );
 }
 
 /// A step record no reader can decode (here: on the changelog, with a version
@@ -609,11 +610,9 @@ async fn a_commit_reported_failed_that_landed_runs_its_calls_once() {
         .await;
     assert_eq!(r.status, Status::Ok, "{r:?}\n{}", s.log_tail(40));
     assert_eq!(s.tools.count("wire"), 1, "invoked once");
-    assert!(
-        s.log()
-            .contains("its commit was reported failed but had landed"),
-        "the lost reply happened and was recovered from:\n{}",
-        s.log_tail(40)
+    s.assert_logged(
+        "its commit was reported failed but had landed",
+        "the lost reply happened and was recovered from",
     );
     let again = agent
         .call(intent("wf-lost", 1, "wire", json!({"amount": 5}), "l2"))
@@ -649,11 +648,9 @@ async fn a_commit_that_ended_slowly_is_honoured_and_its_producers_replaced() {
         .and_then(|v| v.trim().parse().ok())
         .unwrap_or(0.0);
     assert_eq!(restarts, 1.0, "one session restart:\n{}", s.log_tail(40));
-    assert!(
-        s.log()
-            .contains("starting new producers, which fence a late copy"),
-        "{}",
-        s.log_tail(40)
+    s.assert_logged(
+        "starting new producers, which fence a late copy",
+        "the session was started over with new producers",
     );
     let again = agent
         .call(intent("wf-slow-end", 1, "wire", json!({"amount": 3}), "e2"))
@@ -745,21 +742,14 @@ async fn a_transaction_whose_send_never_returns_is_aborted_and_its_outcome_settl
     agent.send(&first).await;
     let r = agent.answer("h1", Duration::from_secs(150)).await;
     assert_eq!(r.status, Status::Ok, "{r:?}\n{}", s.log_tail(40));
-    let log = s.log();
-    assert!(
-        log.contains("this transaction's send never returns"),
-        "the hook fired:\n{}",
-        s.log_tail(40)
+    s.assert_logged("this transaction's send never returns", "the hook fired");
+    s.assert_logged(
+        "were not all acknowledged in time: aborted",
+        "the hung send was bounded",
     );
-    assert!(
-        log.contains("were not all acknowledged in time: aborted"),
-        "the hung send was bounded:\n{}",
-        s.log_tail(40)
-    );
-    assert!(
-        log.contains("a batch's commit is still in flight"),
-        "the slow commit was logged:\n{}",
-        s.log_tail(40)
+    s.assert_logged(
+        "a batch's commit is still in flight",
+        "the slow commit was logged",
     );
     assert_eq!(s.tools.count("wire"), 1, "invoked once");
     let again = agent
@@ -774,16 +764,13 @@ async fn a_transaction_whose_send_never_returns_is_aborted_and_its_outcome_settl
 /// The test hook lost a commit (`STEPGATE_TEST_LOSE_COMMIT_MARKER`), and
 /// the next session wrote its records again.
 fn assert_lost_commit_written_again(s: &Stack) {
-    let log = s.log();
-    assert!(
-        log.contains("a transaction is aborted and reported committed"),
-        "the hook fired:\n{}",
-        s.log_tail(40)
+    s.assert_logged(
+        "a transaction is aborted and reported committed",
+        "the hook fired",
     );
-    assert!(
-        log.contains("lost its commit marker: writing its records again"),
-        "the lost answer was written again:\n{}",
-        s.log_tail(40)
+    s.assert_logged(
+        "lost its commit marker: writing its records again",
+        "the lost answer was written again",
     );
 }
 

@@ -723,6 +723,16 @@ impl Stack {
         kept[kept.len().saturating_sub(lines)..].join("\n")
     }
 
+    /// Asserts that stepgate logged `needle`: `what` happened, and the
+    /// failure shows the log's end.
+    pub fn assert_logged(&self, needle: &str, what: &str) {
+        assert!(
+            self.log().contains(needle),
+            "{what}: the log has no {needle:?}\n{}",
+            self.log_tail(40)
+        );
+    }
+
     pub async fn metrics(&self) -> String {
         reqwest::get(format!("http://{}/metrics", self.http))
             .await
