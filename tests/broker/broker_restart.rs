@@ -132,11 +132,16 @@ async fn stepgate_rides_out_a_broker_restart() {
     for id in &ids {
         let deadline = std::time::Instant::now() + Duration::from_secs(90);
         while agent.answers(id).is_empty() {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "no answer for {id} within 90 s of the broker's return\n{}",
-                s.log_tail(80)
-            );
+            if std::time::Instant::now() >= deadline {
+                let missing: Vec<&String> =
+                    ids.iter().filter(|i| agent.answers(i).is_empty()).collect();
+                panic!(
+                    "no answer for {id} within 90 s of the broker's return; {} of {} unanswered: {missing:?}\n{}",
+                    missing.len(),
+                    ids.len(),
+                    s.log_tail(80)
+                );
+            }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         let r = agent.answer(id, Duration::from_secs(1)).await;
@@ -149,11 +154,22 @@ async fn stepgate_rides_out_a_broker_restart() {
         );
     }
     for n in 0..30u64 {
-        assert!(agent.answers(&format!("b{n}-again"))[0].1.deduplicated);
+        let again = &agent.answers(&format!("b{n}-again"))[0].1;
+        assert!(
+            again.deduplicated,
+            "b{n}-again, a repeat of a step answered before the outage, was not answered from its record: {again:?}\n{}",
+            s.log_tail(80)
+        );
     }
-    assert_eq!(s.tools.count("create_ticket"), 60, "each step ran once");
+    assert_eq!(
+        s.tools.count("create_ticket"),
+        60,
+        "each step ran once\n{}",
+        s.log_tail(80)
+    );
     assert!(
         s.child.as_mut().unwrap().try_wait().unwrap().is_none(),
-        "stepgate is still running"
+        "stepgate is still running\n{}",
+        s.log_tail(80)
     );
 }
