@@ -37,7 +37,7 @@ async fn crash(
     agent.send(&intent).await;
     let status = s.exited(WAIT).await;
     assert!(!status.success(), "the fault was injected");
-    s.assert_logged(&format!("{var}=1"), "the fault was injected");
+    s.assert_logged(&format!("{var}=1"), "the crash hook announced itself");
 }
 
 /// Before the `started` commit: nothing is durable and nothing ran; the intent
