@@ -123,11 +123,7 @@ async fn a_keyed_call_sent_before_its_deciding_commit_runs_again_with_its_key_af
         intent("wf-e", 1, "charge", json!({"cents": 3}), "e1"),
     )
     .await;
-    assert!(
-        !s.log().contains("batch committed"),
-        "no batch had committed: {}",
-        s.log_tail(80)
-    );
+    s.assert_not_logged("batch committed", "no batch had committed");
     assert_eq!(s.tools.count("charge"), 1, "sent before any commit");
     s.start().await;
     let r = agent.answer("e1", WAIT).await;
@@ -180,11 +176,7 @@ async fn a_repeat_answered_at_once_outside_the_transaction_is_answered_again_aft
         ))
         .await;
     let again = agent.answer("o2", WAIT).await;
-    assert!(
-        !s.log().contains("batch committed"),
-        "answered while no batch could commit: {}",
-        s.log_tail(80)
-    );
+    s.assert_not_logged("batch committed", "answered while no batch could commit");
     assert_eq!(
         again,
         first.for_repeat(Some("o2".into())),

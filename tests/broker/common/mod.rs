@@ -733,6 +733,16 @@ impl Stack {
         );
     }
 
+    /// Asserts that stepgate has not logged `needle`: `what` holds, and the
+    /// failure shows the log's end.
+    pub fn assert_not_logged(&self, needle: &str, what: &str) {
+        assert!(
+            !self.log().contains(needle),
+            "{what}: the log has {needle:?}\n{}",
+            self.log_tail(40)
+        );
+    }
+
     pub async fn metrics(&self) -> String {
         reqwest::get(format!("http://{}/metrics", self.http))
             .await
