@@ -193,7 +193,8 @@ mod hook_tests {
                 false,
             ),
             ("src/executor/mod.rs", include_str!("executor/mod.rs"), true),
-            ("src/app.rs", include_str!("app.rs"), false),
+            ("src/app/mod.rs", include_str!("app/mod.rs"), false),
+            ("src/app/claims.rs", include_str!("app/claims.rs"), false),
             ("src/main.rs", include_str!("main.rs"), false),
             (
                 "src/cli/commands.rs",

@@ -16,10 +16,7 @@ use tokio_util::sync::CancellationToken;
 /// when its answer is not `ok`); an error is the binary's to print.
 pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
-        Command::Run {
-            deployment,
-            instance_id,
-        } => gate(&deployment, instance_id).await?,
+        Command::Run { deployment, local } => gate(&deployment, local).await?,
         Command::Worker {
             deployment,
             pool,
@@ -93,16 +90,18 @@ fn load(d: &Deployment) -> anyhow::Result<Config> {
 }
 
 /// `run`: the gate, until a signal.
-async fn gate(deployment: &Deployment, instance_id: Option<String>) -> anyhow::Result<()> {
+async fn gate(deployment: &Deployment, local: super::Local) -> anyhow::Result<()> {
     let mut cfg = load(deployment)?;
-    if let Some(i) = instance_id {
-        cfg.kafka.instance_id = i;
-    }
+    local.apply(&mut cfg);
     cfg.validate()?;
     crate::telemetry::init_logging(&cfg.log);
+    cfg.resolve_tool_headers(|var| std::env::var(var).ok())?;
+    // Before any Kafka call: a second process on this host sharing this one's
+    // instance id, state or address is told so at once.
+    let claims = crate::app::claims::claim(&cfg)?;
     crate::app::check_record_limits(&cfg).await?;
     let shutdown = shutdown_on_signals();
-    crate::app::run(cfg, shutdown).await?;
+    crate::app::run(cfg, claims, shutdown).await?;
     tracing::info!("stopped cleanly");
     Ok(())
 }

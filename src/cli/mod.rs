@@ -26,9 +26,8 @@ pub enum Command {
     Run {
         #[command(flatten)]
         deployment: Deployment,
-        /// Overrides `kafka.instance_id` (unique per process).
-        #[arg(long)]
-        instance_id: Option<String>,
+        #[command(flatten)]
+        local: Local,
     },
     /// Run a worker pool's tools (declared `pool = "<name>"` in the gate's
     /// config) from where they can be reached: take their calls from the
@@ -211,11 +210,14 @@ pub enum TopicsCommand {
     },
 }
 
+/// The config file a command reads when `--config` names none.
+pub const DEFAULT_CONFIG: &str = "stepgate.toml";
+
 /// Which deployment a command talks to: its config file (defaults and
 /// `STEPGATE_*` variables otherwise) and an optional brokers override.
 #[derive(Debug, Clone, clap::Args)]
 pub struct Deployment {
-    /// The TOML config file.
+    /// The TOML config file (default: `./stepgate.toml` when there is one).
     #[arg(long, short, env = "STEPGATE_CONFIG")]
     pub config: Option<PathBuf>,
     /// Overrides `kafka.brokers`.
@@ -224,13 +226,53 @@ pub struct Deployment {
 }
 
 impl Deployment {
+    /// `--config`, else `./stepgate.toml` when it exists (the file the docs
+    /// have you write), else none: defaults and the environment only.
+    pub fn config_path(&self) -> Option<PathBuf> {
+        self.config.clone().or_else(|| {
+            let here = PathBuf::from(DEFAULT_CONFIG);
+            here.is_file().then_some(here)
+        })
+    }
+
     /// The config from the file and the environment, `--brokers` applied.
     pub fn load(&self) -> Result<crate::config::Config, crate::config::ConfigError> {
-        let mut cfg = crate::config::Config::load(self.config.as_deref(), std::env::vars())?;
+        let mut cfg = crate::config::Config::load(self.config_path().as_deref(), std::env::vars())?;
         if let Some(b) = &self.brokers {
             cfg.kafka.brokers.clone_from(b);
         }
         Ok(cfg)
+    }
+}
+
+/// What each gate process on one host needs of its own: more processes
+/// split the partitions, and two on one host that share one of these are
+/// refused at start, naming it.
+#[derive(Debug, clap::Args)]
+pub struct Local {
+    /// Overrides `kafka.instance_id` (unique per process; the host's name by default).
+    #[arg(long)]
+    pub instance_id: Option<String>,
+    /// Overrides `state.path` (a directory of this process's own).
+    #[arg(long, value_name = "DIR")]
+    pub state: Option<PathBuf>,
+    /// Overrides `http.listen` (where /metrics, /healthz and /readyz are
+    /// served; "" for none).
+    #[arg(long, value_name = "ADDR")]
+    pub http_listen: Option<String>,
+}
+
+impl Local {
+    pub fn apply(self, cfg: &mut crate::config::Config) {
+        if let Some(i) = self.instance_id {
+            cfg.kafka.instance_id = i;
+        }
+        if let Some(p) = self.state {
+            cfg.state.path = p;
+        }
+        if let Some(l) = self.http_listen {
+            cfg.http.listen = l;
+        }
     }
 }
 

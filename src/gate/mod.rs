@@ -61,6 +61,13 @@ pub enum GateError {
     /// member id was taken by another consumer): only a new one goes on.
     #[error("the gate's consumer failed for good ({0}): starting a new one")]
     FatalConsumer(String),
+    /// Another consumer joined the group with this process's static member
+    /// id: two processes with one instance id, which fence each other in
+    /// turn for as long as both run.
+    #[error(
+        "the gate's consumer failed for good: another process joined group `{group}` with this process's instance id `{instance}` (kafka.instance_id). Two processes with one instance id take the partitions from each other in turn: give each its own `--instance-id`. Starting a new consumer"
+    )]
+    InstanceIdTaken { instance: String, group: String },
     /// The topics' layout breaks deduplication (partition counts changed
     /// under running workflows, or unequal): the gate stops rather than
     /// deduplicate in the wrong partition.
@@ -89,6 +96,7 @@ impl GateError {
             GateError::Restore(_) => "restore",
             GateError::Join(_) => "internal",
             GateError::FatalConsumer(_) => "fatal_consumer",
+            GateError::InstanceIdTaken { .. } => "instance_id_taken",
             GateError::Layout(_) => "layout",
             GateError::SlowTransactionEnd => "slow_transaction_end",
         }

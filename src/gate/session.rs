@@ -268,6 +268,12 @@ impl Session<'_> {
                 Step::Lingered => {}
                 Step::Tick => {
                     if let Some((code, reason)) = consumer.client().fatal_error() {
+                        if code == rdkafka::types::RDKafkaErrorCode::FencedInstanceId {
+                            return Err(GateError::InstanceIdTaken {
+                                instance: k.instance_id.clone(),
+                                group: k.gate_group.clone(),
+                            });
+                        }
                         return Err(GateError::FatalConsumer(format!("{code:?}: {reason}")));
                     }
                     // A member left without partitions for this long (e.g.

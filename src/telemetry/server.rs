@@ -65,17 +65,16 @@ struct AppState {
     health: Arc<Health>,
 }
 
-/// Serve until `shutdown`. Returns the bound address (port 0 picks one).
+/// Serve on `listener` until `shutdown`. Returns its address (port 0 picked one).
 /// The server runs on a thread and runtime of its own: a gate stuck in a
 /// blocking call occupies one of the main runtime's few workers, and
 /// `/healthz` must still answer that it is stuck.
-pub async fn serve(
-    listen: SocketAddr,
+pub fn serve(
+    listener: std::net::TcpListener,
     metrics: Arc<Metrics>,
     health: Arc<Health>,
     shutdown: CancellationToken,
 ) -> std::io::Result<SocketAddr> {
-    let listener = std::net::TcpListener::bind(listen)?;
     listener.set_nonblocking(true)?;
     let addr = listener.local_addr()?;
     let runtime = tokio::runtime::Builder::new_current_thread()

@@ -21,6 +21,7 @@ mod mcp_sessions;
 mod mcp_tool;
 // The crash points and recovery paths they drive through the hooks
 // (`STEPGATE_TEST_*`), which only a `test-hooks` build has.
+mod one_host;
 #[cfg(feature = "test-hooks")]
 mod one_pass;
 mod operations;

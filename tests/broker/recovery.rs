@@ -466,6 +466,14 @@ async fn a_fatally_fenced_consumer_is_replaced() {
         let _ = usurper.poll(Duration::from_millis(100));
     }
     drop(usurper);
+    // A fatal fence says what happened and what to do about it.
+    if s.log().contains("failed for good") {
+        s.assert_logged(
+            "with this process's instance id",
+            "the fence named as another process using this instance id",
+        );
+        s.assert_logged("--instance-id", "the flag that ends it named");
+    }
     // The gate's new consumer takes the member id back and answers again.
     let next = agent
         .call(intent("wf-ff", 1, "create_ticket", json!({}), "ff1"))

@@ -1,7 +1,8 @@
-//! The checks that need no broker: the JSON Schemas against the types, the
+//! The checks that need no broker: the command line's defaults, the JSON Schemas against the types, the
 //! docs' links, the deploy manifests, the demo on librdkafka's mock cluster,
 //! the wheel, and the workspace's module boundaries. One test binary.
 
+mod cli;
 mod demo;
 mod deploy;
 mod docs;

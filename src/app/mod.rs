@@ -1,5 +1,7 @@
 //! Running stepgate: the roles of one process, its HTTP endpoints, and shutdown.
 
+pub mod claims;
+
 use crate::config::{Config, ConfigError};
 use crate::gate;
 use crate::kafka::{self, KafkaSetupError};
@@ -25,6 +27,8 @@ pub enum AppError {
         addr: String,
         source: std::io::Error,
     },
+    #[error(transparent)]
+    Claim(#[from] claims::ClaimError),
     #[error("gate")]
     Gate(#[from] gate::GateError),
     #[error("a task failed")]
@@ -53,6 +57,8 @@ pub struct Running {
     pub health: Arc<Health>,
     tasks: Vec<tokio::task::JoinHandle<Result<(), AppError>>>,
     shutdown: CancellationToken,
+    /// Held until the process has stopped (dropped with it).
+    _claims: claims::HostClaims,
 }
 
 impl Running {
@@ -79,12 +85,25 @@ impl Running {
     }
 }
 
-/// Check the topics, open the state, serve the endpoints and start the roles.
+/// Resolve the tools' credentials, claim this process's share of the host
+/// ([`claims`]), then [`start_claimed`].
 pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Running, AppError> {
     let mut config = config;
     // Tool headers (credentials) are read once, here, from the environment or
     // their files; a missing one stops the start, naming tool and header.
     config.resolve_tool_headers(|var| std::env::var(var).ok())?;
+    let claims = claims::claim(&config)?;
+    start_claimed(config, claims, shutdown).await
+}
+
+/// Check the topics, open the state, serve the endpoints and start the roles,
+/// for a config whose tool credentials are resolved and whose share of the
+/// host is `claims`.
+pub async fn start_claimed(
+    config: Config,
+    mut claims: claims::HostClaims,
+    shutdown: CancellationToken,
+) -> Result<Running, AppError> {
     let config = Arc::new(config);
     let k = config.kafka.clone();
     let partitions = tokio::task::spawn_blocking(move || kafka::check_layout(&k)).await??;
@@ -102,18 +121,18 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
     let traces = telemetry::Traces::from_config(&config.traces)?;
     let metrics = Arc::new(Metrics::with_tools(config.tool_names()).with_traces(traces));
     let health = Arc::new(Health::new(config.gate.stall_timeout.0));
-    let http_addr = if config.http.listen.is_empty() {
-        None
-    } else {
-        let addr: SocketAddr = config.http.listen.parse().expect("validated at load");
-        let bound = telemetry::serve(addr, metrics.clone(), health.clone(), shutdown.clone())
-            .await
-            .map_err(|source| AppError::Http {
-                addr: config.http.listen.clone(),
-                source,
-            })?;
-        tracing::info!(addr = %bound, "serving /metrics, /healthz, /readyz");
-        Some(bound)
+    let http_addr = match claims.http.take() {
+        None => None,
+        Some(listener) => {
+            let bound =
+                telemetry::serve(listener, metrics.clone(), health.clone(), shutdown.clone())
+                    .map_err(|source| AppError::Http {
+                        addr: config.http.listen.clone(),
+                        source,
+                    })?;
+            tracing::info!(addr = %bound, "serving /metrics, /healthz, /readyz");
+            Some(bound)
+        }
     };
     let mut tasks = Vec::new();
     {
@@ -154,12 +173,17 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
         health,
         tasks,
         shutdown,
+        _claims: claims,
     })
 }
 
-/// [`start`], then wait until `shutdown` (or a failure).
-pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), AppError> {
-    start(config, shutdown).await?.wait().await
+/// [`start_claimed`], then wait until `shutdown` (or a failure).
+pub async fn run(
+    config: Config,
+    claims: claims::HostClaims,
+    shutdown: CancellationToken,
+) -> Result<(), AppError> {
+    start_claimed(config, claims, shutdown).await?.wait().await
 }
 
 #[cfg(test)]
