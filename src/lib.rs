@@ -8,8 +8,9 @@
 //!   internal call/progress records), validation, and every text a model reads.
 //!   Mirrors `schemas/`; depends on nothing else of ours.
 //! - [`config`]: the TOML config with `STEPGATE_*` overrides and validation.
-//! - [`duration`], [`redact`]: leaf value types of the config — a duration as
-//!   written (`"10s"`), and what is a secret and how it is shown.
+//! - [`duration`], [`redact`], [`retired`]: leaves of the config — a duration
+//!   as written (`"10s"`), what is a secret and how it is shown, and the keys
+//!   stepgate no longer takes (each refused with what it does now).
 //! - [`state`]: the only owner of RocksDB, a cache of the changelog topic: step
 //!   records, deadlines, retention, restore.
 //! - [`gate`]: intents → dedup → `started` committed → invoke, or answers from
@@ -73,6 +74,7 @@ pub mod kafka;
 pub mod mcp;
 pub mod operator;
 pub mod provider;
+pub mod retired;
 pub mod state;
 pub mod telemetry;
 pub mod tools;

@@ -147,6 +147,12 @@ pub(super) fn apply_env(
         .into_iter()
         .find(|v| !is_not_config_variable(v) && !referenced.contains(v))
     {
+        if let Some(message) = crate::retired::env_var(var) {
+            return Err(ConfigError::Env {
+                var: var.clone(),
+                message,
+            });
+        }
         let nearest = schema
             .known_names(root)
             .into_iter()

@@ -28,6 +28,9 @@ impl Config {
         env: impl IntoIterator<Item = (String, String)>,
     ) -> Result<Config, ConfigError> {
         let file: toml::Table = toml::from_str(text).map_err(|e| syntax_error(&e, text))?;
+        if let Some((field, message)) = crate::retired::in_table(&file) {
+            return Err(ConfigError::Removed { field, message });
+        }
         // The file over the defaults: the env overlay finds the file's tools
         // and map entries in it.
         let mut merged = toml::Table::try_from(Config::default())

@@ -72,6 +72,9 @@ pub enum ConfigError {
     Env { var: String, message: String },
     #[error("invalid config: `{field}` {message}")]
     Invalid { field: String, message: String },
+    /// A key of a protocol stepgate no longer speaks.
+    #[error("invalid config: {message}")]
+    Removed { field: String, message: String },
     /// A tool header whose value could not be read. Names the tool, the header
     /// and where the value was to come from; never the value.
     #[error("invalid config: `tools.{tool}.headers.{header}`: {message}")]

@@ -25,13 +25,6 @@ pub struct StateConfig {
     /// RocksDB block cache, in MiB, shared by every column family: data, index
     /// and filter blocks (so memory does not grow with the records).
     pub block_cache_mib: usize,
-    /// Write the changelog's records compact: field names as numbers
-    /// (`contract::codec::MSGPACK_NUMBERED_V2`), about half a settled step
-    /// record's bytes. Every stepgate reads both forms; a release before the
-    /// one that added it cannot read compact records, so turn it on once every
-    /// gate, console and operator command reading this changelog runs one
-    /// that can (docs/configuration.md).
-    pub compact_changelog: bool,
 }
 
 impl Default for StateConfig {
@@ -42,7 +35,6 @@ impl Default for StateConfig {
             purge_interval: dur("1m"),
             decisions_retention: None,
             block_cache_mib: DEFAULT_BLOCK_CACHE_BYTES >> 20,
-            compact_changelog: false,
         }
     }
 }
@@ -83,34 +75,6 @@ pub struct GateConfig {
     /// long (a stuck process is restarted by its orchestrator). Above the
     /// longest legitimate wait: a commit retried through a broker outage.
     pub stall_timeout: Dur,
-    /// Record a step of a re-runnable recorded tool (`keyed`, or `idempotent`
-    /// / `read_only` with `record = true`) as `started` before its call, as
-    /// an `unkeyed` one is: two changelog records and two commits a step.
-    /// `false` (the default) records it once, settled: its intent is the
-    /// durable intent, and the partition's committed offset is held at it
-    /// until then (docs/design.md "One record for a re-runnable step").
-    pub start_record: bool,
-    /// Send a `keyed` step's call as soon as its intent is decided, before
-    /// the batch that decided it commits (its outcome then usually settles
-    /// in that same batch: one commit a new step instead of two). A re-read
-    /// runs the step again only with its one key; the cost is that a call
-    /// that never reached its tool (`tool_unreachable`) is answered in doubt,
-    /// since a gate that read the intent before this one may have sent it.
-    /// Off by default: with it on, the three-node leader-kill test once left
-    /// two keyed calls unanswered (a likely cause, in the gate's offsets, is
-    /// fixed; docs/design.md "One commit for a keyed step").
-    pub invoke_before_commit: bool,
-    /// Answer a repeat of a step whose outcome is committed (`ok` or
-    /// `error`, never `in_doubt`) at once, through an idempotent producer
-    /// outside the batch's transaction, instead of in it: a repeat then takes
-    /// one produce (~1 ms) rather than a commit (~4 ms). The repeat's offset
-    /// is still committed in a transaction, only after its answer is
-    /// acknowledged, so no answer is lost; the price is that a gate that
-    /// crashes (or loses the partition) before that commit answers the repeat
-    /// again when it is re-read: a second, identical answer to its `call_id`.
-    /// Off by default: with it off, every `call_id` is answered exactly once
-    /// (docs/design.md "Repeats answered at once").
-    pub answer_repeats_at_once: bool,
 }
 
 impl Default for GateConfig {
@@ -123,9 +87,6 @@ impl Default for GateConfig {
             check_partition: true,
             forward_wrong_partition: true,
             stall_timeout: dur("5m"),
-            start_record: false,
-            invoke_before_commit: false,
-            answer_repeats_at_once: false,
         }
     }
 }

@@ -244,6 +244,10 @@ fn phase_badge(phase: Phase, status: Option<&str>) -> Markup {
         Phase::InDoubt => ("doubt", "IN DOUBT".to_owned()),
         Phase::AwaitingApproval => ("held", "WAITING FOR APPROVAL".to_owned()),
         Phase::NotExecuted => ("neutral", "not executed (will re-run)".to_owned()),
+        Phase::Unreached => (
+            "bad",
+            "tool unreachable (its next call asks again)".to_owned(),
+        ),
         Phase::Started => ("neutral", "running".to_owned()),
     };
     html! { span.badge.(class) { (text) } }

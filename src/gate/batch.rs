@@ -26,15 +26,15 @@ pub(super) struct Pending {
     /// Its first input (topic, partition, offset): the one set aside if its
     /// records keep being refused.
     pub(super) first_input: Option<(String, i32, i64)>,
-    /// Answers sent at once, outside the transaction
-    /// (`gate.answer_repeats_at_once`): the batch commits their intents'
-    /// offsets only once they are acknowledged.
+    /// Answers sent at once, outside the transaction (repeats of committed
+    /// outcomes): the batch commits their intents' offsets only once they
+    /// are acknowledged.
     pub(super) sent_at_once: Vec<JoinHandle<Result<(), KafkaError>>>,
     /// When it opened (the one before it was sent): under load it fills
     /// until `gate.busy_batch_age` from here.
     pub(super) opened: Instant,
-    /// Calls started at once while it was open (a keyed step's with
-    /// `gate.invoke_before_commit`, a fast path's).
+    /// Calls started at once while it was open (a keyed step's, a fast
+    /// path's).
     pub(super) started_at_once: usize,
     /// The commit before it returned with an eighth of `max_batch` inputs and
     /// outcomes or more already in it: they arrive faster than one commit
@@ -74,7 +74,7 @@ impl Pending {
     }
 
     /// Whether all it holds is intents whose calls were started at once (a
-    /// keyed step's with `gate.invoke_before_commit`, a fast path's): it
+    /// keyed step's, a fast path's): it
     /// would commit no record and no answer, and no offset past those calls,
     /// only the mark that they were read. Closing it while they run would
     /// cost a transaction now and their outcomes another.
@@ -86,7 +86,7 @@ impl Pending {
     }
 
     /// Whether all it would commit is input offsets, its answers having gone
-    /// out at once (`gate.answer_repeats_at_once`): nobody waits on that
+    /// out at once: nobody waits on that
     /// commit, so it closes at the next tick rather than at once — one
     /// transaction per tick for a run of repeats, not one per repeat.
     pub(super) fn answered_at_once_only(&self, core: &super::GateCore) -> bool {

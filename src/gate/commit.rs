@@ -186,8 +186,8 @@ pub(super) fn pool_call_record(
 
 impl Session<'_> {
     /// Send answers that rest only on committed state at once, through the
-    /// session's idempotent producer (`gate.answer_repeats_at_once`), in a
-    /// task the open batch's commit waits for.
+    /// session's idempotent producer, in a task the open batch's commit waits
+    /// for (docs/design.md "Repeats answered at once").
     pub(super) fn send_at_once(
         &self,
         producer: &FutureProducer,
@@ -313,16 +313,13 @@ impl Session<'_> {
         for f in &pending.orphans {
             records.push(progress_record(&t.progress, f.partition, &f.progress));
         }
-        let compact = self.config.state.compact_changelog;
         records.extend(pending.batch.changelog().into_iter().map(|e| OutRecord {
             topic: t.changelog.clone(),
             partition: Some(e.partition),
             key: Some(e.key),
-            // RocksDB keeps the named form: the gate reads it without expanding.
-            payload: match e.value {
-                Some(v) if compact => codec::compact(&v).or(Some(v)),
-                v => v,
-            },
+            // Compact on the changelog; RocksDB keeps the named form, which
+            // the gate reads without expanding.
+            payload: e.value.map(|v| codec::compact(&v).unwrap_or(v)),
             headers: Vec::new(),
             timestamp_ms: None,
         }));

@@ -55,23 +55,41 @@ pub enum Out {
     },
 }
 
-/// Settings the gate's decisions depend on.
+/// Settings the gate's decisions depend on: sizes, times, and how an intent
+/// found outside its workflow's partition is met. None of them changes what
+/// the gate writes to Kafka or when.
 #[derive(Debug, Clone)]
 pub struct GateSettings {
     pub retention: Duration,
     pub in_doubt_grace: Duration,
     pub max_intent_bytes: usize,
-    pub check_partition: bool,
-    pub forward_wrong_partition: bool,
-    /// Record a re-runnable tool's step `started` before its call (two
-    /// records a step) instead of once, settled (`core/deferred.rs`).
+    pub wrong_partition: WrongPartition,
+    /// Tests only: record a keyed step `started` before its call, as a large
+    /// one is, to reach the two-record path with a small intent.
+    #[cfg(test)]
     pub start_record: bool,
-    /// Send a first-read `keyed` step's call before its batch commits
-    /// (`gate.invoke_before_commit`).
-    pub invoke_before_commit: bool,
-    /// Mark a repeat answered from a committed outcome to be sent at once,
-    /// outside the batch's transaction (`gate.answer_repeats_at_once`).
-    pub answer_repeats_at_once: bool,
+}
+
+/// What the gate does with an intent outside its workflow's partition
+/// (`gate.check_partition`, `gate.forward_wrong_partition`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WrongPartition {
+    /// Re-route it to its workflow's partition, answered where it was published.
+    Forward,
+    /// Refuse it (`wrong_partition`).
+    Refuse,
+    /// Take it where it is (agents that partition otherwise, knowingly).
+    Accept,
+}
+
+impl WrongPartition {
+    pub fn of(config: &crate::config::GateConfig) -> Self {
+        match (config.check_partition, config.forward_wrong_partition) {
+            (false, _) => WrongPartition::Accept,
+            (true, true) => WrongPartition::Forward,
+            (true, false) => WrongPartition::Refuse,
+        }
+    }
 }
 
 pub struct GateCore {
@@ -86,8 +104,8 @@ pub struct GateCore {
     due: BTreeSet<(i64, i32, StepKey)>,
     outs: Vec<Out>,
     /// Answers resting only on committed state (repeats of a committed `ok`
-    /// or `error` outcome), which the session may send before their batch
-    /// commits (`gate.answer_repeats_at_once`).
+    /// or `error` outcome), which the session sends before their batch
+    /// commits (docs/design.md "Repeats answered at once").
     at_once: Vec<Out>,
     /// Fast-path calls to start at once (they record nothing first).
     immediate: Vec<(i32, Call)>,
@@ -401,11 +419,9 @@ impl GateCore {
                 retention: config.state.retention.0,
                 in_doubt_grace: config.gate.in_doubt_grace.0,
                 max_intent_bytes: config.gate.max_intent_bytes,
-                check_partition: config.gate.check_partition,
-                forward_wrong_partition: config.gate.forward_wrong_partition,
-                start_record: config.gate.start_record,
-                invoke_before_commit: config.gate.invoke_before_commit,
-                answer_repeats_at_once: config.gate.answer_repeats_at_once,
+                wrong_partition: WrongPartition::of(&config.gate),
+                #[cfg(test)]
+                start_record: false,
             },
             metrics,
             due: BTreeSet::new(),
@@ -430,8 +446,8 @@ impl GateCore {
         outs
     }
 
-    /// The answers decided since the last call that may be sent before their
-    /// batch commits (`gate.answer_repeats_at_once`); any not taken go out
+    /// The answers decided since the last call that are sent before their
+    /// batch commits (repeats of committed outcomes); any not taken go out
     /// with the batch ([`GateCore::take_outs`]).
     pub fn take_at_once(&mut self) -> Vec<Out> {
         std::mem::take(&mut self.at_once)

@@ -24,7 +24,7 @@ mod ownership;
 mod poison;
 mod session;
 
-pub use self::core::{GateCore, GateSettings, Input, Out};
+pub use self::core::{GateCore, GateSettings, Input, Out, WrongPartition};
 
 use crate::config::Config;
 use crate::contract::ToolResult;

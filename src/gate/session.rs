@@ -87,8 +87,8 @@ pub(super) struct Clients {
     /// The consumer's rebalances, as its context reports them.
     pub(super) events: mpsc::UnboundedReceiver<RebalanceEvent>,
     /// The idempotent producer of answers sent outside the transactions
-    /// (with `gate.answer_repeats_at_once` only).
-    pub(super) answers: Option<FutureProducer>,
+    /// (repeats of committed outcomes).
+    pub(super) answers: FutureProducer,
 }
 
 impl Session<'_> {
@@ -108,11 +108,7 @@ impl Session<'_> {
         consumer.subscribe(&[&k.topics.intents, &k.topics.progress, &k.topics.commands])?;
         info!(intents = %k.topics.intents, progress = %k.topics.progress, commands = %k.topics.commands, "gate consuming");
 
-        let answers = if self.config.gate.answer_repeats_at_once {
-            Some(kafka::direct_producer_config(k).create()?)
-        } else {
-            None
-        };
+        let answers = kafka::direct_producer_config(k).create()?;
         let mut clients = Clients {
             consumer,
             producer,
@@ -158,9 +154,7 @@ impl Session<'_> {
         // would otherwise leave the gate silent, never restarting its session.
         let close = async move {
             kafka::close_within("the gate's producers", producer, CLOSE_LIMIT).await;
-            if let Some(answers) = answers {
-                kafka::close_within("the gate's answers producer", answers, CLOSE_LIMIT).await;
-            }
+            kafka::close_within("the gate's answers producer", answers, CLOSE_LIMIT).await;
             kafka::close_within("the gate's consumer", consumer, CLOSE_LIMIT).await;
         };
         if result.is_ok() {
@@ -348,16 +342,14 @@ impl Session<'_> {
                 }
             }
             // Repeats of committed outcomes are answered at once, outside
-            // the transaction (`gate.answer_repeats_at_once`).
-            if let Some(answers) = answers.as_ref() {
-                let outs = core.take_at_once();
-                if !outs.is_empty() {
-                    self.send_at_once(answers, pending, outs);
-                }
+            // the transaction (docs/design.md "Repeats answered at once").
+            let outs = core.take_at_once();
+            if !outs.is_empty() {
+                self.send_at_once(answers, pending, outs);
             }
             // Fast-path calls start at once: they record nothing first; so
-            // does a keyed step's (`gate.invoke_before_commit`). The open
-            // batch waits a moment for their outcomes (`Linger`).
+            // does a keyed step's. The open batch waits a moment for their
+            // outcomes (`Linger`).
             let immediate = core.take_immediate();
             self.linger.started(immediate.len());
             pending.started_at_once += immediate.len();

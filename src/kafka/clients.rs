@@ -101,7 +101,7 @@ pub fn worker_consumer_config(
 /// A producer outside transactions: idempotent, every write acknowledged by
 /// all in-sync replicas, sent at once. A pool's worker sends its outcomes
 /// (and the `started` that lets a call be invoked) with it, and the gate its
-/// answers at once (`gate.answer_repeats_at_once`).
+/// answers at once (repeats of committed outcomes).
 pub fn direct_producer_config(cfg: &KafkaConfig) -> ClientConfig {
     let mut c = ClientConfig::new();
     c.set("bootstrap.servers", &cfg.brokers)

@@ -539,9 +539,9 @@ impl StateStore {
             if state_key.len() < 4 {
                 continue;
             }
-            // A compact record (`state.compact_changelog`) is kept named, as
-            // the gate writes it, so that its reads never expand; one that
-            // cannot be expanded is kept as it came, refused when read.
+            // The changelog's compact record is kept named, as the gate writes
+            // it to RocksDB, so that its reads never expand; one that cannot
+            // be expanded is kept as it came, refused when read.
             let value = value
                 .as_deref()
                 .map(|v| codec::expand(v).unwrap_or(v.into()));

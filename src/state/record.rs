@@ -22,6 +22,12 @@ pub enum Phase {
     /// An operator confirmed an in-doubt call did not take effect: the step's
     /// next call runs it.
     NotExecuted,
+    /// A `keyed` step whose last run could not reach its tool, while an
+    /// earlier run (by this process or one it cannot see) may have: answered
+    /// so, and the step's next call asks the tool again with the same key,
+    /// which answers with the earlier effect if there was one. Never a
+    /// person's job.
+    Unreached,
 }
 
 impl Phase {
@@ -32,7 +38,15 @@ impl Phase {
             Phase::InDoubt => "in_doubt",
             Phase::AwaitingApproval => "awaiting_approval",
             Phase::NotExecuted => "not_executed",
+            Phase::Unreached => "unreached",
         }
+    }
+
+    /// Whether the step's next call runs it again (an operator confirmed it
+    /// did not take effect, or a keyed tool could not be reached: asked
+    /// again with the same key).
+    pub fn runs_again(self) -> bool {
+        matches!(self, Phase::NotExecuted | Phase::Unreached)
     }
 
     /// Where an executor's outcome leaves a step.
@@ -255,12 +269,12 @@ pub struct StepRecord {
     /// was published to another partition and re-routed here.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reply_partition: Option<i32>,
-    /// A keyed step read for the first time whose call may be sent before any
-    /// commit (`gate.invoke_before_commit`): a process that read the same
-    /// intent before this one (and crashed, or was fenced, before its commit)
-    /// may have sent it too, with the same key. The tool's own answer under
-    /// the key covers that run; an outcome in which nothing reached the tool
-    /// (`tool_unreachable`, `tool_redirected`) does not, and is in doubt.
+    /// A keyed step whose call may be sent before any commit: a process that
+    /// read the same intent before this one (and crashed, or was fenced,
+    /// before its commit) may have sent it too, with the same key. The tool's
+    /// own answer under the key covers that run; an outcome in which nothing
+    /// reached the tool (`tool_unreachable`, `tool_redirected`) does not: the
+    /// step is left [`Phase::Unreached`], asked again by its next call.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub unseen_reader: bool,
 }

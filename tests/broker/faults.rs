@@ -32,7 +32,6 @@ use serde_json::{Value, json};
 use std::collections::BTreeSet;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
-use stepgate::config::Config;
 use stepgate::contract::{Status, partition_for};
 
 fn options(brokers: Option<String>, grace: &'static str) -> StackOptions {
@@ -44,18 +43,6 @@ fn options(brokers: Option<String>, grace: &'static str) -> StackOptions {
         grace,
         ..StackOptions::default()
     }
-}
-
-/// The defaults.
-fn shipped(_: &mut Config) {}
-
-/// The opt-ins the performance figures are measured with, but
-/// `gate.answer_repeats_at_once` (whose documented crash window answers a
-/// repeat a second, identical time): a keyed step's call sent before the
-/// batch deciding it commits, and the changelog's compact form.
-fn one_commit(c: &mut Config) {
-    c.gate.invoke_before_commit = true;
-    c.state.compact_changelog = true;
 }
 
 /// Both checks flag a duplicate (they are not implied by how keys are made).
@@ -102,22 +89,8 @@ async fn the_duplicate_checks_can_fail() {
 /// then it comes back, takes partitions back, and restores them again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gate_killed_past_the_session_timeout_under_load() {
-    gate_killed(shipped, "").await
-}
-
-/// The same with `gate.invoke_before_commit` and the compact changelog.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_gate_killed_past_the_session_timeout_under_load_one_commit_per_keyed_step() {
-    gate_killed(one_commit, ", one commit per keyed step").await
-}
-
-async fn gate_killed(configure: fn(&mut Config), variant: &str) {
     let _serial = common::FAULTS.lock().await;
-    let s = Stack::new(StackOptions {
-        configure,
-        ..options(None, "2s")
-    })
-    .await;
+    let s = Stack::new(options(None, "2s")).await;
     tool_delay(&s);
     let mut gates: Vec<Gate> = ["a", "b", "c"].iter().map(|n| Gate::start(&s, n)).collect();
     for g in &gates {
@@ -214,7 +187,7 @@ async fn gate_killed(configure: fn(&mut Config), variant: &str) {
     assert!(answered_after(&load, &results, Instant::now(), 60, |_| true).await);
 
     let mut sum = settle(
-        &format!("gate SIGKILLed, down past the session timeout (6 s), restarted{variant}"),
+        "gate SIGKILLed, down past the session timeout (6 s), restarted",
         &s,
         &mut load,
         &results,
@@ -365,16 +338,6 @@ const ONE_LOST_BATCH: usize = 20;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_broker_killed_under_load() {
-    broker_killed(shipped, "").await
-}
-
-/// The same with `gate.invoke_before_commit` and the compact changelog.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_broker_killed_under_load_one_commit_per_keyed_step() {
-    broker_killed(one_commit, ", one commit per keyed step").await
-}
-
-async fn broker_killed(configure: fn(&mut Config), variant: &str) {
     let _serial = common::FAULTS.lock().await;
     let long = std::env::var("STEPGATE_LONG_FAULTS").as_deref() == Ok("1");
     let outage = Duration::from_secs(if long { 30 } else { 10 });
@@ -382,11 +345,7 @@ async fn broker_killed(configure: fn(&mut Config), variant: &str) {
         dir: tempfile::tempdir().unwrap(),
     };
     broker.start();
-    let mut s = Stack::new(StackOptions {
-        configure,
-        ..options(Some(BROKER.into()), "10s")
-    })
-    .await;
+    let mut s = Stack::new(options(Some(BROKER.into()), "10s")).await;
     tool_delay(&s);
     s.start().await;
     let results = s.agent().results;
@@ -437,10 +396,7 @@ async fn broker_killed(configure: fn(&mut Config), variant: &str) {
     assert!(answered_after(&load, &results, Instant::now(), 60, |_| true).await);
 
     let mut sum = settle(
-        &format!(
-            "broker SIGKILLed for {} s under load{variant}",
-            outage.as_secs()
-        ),
+        &format!("broker SIGKILLed for {} s under load", outage.as_secs()),
         &s,
         &mut load,
         &results,

@@ -101,8 +101,8 @@ async fn a_crash_after_the_started_commit_before_the_call_reruns_keyed_with_its_
     assert_eq!(agent.answers("k1").len(), 1);
 }
 
-/// `gate.invoke_before_commit = true`: a keyed step's call is sent as soon as it is
-/// decided, before the batch deciding it commits (held back here by a slow
+/// A keyed step's call is sent as soon as it is decided, before the batch
+/// deciding it commits (held back here by a slow
 /// broker). Killed after the call and before any commit, nothing durable says
 /// it ran: the intent is read again as new and run again with its one key —
 /// two invocations, one effect at a provider deduplicating by key, one answer.
@@ -114,7 +114,6 @@ async fn a_keyed_call_sent_before_its_deciding_commit_runs_again_with_its_key_af
         &mut s,
         "STEPGATE_TEST_CRASH_AFTER_INVOKE",
         &[
-            ("STEPGATE_GATE_INVOKE_BEFORE_COMMIT", "true"),
             ("STEPGATE_TEST_DELAY_COMMIT_MS", "5000"),
             // Its commits are logged at debug.
             ("RUST_LOG", "info,stepgate::gate=debug"),
@@ -138,19 +137,17 @@ async fn a_keyed_call_sent_before_its_deciding_commit_runs_again_with_its_key_af
     assert_eq!(agent.answers("e1").len(), 1, "one answer per call_id");
 }
 
-/// `gate.answer_repeats_at_once = true`: a repeat of a committed outcome is
-/// answered outside the batch's transaction — here while no transaction can
+/// A repeat of a committed outcome is answered outside the batch's
+/// transaction — here while no transaction can
 /// commit (a broker that holds every commit 10 minutes). Killed before the
 /// repeat's offset commits, the restarted gate reads the repeat again and
 /// answers it again: a second, identical answer to its `call_id`, nothing lost,
-/// nothing run again. That second answer is the setting's documented price.
+/// nothing run again: every answer to a `call_id` is the same answer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_repeat_answered_at_once_outside_the_transaction_is_answered_again_after_a_kill() {
-    const AT_ONCE: (&str, &str) = ("STEPGATE_GATE_ANSWER_REPEATS_AT_ONCE", "true");
     let mut s = Stack::new(StackOptions::default()).await;
     let agent = s.agent();
-    s.spawn(&[], &[AT_ONCE]);
-    s.wait_ready().await;
+    s.start().await;
     let first = agent
         .call(intent("wf-ao", 1, "charge", json!({"cents": 9}), "o1"))
         .await;
@@ -160,7 +157,6 @@ async fn a_repeat_answered_at_once_outside_the_transaction_is_answered_again_aft
     s.spawn(
         &[],
         &[
-            AT_ONCE,
             ("STEPGATE_TEST_DELAY_COMMIT_MS", "600000"),
             ("RUST_LOG", "info,stepgate::gate=debug"),
         ],
@@ -184,8 +180,7 @@ async fn a_repeat_answered_at_once_outside_the_transaction_is_answered_again_aft
     );
     s.kill();
 
-    s.spawn(&[], &[AT_ONCE]);
-    s.wait_ready().await;
+    s.start().await;
     eventually(WAIT, "the repeat answered again after the kill", || {
         agent.answers("o2").len() == 2
     })
@@ -200,8 +195,7 @@ async fn a_repeat_answered_at_once_outside_the_transaction_is_answered_again_aft
     })
     .await;
     s.kill();
-    s.spawn(&[], &[AT_ONCE]);
-    s.wait_ready().await;
+    s.start().await;
     let next = agent
         .call(intent("wf-ao", 2, "charge", json!({"cents": 1}), "o3"))
         .await;
@@ -489,8 +483,8 @@ async fn a_keyed_call_in_flight_at_a_kill_runs_again_with_its_key_and_nothing_af
     assert_eq!(s.tools.effects("charge"), 7);
 }
 
-/// `gate.invoke_before_commit = true`: a keyed step whose call takes longer
-/// than a commit is still one transaction. The batch that read it holds
+/// A keyed step whose call takes longer than a commit is still one
+/// transaction. The batch that read it holds
 /// nothing but the call started at once, so it waits for the outcome instead
 /// of committing the read by itself (which cost a second transaction a step
 /// for every tool slower than a commit, and for the first call of any tool).
@@ -500,8 +494,7 @@ async fn a_keyed_step_slower_than_a_commit_is_still_one_transaction() {
     let agent = s.agent();
     s.tools
         .script("charge", vec![Reply::Provider(Duration::from_millis(400))]);
-    s.spawn(&[], &[("STEPGATE_GATE_INVOKE_BEFORE_COMMIT", "true")]);
-    s.wait_ready().await;
+    s.start().await;
     let commits = |m: &str| -> f64 {
         parse_metrics(m)
             .get("stepgate_commit_latency_seconds_count")

@@ -34,10 +34,6 @@ async fn a_gate_back_with_an_old_disk_neither_reruns_nor_answers_again_a_step_pu
             c.state.retention = dur("4s");
             c.state.purge_interval = dur("300ms");
             c.executor.drain_timeout = dur("1s");
-            // A keyed step is recorded `started` before its call only with
-            // this (by default its intent is held instead, and re-read): the
-            // stale disk this test needs holds such a record.
-            c.gate.start_record = true;
         },
         ..StackOptions::default()
     })
@@ -65,8 +61,18 @@ async fn a_gate_back_with_an_old_disk_neither_reruns_nor_answers_again_a_step_pu
     // with the call still running, it keeps the record `started` on its disk.
     s.start().await;
     let agent = s.agent();
+    // Over 4 KiB: a keyed step recorded `started` before its call (a small
+    // one's intent is held instead, and re-read), which the stale disk this
+    // test needs holds.
+    let pad = "x".repeat(5 * 1024);
     agent
-        .send(&intent(STALE_WF, 0, "charge", json!({"amount": 1}), "c1"))
+        .send(&intent(
+            STALE_WF,
+            0,
+            "charge",
+            json!({"amount": 1, "pad": pad}),
+            "c1",
+        ))
         .await;
     eventually(Duration::from_secs(30), "A invokes the step", || {
         s.tools.count("charge") == 1

@@ -51,7 +51,7 @@ impl GateCore {
             self.metrics.intent_received(Some(&intent.tool));
         }
         // A step is deduplicated within its workflow's partition only.
-        if self.settings.check_partition
+        if self.settings.wrong_partition != super::WrongPartition::Accept
             && let Some(n) = self.intent_partitions
             && let owner = crate::contract::partition_for(&intent.workflow_id, n)
             && owner != p
@@ -63,7 +63,8 @@ impl GateCore {
             // input's offset: once), deduplicated there, answered here. Never
             // twice: a re-routed copy found outside its partition too (the
             // partition count changed in between) is refused.
-            if self.settings.forward_wrong_partition && !input.forwarded() {
+            if self.settings.wrong_partition == super::WrongPartition::Forward && !input.forwarded()
+            {
                 self.metrics.intent_forwarded(&intent.tool);
                 let mut headers: Vec<_> = input
                     .headers
@@ -254,8 +255,9 @@ impl GateCore {
                 decision.rejected(rejection.reason.as_str(), &rejection.message);
                 self.reject(input, rejection, ax.now_ms);
             }
-            // An operator confirmed the last run did not happen: run it now.
-            Some(record) if record.phase == Phase::NotExecuted => {
+            // An operator confirmed the last run did not happen, or a keyed
+            // tool could not be reached: run it now (with the same key).
+            Some(record) if record.phase.runs_again() => {
                 decision.decided("rerun");
                 let parent = decision.traceparent();
                 self.begin_step(ax, input, &tool, intent, Some(record), parent)?
@@ -267,8 +269,7 @@ impl GateCore {
                 decision.repeat(in_flight, rephrased, record.call_id.as_deref());
                 match (&record.result, record.phase.in_flight()) {
                     (Some(first), false) => {
-                        let at_once = self.settings.answer_repeats_at_once
-                            && ax.committed_final(p, &step, first)?;
+                        let at_once = ax.committed_final(p, &step, first)?;
                         let answer = Out::Result {
                             partition: reply,
                             result: first.for_repeat(intent.call_id),
@@ -309,7 +310,7 @@ impl GateCore {
                 }
                 // A waiter, or a rephrased copy, of a deferred step is kept
                 // durably: its record is written now (from here on the step
-                // is recorded `started`, as with `gate.start_record`).
+                // is recorded `started`, as a large intent's is).
                 ax.write_deferred(p, &step);
                 ax.put_step(p, &record)?;
             }
@@ -364,6 +365,12 @@ impl GateCore {
             record.operator_log = prev.operator_log;
             record.evidence = prev.evidence;
             record.settled_through = prev.settled_through;
+            if prev.phase == Phase::Unreached {
+                // Asked again with the key: the runs that may have reached
+                // the tool are still unaccounted for.
+                record.unseen_reader = prev.unseen_reader;
+                record.open_dispatches = prev.open_dispatches;
+            }
         }
         if tool.ends_workflow() {
             ax.write_deferred_of(p, &step.workflow_id);
@@ -402,8 +409,11 @@ impl GateCore {
     /// published with its record), no person holds it, it ends no workflow,
     /// and its record is small ([`DEFER_MAX_INTENT_BYTES`]).
     pub(super) fn defers(&self, tool: &ToolConfig, intent_bytes: usize) -> bool {
-        !self.settings.start_record
-            && intent_bytes <= DEFER_MAX_INTENT_BYTES
+        #[cfg(test)]
+        if self.settings.start_record {
+            return false;
+        }
+        intent_bytes <= DEFER_MAX_INTENT_BYTES
             && tool.recorded()
             && tool.category.rerun_is_safe()
             && tool.pool.is_none()
@@ -416,8 +426,7 @@ impl GateCore {
     /// partition's committed offset back. Its call starts once the batch
     /// that decided it has committed (so the offset's `applied` mark says it
     /// may have run) — a `keyed` one read for the first time at once
-    /// (`gate.invoke_before_commit`; docs/design.md "One commit for a keyed
-    /// step"). Re-read (`replayed`), it may have run before — in a
+    /// (docs/design.md "One commit for a keyed step"). Re-read (`replayed`), it may have run before — in a
     /// process that crashed or lost the partition, or in this one before its
     /// session restarted — and was never heard from: that run is assumed
     /// ([`RUN_BEFORE_REREAD`]), so a "not performed" of this one alone is
@@ -451,10 +460,9 @@ impl GateCore {
             )
         };
         let running = self.running.get(&(p, step.clone())).copied();
-        // Under `gate.invoke_before_commit`, any reader of a keyed step may
-        // have sent its call before a commit; a first reading here does.
-        let sent_before_commit =
-            self.settings.invoke_before_commit && tool.category == crate::tools::Category::Keyed;
+        // Any reader of a keyed step may have sent its call before a commit;
+        // a first reading here does.
+        let sent_before_commit = tool.category == crate::tools::Category::Keyed;
         let early = !replayed && sent_before_commit;
         if replayed {
             // Above any run of this process still going (its outcome is then

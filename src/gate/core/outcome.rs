@@ -24,6 +24,10 @@ pub(super) const NOT_PERFORMED_KINDS: &[&str] = &[
 /// say nothing of another run with the same key.
 const UNSENT_KINDS: &[&str] = &["tool_unreachable", "tool_redirected"];
 
+/// The error kind of a keyed step left [`Phase::Unreached`]: this run could
+/// not reach the tool, another may have; the step's next call asks again.
+pub(crate) const UNREACHED_KIND: &str = "tool_unreachable_unconfirmed";
+
 impl GateCore {
     /// A record of `progress`: the outcome of a call whose partition moved
     /// while it ran, or a pool worker's Outcome v1.
@@ -118,8 +122,14 @@ impl GateCore {
         // re-run may have charged, and its `ok` is kept as evidence (the
         // current dispatch, with the same key, reports the same effect).
         if settles && progress.dispatch == record.dispatch {
-            let outcome = self.unless_earlier_may_have_run(&record, outcome);
-            let phase = Phase::settled_by(&outcome);
+            let (outcome, phase) = match self.unreached(&record, &outcome) {
+                Some(unreached) => (unreached, Phase::Unreached),
+                None => {
+                    let outcome = self.unless_earlier_may_have_run(&record, outcome);
+                    let phase = Phase::settled_by(&outcome);
+                    (outcome, phase)
+                }
+            };
             return self.settle(ax, p, record, outcome, phase);
         }
         let why = if progress.dispatch != record.dispatch {
@@ -279,6 +289,26 @@ impl GateCore {
         }
     }
 
+    /// A `keyed` step's run that never reached its tool, while another run
+    /// may have (one an unseen reader sent before any commit, or an earlier
+    /// dispatch never heard from): not in doubt — asking again with the same
+    /// key is safe and tells what happened — so the step is left for its
+    /// next call to ask again ([`Phase::Unreached`]), with this answer.
+    fn unreached(&self, record: &StepRecord, outcome: &Outcome) -> Option<Outcome> {
+        let Outcome::Error { error } = outcome else {
+            return None;
+        };
+        let unsent = UNSENT_KINDS.contains(&error.kind.as_str());
+        let other_run =
+            record.unseen_reader || record.open_dispatches.iter().any(|d| *d != record.dispatch);
+        (record.category == Category::Keyed && unsent && other_run).then(|| Outcome::Error {
+            error: ErrorBody {
+                kind: UNREACHED_KIND.into(),
+                message: Texts::unreached_keyed(&record.step.tool, &error.message),
+            },
+        })
+    }
+
     /// An outcome that says the action was not performed is told as such only
     /// when no other dispatch of the step may have run: for an effectful tool
     /// whose earlier dispatch is still unaccounted for (re-run after its
@@ -291,17 +321,6 @@ impl GateCore {
         let Outcome::Error { error } = &outcome else {
             return outcome;
         };
-        // A keyed step sent before any commit: the tool's own answer under
-        // the key covers a run an unseen earlier reader may have made; an
-        // outcome in which nothing reached the tool does not.
-        if record.unseen_reader && UNSENT_KINDS.contains(&error.kind.as_str()) {
-            return Outcome::InDoubt {
-                error: ErrorBody {
-                    kind: "outcome_unknown".into(),
-                    message: Texts::in_doubt_unseen_reader(&record.step.tool, &error.message),
-                },
-            };
-        }
         let effectful = matches!(record.category, Category::Keyed | Category::Unkeyed);
         let not_performed = |status: &str, kind: Option<&str>| {
             status == "not_invoked"

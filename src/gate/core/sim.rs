@@ -44,17 +44,23 @@
 //! `applied` mark kept as the offset's metadata, so crashes, session restarts
 //! and rebalances re-read its intents (counted in the summary line). Read for
 //! the first time, its call is queued at once, before the batch deciding it
-//! commits (`gate.invoke_before_commit`, on here): a crash or a lost partition before
-//! that commit leaves a run no committed state knows of.
+//! commits: a crash or a lost partition before that commit leaves a run no
+//! committed state knows of. A run that could not reach the provider leaves
+//! the step for its next call to ask again (`Phase::Unreached`): the model
+//! lets that step's answer change once, to what the provider says.
 //!
-//! Odd seeds run with `gate.answer_repeats_at_once`: answers sent at once are
+//! Repeats of committed outcomes are answered at once: those answers are
 //! published as they are decided, whatever becomes of their batch, and the
 //! model accepts a second answer to a `call_id` only when an earlier one went
 //! at once and the two are equal.
 //!
+//! The configuration is the shipped default's: only the tools and the grace
+//! are the simulation's own.
+//!
 //! Not simulated: fast-path tools (they record nothing), retention purges, a
 //! frozen process that writes after it was fenced.
 
+use super::outcome::UNREACHED_KIND;
 use super::*;
 use crate::contract::{Command, ErrorBody, Outcome, Progress, ProgressEvent, Status};
 use crate::state::{Batch, StepRecord};
@@ -66,7 +72,6 @@ const CONFIG: &str = r#"
 [state]
 retention = "7d"
 [gate]
-invoke_before_commit = true
 in_doubt_grace = "1s"
 [tools.charge]
 category = "keyed"
@@ -308,7 +313,7 @@ struct Counts {
     reread: u64,
     not_invoked: u64,
     answers: u64,
-    /// Of them, sent at once (`gate.answer_repeats_at_once`, odd seeds).
+    /// Of them, sent at once (repeats of committed outcomes).
     at_once: u64,
     commands: u64,
     crashes: u64,
@@ -513,13 +518,7 @@ fn outcome_of(p: &Progress) -> Option<&Outcome> {
 
 impl World {
     fn new(seed: u64, stores: [StateStore; 2]) -> Result<World, String> {
-        // Odd seeds answer repeats of committed outcomes at once.
-        let toml = if seed % 2 == 1 {
-            CONFIG.replace("[gate]\n", "[gate]\nanswer_repeats_at_once = true\n")
-        } else {
-            CONFIG.to_owned()
-        };
-        let config = Config::from_toml_str(&toml, Vec::new()).map_err(|e| format!("{e:?}"))?;
+        let config = Config::from_toml_str(CONFIG, Vec::new()).map_err(|e| format!("{e:?}"))?;
         for store in &stores {
             for p in 0..PARTITIONS {
                 store.wipe_partition(p).map_err(state_err)?;
@@ -1475,6 +1474,14 @@ impl World {
                 }
                 let norm = result.for_repeat(None);
                 match self.model.canonical.get(&step) {
+                    // Could not reach the provider: the step's next call asked
+                    // again, and the provider's answer is the step's now.
+                    Some(c)
+                        if *c != norm
+                            && c.error.as_ref().is_some_and(|e| e.kind == UNREACHED_KIND) =>
+                    {
+                        self.model.canonical.insert(step.clone(), norm);
+                    }
                     Some(c) if *c != norm => {
                         return Err(format!(
                             "a repeat's answer differs from the first: call {call_id} of {step} got {:?} {:?} {:?}, the step's answer is {:?} {:?} {:?}",

@@ -56,17 +56,14 @@ impl Fixture {
         Self::with_config(CONFIG)
     }
 
-    /// With `gate.start_record`: keyed steps recorded `started` before their
-    /// call, as the tests of outcomes handed over on `progress` by a process
-    /// that ran them need (a deferred step takes those as evidence only).
+    /// Keyed steps recorded `started` before their call (as an intent over
+    /// 4 KiB is), as the tests of outcomes handed over on `progress` by a
+    /// process that ran them need (a deferred step takes those as evidence
+    /// only).
     fn started_first() -> Self {
-        Self::with_config(&CONFIG.replace("[gate]\n", "[gate]\nstart_record = true\n"))
-    }
-
-    /// With `gate.invoke_before_commit`: a first-read keyed step's call is
-    /// started at once, before its batch commits.
-    fn early() -> Self {
-        Self::with_config(&CONFIG.replace("[gate]\n", "[gate]\ninvoke_before_commit = true\n"))
+        let mut f = Self::new();
+        f.core.settings.start_record = true;
+        f
     }
 
     fn with_config(toml: &str) -> Self {
@@ -257,7 +254,7 @@ fn a_repeat_after_completion_is_answered_from_the_record() {
     assert_eq!(rec.rephrased_count, 1);
 }
 
-/// With `gate.answer_repeats_at_once`: an intent applied to `batch` (not
+/// An intent applied to `batch` (not
 /// committed), and what it decided — the answers it may send at once, then
 /// the rest.
 fn at_once_and_rest(
@@ -272,9 +269,7 @@ fn at_once_and_rest(
 
 #[test]
 fn only_a_repeat_of_a_committed_final_outcome_is_answered_at_once() {
-    let mut f = Fixture::with_config(
-        &CONFIG.replace("[gate]\n", "[gate]\nanswer_repeats_at_once = true\n"),
-    );
+    let mut f = Fixture::new();
     let call = call_of(&f.intent(email("c1", "a"), 1000));
     // Its outcome is decided in a batch that has not committed yet: a repeat
     // read meanwhile is answered with that batch, never before it.
@@ -314,16 +309,6 @@ fn only_a_repeat_of_a_committed_final_outcome_is_answered_at_once() {
     let (now, rest) = at_once_and_rest(&mut f, &mut Batch::default(), again);
     assert!(now.is_empty(), "{now:?}");
     assert_eq!(results(&rest)[0].status, Status::InDoubt);
-}
-
-#[test]
-fn without_the_setting_no_answer_is_sent_at_once() {
-    let mut f = Fixture::new();
-    let call = call_of(&f.intent(email("c1", "a"), 1000));
-    f.outcome(&call, Outcome::Ok { output: json!(1) }, 1200);
-    let (now, rest) = at_once_and_rest(&mut f, &mut Batch::default(), email("c2", "a"));
-    assert!(now.is_empty(), "{now:?}");
-    assert_eq!(results(&rest).len(), 1);
 }
 
 #[test]
@@ -1048,7 +1033,7 @@ fn an_intent_outside_its_partition_is_rerouted_and_answered_where_it_was_publish
 #[test]
 fn with_forwarding_off_an_intent_outside_its_partition_is_refused() {
     let mut f = Fixture::new();
-    f.core.settings.forward_wrong_partition = false;
+    f.core.settings.wrong_partition = super::WrongPartition::Refuse;
     f.core.set_intent_partitions(4);
     let elsewhere = (crate::contract::partition_for("wf", 4) + 1) % 4;
     let input = input_at(&mut f, elsewhere, &email("c1", "Hi"), vec![]);
@@ -1342,7 +1327,7 @@ fn a_keyed_step_writes_one_record_settled_and_holds_its_offset_until_then() {
 /// one transaction — one commit a new step.
 #[test]
 fn a_first_read_keyed_call_is_sent_before_its_batch_commits_and_settles_in_it() {
-    let mut f = Fixture::early();
+    let mut f = Fixture::new();
     let input = f.input("intents", email("c1", "x").to_string().into_bytes());
     let mut b = Batch::default();
     f.core.on_intent(&f.store, &mut b, &input, 0).unwrap();
@@ -1384,30 +1369,49 @@ fn a_first_read_keyed_call_is_sent_before_its_batch_commits_and_settles_in_it() 
 /// read the same intent before (and stopped before its commit) sent with
 /// the same key. The tool's own answer under the key covers that run — a
 /// 4xx is told as it is — but a try that never reached the tool does not:
-/// in doubt. Sent after the commit (`invoke_before_commit = false`), nothing
-/// can have run before, and "unreachable" is told as such.
+/// never in doubt for that (asking again with the key is safe), the step is
+/// answered so and its next call asks the tool again, under the same key,
+/// and gets what the tool says. Recorded `started` first, nothing can have
+/// run before, and "unreachable" is told as such.
 #[test]
-fn a_keyed_call_sent_before_its_commit_that_never_reached_its_tool_is_in_doubt() {
-    let mut f = Fixture::early();
+fn a_keyed_call_that_never_reached_its_tool_is_asked_again_by_its_next_call() {
+    let mut f = Fixture::new();
     let call = call_of(&f.intent(email("c1", "x"), 0));
     assert!(f.record(&call.step).unseen_reader);
     let r = results(&f.outcome(&call, unreachable(), 500)).remove(0);
-    assert_eq!(r.status, Status::InDoubt, "{r:?}");
+    assert_eq!(r.status, Status::Error, "{r:?}");
     let e = r.error.as_ref().unwrap();
-    assert_eq!(e.kind, "outcome_unknown");
-    assert!(e.message.contains("could not reach"), "{}", e.message);
+    assert_eq!(e.kind, "tool_unreachable_unconfirmed");
+    assert!(e.message.contains("could not be reached"), "{}", e.message);
+    assert!(!e.message.contains("person"), "{}", e.message);
+    assert_eq!(f.record(&call.step).phase, Phase::Unreached);
+    // Its next call (a repeat, rephrased or not) asks the tool again, under
+    // the same key, as a run of its own; the tool's answer is the step's.
+    let again = call_of(&f.intent(email("c1-again", "x, again"), 600));
+    assert_eq!(again.dispatch, call.dispatch + 1);
+    assert_eq!(again.step.idempotency_key(), call.step.idempotency_key());
+    let rs = results(&f.outcome(
+        &again,
+        Outcome::Ok {
+            output: json!("sent"),
+        },
+        700,
+    ));
+    assert_eq!(rs.len(), 1, "{rs:?}");
+    assert_eq!(rs[0].status, Status::Ok);
+    assert_eq!(rs[0].call_id.as_deref(), Some("c1-again"));
+    assert_eq!(f.record(&call.step).phase, Phase::Completed);
 
     let call = call_of(&f.intent(
         json!({"workflow_id": "wf", "step_index": 2, "tool": "send_email",
             "arguments": {"subject": "y"}, "call_id": "c2"}),
-        600,
+        800,
     ));
-    let r = results(&f.outcome(&call, refused(), 700)).remove(0);
+    let r = results(&f.outcome(&call, refused(), 900)).remove(0);
     assert_eq!(r.status, Status::Error, "the tool's own answer: {r:?}");
     assert_eq!(r.error.as_ref().unwrap().kind, "tool_refused");
 
-    let mut f =
-        Fixture::with_config(&CONFIG.replace("[gate]\n", "[gate]\ninvoke_before_commit = false\n"));
+    let mut f = Fixture::started_first();
     let outs = f.intent(email("c1", "x"), 0);
     assert!(f.core.take_immediate().is_empty());
     let call = call_of(&outs);
@@ -1423,7 +1427,7 @@ fn a_keyed_call_sent_before_its_commit_that_never_reached_its_tool_is_in_doubt()
 /// is then evidence, never the answer.
 #[test]
 fn a_keyed_step_read_again_while_its_early_call_runs_is_numbered_above_it() {
-    let mut f = Fixture::early();
+    let mut f = Fixture::new();
     let input = f.input("intents", email("c1", "x").to_string().into_bytes());
     let mut b = Batch::default();
     f.core.on_intent(&f.store, &mut b, &input, 0).unwrap();
@@ -1444,17 +1448,17 @@ fn a_keyed_step_read_again_while_its_early_call_runs_is_numbered_above_it() {
     assert_eq!((rs.len(), rs[0].status), (1, Status::Ok));
 }
 
-/// With `gate.invoke_before_commit`, each read of a keyed intent above the
-/// applied mark numbers its run 1. A first run 1 took effect (its batch
+/// Each read of a keyed intent above the applied mark numbers its run 1. A first run 1 took effect (its batch
 /// never committed, and its `ok` came when no record was there to settle);
 /// a second run 1, whose batch did commit, was handed back not invoked. The
 /// step read again below the mark assumes a run before its own; the
 /// hand-back of "run 1" must not cancel that, and its own try that never
-/// reached the tool is then in doubt, not "not performed" (found by the
-/// simulation, seed 0x1e84a7 of a long run).
+/// reached the tool is then not "not performed": the step's next call asks
+/// the tool again under the key (found by the simulation, seed 0x1e84a7 of
+/// a long run).
 #[test]
 fn a_hand_back_of_a_reused_run_number_never_turns_unreachable_into_not_performed() {
-    let mut f = Fixture::early();
+    let mut f = Fixture::new();
     let input = f.input("intents", email("c1", "x").to_string().into_bytes());
     let mut b = Batch::default();
     f.core.on_intent(&f.store, &mut b, &input, 0).unwrap();
@@ -1484,9 +1488,13 @@ fn a_hand_back_of_a_reused_run_number_never_turns_unreachable_into_not_performed
     let rs = results(&f.outcome(&third, unreachable(), 60));
     assert_eq!(rs.len(), 2, "the first call and the repeat: {rs:?}");
     for r in rs {
-        assert_eq!(r.status, Status::InDoubt, "{r:?}");
-        assert_eq!(r.error.as_ref().unwrap().kind, "outcome_unknown");
+        assert_eq!(r.status, Status::Error, "{r:?}");
+        assert_eq!(
+            r.error.as_ref().unwrap().kind,
+            "tool_unreachable_unconfirmed"
+        );
     }
+    assert_eq!(f.record(&third.step).phase, Phase::Unreached);
 }
 
 #[test]

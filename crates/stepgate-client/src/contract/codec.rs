@@ -9,8 +9,8 @@
 //! approvals, a pool worker's Outcome v1) stay JSON: people, agents and
 //! workers in any language read and write them.
 //!
-//! **Compact records** ([`MSGPACK_NUMBERED_V2`], the changelog's with
-//! `state.compact_changelog`): the same MessagePack with each map key found
+//! **Compact records** ([`MSGPACK_NUMBERED_V2`], the changelog's; RocksDB
+//! keeps the named form): the same MessagePack with each map key found
 //! in [`FIELD_NAMES`] written as its number there (one byte for
 //! `"intended_at_ms"`) — half a settled step record's bytes are its field
 //! names. [`compact`] and [`expand`] turn one form into the other byte for

@@ -92,17 +92,19 @@ impl Texts {
         )
     }
 
-    /// A keyed call sent before anything was recorded could not reach its
-    /// tool: another gate process that read the same call just before (and
-    /// stopped before recording it) may have sent it with the same key.
-    pub fn in_doubt_unseen_reader(tool: &str, detail: &str) -> String {
+    /// A keyed call could not reach its tool, and an earlier try of the same
+    /// step (by a stepgate process that received it just before, or an
+    /// earlier run) may have: asking again with the same key is safe, and
+    /// is how to learn what happened.
+    pub fn unreached_keyed(tool: &str, detail: &str) -> String {
         let detail = excerpt(detail);
         format!(
-            "The call to `{tool}` may have taken effect: this try could not reach the tool \
-             ({detail}), and a stepgate process that received this same call just before may \
-             have sent it and stopped before recording it. Do not call `{tool}` again for this \
-             step: repeating it returns this same answer. Tell the user that the outcome is \
-             unconfirmed and a person must check it before anything else is done about it."
+            "The tool `{tool}` could not be reached this time ({detail}), and an earlier try of \
+             this same call may have reached it, so the action may or may not have been \
+             performed. Calling `{tool}` again for this same step (the same step_index) asks the \
+             tool again under the same idempotency key, which is safe: if an earlier try took \
+             effect, the tool returns that result instead of acting twice. Call it again for this \
+             step later, or tell the user the tool is unavailable for now."
         )
     }
 
@@ -472,12 +474,24 @@ mod golden {
     }
 
     #[test]
+    fn an_unreached_keyed_call_is_asked_again_by_the_same_step() {
+        let t = Texts::unreached_keyed("charge", "connection refused");
+        assert!(t.contains("(connection refused)"), "{t}");
+        assert!(t.contains("may or may not have been performed"), "{t}");
+        assert!(
+            t.contains("for this same step (the same step_index)"),
+            "{t}"
+        );
+        assert!(!t.contains("person"), "never a person's job: {t}");
+    }
+
+    #[test]
     fn edges_texts_never_ask_for_a_new_attempt() {
         let texts = [
             Texts::in_doubt_earlier_try("charge", "refused (HTTP 400)"),
             Texts::in_doubt_still_processing("charge", 409, "10s"),
             Texts::no_worker("render", "gpu"),
-            Texts::in_doubt_unseen_reader("charge", "connection refused"),
+            Texts::unreached_keyed("charge", "connection refused"),
             Texts::identity_conflict(
                 "send_email",
                 &[("/to".into(), "\"alice@x\"".into(), "\"bob@x\"".into())],
