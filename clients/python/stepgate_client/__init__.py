@@ -9,7 +9,8 @@ PyPI name `stepgate` belongs to an unrelated project, and a distinct import name
 keeps the two from overwriting each other's files if both get installed).
 """
 
-from ._version import __version__
+__version__ = "0.2.0"
+
 from .answer import Answer, AnswerError, ResultV1, Status, answer_text
 from .client import (
     AsyncClient,
