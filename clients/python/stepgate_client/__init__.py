@@ -21,9 +21,13 @@ from .client import (
     StepgateError,
     StepgatePublishError,
     StepgateTimeout,
+    StepgateTopicError,
     Workflow,
+    hop_call_id,
     murmur2,
+    new_call_id,
     partition_for,
+    topic_names,
 )
 
 __all__ = [
@@ -39,9 +43,13 @@ __all__ = [
     "StepgateError",
     "StepgatePublishError",
     "StepgateTimeout",
+    "StepgateTopicError",
     "Workflow",
     "__version__",
     "answer_text",
+    "hop_call_id",
     "murmur2",
+    "new_call_id",
     "partition_for",
+    "topic_names",
 ]
