@@ -12,8 +12,11 @@ Where the step key comes from, in a typical agent framework:
 
 The model's own `tool_call_id` is NOT the key: when a call times out and the
 model regenerates it, it invents a new tool_call_id and may rephrase the
-arguments — yet it is the same step, and must not run twice. Here the model's
-id is only passed along as the intent's `call_id`, for correlation.
+arguments — yet it is the same step, and must not run twice. Nor is it the
+intent's `call_id`, which names one call for its answer: models repeat their
+ids (every conversation of a local model starts at `call_0`), so each intent
+gets a fresh `call_id`, its answer is the one with that step key and
+`call_id`, and the model's id goes in the intent's `metadata`.
 
 usage: agent_loop.py [--brokers 127.0.0.1:9092] [--intents stepgate.intents]
                      [--results stepgate.results] [--thread THREAD_ID]
@@ -46,18 +49,23 @@ class StepgateTools:
         self.answers = {}
 
     def call(self, thread_id, step_index, tool, arguments, model_call_id, timeout=30.0):
+        call_id = uuid.uuid4().hex  # this call's own: the model's id may repeat
         intent = {"workflow_id": thread_id, "step_index": step_index, "tool": tool,
-                  "attempt": 0, "arguments": arguments, "call_id": model_call_id}
+                  "attempt": 0, "arguments": arguments, "call_id": call_id,
+                  "metadata": {"tool_call_id": model_call_id}}
+        mine = (thread_id, step_index, tool, 0, call_id)
         self.producer.produce(self.intents, key=thread_id, value=json.dumps(intent))
         self.producer.flush(10)
         deadline = time.time() + timeout
         while time.time() < deadline:
-            if model_call_id in self.answers:
-                return self.answers.pop(model_call_id)
+            if mine in self.answers:
+                return self.answers.pop(mine)
             msg = self.consumer.poll(0.2)
             if msg is not None and not msg.error():
-                value = json.loads(msg.value())
-                self.answers[value.get("call_id")] = value
+                v = json.loads(msg.value())
+                key = (v.get("workflow_id"), v.get("step_index"), v.get("tool"),
+                       v.get("attempt"), v.get("call_id"))
+                self.answers[key] = v
         raise TimeoutError(f"no answer for step {step_index} of {thread_id}")
 
 
@@ -73,7 +81,7 @@ class Thread:
             self.tool_calls_so_far += 1
         result = self.tools.call(self.id, step_index, tool, arguments, model_call_id)
         shown = result.get("output") if result["status"] == "ok" else result["error"]["message"]
-        print(f"  step {step_index} {tool:<10} call_id={model_call_id:<10} status={result['status']:<8} "
+        print(f"  step {step_index} {tool:<10} tool_call_id={model_call_id:<8} status={result['status']:<8} "
               f"deduplicated={result['deduplicated']!s:<5} {json.dumps(shown)[:80]}")
         return result
 

@@ -46,6 +46,52 @@ async fn many_concurrent_calls_from_one_client_each_get_their_answer() {
     assert_eq!(s.tools.count("create_ticket"), 40);
 }
 
+/// Two workflows' calls with one `call_id` (models number their calls
+/// alike): the first's answer comes while the second waits under the same
+/// `call_id`, and each caller gets its own answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_workflows_sharing_a_call_id_each_get_their_own_answer() {
+    let mut s = Stack::new(StackOptions::default()).await;
+    // B's call (the first) is answered while A's (the second) is in the tool.
+    s.tools.script(
+        "create_ticket",
+        vec![
+            Reply::Delay(Duration::from_millis(2500)),
+            Reply::Delay(Duration::from_secs(4)),
+        ],
+    );
+    s.start().await;
+    let mut o = options(&s);
+    // An answer lost to another caller shows as a timeout, not a re-publish.
+    o.republish_after = Duration::from_secs(90);
+    o.timeout = Duration::from_secs(45);
+    let client = Client::new(o).await.unwrap();
+    let call = |wf: &str| {
+        StepCall::new(wf, 0, "create_ticket", json!({"who": wf}))
+            .unwrap()
+            .call_id("call_0")
+    };
+    let b = client.call(call("collide-B"));
+    let a = async {
+        eventually(Duration::from_secs(30), "B's call is in the tool", || {
+            s.tools.count("create_ticket") == 1
+        })
+        .await;
+        client.call(call("collide-A")).await
+    };
+    let (b, a) = tokio::join!(b, a);
+    for (answer, wf) in [(a, "collide-A"), (b, "collide-B")] {
+        let answer = answer.unwrap_or_else(|e| panic!("{wf}: {e}\n{}", s.log_tail(60)));
+        assert_eq!(
+            (answer.workflow_id.as_str(), answer.status),
+            (wf, Status::Ok),
+            "{wf}'s caller got {answer:?}"
+        );
+        assert_eq!(answer.output.unwrap()["echo"]["who"], wf);
+    }
+    assert_eq!(s.tools.count("create_ticket"), 2);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_timed_out_call_is_republished_as_the_same_step() {
     let mut s = Stack::new(StackOptions::default()).await;

@@ -7,8 +7,10 @@ use common::*;
 use serde_json::Value;
 use std::process::Command;
 
-/// The package pip-installed into a fresh directory (from a copy: pip's
-/// build writes into the source directory), as a user installs it.
+/// The package pip-installed into a fresh directory, as a user installs it
+/// (from a copy of the sources, so that a test run never touches the
+/// checkout; an in-tree build leaves nothing behind either, which
+/// `clients/python/tests/test_packaging.py` checks).
 fn pip_install() -> tempfile::TempDir {
     let site = tempfile::tempdir().unwrap();
     let root = env!("CARGO_MANIFEST_DIR");

@@ -9,7 +9,8 @@ PyPI name `stepgate` belongs to an unrelated project, and a distinct import name
 keeps the two from overwriting each other's files if both get installed).
 """
 
-from ._version import __version__
+__version__ = "0.2.0"
+
 from .answer import Answer, AnswerError, ResultV1, Status, answer_text
 from .client import (
     AsyncClient,
@@ -20,9 +21,13 @@ from .client import (
     StepgateError,
     StepgatePublishError,
     StepgateTimeout,
+    StepgateTopicError,
     Workflow,
+    hop_call_id,
     murmur2,
+    new_call_id,
     partition_for,
+    topic_names,
 )
 
 __all__ = [
@@ -38,9 +43,13 @@ __all__ = [
     "StepgateError",
     "StepgatePublishError",
     "StepgateTimeout",
+    "StepgateTopicError",
     "Workflow",
     "__version__",
     "answer_text",
+    "hop_call_id",
     "murmur2",
+    "new_call_id",
     "partition_for",
+    "topic_names",
 ]

@@ -1,9 +1,12 @@
 """Intents out, answers in, over Kafka (confluent-kafka).
 
 One `Client` (threads) or `AsyncClient` (asyncio) serves any number of calls
-at once: each call registers a waiter under its `call_id`, publishes its
-intent, and waits; one consumer thread per client reads the answers and hands
-each to the waiters of its `call_id`.
+at once: each call registers a waiter under its step key and `call_id`,
+publishes its intent, and waits; one consumer thread per client reads the
+answers and hands each to the waiters of exactly that step key and `call_id`.
+A `call_id` alone names nothing: two workflows may use the same one (a model's
+`tool_call_id` repeats across threads, forks and replayed conversations), and
+an answer must never reach another workflow's caller.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import json
 import threading
 import time
 import uuid
-from typing import Any, Callable, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 
@@ -86,13 +89,115 @@ class StepgateClosed(StepgateError):
     key on another client to get the answer."""
 
 
+class StepgateTopicError(StepgateError, KafkaException):
+    """A topic the client needs is missing (or laid out so that answers would
+    be missed): the message names the topic and the option that names it.
+    Raised by the constructor, before any call is made. (Also a
+    `KafkaException`, as a missing topic was before.)"""
+
+
 # A waiter is told its outcome once: an answer (dict) or an exception.
 Deliver = Callable[[Any], None]
+
+#: What an answer (or an approval event) is delivered by: the step key
+#: (workflow_id, step_index, tool, attempt) and the `call_id` of the intent.
+CallKey = Tuple[str, int, str, int, str]
+
+DEFAULT_TOPICS_PREFIX = "stepgate"
+
+
+def new_call_id() -> str:
+    """A fresh wire `call_id` (random, 32 hex digits) for one call. A
+    `call_id` names one call for its answer; it is not the step's identity,
+    and a model's `tool_call_id` must not be used as one (models repeat them)."""
+    return uuid.uuid4().hex
+
+
+def hop_call_id(call_id: Optional[str], hop: int) -> Optional[str]:
+    """The `call_id` of a call's `hop`-th step: the call's own at hop 0, then
+    `<call_id>~<hop>`, so that each intent of a workflow (a call moved on past
+    an identity conflict is sent again at the next step) has one of its own."""
+    if hop and call_id:
+        return f"{call_id}~{hop}"
+    return call_id
+
+
+def _key_of(record: Any) -> Optional[CallKey]:
+    """The step key and `call_id` an answer or approval event names, or None
+    when it names no call fully (it is then nobody's here)."""
+    if not isinstance(record, dict):
+        return None
+    wf, step, tool = record.get("workflow_id"), record.get("step_index"), record.get("tool")
+    attempt, call_id = record.get("attempt", 0), record.get("call_id")
+    if not (isinstance(wf, str) and isinstance(tool, str) and isinstance(call_id, str)):
+        return None
+    if type(step) is not int or type(attempt) is not int:  # noqa: E721 (bool is no index)
+        return None
+    return (wf, step, tool, attempt, call_id)
+
+
+_TOOL_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.:-")
+
+
+def _check_step(workflow_id: Any, step_index: Any, tool: Any, attempt: Any) -> None:
+    """Refuse, at once, a step key stepgate would refuse: its answer could not
+    name this call (Intent v1's rules, schemas/intent.v1.json)."""
+    if not isinstance(workflow_id, str) or not workflow_id:
+        raise ValueError(f"workflow_id must be a non-empty string, not {workflow_id!r}")
+    if len(workflow_id.encode("utf-8")) > 255:
+        raise ValueError("workflow_id must be at most 255 bytes (UTF-8)")
+    if any(ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0 for c in workflow_id):
+        raise ValueError(f"workflow_id must not contain control characters: {workflow_id!r}")
+    for name, value in (("step_index", step_index), ("attempt", attempt)):
+        if type(value) is not int or value < 0:  # noqa: E721
+            raise ValueError(f"{name} must be an integer >= 0, not {value!r}")
+    if not isinstance(tool, str) or not 1 <= len(tool) <= 128 or not set(tool) <= _TOOL_CHARS:
+        raise ValueError(f"tool must be 1 to 128 of A-Z a-z 0-9 _ . : -, not {tool!r}")
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "<derived>"
+
+
+#: The default of a topic option: derived (see `topic_names`).
+DERIVED: Any = _Unset()
+
+
+def topic_names(
+    topics_prefix: Optional[str] = None,
+    intents: Optional[str] = None,
+    results: Optional[str] = None,
+    approvals: Any = DERIVED,
+) -> Tuple[str, str, Optional[str]]:
+    """The (intents, results, approvals) topics a client uses.
+
+    A topic given by name is that name. One not given is
+    `<prefix>.intents` / `.results` / `.approvals`, where the prefix is
+    `topics_prefix` if given, else the prefix of a given `intents` (or
+    `results`) name of that shape (`acme.intents` -> `acme`), else `stepgate`
+    — as the gate's `kafka.topics` derive from one prefix. So a deployment
+    named by its intents and results topics reads approvals from its own
+    `approvals` topic. `approvals=None` reads no approval events."""
+    prefix = topics_prefix
+    if prefix is None:
+        for name, suffix in ((intents, ".intents"), (results, ".results")):
+            if name and name.endswith(suffix) and len(name) > len(suffix):
+                prefix = name[: -len(suffix)]
+                break
+        else:
+            prefix = DEFAULT_TOPICS_PREFIX
+    return (
+        intents or f"{prefix}.intents",
+        results or f"{prefix}.results",
+        f"{prefix}.approvals" if approvals is DERIVED else approvals,
+    )
 
 
 class _Core:
     """What `Client` and `AsyncClient` share: the producer, the one consumer
-    thread that dispatches answers by call_id, and the followed partitions."""
+    thread that dispatches answers by step key and call_id, and the followed
+    partitions."""
 
     def __init__(
         self,
@@ -101,7 +206,7 @@ class _Core:
         results: str,
         config: Optional[Dict[str, Any]],
         metadata_timeout: float,
-        approvals: Optional[str] = None,
+        approvals: Optional[str],
     ):
         self.intents, self.results = intents, results
         extra = dict(config or {})
@@ -129,40 +234,22 @@ class _Core:
         self.consumer = Consumer(consumer_config)
         self._meta = Consumer(consumer_config)
         try:
-            md = self._meta.list_topics(timeout=metadata_timeout).topics
-            counts = []
-            for topic in (intents, results):
-                meta = md.get(topic)
-                if meta is None or meta.error is not None or not meta.partitions:
-                    raise KafkaException(f"topic {topic} not found")
-                counts.append(len(meta.partitions))
-            # Approval events (a call held for a person) come in the step's
-            # partition of `approvals`, when that topic exists.
-            meta = md.get(approvals) if approvals else None
-            self.approvals = approvals if meta is not None and meta.error is None \
-                and len(meta.partitions or {}) >= counts[0] else None
+            self.intent_partitions, self.result_partitions = self._check_topics(
+                brokers, metadata_timeout, intents, results, approvals)
         except BaseException:
             self.consumer.close()
             self._meta.close()
             raise
-        # The gate answers in the partition *number* its intent was in, so the
-        # answer's partition is the intent's: the intents topic's count decides.
-        self.intent_partitions, self.result_partitions = counts
-        if self.result_partitions < self.intent_partitions:
-            self.consumer.close()
-            self._meta.close()
-            raise KafkaException(
-                f"{results} has {self.result_partitions} partitions, fewer than "
-                f"{intents}'s {self.intent_partitions}: stepgate answers in the intent's "
-                "partition number and refuses to run on this layout"
-            )
+        # Approval events (a call held for a person) come in the step's
+        # partition of `approvals`.
+        self.approvals = approvals
         self.metadata_timeout = metadata_timeout
         self._lock = threading.Lock()
         self._follow_lock = threading.Lock()
         self._followed: set = set()
         self._to_assign: List[TopicPartition] = []
-        self._waiting: Dict[str, List[Deliver]] = {}
-        self._held: Dict[str, List[Deliver]] = {}
+        self._waiting: Dict[CallKey, List[Deliver]] = {}
+        self._held: Dict[CallKey, List[Deliver]] = {}
         self._closed = threading.Event()
         self._consumer_thread = threading.Thread(
             target=self._consume, name="stepgate-answers", daemon=True
@@ -172,6 +259,51 @@ class _Core:
         )
         self._consumer_thread.start()
         self._producer_thread.start()
+
+    def _check_topics(self, brokers: str, metadata_timeout: float, intents: str, results: str,
+                      approvals: Optional[str]) -> Tuple[int, int]:
+        """The partition counts of intents and results; a missing topic, or a
+        layout whose answers would be missed, raises StepgateTopicError."""
+        md = self._meta.list_topics(timeout=metadata_timeout).topics
+
+        def count(topic: str) -> Optional[int]:
+            meta = md.get(topic)
+            if meta is None or meta.error is not None or not meta.partitions:
+                return None
+            return len(meta.partitions)
+
+        counts = []
+        for topic, option in ((intents, "intents"), (results, "results")):
+            n = count(topic)
+            if n is None:
+                raise StepgateTopicError(
+                    f"topic {topic} not found on {brokers}: name the gate's "
+                    f"kafka.topics.{option} with {option}=..., or all of its topics at once "
+                    "with topics_prefix=... (the prefix of its kafka.topics names)")
+            counts.append(n)
+        n_intents, n_results = counts
+        # The gate answers in the partition *number* its intent was in, so the
+        # answer's partition is the intent's: the intents topic's count decides.
+        if n_results < n_intents:
+            raise StepgateTopicError(
+                f"{results} has {n_results} partitions, fewer than {intents}'s {n_intents}: "
+                "stepgate answers in the intent's partition number and refuses to run on "
+                "this layout")
+        if approvals is not None:
+            n = count(approvals)
+            if n is None:
+                raise StepgateTopicError(
+                    f"the approvals topic {approvals} not found on {brokers}: a call held for "
+                    "a person's approval would only time out. Name the gate's "
+                    "kafka.topics.approvals with approvals=..., or all of its topics at once "
+                    "with topics_prefix=...; approvals=None reads no approval events (a held "
+                    "call then waits for the decision)")
+            if n < n_intents:
+                raise StepgateTopicError(
+                    f"the approvals topic {approvals} has {n} partitions, fewer than "
+                    f"{intents}'s {n_intents}: is it the gate's kafka.topics.approvals? Name "
+                    "it with approvals=... or topics_prefix=...")
+        return n_intents, n_results
 
     # -- partitions
 
@@ -216,15 +348,15 @@ class _Core:
 
     # -- waiters
 
-    def register(self, call_id: str, deliver: Deliver) -> None:
+    def register(self, key: CallKey, deliver: Deliver) -> None:
         with self._lock:
             if self._closed.is_set():
                 raise StepgateClosed("the client is closed")
-            self._waiting.setdefault(call_id, []).append(deliver)
+            self._waiting.setdefault(key, []).append(deliver)
 
-    def unregister(self, call_id: str, deliver: Deliver) -> None:
+    def unregister(self, key: CallKey, deliver: Deliver) -> None:
         with self._lock:
-            waiters = self._waiting.get(call_id)
+            waiters = self._waiting.get(key)
             if waiters is None:
                 return
             try:
@@ -232,33 +364,33 @@ class _Core:
             except ValueError:
                 pass
             if not waiters:
-                del self._waiting[call_id]
+                del self._waiting[key]
 
-    def watch_held(self, call_id: str, notify: Deliver) -> None:
+    def watch_held(self, key: CallKey, notify: Deliver) -> None:
         """`notify(event)` when the call is held for approval."""
         with self._lock:
-            self._held.setdefault(call_id, []).append(notify)
+            self._held.setdefault(key, []).append(notify)
 
-    def unwatch_held(self, call_id: str, notify: Deliver) -> None:
+    def unwatch_held(self, key: CallKey, notify: Deliver) -> None:
         with self._lock:
-            watchers = self._held.get(call_id)
+            watchers = self._held.get(key)
             if watchers and notify in watchers:
                 watchers.remove(notify)
             if not watchers:
-                self._held.pop(call_id, None)
+                self._held.pop(key, None)
 
     def in_flight(self) -> int:
         with self._lock:
             return sum(len(w) for w in self._waiting.values())
 
     def _dispatch(self, answer: Any) -> None:
-        if not isinstance(answer, dict):
-            return
-        call_id = answer.get("call_id")
-        if not isinstance(call_id, str):
+        # Only the waiters of this step key *and* call_id: another workflow's
+        # call may carry the same call_id.
+        key = _key_of(answer)
+        if key is None:
             return
         with self._lock:
-            waiters = self._waiting.pop(call_id, None)
+            waiters = self._waiting.pop(key, None)
         for deliver in waiters or ():
             deliver(answer)
 
@@ -294,10 +426,11 @@ class _Core:
                     self._dispatch(value)
 
     def _held_event(self, event: Any) -> None:
-        if not isinstance(event, dict) or event.get("event") != "requested":
+        key = _key_of(event)
+        if key is None or event.get("event") != "requested":
             return
         with self._lock:
-            watchers = list(self._held.get(str(event.get("call_id")), ()))
+            watchers = list(self._held.get(key, ()))
         for notify in watchers:
             notify(event)
 
@@ -354,56 +487,80 @@ class _Core:
                 deliver(StepgateClosed("the client was closed while the call waited"))
 
 
-def _intent(
-    workflow_id: str,
-    step_index: int,
-    tool: str,
-    arguments: Mapping[str, Any],
-    attempt: int,
-    call_id: str,
-    metadata: Optional[Mapping[str, Any]],
-) -> bytes:
-    intent: Dict[str, Any] = {
-        "workflow_id": workflow_id,
-        "step_index": step_index,
-        "tool": tool,
-        "attempt": attempt,
-        "arguments": dict(arguments),
-        "call_id": call_id,
-    }
-    if metadata is not None:
-        intent["metadata"] = dict(metadata)
-    return json.dumps(intent, separators=(",", ":")).encode("utf-8")
+class _Call:
+    """One call's intent and what its answer and approval event are
+    delivered by, checked before anything is published."""
 
+    def __init__(
+        self,
+        workflow_id: str,
+        step_index: int,
+        tool: str,
+        arguments: Mapping[str, Any],
+        attempt: int,
+        call_id: Optional[str],
+        metadata: Optional[Mapping[str, Any]],
+        on_approval: str,
+    ):
+        _check_step(workflow_id, step_index, tool, attempt)
+        if not isinstance(arguments, Mapping):
+            raise ValueError(f"arguments must be a mapping (a JSON object), not "
+                             f"{type(arguments).__name__}")
+        if on_approval not in ("wait", "raise"):
+            raise ValueError(f'on_approval must be "wait" or "raise", not {on_approval!r}')
+        if call_id is not None and not isinstance(call_id, str):
+            raise ValueError(f"call_id must be a string or None, not {call_id!r}")
+        self.workflow_id, self.step_index, self.tool = workflow_id, step_index, tool
+        self.call_id = call_id or new_call_id()
+        self.key: CallKey = (workflow_id, step_index, tool, attempt, self.call_id)
+        self.raise_when_held = on_approval == "raise"
+        intent: Dict[str, Any] = {
+            "workflow_id": workflow_id,
+            "step_index": step_index,
+            "tool": tool,
+            "attempt": attempt,
+            "arguments": dict(arguments),
+            "call_id": self.call_id,
+        }
+        if metadata is not None:
+            intent["metadata"] = dict(metadata)
+        self.value = json.dumps(intent, separators=(",", ":")).encode("utf-8")
 
-def _held_notifier(on_approval: str, deliver: Deliver, workflow_id: str, step_index: int,
-                   tool: str) -> Optional[Deliver]:
-    """With on_approval="raise", what ends the call when it is held for approval."""
-    if on_approval == "wait":
-        return None
-    if on_approval != "raise":
-        raise ValueError(f'on_approval must be "wait" or "raise", not {on_approval!r}')
+    def watch(self, core: _Core, deliver: Deliver) -> Optional[Deliver]:
+        """Register `deliver` for the answer (and, with on_approval="raise",
+        for the approval event); returns the held watcher to unwatch."""
+        core.register(self.key, deliver)
+        if not self.raise_when_held:
+            return None
 
-    def held(event: Any) -> None:
-        deliver(StepgateAwaitingApproval(
-            f"step {step_index} of {workflow_id} ({tool}) is held for a person's approval; "
-            "call it again with the same step key for its answer once they decide", event))
+        def held(event: Any) -> None:
+            deliver(StepgateAwaitingApproval(
+                f"step {self.step_index} of {self.workflow_id} ({self.tool}) is held for a "
+                "person's approval; call it again with the same step key for its answer once "
+                "they decide", event))
 
-    return held
+        core.watch_held(self.key, held)
+        return held
 
+    def unwatch(self, core: _Core, deliver: Deliver, held: Optional[Deliver]) -> None:
+        core.unregister(self.key, deliver)
+        if held is not None:
+            core.unwatch_held(self.key, held)
 
-def _timeout_text(workflow_id: str, step_index: int, tool: str, timeout: float) -> str:
-    return f"no answer for step {step_index} of {workflow_id} ({tool}) in {timeout} s"
+    def timeout(self, seconds: float) -> StepgateTimeout:
+        return StepgateTimeout(
+            f"no answer for step {self.step_index} of {self.workflow_id} ({self.tool}) in "
+            f"{seconds} s")
 
 
 class Client:
     """Publishes intents and waits for their answers; safe to share between threads.
 
     Many calls may wait at once (from as many threads): one background thread
-    reads the answers and wakes each call by its call_id. Each workflow's
-    answers are read from its own partition only (the number of the intents
-    partition its intents go to), from where the client first needs it, so an
-    agent never holds other agents' answers. A call that hears nothing for
+    reads the answers and wakes each call by its step key and call_id. Each
+    workflow's answers are read from its own partition only (the number of the
+    intents partition its intents go to), from where the client first needs it,
+    so an agent never holds other agents' answers. A call that hears nothing for
     `republish_after` seconds publishes the same intent again (same call_id):
     harmless, it is the same step.
     """
@@ -411,14 +568,34 @@ class Client:
     def __init__(
         self,
         brokers: str,
-        intents: str = "stepgate.intents",
-        results: str = "stepgate.results",
+        intents: Optional[str] = None,
+        results: Optional[str] = None,
         config: Optional[Dict[str, Any]] = None,
         metadata_timeout: float = 10.0,
-        approvals: Optional[str] = "stepgate.approvals",
+        approvals: Any = DERIVED,
+        *,
+        topics_prefix: Optional[str] = None,
     ):
+        """Connect to `brokers` (`host:port,...`).
+
+        Topics (the gate's `[kafka.topics]`): `topics_prefix` names all three
+        as `<prefix>.intents`, `<prefix>.results` and `<prefix>.approvals`
+        (the gate's defaults: `stepgate`); `intents=`, `results=` and
+        `approvals=` name one each. A topic not named takes the prefix: the
+        one given, else that of a given `intents=`/`results=` name of that
+        shape (`acme.intents` -> `acme`), else `stepgate`. A missing topic
+        raises StepgateTopicError naming it and its option, so a client never
+        waits on a topic that is not there. `approvals=None` reads no approval
+        events: a call held for a person then waits for the decision, even
+        with `on_approval="raise"`.
+
+        `config`: more librdkafka properties for both of the client's Kafka
+        clients (TLS, SASL, ...). `metadata_timeout`: seconds to wait for the
+        broker's topic metadata (and a partition's offsets).
+        """
+        intents, results, approvals = topic_names(topics_prefix, intents, results, approvals)
         self._core = _Core(brokers, intents, results, config, metadata_timeout, approvals)
-        self.intents, self.results = intents, results
+        self.intents, self.results, self.approvals = intents, results, approvals
 
     @property
     def partitions(self) -> int:
@@ -445,12 +622,16 @@ class Client:
     ) -> Answer:
         """Publish one tool call and wait for its answer.
 
-        A call of an `approval` tool waits for a person's decision; with
-        `on_approval="raise"` it raises StepgateAwaitingApproval as soon as
-        stepgate holds it (the step stays recorded: call again later)."""
+        `call_id` names this call for its answer (a fresh one by default); it
+        is not the step's identity. Give one of your own only if it is unique
+        to this call — never a model's `tool_call_id`, which repeats; put that
+        in `metadata` to correlate. A call of an `approval` tool waits for a
+        person's decision; with `on_approval="raise"` it raises
+        StepgateAwaitingApproval as soon as stepgate holds it (the step stays
+        recorded: call again later)."""
         core = self._core
-        call_id = call_id or uuid.uuid4().hex
-        value = _intent(workflow_id, step_index, tool, arguments, attempt, call_id, metadata)
+        call = _Call(workflow_id, step_index, tool, arguments, attempt, call_id, metadata,
+                     on_approval)
         # Follow the answers' partition before the intent can be answered.
         core.follow(core.partition(workflow_id))
         fut: "concurrent.futures.Future[Any]" = concurrent.futures.Future()
@@ -465,29 +646,22 @@ class Client:
                 except concurrent.futures.InvalidStateError:
                     pass
 
-        core.register(call_id, deliver)
-        held = _held_notifier(on_approval, deliver, workflow_id, step_index, tool)
-        if held is not None:
-            core.watch_held(call_id, held)
+        held = call.watch(core, deliver)
         try:
             deadline = time.monotonic() + timeout
             while True:
-                while not core.publish(workflow_id, value, headers, deliver):
+                while not core.publish(workflow_id, call.value, headers, deliver):
                     core.producer.poll(0.05)
                     if time.monotonic() >= deadline:
-                        raise StepgateTimeout(_timeout_text(workflow_id, step_index, tool, timeout))
+                        raise call.timeout(timeout)
                 left = deadline - time.monotonic()
                 try:
                     return Answer.from_dict(fut.result(max(0.0, min(left, republish_after))))
                 except concurrent.futures.TimeoutError:
                     if time.monotonic() >= deadline:
-                        raise StepgateTimeout(
-                            _timeout_text(workflow_id, step_index, tool, timeout)
-                        ) from None
+                        raise call.timeout(timeout) from None
         finally:
-            core.unregister(call_id, deliver)
-            if held is not None:
-                core.unwatch_held(call_id, held)
+            call.unwatch(core, deliver, held)
 
     def close(self) -> None:
         """Stop reading answers; calls still waiting raise StepgateClosed."""
@@ -512,29 +686,38 @@ class AsyncClient:
     def __init__(
         self,
         brokers: str,
-        intents: str = "stepgate.intents",
-        results: str = "stepgate.results",
+        intents: Optional[str] = None,
+        results: Optional[str] = None,
         config: Optional[Dict[str, Any]] = None,
         metadata_timeout: float = 10.0,
-        approvals: Optional[str] = "stepgate.approvals",
+        approvals: Any = DERIVED,
+        *,
+        topics_prefix: Optional[str] = None,
     ):
+        """Connect to `brokers`; the options are `Client`'s. Blocking (the
+        topics' metadata): from a coroutine, `await AsyncClient.connect(...)`."""
+        intents, results, approvals = topic_names(topics_prefix, intents, results, approvals)
         self._core = _Core(brokers, intents, results, config, metadata_timeout, approvals)
-        self.intents, self.results = intents, results
+        self.intents, self.results, self.approvals = intents, results, approvals
         self._following: Dict[int, "asyncio.Future[None]"] = {}
 
     @classmethod
     async def connect(
         cls,
         brokers: str,
-        intents: str = "stepgate.intents",
-        results: str = "stepgate.results",
+        intents: Optional[str] = None,
+        results: Optional[str] = None,
         config: Optional[Dict[str, Any]] = None,
         metadata_timeout: float = 10.0,
-        approvals: Optional[str] = "stepgate.approvals",
+        approvals: Any = DERIVED,
+        *,
+        topics_prefix: Optional[str] = None,
     ) -> "AsyncClient":
+        """The constructor (same options), with its metadata read off the event loop."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
-            None, lambda: cls(brokers, intents, results, config, metadata_timeout, approvals)
+            None, lambda: cls(brokers, intents, results, config, metadata_timeout, approvals,
+                              topics_prefix=topics_prefix)
         )
 
     @property
@@ -558,11 +741,11 @@ class AsyncClient:
         metadata: Optional[Mapping[str, Any]] = None,
         on_approval: str = "wait",
     ) -> Answer:
-        """Publish one tool call and await its answer."""
+        """Publish one tool call and await its answer (as `Client.call`)."""
         core = self._core
         loop = asyncio.get_running_loop()
-        call_id = call_id or uuid.uuid4().hex
-        value = _intent(workflow_id, step_index, tool, arguments, attempt, call_id, metadata)
+        call = _Call(workflow_id, step_index, tool, arguments, attempt, call_id, metadata,
+                     on_approval)
         partition = core.partition(workflow_id)
         if not core.is_followed(partition):
             # One watermark request (in the default executor), the first time
@@ -588,16 +771,13 @@ class AsyncClient:
             except RuntimeError:  # the loop is closed: nobody waits any more
                 pass
 
-        core.register(call_id, deliver)
-        held = _held_notifier(on_approval, deliver, workflow_id, step_index, tool)
-        if held is not None:
-            core.watch_held(call_id, held)
+        held = call.watch(core, deliver)
         try:
             deadline = loop.time() + timeout
             while True:
-                while not core.publish(workflow_id, value, headers, deliver):
+                while not core.publish(workflow_id, call.value, headers, deliver):
                     if loop.time() >= deadline:
-                        raise StepgateTimeout(_timeout_text(workflow_id, step_index, tool, timeout))
+                        raise call.timeout(timeout)
                     await asyncio.sleep(0.05)
                 left = deadline - loop.time()
                 try:
@@ -607,13 +787,9 @@ class AsyncClient:
                     return Answer.from_dict(outcome)
                 except asyncio.TimeoutError:
                     if loop.time() >= deadline:
-                        raise StepgateTimeout(
-                            _timeout_text(workflow_id, step_index, tool, timeout)
-                        ) from None
+                        raise call.timeout(timeout) from None
         finally:
-            core.unregister(call_id, deliver)
-            if held is not None:
-                core.unwatch_held(call_id, held)
+            call.unwatch(core, deliver, held)
             if not fut.done():
                 fut.cancel()
 
@@ -628,12 +804,9 @@ class AsyncClient:
         await self.close()
 
 
-def _hop_call_id(kw: Dict[str, Any], hop: int) -> Dict[str, Any]:
-    """The call's keywords for its `hop`-th step: a call_id of its own, so that
-    no late answer to an earlier step's intent can answer this one."""
-    if hop and kw.get("call_id"):
-        return dict(kw, call_id=f"{kw['call_id']}~{hop}")
-    return kw
+def _at_hop(kw: Dict[str, Any], hop: int) -> Dict[str, Any]:
+    """A workflow call's keywords for its `hop`-th step: its own call_id there."""
+    return dict(kw, call_id=hop_call_id(kw["call_id"], hop)) if kw.get("call_id") else kw
 
 
 class Workflow:
@@ -662,7 +835,7 @@ class Workflow:
         step after, and so on: the recorded call's step stays its own."""
         for hop in range(MAX_CONFLICT_HOPS):
             answer = self.client.call(self.workflow_id, self.take_step(), tool, arguments,
-                                      **_hop_call_id(kw, hop))
+                                      **_at_hop(kw, hop))
             if not answer.identity_conflict:
                 break
         return answer
@@ -687,7 +860,7 @@ class AsyncWorkflow:
         """The run's next tool call (identity conflicts as in `Workflow.call`)."""
         for hop in range(MAX_CONFLICT_HOPS):
             answer = await self.client.call(self.workflow_id, self.take_step(), tool, arguments,
-                                            **_hop_call_id(kw, hop))
+                                            **_at_hop(kw, hop))
             if not answer.identity_conflict:
                 break
         return answer

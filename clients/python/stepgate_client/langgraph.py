@@ -67,7 +67,14 @@ from langgraph.types import Command, interrupt
 from pydantic import BaseModel, Field, create_model
 
 from .answer import answer_text
-from .client import AsyncClient, Client, StepgateAwaitingApproval, StepgateError
+from .client import (
+    AsyncClient,
+    Client,
+    StepgateAwaitingApproval,
+    StepgateError,
+    hop_call_id,
+    new_call_id,
+)
 
 NOT_ANSWERED = "not answered yet:"
 NOT_ANSWERED_TEXT = (
@@ -157,8 +164,8 @@ class _Step:
         self.workflow_id = str(thread) + (f"/{self.ns}" if self.ns else "") + f"@{lineage}"
         pool = {t: [tuple(k) for k in v] for t, v in (ch.get("unanswered") or {}).items()}
         nxt = int(ch.get("next", 0))
-        mine: Optional[Tuple[StepKey, bool]] = None
-        for call in _turn(state["messages"], tool_call_id).tool_calls:
+        mine: Optional[Tuple[StepKey, bool, int]] = None
+        for position, call in enumerate(_turn(state["messages"], tool_call_id).tool_calls):
             waiting = pool.get(call["name"])
             if waiting:
                 key, taken = waiting.pop(0), True
@@ -166,9 +173,14 @@ class _Step:
                 key, taken = (self.workflow_id, nxt), False
                 nxt += 1
             if call["id"] == tool_call_id:
-                mine = (key, taken)
+                mine = (key, taken, position)
         assert mine is not None
-        (self.key, self.taken) = mine
+        (self.key, self.taken, position) = mine
+        # Where this call goes if its step is another call's: named by the
+        # task and the call's place in its turn — the same on a re-run of
+        # the task, and no other call's (the model's id may repeat).
+        self.moved = f"{self.workflow_id}#" + hashlib.sha256(
+            f"moved|{task or tool_call_id}|{position}".encode()).hexdigest()[:12]
         self.name, self.tool_call_id, self.channel = name, tool_call_id, channel
         self.delta: Dict[str, Any] = {"lineage": lineage, "forked_at": forked_at, "next": nxt}
         if self.taken:
@@ -177,13 +189,15 @@ class _Step:
     def conflicted(self) -> bool:
         """The step taken for this call is another call's (an identity
         conflict): that step stays open for its real retry, and this call
-        moves to a step of its own, `<workflow_id>#<tool_call_id>` step 0 —
-        the same on a re-run of this task, and no other call's."""
-        if self.key[0].endswith(f"#{self.tool_call_id}"):
+        moves to a step of its own, `<workflow_id>#<12 hex digits>` step 0,
+        named by LangGraph's task id and the call's place in its turn — the
+        same on a re-run of this task, and no other call's (never by the
+        model's `tool_call_id`, which another call may carry)."""
+        if self.key[0] == self.moved:
             return False
         self.delta.pop("take", None)
         self.taken = False
-        self.key = (f"{self.workflow_id}#{self.tool_call_id}", 0)
+        self.key = (self.moved, 0)
         return True
 
     def result(self, text: str, unanswered: bool = False) -> Command:
@@ -265,18 +279,20 @@ def stepgate_tool(
                             "use a Client for invoke/stream")
         step = _Step(state, config, tool_call_id, name, channel)
         args = _json_args(arguments)
+        # The wire call_id is this call's own: the model's id repeats (forks
+        # of one checkpoint replay it), so it only goes in the metadata.
+        base, metadata = new_call_id(), {"tool_call_id": tool_call_id}
         for hop in range(2):
             wf, index = step.key
-            cid = f"{tool_call_id}~{hop}" if hop else tool_call_id
+            kw = dict(timeout=timeout, call_id=hop_call_id(base, hop), metadata=metadata)
             try:
                 try:
-                    answer = client.call(wf, index, name, args, timeout=timeout, call_id=cid,
-                                         on_approval="raise")
+                    answer = client.call(wf, index, name, args, on_approval="raise", **kw)
                 except StepgateAwaitingApproval as held:
                     # The graph pauses here until resumed (Command(resume=...));
                     # resumed, the tool runs again: the same step, its answer.
                     interrupt(_held(step, held))
-                    answer = client.call(wf, index, name, args, timeout=timeout, call_id=cid)
+                    answer = client.call(wf, index, name, args, **kw)
             except StepgateError:  # a timeout, or a publish whose fate is unknown
                 return step.result(NOT_ANSWERED_TEXT, unanswered=True)
             if not (answer.identity_conflict and step.conflicted()):
@@ -287,16 +303,16 @@ def stepgate_tool(
                    **arguments: Any) -> Command:
         step = _Step(state, config, tool_call_id, name, channel)
         args = _json_args(arguments)
+        base, metadata = new_call_id(), {"tool_call_id": tool_call_id}
         for hop in range(2):
             wf, index = step.key
-            cid = f"{tool_call_id}~{hop}" if hop else tool_call_id
+            kw = dict(timeout=timeout, call_id=hop_call_id(base, hop), metadata=metadata)
 
             async def call(on_approval: str) -> Any:
                 if isinstance(client, AsyncClient):
-                    return await client.call(wf, index, name, args, call_id=cid,
-                                             timeout=timeout, on_approval=on_approval)
-                return await asyncio.to_thread(client.call, wf, index, name, args, call_id=cid,
-                                               timeout=timeout, on_approval=on_approval)
+                    return await client.call(wf, index, name, args, on_approval=on_approval, **kw)
+                return await asyncio.to_thread(client.call, wf, index, name, args,
+                                               on_approval=on_approval, **kw)
 
             try:
                 try:

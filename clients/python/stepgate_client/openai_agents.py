@@ -74,6 +74,8 @@ from .client import (
     StepgateAwaitingApproval,
     StepgateError,
     StepgateTimeout,
+    hop_call_id,
+    new_call_id,
 )
 
 NOT_ANSWERED = (
@@ -444,22 +446,32 @@ def _position_lost(run: StepgateRun, step: int, tool: str) -> StepgatePositionLo
     )
 
 
+def _correlation(tool_call_id: Optional[str]) -> Optional[Dict[str, Any]]:
+    """The intent's metadata: the model's id of the call, for correlation
+    only (models repeat their ids: it is never the wire `call_id`)."""
+    return {"tool_call_id": tool_call_id} if tool_call_id else None
+
+
 async def invoke_step(client: Union[Client, AsyncClient], run: StepgateRun, name: str,
-                      arguments: Dict[str, Any], call_id: Optional[str],
+                      arguments: Dict[str, Any], tool_call_id: Optional[str],
                       timeout: float) -> str:
-    """One tool call of a run through stepgate: the text for the model."""
-    if call_id is not None and call_id in run.calls:
+    """One tool call of a run through stepgate: the text for the model.
+    `tool_call_id` is the model's id of the call: it finds a call whose step
+    was taken before an approval interruption, and goes in the intent's
+    metadata; each intent gets a wire `call_id` of its own."""
+    if tool_call_id is not None and tool_call_id in run.calls:
         # A call whose step was taken before it was held for approval.
-        step, fresh = run.calls.pop(call_id), False
+        step, fresh = run.calls.pop(tool_call_id), False
     else:
         step, fresh = run.take_step(name)
+    base = new_call_id()
     for hop in range(MAX_CONFLICT_HOPS):
         run.pending[step] = name
         await run._saved()
         try:
             answer = await call_async(client, run.workflow_id, step, name, arguments,
-                                      call_id=f"{call_id}~{hop}" if hop and call_id else call_id,
-                                      timeout=timeout)
+                                      call_id=hop_call_id(base, hop), timeout=timeout,
+                                      metadata=_correlation(tool_call_id))
         except StepgateTimeout:
             del run.pending[step]
             run.leave_unanswered(name, step)
@@ -505,35 +517,39 @@ def stepgate_tool(
     (`state.approve(item)`) and run the state again: the call keeps its step
     and gets its answer.
     """
-    answered: Dict[str, Answer] = {}
+    # Answers given while the SDK asked about approval, by (workflow, the
+    # model's call id): the tool serves many runs, whose models' ids repeat.
+    answered: Dict[Tuple[str, str], Answer] = {}
 
     async def invoke(ctx: ToolContext[Any], input_json: str) -> str:
-        found = answered.pop(ctx.tool_call_id, None)
-        if found is not None:  # answered while the SDK asked about approval
-            return answer_text(found)
         run = await resolve_run(ctx, context_attribute)
+        found = answered.pop((run.workflow_id, ctx.tool_call_id), None)
+        if found is not None:
+            return answer_text(found)
         arguments = json.loads(input_json or "{}")
         return await invoke_step(client, run, name, arguments, ctx.tool_call_id, timeout)
 
-    async def needs_approval(ctx: Any, arguments: Dict[str, Any], call_id: str) -> bool:
+    async def needs_approval(ctx: Any, arguments: Dict[str, Any], tool_call_id: str) -> bool:
         run = await resolve_run(ctx, context_attribute)
-        if call_id in run.calls:
+        if tool_call_id in run.calls:
             return False  # asked again after its interruption: invoke waits for it
         step, fresh = run.take_step(name)
-        run.calls[call_id] = step
+        run.calls[tool_call_id] = step
         await run._saved()
         try:
             answer = await call_async(client, run.workflow_id, step, name, arguments,
-                                      call_id=call_id, timeout=timeout, on_approval="raise")
+                                      call_id=new_call_id(), timeout=timeout,
+                                      on_approval="raise",
+                                      metadata=_correlation(tool_call_id))
         except StepgateAwaitingApproval:
             return True
         except StepgateError:
             return False  # invoke asks again, at the same step
-        run.calls.pop(call_id, None)
+        run.calls.pop(tool_call_id, None)
         await run._saved()
         if fresh and (answer.deduplicated or answer.identity_conflict):
             raise _position_lost(run, step, name)
-        answered[call_id] = answer
+        answered[(run.workflow_id, tool_call_id)] = answer
         return False
 
     return FunctionTool(
@@ -632,8 +648,10 @@ class MCPStepHooks:
                  failure_error_function: Optional[Callable[[Any, Exception], Any]] = None):
         self.context_attribute = context_attribute
         self._failure_text = failure_error_function
-        # Calls resolved and not yet settled: {tool_call_id: (run, step, fresh, tool, args)}.
-        self.inflight: Dict[str, Tuple[StepgateRun, int, bool, str, str]] = {}
+        # Calls resolved and not yet settled, by (workflow, the model's call
+        # id) — one server serves many runs, whose models' ids repeat:
+        # {(workflow_id, tool_call_id): (run, step, fresh, tool, args)}.
+        self.inflight: Dict[Tuple[str, str], Tuple[StepgateRun, int, bool, str, str]] = {}
         # Steps a call conflicted with: {(workflow_id, step): {argument fingerprints}}.
         self.conflicts: Dict[Tuple[str, int], set] = {}
 
@@ -661,12 +679,23 @@ class MCPStepHooks:
                 if wf == run.workflow_id and args in seen}
         step, fresh = run.take_step(tool, skip)
         run.pending[step] = tool
-        self.inflight[call_id] = (run, step, fresh, tool, args)
+        self.inflight[(run.workflow_id, call_id)] = (run, step, fresh, tool, args)
         await run._saved()  # before the call is sent
         return {"workflow_id": run.workflow_id, "step_index": step, "attempt": 0}
 
-    async def _unanswered(self, call_id: str, front: bool = False) -> None:
-        entry = self.inflight.pop(call_id, None)
+    async def _inflight_key(self, wrapper: Any) -> Optional[Tuple[str, str]]:
+        """The `inflight` key of a call from its ToolContext, if it has one."""
+        call_id = getattr(wrapper, "tool_call_id", None)
+        if not call_id:
+            return None
+        try:
+            run = await resolve_run(wrapper, self.context_attribute)
+        except TypeError:  # no numbering in this run's context: not ours
+            return None
+        return (run.workflow_id, call_id)
+
+    async def _unanswered(self, key: Tuple[str, str], front: bool = False) -> None:
+        entry = self.inflight.pop(key, None)
         if entry is None:
             return
         run, step, _, tool, _ = entry
@@ -677,20 +706,20 @@ class MCPStepHooks:
         await run._saved()
 
     async def custom_data_extractor(self, ctx: Any) -> None:
-        call_id = getattr(ctx.run_context, "tool_call_id", None)
-        entry = self.inflight.get(call_id) if call_id else None
-        if entry is None:
+        key = await self._inflight_key(ctx.run_context)
+        entry = self.inflight.get(key) if key else None
+        if key is None or entry is None:
             return None
         run, step, fresh, tool, args = entry
         meta = dict(ctx.result_meta or {})
         if "stepgate/status" not in meta:
             # No answer of stepgate's: not answered in time, or refused
             # before it was asked. The step goes to the model's retry.
-            await self._unanswered(call_id)
+            await self._unanswered(key)
             return None
         if (meta.get("stepgate/workflow_id"), meta.get("stepgate/step_index")) != \
                 (run.workflow_id, step):
-            await self._unanswered(call_id)
+            await self._unanswered(key)
             raise StepgateMetaIgnored(
                 f"the MCP server answered {tool!r} as step {meta.get('stepgate/step_index')} of "
                 f"{meta.get('stepgate/workflow_id')!r}, not the step sent in _meta (step {step} of "
@@ -700,9 +729,9 @@ class MCPStepHooks:
             # The unanswered step belongs to another call (its identity
             # arguments differ): it stays open for that call's real retry.
             self.conflicts.setdefault((run.workflow_id, step), set()).add(args)
-            await self._unanswered(call_id, front=True)
+            await self._unanswered(key, front=True)
             return None
-        del self.inflight[call_id]
+        del self.inflight[key]
         run.pending.pop(step, None)
         await run._saved()
         if fresh and (meta.get("stepgate/deduplicated") or conflict):
@@ -713,9 +742,9 @@ class MCPStepHooks:
     async def failure_error_function(self, ctx: Any, error: Exception) -> Optional[str]:
         if _caused_by(error, StepgatePositionLost) or _caused_by(error, StepgateMetaIgnored):
             return None  # not text for the model: the run stops
-        call_id = getattr(ctx, "tool_call_id", None)
-        if call_id:
-            await self._unanswered(call_id)
+        key = await self._inflight_key(ctx)
+        if key is not None:
+            await self._unanswered(key)
         if self._failure_text is None:
             from agents.tool import default_tool_error_function
 

@@ -294,16 +294,15 @@ level = "info,rdkafka=warn"
         return p.read_text(errors="replace")[-20000:] if p.exists() else ""
 
     def client(self, **kw: Any):
+        """A `Client` of this stack's topics (all named by their prefix)."""
         from stepgate_client import Client
 
-        kw.setdefault("approvals", f"{self.prefix}.approvals")
-        return Client(self.brokers, intents=self.intents, results=self.results, **kw)
+        return Client(self.brokers, topics_prefix=self.prefix, **kw)
 
     def async_client(self, **kw: Any):
         from stepgate_client import AsyncClient
 
-        kw.setdefault("approvals", f"{self.prefix}.approvals")
-        return AsyncClient(self.brokers, intents=self.intents, results=self.results, **kw)
+        return AsyncClient(self.brokers, topics_prefix=self.prefix, **kw)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -2,6 +2,10 @@
 
 Agents SDK: a `Model` whose turns are given in advance (tool calls, then a
 final text). LangGraph: a chat model whose turns are given in advance.
+
+A tool call is `(name, args)`, with a random id, or `(name, args, id)` with the
+id a model gives it — local and scripted models number their calls (`call_0`,
+`call_1`, ...), so the same id comes from many conversations.
 """
 
 from __future__ import annotations
@@ -10,7 +14,11 @@ import json
 import uuid
 from typing import Any, List, Sequence, Tuple, Union
 
-Turn = Union[str, Sequence[Tuple[str, dict]]]
+Turn = Union[str, Sequence[Union[Tuple[str, dict], Tuple[str, dict, str]]]]
+
+
+def _call_id(call: tuple) -> str:
+    return call[2] if len(call) > 2 else f"call-{uuid.uuid4().hex[:12]}"
 
 
 def agents_model(turns: List[Turn]):
@@ -39,8 +47,8 @@ def agents_model(turns: List[Turn]):
                     content=[ResponseOutputText(type="output_text", text=turn, annotations=[])])]
             else:
                 output = []
-                for name, args in turn:
-                    cid = f"call-{uuid.uuid4().hex[:12]}"
+                for call in turn:
+                    name, args, cid = call[0], call[1], _call_id(call)
                     output.append(ResponseFunctionToolCall(
                         type="function_call", id=f"fc-{cid}", call_id=cid, name=name,
                         arguments=json.dumps(args), status="completed"))
@@ -66,8 +74,7 @@ def langgraph_model(turns: List[Turn]):
         if isinstance(turn, str):
             return AIMessage(content=turn)
         return AIMessage(content="", tool_calls=[
-            {"id": f"call-{uuid.uuid4().hex[:12]}", "name": n, "args": a, "type": "tool_call"}
-            for n, a in turn])
+            {"id": _call_id(c), "name": c[0], "args": c[1], "type": "tool_call"} for c in turn])
 
     class Scripted(GenericFakeChatModel):
         def bind_tools(self, tools, **kw):

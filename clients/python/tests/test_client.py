@@ -16,8 +16,10 @@ from stepgate_client import (
     Answer,
     AsyncClient,
     Client,
+    StepgateAwaitingApproval,
     StepgateClosed,
     StepgateTimeout,
+    StepgateTopicError,
     partition_for,
 )
 
@@ -131,7 +133,7 @@ def test_async_client_serves_eight_calls_at_once_without_a_thread_each(stack, wf
 
     async def main():
         client = await AsyncClient.connect(stack.brokers, intents=stack.intents,
-                                           results=stack.results)
+                                           results=stack.results)  # approvals: derived
         async with client:
             seen = []
             for step in (0, 1):
@@ -211,9 +213,114 @@ def test_a_client_refuses_a_missing_topic():
 
     from harness import brokers
 
-    with pytest.raises(KafkaException, match="not found"):
+    with pytest.raises(KafkaException, match="not found") as e:
         Client(brokers(), intents="sgpy-no-such-topic.intents",
                results="sgpy-no-such-topic.results", metadata_timeout=5)
+    assert isinstance(e.value, StepgateTopicError)
+    assert "sgpy-no-such-topic.intents" in str(e.value) and "intents=" in str(e.value)
+
+
+# Two workflows whose calls carry one call_id, as model ids repeat (every
+# conversation of a local model starts at `call_0`): the slow one waits in the
+# tool while the fast one is answered.
+def _collide(wf):
+    return f"{wf}-collide-A", f"{wf}-collide-B"
+
+
+def test_two_workflows_sharing_a_call_id_each_get_their_own_answer(stack, wf):
+    a_wf, b_wf = _collide(wf)
+    stack.tools.hold("slow")
+    try:
+        with stack.client() as client, ThreadPoolExecutor(1) as pool:
+            slow = pool.submit(client.call, a_wf, 0, "slow", {"who": "A"}, call_id="call_0",
+                               timeout=60)
+            wait_for(lambda: stack.tools.count("slow", a_wf) == 1, 60, "A's call is in the tool")
+            fast = client.call(b_wf, 0, "create_ticket", {"who": "B"}, call_id="call_0",
+                               timeout=60)
+            assert (fast.workflow_id, fast.output["echo"]) == (b_wf, {"who": "B"})
+            # B's answer (call_0) came while A waited on call_0: not A's.
+            assert not slow.done() or slow.result().workflow_id == a_wf, slow.result()
+            stack.tools.release("slow")
+            a = slow.result(60)
+    finally:
+        stack.tools.release("slow")
+    assert (a.workflow_id, a.tool, a.output["echo"]) == (a_wf, "slow", {"who": "A"})
+    assert stack.tools.count("slow", a_wf) == 1 and stack.tools.count("create_ticket", b_wf) == 1
+
+
+def test_async_two_workflows_sharing_a_call_id_each_get_their_own_answer(stack, wf):
+    a_wf, b_wf = _collide(wf)
+
+    async def main():
+        async with await AsyncClient.connect(stack.brokers, topics_prefix=stack.prefix) as client:
+            slow = asyncio.ensure_future(
+                client.call(a_wf, 0, "slow", {"who": "A"}, call_id="call_0", timeout=60))
+            await asyncio.to_thread(wait_for, lambda: stack.tools.count("slow", a_wf) == 1, 60,
+                                    "A's call is in the tool")
+            fast = await client.call(b_wf, 0, "create_ticket", {"who": "B"}, call_id="call_0",
+                                     timeout=60)
+            early = slow.result() if slow.done() else None
+            stack.tools.release("slow")
+            return fast, early, await slow
+
+    stack.tools.hold("slow")
+    try:
+        fast, early, a = asyncio.run(main())
+    finally:
+        stack.tools.release("slow")
+    assert (fast.workflow_id, fast.output["echo"]) == (b_wf, {"who": "B"})
+    assert early is None or early.workflow_id == a_wf, early
+    assert (a.workflow_id, a.tool, a.output["echo"]) == (a_wf, "slow", {"who": "A"})
+
+
+def test_a_call_held_for_approval_stops_only_its_own_waiter(stack, wf):
+    """A's call is held for approval; B's, in another workflow with the same
+    call_id, waits in its tool: only A is told it is held."""
+    a_wf, b_wf = _collide(wf)
+    stack.tools.hold("slow")
+    try:
+        with stack.client() as client, ThreadPoolExecutor(1) as pool:
+            b = pool.submit(client.call, b_wf, 0, "slow", {"who": "B"}, call_id="call_0",
+                            timeout=60, on_approval="raise")
+            wait_for(lambda: stack.tools.count("slow", b_wf) == 1, 60, "B's call is in the tool")
+            with pytest.raises(StepgateAwaitingApproval) as held:
+                client.call(a_wf, 0, "wire_approved", {"amount": 1}, call_id="call_0",
+                            timeout=60, on_approval="raise")
+            assert held.value.event["workflow_id"] == a_wf
+            stack.tools.release("slow")
+            answer = b.result(60)
+    finally:
+        stack.tools.release("slow")
+    assert (answer.workflow_id, answer.output["echo"]) == (b_wf, {"who": "B"})
+
+
+def test_a_client_naming_intents_and_results_finds_their_approvals_topic(stack, wf):
+    """The gate's topics named as `<prefix>.intents` and `<prefix>.results`,
+    without `approvals=`: a held call is still reported as held."""
+    with Client(stack.brokers, intents=stack.intents, results=stack.results) as client:
+        assert client.approvals == f"{stack.prefix}.approvals"
+        with pytest.raises(StepgateAwaitingApproval):
+            client.call(wf, 0, "wire_approved", {"amount": 5}, on_approval="raise", timeout=30)
+
+
+def test_a_missing_approvals_topic_is_named_at_once(stack):
+    with pytest.raises(StepgateTopicError) as e:
+        Client(stack.brokers, intents=stack.intents, results=stack.results,
+               approvals="sgpy-no-such-topic.approvals", metadata_timeout=5)
+    text = str(e.value)
+    assert "sgpy-no-such-topic.approvals" in text and "approvals=" in text, text
+    assert "topics_prefix=" in text, text
+
+
+def test_a_step_key_stepgate_would_refuse_is_refused_before_it_is_sent(stack, wf):
+    with stack.client() as client:
+        for bad in [dict(step_index=-1), dict(attempt=-1), dict(attempt=True),
+                    dict(tool="no spaces"), dict(workflow_id="")]:
+            key = dict(dict(workflow_id=wf, step_index=0, tool="create_ticket", attempt=0), **bad)
+            with pytest.raises(ValueError, match=next(iter(bad))):
+                client.call(key["workflow_id"], key["step_index"], key["tool"], {},
+                            attempt=key["attempt"], timeout=5)
+    assert stack.tools.count("create_ticket", wf) == 0
 
 
 def test_a_different_call_in_a_lost_call_s_step_moves_on_and_the_real_retry_gets_its_answer(

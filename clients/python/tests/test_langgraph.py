@@ -255,6 +255,36 @@ def test_alice_then_bob_both_emails_are_sent_once_and_alice_s_retry_gets_hers(st
     assert alice["stepgate"]["tools"]["unanswered"] == {}
 
 
+def test_two_calls_that_conflict_with_one_lost_step_under_one_model_id_both_run(stack, wf):
+    """alice's call is lost; bob's, then carol's take its step in turn and
+    conflict. The model numbers each turn's call `call_1`: each moved call
+    still gets a step of its own, so all three emails are sent and each call
+    is answered with its own."""
+    from harness import wait_for
+
+    stack.tools.delays["mail"] = 0.3
+    with stack.client() as client:
+        saver = InMemorySaver()
+        config = {"configurable": {"thread_id": wf}}
+        lost = langgraph_model([[("mail", {"to": "alice", "subject": "Hi"}, "call_0")], "done"])
+        quick = stepgate_tool(client, "mail", "Send an email.", MAIL, timeout=0.0)
+        agent_graph([quick], lost).compile(checkpointer=saver).invoke(
+            {"messages": [HumanMessage("mail alice")]}, config)
+        wait_for(lambda: len([c for c in stack.tools.invocations("mail")
+                              if c.workflow_id.startswith(wf)]) == 1, 60, "alice's email sent")
+        model = langgraph_model([[("mail", {"to": "bob", "subject": "Hi"}, "call_1")], "done",
+                                 [("mail", {"to": "carol", "subject": "Hi"}, "call_1")], "done"])
+        app = agent_graph([stepgate_tool(client, "mail", "Send an email.", MAIL)],
+                          model).compile(checkpointer=saver)
+        bob = app.invoke({"messages": [HumanMessage("mail bob")]}, config)
+        carol = app.invoke({"messages": [HumanMessage("mail carol")]}, config)
+    assert echoed(tool_outputs(bob["messages"])[-1])["to"] == "bob"
+    assert tool_outputs(carol["messages"])[-1].startswith("{"), tool_outputs(carol["messages"])
+    assert echoed(tool_outputs(carol["messages"])[-1])["to"] == "carol"
+    calls = [c for c in stack.tools.invocations("mail") if c.workflow_id.startswith(wf)]
+    assert sorted(c.body["to"] for c in calls) == ["alice", "bob", "carol"]
+
+
 def test_a_tool_from_a_tool_decorated_function_keeps_its_name_schema_and_docstring(stack, wf):
     from langchain_core.tools import tool as lc_tool
 
@@ -301,3 +331,65 @@ def test_a_call_held_for_approval_is_an_interrupt_and_the_resumed_graph_gets_its
     assert echoed(tool_outputs(out["messages"])[-1]) == {"amount": 900}
     calls = [c for c in stack.tools.invocations("wire_approved") if c.workflow_id.startswith(wf)]
     assert len(calls) == 1
+
+
+def test_two_forks_of_one_checkpoint_replaying_one_tool_call_id_each_get_their_own_answer(
+        stack, wf):
+    """Two branches forked from one checkpoint, run at once on one client; their
+    models give their calls the same id (`call_1`). Fork A's call waits in its
+    tool while fork B's is answered: each fork's ToolMessage is its own."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from harness import wait_for
+
+    with stack.client() as client:
+        tools = [stepgate_tool(client, "create_ticket", "Open a ticket.", TITLE),
+                 stepgate_tool(client, "slow", "Slow.", TITLE)]
+        saver = InMemorySaver()
+        config = {"configurable": {"thread_id": wf}}
+        base = langgraph_model([[("create_ticket", {"title": "first"}, "call_0")], "done"])
+        agent_graph(tools, base).compile(checkpointer=saver).invoke(
+            {"messages": [HumanMessage("one")]}, config)
+        fork_point = saver.get_tuple(config).config
+        fork_a = agent_graph(tools, langgraph_model(
+            [[("slow", {"title": "A"}, "call_1")], "done"])).compile(checkpointer=saver)
+        fork_b = agent_graph(tools, langgraph_model(
+            [[("create_ticket", {"title": "B"}, "call_1")], "done"])).compile(checkpointer=saver)
+
+        def mine(c):
+            return c.workflow_id.startswith(wf)
+
+        stack.tools.hold("slow")
+        try:
+            with ThreadPoolExecutor(1) as pool:
+                a = pool.submit(fork_a.invoke, {"messages": [HumanMessage("A")]}, fork_point)
+                wait_for(lambda: any(mine(c) for c in stack.tools.invocations("slow")), 60,
+                         "fork A's call is in the tool")
+                out_b = fork_b.invoke({"messages": [HumanMessage("B")]}, fork_point)
+                stack.tools.release("slow")
+                out_a = a.result(120)
+        finally:
+            stack.tools.release("slow")
+    assert echoed(tool_outputs(out_b["messages"])[-1]) == {"title": "B"}
+    assert echoed(tool_outputs(out_a["messages"])[-1]) == {"title": "A"}
+    slow = [c for c in stack.tools.invocations("slow") if mine(c)]
+    tickets = [c for c in stack.tools.invocations("create_ticket") if mine(c)]
+    assert [c.body["title"] for c in slow] == ["A"]
+    assert [c.body["title"] for c in tickets] == ["first", "B"]
+    # Two forks, two lineages: neither is the other's step.
+    assert slow[0].workflow_id != tickets[1].workflow_id
+
+
+def test_a_held_call_is_an_interrupt_with_a_client_that_names_two_topics(stack, wf):
+    """The client names the stack's intents and results topics and not its
+    approvals topic: the held call is still an interrupt, not a timeout."""
+    from stepgate_client import Client
+
+    with Client(stack.brokers, intents=stack.intents, results=stack.results) as client:
+        tool = stepgate_tool(client, "wire_approved", "Wire money.",
+                             {"amount": {"type": "integer"}}, timeout=20)
+        model = langgraph_model([[("wire_approved", {"amount": 7})], "done"])
+        app = agent_graph([tool], model).compile(checkpointer=InMemorySaver())
+        out = app.invoke({"messages": [HumanMessage("pay")]}, {"configurable": {"thread_id": wf}})
+    assert "__interrupt__" in out, tool_outputs(out["messages"])
+    assert out["__interrupt__"][0].value["stepgate"] == "awaiting_approval"

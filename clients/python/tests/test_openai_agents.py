@@ -277,3 +277,36 @@ def test_the_numbering_travels_in_the_sdk_s_run_state_across_a_process_restart(s
     assert json.loads(model.tool_outputs()[-1])["echo"] == {"amount": 42}
     assert [c.step_index for c in stack.tools.invocations("wire_approved", wf)] == [1]
     assert [c.step_index for c in stack.tools.invocations("create_ticket", wf)] == [0]
+
+
+def test_two_runs_whose_models_number_their_calls_alike_each_get_their_own_answer(stack, wf):
+    """Two runs at once on one client; both models call their first tool call
+    `call_0` (as local models do). Run A's call waits in its tool while run B's
+    is answered: each model is shown its own call's result."""
+    a_wf, b_wf = f"{wf}-A", f"{wf}-B"
+
+    async def main():
+        async with await connect(stack) as client:
+            tools = [stepgate_tool(client, "slow", "Slow.", TITLE),
+                     stepgate_tool(client, "create_ticket", "Open a ticket.", TITLE)]
+            model_a = agents_model([[("slow", {"title": "A"}, "call_0")], "done"])
+            model_b = agents_model([[("create_ticket", {"title": "B"}, "call_0")], "done"])
+            run_a = asyncio.ensure_future(Runner.run(
+                Agent(name="a", model=model_a, tools=tools), "go", context=StepgateRun(a_wf)))
+            await asyncio.to_thread(wait_for, lambda: stack.tools.count("slow", a_wf) == 1, 60,
+                                    "run A's call is in the tool")
+            await Runner.run(Agent(name="b", model=model_b, tools=tools), "go",
+                             context=StepgateRun(b_wf))
+            stack.tools.release("slow")
+            await run_a
+            return model_a, model_b
+
+    stack.tools.hold("slow")
+    try:
+        model_a, model_b = run(main())
+    finally:
+        stack.tools.release("slow")
+    assert json.loads(model_b.tool_outputs()[-1])["echo"] == {"title": "B"}
+    assert json.loads(model_a.tool_outputs()[-1])["echo"] == {"title": "A"}
+    assert [c.body for c in stack.tools.invocations("slow", a_wf)] == [{"title": "A"}]
+    assert [c.body for c in stack.tools.invocations("create_ticket", b_wf)] == [{"title": "B"}]

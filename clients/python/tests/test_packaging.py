@@ -48,3 +48,24 @@ print(json.dumps({
     pip_show = subprocess.run([py, "-m", "pip", "show", "stepgate-client"],
                               capture_output=True, text=True, timeout=120, env=env)
     assert "Name: stepgate-client" in pip_show.stdout
+
+
+def test_an_in_tree_install_leaves_the_source_tree_as_it_was(tmp_path: Path):
+    """`pip install ./clients/python` from a checkout builds in the source
+    tree itself: nothing may be left there (no `build/`, no `*.egg-info`)."""
+    src = tmp_path / "clients" / "python"
+    shutil.copytree(REPO / "clients" / "python", src,
+                    ignore=shutil.ignore_patterns("__pycache__", "build", "*.egg-info"))
+
+    def tree():
+        return sorted(str(p.relative_to(src)) for p in src.rglob("*")
+                      if "__pycache__" not in p.parts)
+
+    before = tree()
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    pip = subprocess.run(["python3", "-m", "pip", "install", "-q", "--no-deps", "--target",
+                          str(tmp_path / "site"), "./clients/python"],
+                         capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert pip.returncode == 0, pip.stderr
+    assert (tmp_path / "site" / "stepgate_client" / "py.typed").is_file()
+    assert set(tree()) - set(before) == set(), "the build left files in the source tree"

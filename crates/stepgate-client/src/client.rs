@@ -6,6 +6,12 @@
 //! with the original result instead of running the tool again. Only
 //! [`Workflow::retry_step`] asks for a deliberate re-execution (`attempt` + 1).
 //!
+//! A call's answer is matched by the step key *and* the `call_id` of the
+//! intent it answers, never the `call_id` alone: another workflow's call may
+//! carry the same `call_id` (models number their calls alike), and its answer
+//! must never reach this caller. An answer that matches no waiting call is
+//! dropped.
+//!
 //! Every intent is published to the partition that owns its workflow,
 //! [`crate::contract::partition_for`] (murmur2, as Kafka's Java clients do), so a
 //! retry from this client and one from any Java or murmur2 client of the same
@@ -108,8 +114,13 @@ pub struct StepCall {
     pub tool: String,
     pub arguments: Arguments,
     pub attempt: u64,
-    /// Set one to correlate with your own logs; one is generated otherwise.
+    /// The wire `call_id` of the call's first intent: it names this call for
+    /// its answer, and is not the step's identity. Generated when `None`
+    /// (and for every re-publish). Set one only if it is unique to this call:
+    /// never a model's `tool_call_id`, which repeats across conversations —
+    /// put that in `metadata` to correlate.
     pub call_id: Option<String>,
+    /// Stored with the step, never interpreted (e.g. the model's `tool_call_id`).
     pub metadata: Option<Map<String, Value>>,
     /// How long this call waits for its answer, instead of
     /// [`ClientOptions::timeout`].
@@ -149,8 +160,16 @@ impl StepCall {
         self
     }
 
+    /// See [`StepCall::call_id`](field@StepCall::call_id): unique to this call.
     pub fn call_id(mut self, call_id: &str) -> Self {
         self.call_id = Some(call_id.to_owned());
+        self
+    }
+
+    /// Metadata stored with the step (never interpreted), e.g. the model's
+    /// `tool_call_id` for correlation.
+    pub fn metadata(mut self, metadata: Map<String, Value>) -> Self {
+        self.metadata = Some(metadata);
         self
     }
 
@@ -164,7 +183,52 @@ impl StepCall {
     }
 }
 
-type Waiters = Arc<Mutex<HashMap<String, mpsc::UnboundedSender<ToolResult>>>>;
+/// What an answer is delivered by: the step key and the `call_id` of the
+/// intent it answers.
+type CallKey = (StepKey, String);
+
+/// The calls waiting for answers. Each call registers under the key of every
+/// intent it publishes, with a number of its own, so that two calls with the
+/// same key (the same step, the same `call_id`) both hear its answer.
+#[derive(Default)]
+struct Waiters {
+    by_call: HashMap<CallKey, Vec<(u64, mpsc::UnboundedSender<ToolResult>)>>,
+}
+
+impl Waiters {
+    fn add(&mut self, key: CallKey, waiter: u64, tx: mpsc::UnboundedSender<ToolResult>) {
+        self.by_call.entry(key).or_default().push((waiter, tx));
+    }
+
+    fn remove(&mut self, key: &CallKey, waiter: u64) {
+        if let Some(waiting) = self.by_call.get_mut(key) {
+            waiting.retain(|(w, _)| *w != waiter);
+            if waiting.is_empty() {
+                self.by_call.remove(key);
+            }
+        }
+    }
+
+    /// The calls an answer is for: those of its step key and `call_id`.
+    fn of(&self, answer: &ToolResult) -> Vec<mpsc::UnboundedSender<ToolResult>> {
+        let Some(call_id) = answer.call_id.clone() else {
+            return Vec::new();
+        };
+        let key = (
+            StepKey {
+                workflow_id: answer.workflow_id.clone(),
+                step_index: answer.step_index,
+                tool: answer.tool.clone(),
+                attempt: answer.attempt,
+            },
+            call_id,
+        );
+        self.by_call
+            .get(&key)
+            .map(|w| w.iter().map(|(_, tx)| tx.clone()).collect())
+            .unwrap_or_default()
+    }
+}
 
 /// A connection to stepgate for one agent process; cheap to share (`&Client`)
 /// across many concurrent calls.
@@ -173,7 +237,7 @@ pub struct Client {
     producer: FutureProducer,
     /// Partitions of the intents topic, read at connect.
     intent_partitions: i32,
-    waiters: Waiters,
+    waiters: Arc<Mutex<Waiters>>,
     next_id: AtomicU64,
     id_prefix: String,
     stop: CancellationToken,
@@ -199,7 +263,7 @@ impl Client {
             std::process::id(),
             chrono::Utc::now().timestamp_nanos_opt().unwrap_or_default() & 0xffff_ffff_ffff
         );
-        let waiters: Waiters = Arc::default();
+        let waiters: Arc<Mutex<Waiters>> = Arc::default();
         let stop = CancellationToken::new();
         let opts = options.clone();
         let group = format!("{id_prefix}-reader");
@@ -224,12 +288,9 @@ impl Client {
                 else {
                     continue;
                 };
-                let Some(id) = result.call_id.clone() else {
-                    continue;
-                };
-                let tx = w.lock().expect("waiters lock").get(&id).cloned();
-                if let Some(tx) = tx {
-                    let _ = tx.send(result);
+                let txs = w.lock().expect("waiters lock").of(&result);
+                for tx in txs {
+                    let _ = tx.send(result.clone());
                 }
             }
         });
@@ -268,6 +329,8 @@ impl Client {
         mut published: Option<oneshot::Sender<()>>,
     ) -> Result<ToolResult, ClientError> {
         let (tx, mut rx) = mpsc::unbounded_channel();
+        let waiter = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let step = call.step_key();
         let mut ids = Vec::new();
         let started = tokio::time::Instant::now();
         let deadline = started + call.timeout.unwrap_or(self.options.timeout);
@@ -276,10 +339,11 @@ impl Client {
                 (Some(id), true) => id.clone(),
                 _ => self.new_call_id(),
             };
-            self.waiters
-                .lock()
-                .expect("waiters lock")
-                .insert(id.clone(), tx.clone());
+            self.waiters.lock().expect("waiters lock").add(
+                (step.clone(), id.clone()),
+                waiter,
+                tx.clone(),
+            );
             ids.push(id.clone());
             if let Err(e) = self.publish(&call, &id).await {
                 break Err(e);
@@ -294,7 +358,7 @@ impl Client {
                 Ok(None) => unreachable!("the sender lives in this function"),
                 Err(_) if tokio::time::Instant::now() >= deadline => {
                     break Err(ClientError::Timeout {
-                        step: call.step_key(),
+                        step: step.clone(),
                         waited: started.elapsed(),
                         publishes: ids.len() as u32,
                     });
@@ -306,7 +370,7 @@ impl Client {
         };
         let mut w = self.waiters.lock().expect("waiters lock");
         for id in ids {
-            w.remove(&id);
+            w.remove(&(step.clone(), id), waiter);
         }
         result
     }
@@ -526,6 +590,58 @@ mod tests {
         // From the Java clients' own partitioner (kafka-clients 4.4.0).
         assert_eq!(seen["order-7781"], 3);
         assert_eq!(seen["abcd"], 5);
+    }
+
+    fn answer(workflow_id: &str, attempt: u64, call_id: Option<&str>) -> ToolResult {
+        ToolResult {
+            workflow_id: workflow_id.into(),
+            step_index: 0,
+            tool: "t".into(),
+            attempt,
+            call_id: call_id.map(str::to_owned),
+            status: crate::contract::Status::Ok,
+            output: Some(serde_json::json!({})),
+            error: None,
+            deduplicated: false,
+            completed_at: "2026-01-01T00:00:00.000Z".into(),
+        }
+    }
+
+    /// Two workflows' calls with one `call_id`: each answer reaches only the
+    /// call of its own step key; an answer naming no waiting call, nobody.
+    #[test]
+    fn an_answer_reaches_only_the_calls_of_its_step_key_and_call_id() {
+        let key = |wf: &str| {
+            let step = StepCall::new(wf, 0, "t", serde_json::json!({})).unwrap();
+            (step.step_key(), "call_0".to_owned())
+        };
+        let mut w = Waiters::default();
+        let (a_tx, _a_rx) = mpsc::unbounded_channel();
+        let (b_tx, _b_rx) = mpsc::unbounded_channel();
+        let (b2_tx, _b2_rx) = mpsc::unbounded_channel();
+        w.add(key("collide-A"), 1, a_tx.clone());
+        w.add(key("collide-B"), 2, b_tx.clone());
+        w.add(key("collide-B"), 3, b2_tx.clone());
+        let to = |r: &ToolResult| w.of(r);
+        let a = to(&answer("collide-A", 0, Some("call_0")));
+        assert!(a.len() == 1 && a[0].same_channel(&a_tx));
+        let b = to(&answer("collide-B", 0, Some("call_0")));
+        assert!(b.len() == 2 && b[0].same_channel(&b_tx) && b[1].same_channel(&b2_tx));
+        assert!(
+            to(&answer("collide-A", 1, Some("call_0"))).is_empty(),
+            "another attempt"
+        );
+        assert!(
+            to(&answer("collide-A", 0, Some("call_1"))).is_empty(),
+            "another call"
+        );
+        assert!(to(&answer("collide-A", 0, None)).is_empty(), "no call_id");
+        w.remove(&key("collide-B"), 2);
+        let b = w.of(&answer("collide-B", 0, Some("call_0")));
+        assert!(b.len() == 1 && b[0].same_channel(&b2_tx));
+        w.remove(&key("collide-B"), 3);
+        w.remove(&key("collide-A"), 1);
+        assert!(w.by_call.is_empty());
     }
 
     #[tokio::test(flavor = "multi_thread")]
