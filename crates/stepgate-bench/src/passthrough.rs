@@ -11,8 +11,8 @@
 //! stepgate's own HTTP client (`ToolRegistry`, the same key, headers and pool) once
 //! per step key this process has seen (an in-memory set: no state, no
 //! changelog, no step log), every intent echoed once its step's call returned (a
-//! repeat at once). Calls run while a batch commits, as the gate's do with
-//! `gate.invoke_before_commit`; each partition's committed offset stops at its
+//! repeat at once). Calls run while a batch commits, as the gate's keyed calls
+//! do; each partition's committed offset stops at its
 //! first call still running. It is no dedup to rely on: after a crash it calls
 //! and echoes again from that offset, and it forgets every key. The bench does
 //! not crash it.
