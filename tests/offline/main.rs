@@ -5,6 +5,7 @@
 mod demo;
 mod deploy;
 mod docs;
+mod performance;
 mod schemas;
 mod wheel;
 mod workspace;
