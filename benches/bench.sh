@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
-# The benchmarks of issue #7 in one command: starts the local broker if needed,
-# builds the release binaries and the Kafka Streams peer, then runs
-# `stepgate-bench all` (stepgate vs. an rdkafka passthrough and Kafka Streams,
+# The benchmarks in one command: starts the local broker if needed, builds the
+# release binaries and the Kafka Streams peer, then runs `stepgate-bench all`
+# (stepgate at its shipped defaults vs. an rdkafka passthrough and Kafka Streams,
 # inline and calling the HTTP tool, on one workload; the sequential mode, one
-# call at a time; then stepgate with 1 M and 10 M step records in its state).
+# call at a time; then stepgate with 1 M and 10 M step records in its state) and
+# the durable engines (Restate, DBOS) beside it.
 #
-#   benches/bench.sh                 # full size (~27 min on 2 cores, release build warm; ~14 with DURABLE=0)
-#   benches/bench.sh quick           # small sizes (~4 min), to check the setup
+# A full run (no arguments) keeps its figures in benches/ (results-<id>.json,
+# durable-<id>.json, RESULTS-<id>.md) and rewrites docs/performance.md's
+# generated part and README.md's performance table from them
+# (`stepgate-bench render-docs`); commit the five files together.
+#
+#   benches/bench.sh                 # full size (~30 min on 2 cores, release build warm)
+#   benches/bench.sh quick           # small sizes (~8 min), to check the setup; writes no docs
 #   benches/bench.sh [quick] --intents 50000 ...   # any stepgate-bench option
 #   benches/bench.sh cluster [quick]  # stepgate and the passthrough on one node (replication
 #                                     # factor 1), then on deploy/local/cluster.sh's three nodes
@@ -17,11 +23,31 @@
 # CARGO_TARGET_DIR, BENCH_JSON (where the figures go as JSON; default
 # /tmp/stepgate-bench.json), PERF=1 (profile stepgate's flood with perf record),
 # KAFKA_JVM_OPTS (the broker's JVM options when bench.sh starts it; default
-# -XX:-UseCodeCacheFlushing), DURABLE=0 (skip the Restate (Python and TypeScript SDKs) and DBOS peers), DURABLE_JSON (their figures; default
-# /tmp/stepgate-durable.json), STEPGATE_BENCH_RUN_ID (the run's id).
+# -XX:-UseCodeCacheFlushing), DURABLE=0 (skip the Restate (Python and
+# TypeScript SDKs) and DBOS peers; the run then writes no docs), DURABLE_JSON
+# (their figures; default /tmp/stepgate-durable.json), DOCS=0 (a full run that
+# keeps its figures in /tmp only), STEPGATE_BENCH_RUN_ID (the run's id).
+# Any other STEPGATE_ variable reaches every stepgate the bench starts, as a
+# config override; the report and the page name each one.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 target="${CARGO_TARGET_DIR:-target}"
+
+# The command as typed, for the report and the page.
+typed="bash benches/bench.sh"
+for a in "$@"; do
+    typed+=" $(printf '%q' "$a")"
+done
+export STEPGATE_BENCH_COMMAND="$typed"
+# Only a full-size run of every system rewrites the docs.
+full=0
+if [[ $# -eq 0 && "${DURABLE:-1}" != 0 && "${DOCS:-1}" != 0 ]]; then
+    full=1
+fi
+overrides="$(env | grep -o '^STEPGATE_[A-Z0-9_]*' | grep -v '^STEPGATE_BENCH_' || true)"
+if [[ -n "$overrides" ]]; then
+    echo "bench.sh: stepgate runs with ${overrides//$'\n'/ } set, not at its shipped defaults" >&2
+fi
 
 args=()
 quick=0
@@ -80,7 +106,11 @@ if [[ "${PERF:-0}" == 1 ]] && command -v perf >/dev/null; then
     echo "bench.sh: profile of stepgate's flood → /tmp/stepgate-bench.perf.data (perf report -i …)" >&2
 fi
 
-"$target/release/stepgate-bench" all --fast-path --json "${BENCH_JSON:-/tmp/stepgate-bench.json}" "${args[@]}" "$@"
+results_json="${BENCH_JSON:-/tmp/stepgate-bench.json}"
+durable_json="${DURABLE_JSON:-/tmp/stepgate-durable.json}"
+report="$(mktemp /tmp/stepgate-bench-report.XXXXXX)"
+trap 'rm -f "$report"' EXIT
+"$target/release/stepgate-bench" all --fast-path --json "$results_json" "${args[@]}" "$@" | tee "$report"
 
 # The durable-execution engines (Restate with its Python and TypeScript SDKs,
 # DBOS on PostgreSQL) beside stepgate,
@@ -94,5 +124,17 @@ if [[ "${DURABLE:-1}" != 0 ]]; then
     "$peers/venv/bin/python" benches/peers/durable/run.py --peers "$peers" \
         --stepgate-bin "$target/release/stepgate" --brokers "$KAFKA_BROKERS" \
         --run-id "$STEPGATE_BENCH_RUN_ID" "${durable[@]}" \
-        --json "${DURABLE_JSON:-/tmp/stepgate-durable.json}"
+        --json "$durable_json"
+fi
+
+if [[ "$full" == 1 ]]; then
+    id="$STEPGATE_BENCH_RUN_ID"
+    cp "$results_json" "benches/results-$id.json"
+    cp "$durable_json" "benches/durable-$id.json"
+    cp "$report" "benches/RESULTS-$id.md"
+    "$target/release/stepgate-bench" render-docs "benches/results-$id.json" \
+        --durable "benches/durable-$id.json"
+    echo "bench.sh: commit benches/results-$id.json, benches/durable-$id.json, benches/RESULTS-$id.md, docs/performance.md and README.md together" >&2
+else
+    echo "bench.sh: not a full run (arguments, DURABLE=0 or DOCS=0): figures in $results_json, docs left as they are" >&2
 fi

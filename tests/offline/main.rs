@@ -6,6 +6,7 @@ mod cli;
 mod demo;
 mod deploy;
 mod docs;
+mod performance;
 mod schemas;
 mod wheel;
 mod workspace;

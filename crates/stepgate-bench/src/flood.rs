@@ -447,7 +447,7 @@ async fn one(ctx: &Ctx, lifted: bool) -> anyhow::Result<FloodRow> {
         intent_bytes,
         tool_delay_ms: Duration::from(o.tool_delay).as_secs_f64() * 1000.0,
         concurrency: o.concurrency,
-        max_batch: c.max_batch,
+        max_batch: c.batch(),
         ready_s,
         rss_ready_mib,
         rss_peak_mib,
@@ -581,7 +581,7 @@ fn render(ctx: &Ctx, rows: &[FloodRow]) -> String {
         o.concurrency,
         o.concurrency as f64 / Duration::from(o.tool_delay).as_secs_f64(),
         c.partitions,
-        c.max_batch,
+        c.batch(),
         ctx.stepgate.display()
     );
     let _ = writeln!(

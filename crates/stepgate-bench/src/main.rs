@@ -11,9 +11,17 @@
 //! `flood`: a flood of new steps behind a slow unkeyed tool, once with the
 //! invoker's bounds and once without them (issue #29): stepgate's RSS over
 //! time, and every intent answered once, `ok`, each call made once.
+//!
+//! stepgate runs at its shipped defaults: its config names only topics, group,
+//! tool, state directory and HTTP port (`systems::StepgateSetup`). A run records
+//! the machine, its command and any `STEPGATE_` overrides (`machine`), and
+//! `render-docs` makes docs/performance.md's generated part and the README's
+//! performance table from a run's files (`render`).
 
 mod flood;
+mod machine;
 mod passthrough;
+mod render;
 mod report;
 mod scale;
 mod sequential;
@@ -103,9 +111,32 @@ enum Cmd {
         #[command(flatten)]
         flood: flood::FloodOpts,
     },
+    /// docs/performance.md's generated part and README.md's performance table,
+    /// from a run's files (bench.sh runs it after a full run).
+    RenderDocs(RenderDocsArgs),
     /// The passthrough itself (started by the bench as a child process).
     #[command(hide = true)]
     Passthrough(passthrough::Args),
+}
+
+#[derive(Args)]
+struct RenderDocsArgs {
+    /// The run's results, as `--json` wrote them (kept as
+    /// `benches/results-<id>.json`). Default: the run the page names.
+    results: Option<PathBuf>,
+    /// The durable engines' figures of the same run (run.py's `--json`).
+    /// Default: `durable-<id>.json` beside `results-<id>.json`, if it is there.
+    #[arg(long)]
+    durable: Option<PathBuf>,
+    /// The page whose generated part is rewritten.
+    #[arg(long, default_value = "docs/performance.md")]
+    docs: PathBuf,
+    /// The README whose performance table is rewritten.
+    #[arg(long, default_value = "README.md")]
+    readme: PathBuf,
+    /// Write nothing; fail if either file differs from what the run renders.
+    #[arg(long)]
+    check: bool,
 }
 
 #[derive(Args, Clone)]
@@ -143,14 +174,15 @@ pub struct Common {
     /// Keep the topics and the scratch directory.
     #[arg(long)]
     keep: bool,
-    /// stepgate's `gate.max_batch`, and the passthrough's.
-    #[arg(long, default_value_t = 2000)]
-    max_batch: usize,
+    /// stepgate's `gate.max_batch` (default: stepgate's own, left out of its
+    /// config), and the passthrough's (default: the same number).
+    #[arg(long)]
+    max_batch: Option<usize>,
     /// stepgate's `executor.concurrency` (tool calls in flight); one stepgate run
     /// per value. The last one is also used by the fast-path and scale runs and is
-    /// the one the other systems are compared with: by default the shipped
-    /// default, 64, after a run with 1024.
-    #[arg(long, value_delimiter = ',', default_value = "1024,64")]
+    /// the one the other systems are compared with. Default: 1024, then
+    /// stepgate's shipped default (left out of its config).
+    #[arg(long, value_delimiter = ',')]
     executor_concurrency: Vec<usize>,
     /// A run with no new answer for this long has failed.
     #[arg(long, default_value = "120s")]
@@ -216,6 +248,22 @@ pub struct ScaleOpts {
     scale_intents: usize,
 }
 
+impl Common {
+    /// `--executor-concurrency`, or 1024 then stepgate's shipped default.
+    fn concurrencies(&self) -> Vec<usize> {
+        if self.executor_concurrency.is_empty() {
+            vec![1024, systems::default_concurrency()]
+        } else {
+            self.executor_concurrency.clone()
+        }
+    }
+
+    /// The batch size the passthrough uses: `--max-batch`, or stepgate's default.
+    fn batch(&self) -> usize {
+        self.max_batch.unwrap_or_else(systems::default_max_batch)
+    }
+}
+
 /// What every run shares.
 pub struct Bench {
     pub common: Common,
@@ -243,10 +291,10 @@ impl Bench {
 
     fn concurrency(&self) -> usize {
         self.common
-            .executor_concurrency
+            .concurrencies()
             .last()
             .copied()
-            .unwrap_or(64)
+            .unwrap_or_else(systems::default_concurrency)
     }
 
     fn stall(&self) -> Duration {
@@ -304,8 +352,88 @@ fn main() -> anyhow::Result<()> {
                 cluster_replication,
             } => cluster(common, compare, cluster_brokers, cluster_replication).await,
             Cmd::Flood { common, flood } => flood::run(common, flood).await,
+            Cmd::RenderDocs(a) => render_docs(&a),
         }
     })
+}
+
+/// Rewrite the generated parts of the page and the README from a run's files.
+fn render_docs(a: &RenderDocsArgs) -> anyhow::Result<()> {
+    let read =
+        |p: &Path| std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()));
+    let page_text = read(&a.docs)?;
+    let readme_text = read(&a.readme)?;
+    let mut sources = match &a.results {
+        Some(r) => {
+            let results = repo_path(r);
+            let durable =
+                render::Sources::durable_beside(&results).filter(|d| Path::new(d).exists());
+            render::Sources { results, durable }
+        }
+        None => render::Sources::of_page(&page_text).with_context(|| {
+            format!(
+                "{} names no run it was made from: pass the results file",
+                a.docs.display()
+            )
+        })?,
+    };
+    if let Some(d) = &a.durable {
+        sources.durable = Some(repo_path(d));
+    }
+    let results = read(Path::new(&sources.results))?;
+    let durable = match &sources.durable {
+        Some(d) => Some(read(Path::new(d))?),
+        None => None,
+    };
+    let out = render::render(&results, durable.as_deref(), &sources)?;
+    let docs_name = a.docs.display().to_string();
+    let readme_name = a.readme.display().to_string();
+    let page = render::splice(&page_text, &out.page, &render::PAGE_MARKS, &docs_name)?;
+    let readme = render::splice(
+        &readme_text,
+        &out.table,
+        &render::README_MARKS,
+        &readme_name,
+    )?;
+    let stale: Vec<&str> = [
+        (page != page_text).then_some(docs_name.as_str()),
+        (readme != readme_text).then_some(readme_name.as_str()),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    if a.check {
+        anyhow::ensure!(
+            stale.is_empty(),
+            "{} not what {} renders to: run `stepgate-bench render-docs {}`",
+            stale.join(" and "),
+            sources.results,
+            sources.results
+        );
+        return Ok(());
+    }
+    std::fs::write(&a.docs, page).with_context(|| format!("writing {docs_name}"))?;
+    std::fs::write(&a.readme, readme).with_context(|| format!("writing {readme_name}"))?;
+    eprintln!(
+        "render-docs: {docs_name} and {readme_name} from {}{}",
+        sources.results,
+        sources
+            .durable
+            .as_ref()
+            .map_or_else(String::new, |d| format!(" and {d}"))
+    );
+    Ok(())
+}
+
+/// `p` as the page names it: relative to the working directory (the
+/// repository's root, where bench.sh runs) when it lies under it.
+fn repo_path(p: &Path) -> String {
+    std::env::current_dir()
+        .ok()
+        .and_then(|cwd| p.strip_prefix(cwd).ok().map(Path::to_path_buf))
+        .unwrap_or_else(|| p.to_path_buf())
+        .display()
+        .to_string()
 }
 
 /// `floods`: the flood and paced runs of `compare` (without: its sequential mode only).
@@ -591,7 +719,7 @@ async fn compare_all(bench: &Bench, opts: &CompareOpts) -> anyhow::Result<Vec<Ro
     let want = |s: &str| opts.only.iter().any(|o| o == s);
     let mut systems = Vec::new();
     if want("stepgate") {
-        for &concurrency in &bench.common.executor_concurrency {
+        for concurrency in bench.common.concurrencies() {
             systems.push(System::Stepgate {
                 category: "keyed",
                 concurrency,
@@ -738,7 +866,7 @@ async fn deploy(
                 .args(["--mode", mode(*eos), "--commit-interval"])
                 .arg(c.commit_interval.to_string())
                 .args(["--partitions", &c.partitions.to_string()])
-                .args(["--max-batch", &c.max_batch.to_string()]);
+                .args(["--max-batch", &c.batch().to_string()]);
             for w in topics.windows(2) {
                 cmd.arg("--hop").arg(format!("{}:{}", w[0], w[1]));
             }

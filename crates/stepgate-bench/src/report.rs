@@ -405,6 +405,18 @@ pub struct Report {
     pub broker_load: Option<(usize, usize)>,
     /// The broker JVMs' `-XX:` options (e.g. `-XX:-UseCodeCacheFlushing`).
     pub broker_jvm_flags: Vec<String>,
+    /// The CPU, memory, kernel and broker the run ran on.
+    pub machine: crate::render::Machine,
+    /// The command that started the run (bench.sh's, or this process's).
+    pub command: String,
+    /// The `STEPGATE_` variables every stepgate of the run inherited (empty:
+    /// stepgate ran at its shipped defaults).
+    pub stepgate_env: BTreeMap<String, String>,
+    /// The stepgate binary's build profile, when its directory names one
+    /// (`target/release/stepgate`).
+    pub stepgate_profile: Option<String>,
+    /// The build's default `executor.concurrency`: the row docs/performance.md shows.
+    pub shipped_concurrency: usize,
     pub workload: Option<WorkloadInfo>,
     pub rows: Vec<Row>,
     pub sequential: Vec<SeqRow>,
@@ -440,9 +452,19 @@ impl Report {
             stepgate_commit_interval: crate::systems::ConfigKeys::of_this_build()
                 .has(&["gate", "commit_interval"])
                 .then(|| b.common.commit_interval.to_string()),
-            max_batch: b.common.max_batch,
+            max_batch: b.common.batch(),
             broker_load: crate::systems::broker_load(&b.common.brokers),
             broker_jvm_flags: crate::systems::jvm_flags(&b.broker),
+            machine: crate::machine::read(&b.broker),
+            command: crate::machine::command(),
+            stepgate_env: crate::machine::stepgate_env(),
+            stepgate_profile: b
+                .stepgate
+                .parent()
+                .and_then(|d| d.file_name())
+                .map(|d| d.to_string_lossy().into_owned())
+                .filter(|d| d == "release" || d == "debug"),
+            shipped_concurrency: crate::systems::default_concurrency(),
             workload: None,
             rows: Vec::new(),
             sequential: Vec::new(),
@@ -487,6 +509,20 @@ impl Report {
                 " for the passthrough and Kafka Streams; stepgate pipelines its commits"
             },
             self.max_batch
+        );
+        let _ = writeln!(
+            o,
+            "Command: `{}`; stepgate's `STEPGATE_` variables: {}.\n",
+            self.command,
+            if self.stepgate_env.is_empty() {
+                "none (its shipped defaults)".to_owned()
+            } else {
+                self.stepgate_env
+                    .iter()
+                    .map(|(k, v)| format!("`{k}={v}`"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            }
         );
         match self.broker_load {
             Some((topics, partitions)) => {

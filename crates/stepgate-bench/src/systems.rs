@@ -519,6 +519,13 @@ impl ConfigKeys {
         path.iter().try_fold(&self.0, |v, k| v.get(*k)).is_some()
     }
 
+    /// The build's default for a numeric key (`["executor", "concurrency"]`).
+    pub fn default_number(&self, path: &[&str]) -> Option<u64> {
+        path.iter()
+            .try_fold(&self.0, |v, k| v.get(*k))
+            .and_then(|v| v.as_u64())
+    }
+
     /// The names of `kafka.topics`' keys (intents, results, …).
     pub fn topics(&self) -> Vec<String> {
         self.0
@@ -529,7 +536,25 @@ impl ConfigKeys {
     }
 }
 
+/// stepgate's shipped `executor.concurrency`.
+pub fn default_concurrency() -> usize {
+    ConfigKeys::of_this_build()
+        .default_number(&["executor", "concurrency"])
+        .map_or(64, |n| n as usize)
+}
+
+/// stepgate's shipped `gate.max_batch`.
+pub fn default_max_batch() -> usize {
+    ConfigKeys::of_this_build()
+        .default_number(&["gate", "max_batch"])
+        .map_or(2000, |n| n as usize)
+}
+
 impl StepgateSetup {
+    /// A config at stepgate's shipped defaults: it names the topics, group,
+    /// tool, state directory and HTTP port, logs at `warn`, and sets
+    /// `executor.concurrency` and `gate.max_batch` only where the run asks for
+    /// other values than the defaults.
     #[allow(clippy::too_many_arguments)]
     pub fn write(
         dir: &Path,
@@ -540,7 +565,7 @@ impl StepgateSetup {
         tool_url: &str,
         category: &str,
         concurrency: usize,
-        max_batch: usize,
+        max_batch: Option<usize>,
     ) -> anyhow::Result<StepgateSetup> {
         use std::fmt::Write as _;
         std::fs::create_dir_all(dir)?;
@@ -559,7 +584,9 @@ impl StepgateSetup {
         if remote_executor {
             let _ = writeln!(t, r#"executor_group = "{prefix}-exec""#);
         }
-        let _ = writeln!(t, "partitions = {partitions}");
+        if keys.default_number(&["kafka", "partitions"]) != Some(partitions as u64) {
+            let _ = writeln!(t, "partitions = {partitions}");
+        }
         let _ = writeln!(t, "[kafka.topics]");
         for topic in keys.topics() {
             let _ = writeln!(t, r#"{topic} = "{prefix}.{topic}""#);
@@ -570,9 +597,13 @@ impl StepgateSetup {
         if let Some(ci) = &commit_interval {
             let _ = writeln!(t, r#"commit_interval = "{ci}""#);
         }
-        let _ = writeln!(t, "max_batch = {max_batch}");
+        if let Some(n) = max_batch.filter(|n| *n != default_max_batch()) {
+            let _ = writeln!(t, "max_batch = {n}");
+        }
         let _ = writeln!(t, "[executor]");
-        let _ = writeln!(t, "concurrency = {concurrency}");
+        if concurrency != default_concurrency() {
+            let _ = writeln!(t, "concurrency = {concurrency}");
+        }
         let _ = writeln!(t, "[http]");
         let _ = writeln!(t, r#"listen = "{http}""#);
         let _ = writeln!(t, "[log]");
