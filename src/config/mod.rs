@@ -53,7 +53,9 @@ pub use console::{ConsoleConfig, ConsoleRole, ConsoleToken};
 pub use env::{NOT_CONFIG_PREFIXES, NOT_CONFIG_VARIABLES, is_not_config_variable};
 pub use instance::{default_instance_id, instance_id_from};
 pub use kafka::{KafkaConfig, REFUSED_CLIENT_PROPERTIES, TopicsConfig, refused_client_property};
-pub use mcp::{MCP_JWT_ALGORITHMS, McpAuthConfig, McpConfig, McpStaticToken};
+pub use mcp::{
+    JWT_NAMESPACE_ROOT, MCP_JWT_ALGORITHMS, McpAuthConfig, McpConfig, McpStaticToken, TrustedProxy,
+};
 pub use process::{
     DEFAULT_BLOCK_CACHE_BYTES, ExecutorConfig, GateConfig, HttpConfig, LogConfig, StateConfig,
 };

@@ -7,7 +7,7 @@
 //! the workflow-id namespace it may name. The token itself goes no further: a
 //! principal holds no credential, and nothing the front sends on carries one.
 
-use crate::config::{HeaderSpec, McpAuthConfig, McpStaticToken};
+use crate::config::{HeaderSpec, JWT_NAMESPACE_ROOT, McpAuthConfig, McpStaticToken};
 use jsonwebtoken::jwk::{Jwk, JwkSet};
 use jsonwebtoken::{Algorithm, AlgorithmFamily, DecodingKey, Validation};
 use serde_json::{Map, Value};
@@ -66,6 +66,13 @@ impl Principal {
         self.key.clone()
     }
 
+    /// Who sent a call, as the intent's `metadata` records it under
+    /// [`PRINCIPAL_METADATA`]: `token:<name>` or `jwt:<sub>`; `None` when no
+    /// authorization is configured (anyone who reaches the front).
+    pub fn sender(&self) -> Option<&str> {
+        (self.key != Principal::anonymous().key).then_some(self.key.as_str())
+    }
+
     pub fn may_call(&self, tool: &str) -> bool {
         match &self.tools {
             ToolGrant::All => true,
@@ -77,6 +84,11 @@ impl Principal {
         workflow_id.starts_with(&self.namespace)
     }
 }
+
+/// The intent `metadata` key naming the principal that sent a call through
+/// the front (its [`Principal::sender`]); whatever the caller put there is
+/// replaced. The console reads it to refuse self-approval.
+pub const PRINCIPAL_METADATA: &str = "stepgate.principal";
 
 /// Why a request is not authorized; each says which answer it gets.
 #[derive(Debug, Error, PartialEq, Eq)]
@@ -152,7 +164,7 @@ impl Authorizer {
                     algorithms,
                     leeway: config.leeway.0.as_secs(),
                     namespace_claim: config.namespace_claim.clone(),
-                    keys: Jwks::new(jwks_url, config.jwks_refresh.0)?,
+                    keys: Jwks::new(jwks_url, config.jwks_refresh.0, config.jwks_max_stale.0)?,
                 })
             }
             _ => None,
@@ -357,7 +369,19 @@ impl JwtVerifier {
                 self.namespace_claim
             ))
         })?;
-        Ok((name, format!("{namespace}/"), token_scopes(&claims)))
+        // `a` and `a/b` would make namespaces of which one holds the other.
+        if namespace.contains('/') || namespace.chars().any(char::is_control) {
+            return Err(AuthError::InvalidToken(format!(
+                "the token's `{}` claim, which names its workflows, has a `/` or a control \
+                 character in it, which this server does not accept",
+                self.namespace_claim
+            )));
+        }
+        Ok((
+            name,
+            format!("{JWT_NAMESPACE_ROOT}{namespace}/"),
+            token_scopes(&claims),
+        ))
     }
 }
 
@@ -393,6 +417,11 @@ struct Jwks {
     url: String,
     http: reqwest::Client,
     refresh: Duration,
+    /// `jwks_max_stale`: beyond it, a set that could not be fetched again is
+    /// not used.
+    max_stale: Duration,
+    /// [`MIN_REFETCH`] (shorter in tests).
+    min_refetch: Duration,
     cache: RwLock<KeyCache>,
     /// One fetch at a time.
     fetching: tokio::sync::Mutex<()>,
@@ -409,7 +438,7 @@ struct KeyCache {
 }
 
 impl Jwks {
-    fn new(url: &str, refresh: Duration) -> Result<Jwks, AuthSetupError> {
+    fn new(url: &str, refresh: Duration, max_stale: Duration) -> Result<Jwks, AuthSetupError> {
         let http = reqwest::Client::builder()
             .timeout(JWKS_TIMEOUT)
             .redirect(reqwest::redirect::Policy::none())
@@ -419,6 +448,8 @@ impl Jwks {
             url: url.to_owned(),
             http,
             refresh,
+            max_stale,
+            min_refetch: MIN_REFETCH,
             cache: RwLock::new(KeyCache::default()),
             fetching: tokio::sync::Mutex::new(()),
             attempted: std::sync::Mutex::new(None),
@@ -426,7 +457,9 @@ impl Jwks {
     }
 
     /// The key a token names: from the cache while it is fresh and has it;
-    /// otherwise fetched again (at most every [`MIN_REFETCH`]).
+    /// otherwise fetched again (at most every [`MIN_REFETCH`]). A key the
+    /// fetched set no longer has is not one of the issuer's, and a set older
+    /// than `max_stale` (fetching it again kept failing) is not used.
     async fn key(&self, kid: Option<&str>) -> Result<Key, AuthError> {
         let (found, fetched_at) = self.lookup(kid);
         let stale = fetched_at.is_none_or(|t| t.elapsed() >= self.refresh);
@@ -450,12 +483,21 @@ impl Jwks {
                 }
             }
         }
+        // The set as it is now: a fetch that succeeded meanwhile replaced
+        // it, and a key it dropped is no longer the issuer's.
         let (key, fetched_at) = self.lookup(kid);
-        match (key.or(found), fetched_at) {
-            (Some(key), _) => Ok(key),
-            (None, None) => Err(AuthError::KeysUnavailable(
+        match (key, fetched_at) {
+            (_, None) => Err(AuthError::KeysUnavailable(
                 "no JWK Set has been fetched yet".into(),
             )),
+            (_, Some(at)) if at.elapsed() > self.max_stale => {
+                Err(AuthError::KeysUnavailable(format!(
+                    "the JWK Set was last fetched {} ago, longer than mcp.auth.jwks_max_stale \
+                     allows, and fetching it again keeps failing",
+                    humantime::format_duration(Duration::from_secs(at.elapsed().as_secs()))
+                )))
+            }
+            (Some(key), _) => Ok(key),
             (None, Some(_)) => Err(AuthError::InvalidToken(
                 "the token's signing key is not one of the issuer's".into(),
             )),
@@ -468,7 +510,7 @@ impl Jwks {
         self.attempted
             .lock()
             .expect("jwks attempt lock")
-            .is_none_or(|t| t.elapsed() >= MIN_REFETCH)
+            .is_none_or(|t| t.elapsed() >= self.min_refetch)
     }
 
     fn lookup(&self, kid: Option<&str>) -> (Option<Key>, Option<Instant>) {
@@ -496,14 +538,27 @@ impl Jwks {
                 response.status()
             )));
         }
-        let body = response
-            .bytes()
+        // Read a chunk at a time and given up at the cap: a huge (or endless)
+        // body is not held whole first.
+        let too_large =
+            || AuthError::KeysUnavailable(format!("larger than {MAX_JWKS_BYTES} bytes"));
+        if response
+            .content_length()
+            .is_some_and(|n| n > MAX_JWKS_BYTES as u64)
+        {
+            return Err(too_large());
+        }
+        let mut response = response;
+        let mut body = Vec::new();
+        while let Some(chunk) = response
+            .chunk()
             .await
-            .map_err(|e| AuthError::KeysUnavailable(e.without_url().to_string()))?;
-        if body.len() > MAX_JWKS_BYTES {
-            return Err(AuthError::KeysUnavailable(format!(
-                "larger than {MAX_JWKS_BYTES} bytes"
-            )));
+            .map_err(|e| AuthError::KeysUnavailable(e.without_url().to_string()))?
+        {
+            if body.len() + chunk.len() > MAX_JWKS_BYTES {
+                return Err(too_large());
+            }
+            body.extend_from_slice(&chunk);
         }
         let set: JwkSet = serde_json::from_slice(&body)
             .map_err(|e| AuthError::KeysUnavailable(format!("not a JWK Set: {e}")))?;
@@ -599,6 +654,7 @@ mod tests {
             .unwrap();
         assert_eq!(bot.name, "bot");
         assert_eq!(bot.namespace, "bot/");
+        assert_eq!(bot.sender(), Some("token:bot"));
         assert!(bot.may_call("create_ticket") && !bot.may_call("search"));
         assert!(bot.may_name("bot/thread-1") && !bot.may_name("ops/thread-1"));
         let ops = auth
@@ -636,6 +692,119 @@ mod tests {
             "{:?}",
             r.err()
         );
+    }
+
+    /// An RSA public key (the test's own), as a JWK with `kid`.
+    fn jwk(kid: &str) -> Value {
+        serde_json::json!({"kty": "RSA", "kid": kid, "use": "sig", "alg": "RS256", "e": "AQAB",
+            "n": "yOi4bt6DEfjYrEtfvTnR6aQTgJdB8grteBP7h3vwV5wBmpVx-W3BP5GZvz-LEe0bqCjwrDRgrup_pUWoI_9JylN-A4jiGL9qbmfUDSTQrAPL5L2tHDv3H2ex_iaEHCKSO3KeWOyQvldPDtTiCFbvk3-cqtk6OV5JPmoOHzrDq1X-lc_yOfSUxjDSFCBqaCpJf5MaxUh1WUy1FpiyHCgkok7dAmON8t_7FkIZYjeUy_DjAu_BwElkhcyK4_MZ7PCSzODuP1Bc5NhyQipRC2Z7yAy71IYxHZE39Swj-kN6BWxhRSWtsr54fNMjCIns9N4RaobPw_SK6rk8GRH1T2UZZQ"})
+    }
+
+    /// A JWK Set server answering what `answer` holds (status, body; a body
+    /// of `None` is an endless stream); its URL.
+    async fn jwks_server(answer: Arc<std::sync::Mutex<(u16, Option<String>)>>) -> String {
+        use axum::response::IntoResponse;
+        let app = axum::Router::new().route(
+            "/jwks",
+            axum::routing::get(move || {
+                let answer = answer.clone();
+                async move {
+                    let (status, body) = answer.lock().unwrap().clone();
+                    let status = axum::http::StatusCode::from_u16(status).unwrap();
+                    match body {
+                        Some(body) => (status, body).into_response(),
+                        None => {
+                            let chunk = bytes::Bytes::from(vec![b' '; 64 * 1024]);
+                            let endless = futures::stream::repeat_with(move || {
+                                Ok::<_, std::io::Error>(chunk.clone())
+                            });
+                            (status, axum::body::Body::from_stream(endless)).into_response()
+                        }
+                    }
+                }
+            }),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/jwks", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        url
+    }
+
+    fn set(kids: &[&str]) -> Option<String> {
+        Some(
+            serde_json::json!({"keys": kids.iter().map(|k| jwk(k)).collect::<Vec<_>>()})
+                .to_string(),
+        )
+    }
+
+    #[tokio::test]
+    async fn a_key_the_refreshed_set_no_longer_has_is_refused_at_once() {
+        let answer = Arc::new(std::sync::Mutex::new((200, set(&["k1"]))));
+        let url = jwks_server(answer.clone()).await;
+        // Every lookup finds the copy stale and may fetch again.
+        let mut jwks = Jwks::new(&url, Duration::ZERO, Duration::from_secs(3600)).unwrap();
+        jwks.min_refetch = Duration::ZERO;
+        assert!(jwks.key(Some("k1")).await.is_ok());
+        *answer.lock().unwrap() = (200, set(&["k2"]));
+        // The lookup that fetched the set without k1 refuses k1.
+        assert!(matches!(
+            jwks.key(Some("k1")).await,
+            Err(AuthError::InvalidToken(_))
+        ));
+        assert!(jwks.key(Some("k2")).await.is_ok());
+    }
+
+    #[tokio::test]
+    async fn a_set_older_than_its_max_staleness_is_not_used() {
+        let answer = Arc::new(std::sync::Mutex::new((200, set(&["k1"]))));
+        let url = jwks_server(answer.clone()).await;
+        let mut jwks = Jwks::new(&url, Duration::ZERO, Duration::from_millis(300)).unwrap();
+        jwks.min_refetch = Duration::ZERO;
+        assert!(jwks.key(Some("k1")).await.is_ok());
+        // The issuer fails from now on: the copy serves until it is too old.
+        *answer.lock().unwrap() = (503, Some("down".into()));
+        assert!(jwks.key(Some("k1")).await.is_ok());
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        match jwks.key(Some("k1")).await {
+            Err(AuthError::KeysUnavailable(why)) => {
+                assert!(why.contains("jwks_max_stale"), "{why}")
+            }
+            Err(e) => panic!("{e}"),
+            Ok(_) => panic!("a stale key was used"),
+        }
+        // A fetch that succeeds again ends it.
+        *answer.lock().unwrap() = (200, set(&["k1"]));
+        assert!(jwks.key(Some("k1")).await.is_ok());
+    }
+
+    #[tokio::test]
+    async fn a_jwks_body_is_cut_at_its_cap() {
+        let answer = Arc::new(std::sync::Mutex::new((200, None)));
+        let url = jwks_server(answer).await;
+        let jwks = Jwks::new(&url, Duration::ZERO, Duration::from_secs(3600)).unwrap();
+        let started = Instant::now();
+        match jwks.refresh().await {
+            Err(AuthError::KeysUnavailable(why)) => {
+                assert!(why.contains("larger than"), "{why}")
+            }
+            other => panic!("{:?}", other.err()),
+        }
+        // Given up at the cap, not at the fetch's timeout.
+        assert!(started.elapsed() < Duration::from_secs(5));
+    }
+
+    #[test]
+    fn a_principal_is_recorded_by_its_kind_and_name() {
+        let p = Principal {
+            name: "acme".into(),
+            key: "jwt:acme".into(),
+            namespace: "jwt:acme/".into(),
+            tools: ToolGrant::All,
+            scopes: Vec::new(),
+        };
+        assert_eq!(p.sender(), Some("jwt:acme"));
+        assert!(!p.may_name("acme/t1") && p.may_name("jwt:acme/t1"));
+        assert_eq!(Principal::anonymous().sender(), None);
     }
 
     #[test]

@@ -6,10 +6,12 @@
 //! 2. `Origin`, when present, is one of the allowed origins — 403.
 //! 3. A bearer token that names a [`Principal`] — 401 with a challenge that
 //!    points at the Protected Resource Metadata (RFC 9728), served at
-//!    `/.well-known/oauth-protected-resource` (and under `/mcp`).
-//! 4. The principal's request rate — 429; and an address that presented too
-//!    many refused tokens is refused for a while before its token is checked
-//!    — 429.
+//!    `/.well-known/oauth-protected-resource` (and under `/mcp`); but 429 for
+//!    a client address that presented too many refused tokens lately. A
+//!    token that is accepted is never refused for its address, and behind a
+//!    trusted proxy (`mcp.trusted_proxies`) the address is the client's, from
+//!    `X-Forwarded-For`, not the proxy's.
+//! 4. The principal's request rate — 429.
 //! 5. The body's size — 413; and a `tools/call` of a tool the principal's
 //!    scopes do not grant — 403 `insufficient_scope`.
 //! 6. An `Mcp-Session-Id` names an open session of the principal (one that
@@ -22,6 +24,7 @@
 use super::auth::{AuthError, Authorizer, Principal};
 use super::sessions::{FrontSessionManager, Reserve, Sessions, UNKNOWN_SESSION};
 use super::tasks;
+use crate::config::TrustedProxy;
 use axum::body::{Body, Bytes};
 use axum::extract::{ConnectInfo, Request, State};
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
@@ -54,6 +57,8 @@ pub struct Guard {
     /// Refused tokens per client address ([`FAILED_AUTH_PER_SECOND`]), and
     /// the addresses refused until a time for having too many.
     pub failures: FailedAuth,
+    /// `mcp.trusted_proxies`: peers whose `X-Forwarded-For` names the client.
+    pub trusted_proxies: Vec<TrustedProxy>,
     /// The open sessions: their owners, last uses and caps.
     pub sessions: Arc<Sessions>,
     pub session_manager: Arc<FrontSessionManager>,
@@ -76,11 +81,18 @@ impl Guard {
     }
 }
 
-/// Refused tokens an address may present per second, sustained and at once:
-/// each costs a check (a signature verification for a JWT), so a client
-/// guessing tokens is stopped (429) before it costs much.
+/// Refused tokens a client address may present per second, sustained and at
+/// once: beyond them its refused tokens are answered 429 (with `Retry-After`)
+/// for a while, which slows a client guessing tokens. A token that is
+/// accepted is never refused for it: one client behind a shared address (a
+/// NAT, a proxy not in `mcp.trusted_proxies`) cannot lock the others out.
 pub const FAILED_AUTH_PER_SECOND: u32 = 5;
 pub const FAILED_AUTH_BURST: u32 = 20;
+
+/// The 429 of a client address locked out for its refused tokens.
+const REFUSED_TOO_OFTEN: &str = "Too Many Requests: too many refused bearer tokens came from this \
+client address lately, and this token is not accepted either. Nothing was performed. Use a valid \
+token (one is never refused for its address), or try again after Retry-After.";
 
 /// Refused tokens by client address.
 pub struct FailedAuth {
@@ -177,19 +189,23 @@ async fn admit(
     let principal = match &g.authorizer {
         None => Principal::anonymous(),
         Some(auth) => {
-            let ip = peer.map(|p| p.ip());
-            if let Some(wait) = ip.and_then(|ip| g.failures.blocked(ip)) {
-                return Err(too_many(wait));
-            }
             let authorization = parts
                 .headers
                 .get(header::AUTHORIZATION)
                 .and_then(|v| v.to_str().ok());
+            // The token first: one that is accepted is never refused for
+            // its address, which others may share.
             match auth.authorize(authorization).await {
                 Ok(p) => p,
                 Err(e) => {
-                    if let (AuthError::InvalidToken(_), Some(ip)) = (&e, ip) {
+                    let client =
+                        peer.map(|p| client_address(p.ip(), &parts.headers, &g.trusted_proxies));
+                    if let (AuthError::InvalidToken(_), Some(ip)) = (&e, client) {
                         g.failures.refused(ip);
+                        if let Some(wait) = g.failures.blocked(ip) {
+                            tracing::warn!(client = %ip, "MCP request refused: too many refused tokens from this address");
+                            return Err(too_many(wait, REFUSED_TOO_OFTEN));
+                        }
                     }
                     return Err(unauthorized(g, &e));
                 }
@@ -198,7 +214,11 @@ async fn admit(
     };
     let key = principal.key();
     if let Err(not_until) = g.limiter.check_key(&key) {
-        return Err(too_many(not_until.wait_time_from(g.limiter.clock().now())));
+        return Err(too_many(
+            not_until.wait_time_from(g.limiter.clock().now()),
+            "Too Many Requests: this caller's request rate is limited (mcp.requests_per_second, \
+             mcp.burst). Nothing in this request was performed; send it again after Retry-After.",
+        ));
     }
     let session = parts
         .headers
@@ -315,6 +335,12 @@ pub async fn guard(State(g): State<Arc<Guard>>, request: Request, next: Next) ->
         response = tasks::amend_response(method, response).await;
     }
     if session.is_some() {
+        if method == Method::DELETE && response.status() == StatusCode::ACCEPTED {
+            // The session is closed (rmcp says 202); the SDKs expect 200 or
+            // 204 for that, and log anything else as a failed termination.
+            *response.status_mut() = StatusCode::NO_CONTENT;
+            return response;
+        }
         // rmcp closed it after the guard let the request through.
         return rmcp_unknown_session(response).await;
     }
@@ -342,6 +368,41 @@ pub async fn guard(State(g): State<Arc<Guard>>, request: Request, next: Next) ->
     }
     drop(reservation);
     response
+}
+
+/// The address of the client a request came from: its TCP peer, unless the
+/// peer is a trusted proxy — then the right-most address of
+/// `X-Forwarded-For` (each proxy appends the one it was reached from) that
+/// is not itself a trusted proxy; what is left of it was written by the
+/// client and is not believed.
+pub fn client_address(peer: IpAddr, headers: &HeaderMap, trusted: &[TrustedProxy]) -> IpAddr {
+    let is_trusted = |ip: IpAddr| trusted.iter().any(|t| t.contains(ip));
+    if !is_trusted(peer) {
+        return peer;
+    }
+    let hops: Vec<&str> = headers
+        .get_all("x-forwarded-for")
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(str::trim)
+        .collect();
+    let mut client = peer;
+    for hop in hops.iter().rev() {
+        let Some(ip) = hop
+            .parse::<IpAddr>()
+            .ok()
+            .or_else(|| hop.parse::<SocketAddr>().ok().map(|a| a.ip()))
+        else {
+            // Not an address: no trusted proxy wrote it.
+            break;
+        };
+        client = ip;
+        if !is_trusted(ip) {
+            break;
+        }
+    }
+    client
 }
 
 /// Whether a request body opens a session (an `initialize`, or a batch with one).
@@ -614,11 +675,8 @@ fn plain(status: StatusCode, text: &str) -> Response {
 }
 
 /// 429, to be tried again after `wait`.
-fn too_many(wait: std::time::Duration) -> Response {
-    let mut r = plain(
-        StatusCode::TOO_MANY_REQUESTS,
-        "Too Many Requests: this caller's request rate is limited",
-    );
+fn too_many(wait: std::time::Duration, why: &str) -> Response {
+    let mut r = plain(StatusCode::TOO_MANY_REQUESTS, why);
     r.headers_mut().insert(
         header::RETRY_AFTER,
         HeaderValue::from(wait.as_secs().max(1)),
@@ -682,10 +740,17 @@ fn unauthorized(g: &Guard, e: &AuthError) -> Response {
         ),
         AuthError::KeysUnavailable(_) => {
             tracing::warn!(error = %e, "MCP request not checked");
-            plain(
+            let mut r = plain(
                 StatusCode::SERVICE_UNAVAILABLE,
-                "Service Unavailable: the authorization server's keys cannot be fetched",
-            )
+                "Service Unavailable: this server cannot check tokens now: it has no current \
+                 copy of its authorization server's signing keys (the JWK Set at \
+                 mcp.auth.jwks_url could not be fetched). Nothing in this request was \
+                 performed. Try again later; if it lasts, the server's operator must make the \
+                 JWK Set reachable again.",
+            );
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(10));
+            r
         }
     }
 }
@@ -762,6 +827,41 @@ mod tests {
         ));
         assert!(!host_matches("mcp.example.com", "example.com", None));
         assert!(host_matches("[::1]", "::1", Some(1)));
+    }
+
+    #[test]
+    fn behind_a_trusted_proxy_the_client_is_the_right_most_untrusted_hop() {
+        let trusted = ["127.0.0.1", "10.0.0.0/8"].map(|p| TrustedProxy::parse(p).unwrap());
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        let with = |values: &[&str]| {
+            let mut h = HeaderMap::new();
+            for v in values {
+                h.append("x-forwarded-for", HeaderValue::from_str(v).unwrap());
+            }
+            h
+        };
+        let client =
+            |peer: &str, values: &[&str]| client_address(ip(peer), &with(values), &trusted);
+        // A peer that is not a trusted proxy is the client, whatever it says.
+        assert_eq!(client("198.51.100.1", &["203.0.113.9"]), ip("198.51.100.1"));
+        // Through the proxy: the hop it appended.
+        assert_eq!(client("127.0.0.1", &["203.0.113.7"]), ip("203.0.113.7"));
+        // Through two trusted proxies; what the client wrote (left) is not believed.
+        assert_eq!(
+            client("127.0.0.1", &["198.51.100.2, 203.0.113.7, 10.1.2.3"]),
+            ip("203.0.113.7")
+        );
+        assert_eq!(
+            client("127.0.0.1", &["198.51.100.2", "203.0.113.7:4711, 10.1.2.3"]),
+            ip("203.0.113.7")
+        );
+        assert_eq!(
+            client("127.0.0.1", &["[2001:db8::7]:443"]),
+            ip("2001:db8::7")
+        );
+        // No header, or nothing but trusted hops and garbage: the last trusted one.
+        assert_eq!(client("127.0.0.1", &[]), ip("127.0.0.1"));
+        assert_eq!(client("127.0.0.1", &["unknown, 10.1.2.3"]), ip("10.1.2.3"));
     }
 
     #[test]

@@ -45,8 +45,8 @@ use crate::tools::{Category, ToolConfig};
 use auth::Principal;
 use rmcp::model::{
     CallToolRequestParams, CallToolResponse, CallToolResult, CancelTaskParams, CreateTaskResult,
-    GetTaskParams, GetTaskResult, ListToolsResult, PaginatedRequestParams, ProtocolVersion,
-    ServerCapabilities, ServerConfig,
+    DiscoverResult, GetTaskParams, GetTaskResult, Implementation, ListToolsResult,
+    PaginatedRequestParams, ProtocolVersion, ServerCapabilities, ServerConfig,
 };
 use rmcp::service::{RequestContext, RoleServer};
 use rmcp::{ErrorData as McpError, ServerHandler};
@@ -62,6 +62,11 @@ use tokio_util::sync::CancellationToken;
 pub const META_WORKFLOW_ID: &str = "workflow_id";
 pub const META_STEP_INDEX: &str = "step_index";
 pub const META_ATTEMPT: &str = "attempt";
+
+/// The client extension (in `capabilities.extensions`) by which a client says
+/// it names every call's step in `_meta`: `server/discover` offers it the
+/// sessionless revisions too (see [`McpFront::discover`]).
+pub const STEPS_EXTENSION: &str = "stepgate/steps";
 
 #[derive(Debug, Error)]
 pub enum McpFrontError {
@@ -257,6 +262,7 @@ impl McpFront {
                 ),
                 tasks: tasks::Tasks::new(
                     usize::try_from(config.mcp.max_tasks).unwrap_or(usize::MAX),
+                    usize::try_from(config.mcp.max_tasks_per_principal).unwrap_or(usize::MAX),
                     config.mcp.task_ttl.into(),
                     timeout,
                 ),
@@ -391,6 +397,12 @@ impl McpFront {
             max_body: usize::try_from(cfg.max_request_bytes).unwrap_or(usize::MAX),
             limiter: http::Guard::limiter(cfg.requests_per_second, cfg.burst),
             failures: http::FailedAuth::default(),
+            // Checked by the config's validation.
+            trusted_proxies: cfg
+                .trusted_proxies
+                .iter()
+                .filter_map(|p| crate::config::TrustedProxy::parse(p).ok())
+                .collect(),
             sessions,
             session_manager: session_manager.clone(),
             metadata_url,
@@ -656,21 +668,46 @@ fn random_id() -> String {
 
 impl ServerHandler for McpFront {
     /// Every revision rmcp knows, up to the current one (2026-07-28:
-    /// sessionless, `server/discover`). A call without `_meta` needs a
-    /// session, which that revision does not have: it is refused with a text
-    /// saying to name the step.
+    /// sessionless, `server/discover`): a request of any of them is served.
+    /// Which ones `server/discover` offers is [`Self::discover`]'s choice.
     fn supported_protocol_versions(&self) -> std::borrow::Cow<'static, [ProtocolVersion]> {
         std::borrow::Cow::Borrowed(ProtocolVersion::known_up_to(&ProtocolVersion::LATEST))
     }
 
+    /// The revisions offered to a client that probes `server/discover`. Over
+    /// HTTP, a call without a step in `_meta` is numbered by its MCP session,
+    /// and the sessionless revisions (2026-07-28 on) have none: so they are
+    /// offered only to a client that declares the [`STEPS_EXTENSION`] (it
+    /// names its steps itself). Any other client is offered the revisions
+    /// with the initialize handshake, and the MCP SDKs then open a session
+    /// (as they do for a server that is stateful by design). On stdio the
+    /// process is the session: every revision is offered.
+    async fn discover(&self, ctx: RequestContext<RoleServer>) -> Result<DiscoverResult, McpError> {
+        let names_steps = ctx
+            .meta
+            .client_capabilities()
+            .and_then(|c| c.extensions)
+            .is_some_and(|e| e.contains_key(STEPS_EXTENSION));
+        let offered: Vec<ProtocolVersion> = self
+            .supported_protocol_versions()
+            .iter()
+            .filter(|v| names_steps || self.stdio_session.is_some() || v.has_initialize())
+            .cloned()
+            .collect();
+        Ok(DiscoverResult::from_server_info(offered, self.get_info()))
+    }
+
     fn get_info(&self) -> ServerConfig {
         let capabilities = ServerCapabilities::builder().enable_tools().enable_tasks();
-        ServerConfig::new(capabilities.build()).with_instructions(
-            "Each tool call here is a durable step that runs at most once. Send \
-             `_meta.workflow_id` and `_meta.step_index` (and `_meta.attempt` for a deliberate \
-             re-run) with every tools/call: a call repeating a step gets that step's first \
-             answer instead of running the tool again.",
-        )
+        ServerConfig::new(capabilities.build())
+            .with_server_info(Implementation::new("stepgate", env!("CARGO_PKG_VERSION")))
+            .with_instructions(
+                "Each tool call here is a durable step that runs at most once. Send \
+                 `_meta.workflow_id` and `_meta.step_index` (and `_meta.attempt` for a deliberate \
+                 re-run) with every tools/call: a call repeating a step gets that step's first \
+                 answer instead of running the tool again. A call without them is numbered by its \
+                 MCP session.",
+            )
     }
 
     async fn list_tools(
@@ -870,9 +907,13 @@ impl McpFront {
             None => {
                 let Some(session) = session else {
                     return refused(format!(
-                        "This call to `{tool}` was not performed: it came without an MCP session, \
-                         so it needs its step in `_meta` (`workflow_id` and `step_index`). Call \
-                         the tool again with them."
+                        "This call to `{tool}` was not performed: it came without an MCP session \
+                         (the client uses a sessionless MCP revision, 2026-07-28 or later), and \
+                         a call without `_meta.workflow_id` and `_meta.step_index` is numbered by \
+                         its session. Call the tool again with its step in `_meta`; or the MCP \
+                         client connects with the initialize handshake (MCP 2025-11-25), which \
+                         this server offers every client that does not declare the \
+                         `{STEPS_EXTENSION}` extension."
                     ));
                 };
                 let Some(steps) = self.session_steps(session) else {
@@ -896,9 +937,16 @@ impl McpFront {
                 (format!("{}mcp-{session}", principal.namespace), step, 0)
             }
         };
-        let call = StepCall::new(&workflow_id, step_index, tool, Value::Object(arguments))
+        let mut call = StepCall::new(&workflow_id, step_index, tool, Value::Object(arguments))
             .map_err(|e| McpError::invalid_params(e.to_string(), None))?
             .attempt(attempt);
+        // Who sent it, for the console (no self-approval) and the audit.
+        if let Some(sender) = principal.sender() {
+            call.metadata = Some(Map::from_iter([(
+                auth::PRINCIPAL_METADATA.to_owned(),
+                Value::String(sender.to_owned()),
+            )]));
+        }
         Ok(Prepared::Step { call, pending })
     }
 
@@ -947,9 +995,11 @@ url = "http://127.0.0.1:1/search"
         let load = |mcp: &str| Config::from_toml_str(&format!("{TOOLS}\n{mcp}"), Vec::new());
         let ok = load(
             r#"
+[mcp]
+trusted_proxies = ["10.0.0.0/8", "::1"]
 [mcp.auth]
 issuer = "https://auth.example.com"
-jwks_url = "https://auth.example.com/jwks"
+jwks_url = "https://user:jwks-secret@auth.example.com/jwks"
 [mcp.auth.scopes]
 s = ["search"]
 [[mcp.auth.tokens]]
@@ -960,9 +1010,10 @@ scopes = ["s"]
         )
         .unwrap();
         assert!(ok.mcp.auth.enabled());
-        // A literal token is not shown by check-config.
+        // A literal token, and credentials in a URL, are not shown by check-config.
         let shown = toml::to_string(&ok.redacted()).unwrap();
         assert!(!shown.contains("a-literal-token"), "{shown}");
+        assert!(!shown.contains("jwks-secret"), "{shown}");
         for (bad, field) in [
             ("[mcp.auth]\nissuer = \"https://a.example\"", "`mcp.auth`"),
             (
@@ -990,6 +1041,34 @@ scopes = ["s"]
                 "mcp.auth.tokens[0]",
             ),
             ("[mcp]\nresource = \"mcp.example.com\"", "mcp.resource"),
+            (
+                "[mcp.auth]\nissuer = \"https://a.example\"\njwks_url = \"http://a.example/k\"\n[mcp.auth.scopes]\ns = [\"*\"]",
+                "mcp.auth.jwks_url",
+            ),
+            (
+                "[mcp.auth]\nissuer = \"http://a.example\"\njwks_url = \"https://a.example/k\"\n[mcp.auth.scopes]\ns = [\"*\"]",
+                "mcp.auth.issuer",
+            ),
+            (
+                "[mcp.auth]\nissuer = \"https://a.example\"\njwks_url = \"https://a.example/k\"\njwks_max_stale = \"1m\"\n[mcp.auth.scopes]\ns = [\"*\"]",
+                "mcp.auth.jwks_max_stale",
+            ),
+            (
+                "[mcp.auth.scopes]\ns = [\"*\"]\n[[mcp.auth.tokens]]\nname = \"acme\"\ntoken = \"env:A\"\nscopes = [\"s\"]\n[[mcp.auth.tokens]]\nname = \"acme/eu\"\ntoken = \"env:B\"\nscopes = [\"s\"]",
+                "mcp.auth.tokens[1]",
+            ),
+            (
+                "[mcp.auth.scopes]\ns = [\"*\"]\n[[mcp.auth.tokens]]\nname = \"b\"\ntoken = \"env:T\"\nscopes = [\"s\"]\nnamespace = \"jwt:b/\"",
+                "mcp.auth.tokens[0]",
+            ),
+            (
+                "[mcp]\ntrusted_proxies = [\"proxy.internal\"]",
+                "mcp.trusted_proxies[0]",
+            ),
+            (
+                "[mcp]\nmax_tasks_per_principal = 0",
+                "mcp.max_tasks_per_principal",
+            ),
             ("[mcp]\nmax_request_bytes = 0", "mcp.max_request_bytes"),
             ("[mcp]\nmax_sessions = 0", "mcp.max_sessions"),
             (

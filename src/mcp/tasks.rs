@@ -212,6 +212,8 @@ pub struct Tasks {
     table: Mutex<Table>,
     /// The most tasks kept at once.
     max: usize,
+    /// The most working tasks of one principal.
+    per_principal: usize,
     /// The longest a task lives: its call waits this long for the answer.
     ttl: Duration,
     /// The shortest: the front's own wait for an answer.
@@ -227,15 +229,20 @@ struct Table {
 }
 
 /// Why a task could not be made.
+#[derive(Debug)]
 pub(super) enum Full {
+    /// `mcp.max_tasks` are held, every one working.
     Full(usize),
+    /// The principal has `mcp.max_tasks_per_principal` working.
+    Principal(usize),
 }
 
 impl Tasks {
-    pub fn new(max: usize, ttl: Duration, min_ttl: Duration) -> Tasks {
+    pub fn new(max: usize, per_principal: usize, ttl: Duration, min_ttl: Duration) -> Tasks {
         Tasks {
             table: Mutex::new(Table::default()),
             max: max.max(1),
+            per_principal: per_principal.max(1),
             ttl: ttl.max(min_ttl),
             min_ttl,
         }
@@ -274,6 +281,16 @@ impl Tasks {
     ) -> Result<Arc<Task>, Full> {
         let now = SystemTime::now();
         let mut t = self.table.lock().expect("tasks lock");
+        // One principal's calls held for a person's approval, say, must not
+        // take every place from the others.
+        let working = t
+            .by_id
+            .values()
+            .filter(|task| task.owner == owner && matches!(*task.state.borrow(), State::Working))
+            .count();
+        if working >= self.per_principal {
+            return Err(Full::Principal(self.per_principal));
+        }
         if t.by_id.len() >= self.max {
             t.forget(|task| task.expired(now));
         }
@@ -529,15 +546,20 @@ pub(super) fn for_step(
 }
 
 pub(super) fn full(f: Full) -> (i64, String) {
-    let Full::Full(max) = f;
-    (
-        INTERNAL_ERROR,
-        format!(
+    let text = match f {
+        Full::Full(max) => format!(
             "This call was not performed: this server already holds its most tasks ({max}, \
              mcp.max_tasks), each still waiting for its answer. Call the tool again later, or \
              without asking for a task."
         ),
-    )
+        Full::Principal(max) => format!(
+            "This call was not performed: this caller already has its most tasks waiting for \
+             their answers on this server ({max}, mcp.max_tasks_per_principal). Call the tool \
+             again once some of them have finished (tasks/get or tasks/result reads them), or \
+             without asking for a task."
+        ),
+    };
+    (INTERNAL_ERROR, text)
 }
 
 fn to_value(result: &rmcp::model::CallToolResult) -> Outcome {
@@ -781,7 +803,7 @@ mod tests {
 
     #[test]
     fn a_task_is_its_owners_and_room_is_made_only_from_finished_ones() {
-        let tasks = Tasks::new(2, Duration::from_secs(3600), Duration::from_secs(60));
+        let tasks = Tasks::new(2, 10, Duration::from_secs(3600), Duration::from_secs(60));
         let insert = |step: Option<&str>| {
             let ttl = tasks.ttl_for(None);
             tasks.insert(
@@ -812,8 +834,35 @@ mod tests {
     }
 
     #[test]
+    fn one_principal_holds_at_most_its_share_of_working_tasks() {
+        let tasks = Tasks::new(10, 2, Duration::from_secs(3600), Duration::from_secs(60));
+        let insert = |owner: &str| {
+            tasks.insert(
+                owner,
+                None,
+                "t",
+                tasks.ttl_for(None),
+                CancellationToken::new(),
+            )
+        };
+        let a = insert("alice").unwrap();
+        insert("alice").unwrap();
+        assert!(matches!(insert("alice"), Err(Full::Principal(2))));
+        // Another principal is not affected.
+        insert("bob").unwrap();
+        // A finished task no longer counts.
+        assert!(a.set(State::Completed(json!({"content": []}))));
+        insert("alice").unwrap();
+        assert!(
+            full(Full::Principal(2))
+                .1
+                .contains("mcp.max_tasks_per_principal")
+        );
+    }
+
+    #[test]
     fn a_requested_ttl_is_kept_within_bounds() {
-        let tasks = Tasks::new(10, Duration::from_secs(3600), Duration::from_secs(120));
+        let tasks = Tasks::new(10, 10, Duration::from_secs(3600), Duration::from_secs(120));
         assert_eq!(tasks.ttl_for(None), Duration::from_secs(3600));
         assert_eq!(tasks.ttl_for(Some(1000)), Duration::from_secs(120));
         assert_eq!(tasks.ttl_for(Some(600_000)), Duration::from_secs(600));

@@ -20,6 +20,11 @@
 //! that cannot be opened → nothing sent, retried; a timeout, a broken
 //! connection or an internal error after the request went out → "may have
 //! run", retried with the same key unless the tool is `unkeyed`.
+//!
+//! Every text the server (or its transport) chose goes to a model and into
+//! Kafka records, so it is shown as the HTTP path shows a refusal's body
+//! ([`shown`]): without the tool's header secrets or URL credentials, on one
+//! line, cut at 300 characters.
 
 use super::Try;
 use crate::contract::{Call, ErrorBody, Outcome, Texts};
@@ -194,7 +199,7 @@ impl McpSessions {
     }
 
     /// The endpoint's open session, or a new one. `Err` when none could be
-    /// opened: no call was sent.
+    /// opened (what happened, [`shown`]): no call was sent.
     async fn session(
         &self,
         http: &reqwest::Client,
@@ -234,7 +239,10 @@ impl McpSessions {
                 )
             })?
             .map_err(|e| {
-                redact_url_in(&format!("no MCP session could be opened ({e})"), &tool.url)
+                format!(
+                    "no MCP session could be opened ({})",
+                    shown(&e.to_string(), tool, headers)
+                )
             })?;
         let session = Arc::new(session);
         *open = Some(session.clone());
@@ -317,14 +325,14 @@ pub(super) async fn try_once(
             "no MCP answer within {}",
             humantime::format_duration(tool.timeout.0)
         )),
-        Ok(Ok(result)) => Try::Done(outcome(tool, &step.tool, result)),
+        Ok(Ok(result)) => Try::Done(outcome(tool, &step.tool, result, headers)),
         Ok(Err(ServiceError::McpError(e))) if refused(e.code) => Try::Done(Outcome::Error {
             error: ErrorBody {
                 kind: "tool_refused".into(),
                 message: Texts::mcp_refused(
                     &step.tool,
                     e.code.0,
-                    &redact_url_in(&e.message, &tool.url),
+                    &shown(&e.message, tool, headers),
                 ),
             },
         }),
@@ -332,9 +340,23 @@ pub(super) async fn try_once(
             if transport_broken(&session, &e) {
                 sessions.retire(&tool.url, &session).await;
             }
-            Try::MaybeRan(redact_url_in(&format!("MCP: {e}"), &tool.url))
+            // `code: message(data)`, every part of it the server's.
+            Try::MaybeRan(format!("MCP: {}", shown(&e.to_string(), tool, headers)))
         }
     }
+}
+
+/// A text the MCP server or its transport chose, as it may reach a model and
+/// Kafka records: the tool's header values (an echoed credential) and URL
+/// credentials redacted, then one line of at most 300 characters.
+fn shown(text: &str, tool: &ToolConfig, headers: &HeaderMap) -> String {
+    if text.trim().is_empty() {
+        return String::new();
+    }
+    Texts::excerpt(&redact_url_in(
+        &super::without_secrets(text, headers),
+        &tool.url,
+    ))
 }
 
 /// JSON-RPC errors that say the request was refused before the tool ran.
@@ -349,7 +371,7 @@ fn refused(code: ErrorCode) -> bool {
 }
 
 /// An MCP tool result as a step outcome.
-fn outcome(tool: &ToolConfig, name: &str, result: CallToolResult) -> Outcome {
+fn outcome(tool: &ToolConfig, name: &str, result: CallToolResult, headers: &HeaderMap) -> Outcome {
     let text = || {
         result
             .content
@@ -365,7 +387,7 @@ fn outcome(tool: &ToolConfig, name: &str, result: CallToolResult) -> Outcome {
         return Outcome::Error {
             error: ErrorBody {
                 kind: "tool_error".into(),
-                message: Texts::tool_reported_error(name, &redact_url_in(&text(), &tool.url)),
+                message: Texts::tool_reported_error(name, &shown(&text(), tool, headers)),
             },
         };
     }

@@ -94,9 +94,10 @@ input_schema = {{ type = "object", properties = {{ title = {{ type = "string" }}
     );
     let r: Value = serde_json::from_str(stdout.trim()).unwrap();
     println!(
-        "MCP protocol over HTTP {}, over stdio {}; a call without _meta over HTTP: {}",
-        r["http_protocol"], r["stdio_protocol"], r["no_meta_http"]
+        "MCP protocol over HTTP {}, over stdio {}, of the high-level Client {}",
+        r["http_protocol"], r["stdio_protocol"], r["client_protocol"]
     );
+    check_the_high_level_client(&r);
 
     // The tool list: configured description and schema; annotations from the category.
     let tools = &r["tools"];
@@ -140,6 +141,9 @@ input_schema = {{ type = "object", properties = {{ title = {{ type = "string" }}
     assert!(text("bad_meta").contains("`_meta.step_index`"), "{r}");
     // A read-only HTTP tool through the same front.
     assert_eq!(r["read_only"]["is_error"], false, "{r}");
+    // Without `_meta`, in the handshake's session: that session's step.
+    assert_eq!(r["no_meta_http"]["is_error"], false, "{r}");
+    assert_eq!(r["no_meta_http"]["meta"]["stepgate/step_index"], 0, "{r}");
 
     // Over stdio, without `_meta`: the call the client gave up on and the
     // model's rephrased retry are one step; the retry gets the first call's result.
@@ -164,32 +168,71 @@ input_schema = {{ type = "object", properties = {{ title = {{ type = "string" }}
         "keys invoked twice: {repeated:?}\n{}",
         logs()
     );
-    // first, same_a, same_b, rerun, and over stdio lost/retry (one step), next;
-    // plus the HTTP call without a session when the client negotiated one.
-    let http_sessionless = r["no_meta_http"]["is_error"] == true;
-    let expected = 6 + usize::from(!http_sessionless);
-    assert_eq!(per_key.len(), expected, "{counts}\n{r}");
-    assert_eq!(counts["tickets"].as_object().unwrap().len(), expected);
-    if http_sessionless {
-        assert!(
-            text("no_meta_http").contains("without an MCP session"),
-            "{r}"
-        );
-    }
+    // first, same_a, same_b, rerun, no_meta_http (numbered by its session);
+    // the high-level Client's two calls and its named step; over stdio
+    // lost/retry (one step), next.
+    assert_eq!(per_key.len(), 10, "{counts}\n{r}");
+    assert_eq!(counts["tickets"].as_object().unwrap().len(), 10);
 }
 
-/// The `[mcp]` section of the network test: the test issuer's tokens, two
-/// static tokens (from the environment), three sessions per principal.
-fn network_mcp_section(issuer: &str) -> String {
+/// An MCP host that knows nothing of stepgate, on the official Python SDK's
+/// high-level `Client` (its default mode probes `server/discover`, and would
+/// use the sessionless 2026-07-28 revision if offered it): it is offered the
+/// revisions with a session, so its calls without `_meta` are numbered by
+/// that session, each its own step, run once; the server names itself; the
+/// session's `DELETE` is answered as the SDK expects. A client that declares
+/// the `stepgate/steps` extension gets 2026-07-28, and one pinned to it that
+/// sends no `_meta` is refused with a text that says what to do.
+fn check_the_high_level_client(r: &Value) {
+    assert_eq!(r["client_protocol"], "2025-11-25", "{r}");
+    assert_eq!(
+        r["server_info"],
+        json!({"name": "stepgate", "version": env!("CARGO_PKG_VERSION")}),
+        "{r}"
+    );
+    let (first, second) = (&r["client_first"], &r["client_second"]);
+    for c in [first, second] {
+        assert_eq!(c["is_error"], false, "{r}");
+        assert_eq!(c["meta"]["stepgate/deduplicated"], false, "{r}");
+    }
+    assert_eq!(first["structured"]["title"], "host call 1", "{r}");
+    assert_eq!(second["structured"]["title"], "host call 2", "{r}");
+    assert_eq!(first["meta"]["stepgate/step_index"], 0, "{r}");
+    assert_eq!(second["meta"]["stepgate/step_index"], 1, "{r}");
+    let workflow = first["meta"]["stepgate/workflow_id"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(workflow.starts_with("mcp-"), "{r}");
+    assert_eq!(second["meta"]["stepgate/workflow_id"], workflow, "{r}");
+    assert_eq!(r["client_warnings"], json!([]), "the SDK warned: {r}");
+    assert_eq!(r["steps_protocol"], "2026-07-28", "{r}");
+    assert_eq!(r["steps_call"]["is_error"], false, "{r}");
+    let refused = &r["pinned_no_meta"];
+    assert_eq!(refused["is_error"], true, "{r}");
+    let text = refused["text"][0].as_str().unwrap_or_default();
+    assert!(
+        text.contains("without an MCP session")
+            && text.contains("`_meta`")
+            && text.contains("stepgate/steps"),
+        "{r}"
+    );
+}
+
+/// The `[mcp]` section of the network test: the test issuer's tokens, three
+/// static tokens (from the environment), three sessions per principal, and
+/// `extra` (more `[mcp]` keys) and `auth_extra` (more `[mcp.auth]` keys).
+fn network_mcp_section(issuer: &str, extra: &str, auth_extra: &str) -> String {
     format!(
         r#"
 allowed_origins = ["http://app.test"]
 max_sessions_per_principal = 3
 task_after = "3s"
+{extra}
 
 [auth]
 issuer = "{issuer}"
 jwks_url = "{issuer}/jwks"
+{auth_extra}
 
 [auth.scopes]
 tickets = ["create_ticket"]
@@ -206,16 +249,22 @@ scopes = ["admin"]
 name = "flood"
 token = "env:MCP_FLOOD_TOKEN"
 scopes = ["search"]
+
+[[auth.tokens]]
+name = "reporter"
+token = "env:MCP_REPORTER_TOKEN"
+scopes = ["reports"]
 "#
     )
 }
 
 const OPS_TOKEN: &str = "ops-static-token-0123456789abcdef";
 const FLOOD_TOKEN: &str = "flood-static-token-0123456789abcdef";
+const REPORTER_TOKEN: &str = "reporter-static-token-0123456789abcdef";
 
 /// A stack behind `stepgate mcp --listen 127.0.0.1:<port>`, configured with
 /// [`network_mcp_section`]: tokens of a test issuer (`mcp_issuer.py`, with
-/// `clients`) and two static ones.
+/// `clients`) and three static ones.
 struct OauthFront {
     s: Stack,
     work: tempfile::TempDir,
@@ -228,6 +277,11 @@ struct OauthFront {
 
 impl OauthFront {
     async fn start(clients: Value) -> OauthFront {
+        OauthFront::start_with(clients, "", "").await
+    }
+
+    /// With `extra` keys in `[mcp]`, `auth_extra` in `[mcp.auth]`.
+    async fn start_with(clients: Value, extra: &str, auth_extra: &str) -> OauthFront {
         let root = env!("CARGO_MANIFEST_DIR");
         let work = tempfile::tempdir().unwrap();
         let issuer_port = free_port();
@@ -258,7 +312,8 @@ impl OauthFront {
         // The stack's config with the `[mcp]` section.
         let mut config: toml::Table =
             toml::from_str(&std::fs::read_to_string(&s.config_path).unwrap()).unwrap();
-        let mcp: toml::Table = toml::from_str(&network_mcp_section(&issuer)).unwrap();
+        let mcp: toml::Table =
+            toml::from_str(&network_mcp_section(&issuer, extra, auth_extra)).unwrap();
         config.insert("mcp".into(), toml::Value::Table(mcp));
         let config_path = work.path().join("mcp.toml");
         std::fs::write(&config_path, toml::to_string(&config).unwrap()).unwrap();
@@ -272,6 +327,7 @@ impl OauthFront {
                 .arg(format!("127.0.0.1:{port}"))
                 .env("MCP_OPS_TOKEN", OPS_TOKEN)
                 .env("MCP_FLOOD_TOKEN", FLOOD_TOKEN)
+                .env("MCP_REPORTER_TOKEN", REPORTER_TOKEN)
                 .stdout(Stdio::null())
                 .stderr(std::fs::File::create(work.path().join("mcp-front.log")).unwrap())
                 .spawn()
@@ -388,9 +444,13 @@ async fn mcp_over_http_is_an_oauth_resource_server_with_tenants() {
         a["foreign_wf"]["text"][0]
             .as_str()
             .unwrap_or_default()
-            .contains("`agent-a/`"),
+            .contains("`jwt:agent-a/`"),
         "{r}"
     );
+    // Distinct roots: a JWT subject `agent-a` does not get the namespace a
+    // static token `agent-a` would have.
+    assert_eq!(a["static_root"]["is_error"], true, "{r}");
+    assert_eq!(a["static_root"]["text"], a["foreign_wf"]["text"], "{r}");
     let c = &r["agent_c"];
     assert_eq!(c["others_step"]["is_error"], true, "{r}");
     assert_eq!(c["others_step"]["text"], c["no_such_wf"]["text"], "{r}");
@@ -430,6 +490,7 @@ async fn mcp_over_http_is_an_oauth_resource_server_with_tenants() {
         "no_audience",
         "not_a_jwt",
         "static_wrong",
+        "slash_sub",
     ] {
         assert_eq!(status(k), 401, "{k}: {r}");
         assert!(challenge(k).contains("error=\"invalid_token\""), "{k}: {r}");
@@ -437,6 +498,7 @@ async fn mcp_over_http_is_an_oauth_resource_server_with_tenants() {
     }
     assert!(challenge("expired").contains("expired"), "{r}");
     assert!(challenge("wrong_audience").contains("audience"), "{r}");
+    assert!(challenge("slash_sub").contains("`/`"), "{r}");
     // A scope without the tool: 403 insufficient_scope, naming the scopes that grant it.
     assert_eq!(status("search_only_init"), 200, "{r}");
     assert_eq!(status("scope_without_tool"), 403, "{r}");
@@ -462,10 +524,13 @@ async fn mcp_over_http_is_an_oauth_resource_server_with_tenants() {
     assert_eq!(flood["status"], 429, "{r}");
     assert!(flood["retry_after"].as_str().is_some(), "{r}");
     assert_eq!(status("after_flood_other"), 200, "{r}");
-    // An address guessing tokens is stopped before they are checked.
+    // An address guessing tokens gets 429 for them; a valid token from it,
+    // JWT or static, is still served.
     let guessing = &r["guessing"]["limited"];
     assert_eq!(guessing["status"], 429, "{r}");
     assert!(guessing["retry_after"].as_str().is_some(), "{r}");
+    assert_eq!(status("valid_while_locked"), 200, "{r}");
+    assert_eq!(status("static_while_locked"), 200, "{r}");
 
     // The keys were fetched at start and cached; fetched again for the
     // rotated key's kid, once however many tokens named it before it came.
@@ -553,7 +618,7 @@ async fn mcp_typescript_sdk_client_is_authorized_by_the_issuer() {
         r["foreign_wf"]["text"][0]
             .as_str()
             .unwrap_or_default()
-            .contains("`agent-t/`"),
+            .contains("`jwt:agent-t/`"),
         "{r}"
     );
     assert_eq!(f.s.tools.count("create_ticket"), 1, "{r}\n{}", f.logs());
@@ -963,8 +1028,8 @@ async fn mcp_inspector_cli_lists_and_calls_a_tool() {
 }
 
 /// The current revision, 2026-07-28, from the official Rust SDK's client
-/// (rmcp): `server/discover`, sessionless requests with the step in `_meta`,
-/// and the tasks extension. A call the front cannot answer within
+/// (rmcp) that declares the `stepgate/steps` extension: `server/discover`,
+/// sessionless requests with the step in `_meta`, and the tasks extension. A call the front cannot answer within
 /// `mcp.task_after` (3 s here) is answered with its step's task; the same
 /// step's call again gets that task; `tasks/get` completes it with the answer;
 /// another principal cannot see it. The tool ran once.
@@ -987,9 +1052,11 @@ async fn mcp_current_revision_answers_a_slow_call_with_its_steps_task() {
         let transport = StreamableHttpClientTransport::from_config(
             StreamableHttpClientTransportConfig::with_uri(f.url.clone()).auth_header(token),
         );
-        let mut capabilities = json!({});
+        // It names its steps in `_meta`, and says so: the front offers the
+        // sessionless revision only to such a client.
+        let mut capabilities = json!({"extensions": {"stepgate/steps": {}}});
         if tasks {
-            capabilities = json!({"extensions": {"io.modelcontextprotocol/tasks": {}}});
+            capabilities["extensions"]["io.modelcontextprotocol/tasks"] = json!({});
         }
         let config: ClientConfig = serde_json::from_value(json!({
             "protocolVersion": "2026-07-28",
@@ -1098,4 +1165,405 @@ async fn mcp_current_revision_answers_a_slow_call_with_its_steps_task() {
         flood.cancel().await,
         plain.cancel().await,
     );
+}
+
+/// A JSON-RPC request to the front (protocol 2025-11-25) with a bearer token
+/// and `headers`: its status and its JSON-RPC message (the body, or the
+/// first `data:` of an event stream; `Null` for a refusal's text).
+async fn rpc(
+    http: &reqwest::Client,
+    url: &str,
+    token: &str,
+    headers: &[(&str, &str)],
+    body: &Value,
+) -> (u16, Value) {
+    let mut r = http
+        .post(url)
+        .bearer_auth(token)
+        .header("accept", "application/json, text/event-stream")
+        .header("content-type", "application/json")
+        .header("mcp-protocol-version", "2025-11-25");
+    for (k, v) in headers {
+        r = r.header(*k, *v);
+    }
+    let resp = r
+        .body(body.to_string())
+        .send()
+        .await
+        .expect("the front answers");
+    let status = resp.status().as_u16();
+    let text = resp.text().await.unwrap_or_default();
+    let message = serde_json::from_str(&text)
+        .ok()
+        .or_else(|| {
+            text.lines()
+                .filter_map(|l| l.strip_prefix("data:"))
+                .find_map(|d| serde_json::from_str(d.trim()).ok())
+        })
+        .unwrap_or(Value::Null);
+    (status, message)
+}
+
+fn initialize() -> Value {
+    json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {},
+        "clientInfo": {"name": "probe", "version": "0"}}})
+}
+
+/// A token of the test issuer with these claims (`iss`, `iat`, `exp` added).
+async fn mint(http: &reqwest::Client, issuer: &str, claims: Value) -> String {
+    let r: Value = http
+        .post(format!("{issuer}/mint"))
+        .json(&claims)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    r["access_token"].as_str().unwrap().to_owned()
+}
+
+/// Behind a TLS proxy every client shares the proxy's address. With the
+/// proxy in `mcp.trusted_proxies`, an address that guesses tokens is the
+/// client's (the right-most `X-Forwarded-For` hop that is not a trusted
+/// proxy): a client guessing tokens is locked out (429) and another client
+/// behind the same proxy is not; what a client writes into the header
+/// itself is not believed; and a valid token is never refused for its
+/// address, even the locked-out one's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mcp_lockout_behind_a_trusted_proxy_is_the_clients_and_spares_valid_tokens() {
+    let f = OauthFront::start_with(
+        json!({}),
+        r#"trusted_proxies = ["127.0.0.1", "10.0.0.0/8"]"#,
+        "",
+    )
+    .await;
+    let http = reqwest::Client::new();
+    let init = initialize();
+    let post = |token: &str, forwarded: &str| {
+        let (http, url, init) = (&http, &f.url, &init);
+        let (token, forwarded) = (token.to_owned(), forwarded.to_owned());
+        async move {
+            rpc(http, url, &token, &[("x-forwarded-for", &forwarded)], init)
+                .await
+                .0
+        }
+    };
+    // Guesses in rounds of 20 at once until the address is locked out.
+    let flood = |forwarded: &'static str| {
+        let post = &post;
+        async move {
+            for round in 0..20 {
+                let guesses = (0..20)
+                    .map(|i| post(&format!("guess-{round}-{i}-0123456789abcdef"), forwarded));
+                let statuses = futures::future::join_all(guesses).await;
+                assert!(
+                    statuses.iter().all(|s| *s == 401 || *s == 429),
+                    "{statuses:?}"
+                );
+                if statuses.contains(&429) {
+                    return true;
+                }
+            }
+            false
+        }
+    };
+    // The bad client at 203.0.113.7, through two proxies (10.1.2.3, then the
+    // front's peer 127.0.0.1).
+    let bad = "203.0.113.7, 10.1.2.3";
+    assert!(
+        flood(bad).await,
+        "the guessing client was never locked out\n{}",
+        f.logs()
+    );
+    // Right after: another client behind the same proxies is not locked
+    // out, with a valid token nor with a wrong one (401, not 429)...
+    assert_eq!(post(OPS_TOKEN, "198.51.100.2, 10.1.2.3").await, 200);
+    assert_eq!(
+        post("wrong-token-0123456789abcdef", "198.51.100.2").await,
+        401
+    );
+    // ...and a valid token from the locked-out address itself is served.
+    assert_eq!(post(OPS_TOKEN, bad).await, 200, "{}", f.logs());
+    assert_eq!(post(REPORTER_TOKEN, bad).await, 200, "{}", f.logs());
+    // A client claiming another's address in the header it sends (the proxy
+    // appends the one it saw) is still itself.
+    assert!(flood("198.51.100.9, 203.0.113.8").await);
+    assert_eq!(
+        post("wrong-token-0123456789abcdef", "198.51.100.9").await,
+        401
+    );
+}
+
+/// `mcp.max_tasks_per_principal`: one principal's tasks still waiting (a
+/// slow tool's, held for a person, …) cannot take the places of the
+/// others'. Its next task is refused with a text, the same step again still
+/// finds its task, and another principal makes tasks as before. Each intent
+/// records the principal that sent it (`metadata["stepgate.principal"]`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mcp_one_principal_holds_at_most_its_share_of_tasks() {
+    let f = OauthFront::start_with(json!({}), "max_tasks_per_principal = 2", "").await;
+    f.s.tools.script(
+        "export_report",
+        vec![Reply::Delay(Duration::from_secs(120))],
+    );
+    let intents = f.s.reader("intents");
+    let http = reqwest::Client::new();
+    let task = |workflow: &str, step: u64| {
+        json!({"jsonrpc": "2.0", "id": 10 + step, "method": "tools/call", "params": {
+            "name": "export_report", "arguments": {"month": "2026-11"}, "task": {},
+            "_meta": {"workflow_id": workflow, "step_index": step}}})
+    };
+    let mut ids = Vec::new();
+    for step in 0..2 {
+        let (status, m) = rpc(&http, &f.url, OPS_TOKEN, &[], &task("ops/exports", step)).await;
+        assert_eq!(status, 200, "{m}\n{}", f.logs());
+        assert_eq!(m["result"]["task"]["status"], "working", "{m}");
+        ids.push(m["result"]["task"]["taskId"].clone());
+    }
+    let (_, refused) = rpc(&http, &f.url, OPS_TOKEN, &[], &task("ops/exports", 2)).await;
+    let text = refused["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        text.contains("not performed") && text.contains("mcp.max_tasks_per_principal"),
+        "{refused}"
+    );
+    // The same step again is its task, not a new one.
+    let (_, again) = rpc(&http, &f.url, OPS_TOKEN, &[], &task("ops/exports", 0)).await;
+    assert_eq!(again["result"]["task"]["taskId"], ids[0], "{again}");
+    // Other principals are not affected: a static one, and a JWT one.
+    let (_, other) = rpc(
+        &http,
+        &f.url,
+        REPORTER_TOKEN,
+        &[],
+        &task("reporter/exports", 0),
+    )
+    .await;
+    assert_eq!(other["result"]["task"]["status"], "working", "{other}");
+    let jwt = mint(
+        &http,
+        &f.issuer,
+        json!({"sub": "agent-x", "aud": f.url, "scope": "reports"}),
+    )
+    .await;
+    let (_, by_jwt) = rpc(&http, &f.url, &jwt, &[], &task("jwt:agent-x/exports", 0)).await;
+    assert_eq!(by_jwt["result"]["task"]["status"], "working", "{by_jwt}");
+
+    // Who sent each step, as the intents carry it (every publish of it: the
+    // front publishes a step again while its answer is slow); the refused
+    // one never became one.
+    intents.wait_for(4, Duration::from_secs(60)).await;
+    let by: std::collections::BTreeSet<(String, u64, String)> = intents
+        .all()
+        .iter()
+        .map(|r| {
+            (
+                r.value["workflow_id"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned(),
+                r.value["step_index"].as_u64().unwrap_or_default(),
+                r.value["metadata"]["stepgate.principal"].to_string(),
+            )
+        })
+        .collect();
+    let expected: std::collections::BTreeSet<(String, u64, String)> = [
+        ("jwt:agent-x/exports", 0, "\"jwt:agent-x\""),
+        ("ops/exports", 0, "\"token:ops\""),
+        ("ops/exports", 1, "\"token:ops\""),
+        ("reporter/exports", 0, "\"token:reporter\""),
+    ]
+    .into_iter()
+    .map(|(w, n, p)| (w.to_owned(), n, p.to_owned()))
+    .collect();
+    assert_eq!(by, expected, "{}", f.logs());
+}
+
+/// A key the issuer withdrew from its JWK Set is refused from the fetch
+/// that no longer finds it — by the very request that made the front fetch
+/// the set again — and never after; a token under its current key is
+/// accepted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mcp_a_withdrawn_jwks_key_is_refused_by_the_request_that_refreshed_the_set() {
+    let f = OauthFront::start_with(json!({}), "", r#"jwks_refresh = "1s""#).await;
+    let http = reqwest::Client::new();
+    let claims = json!({"sub": "agent-w", "aud": f.url, "scope": "search"});
+    let old = mint(&http, &f.issuer, claims.clone()).await;
+    let fetches = || {
+        let http = &http;
+        let url = format!("{}/stats", f.issuer);
+        async move {
+            let stats: Value = http.get(url).send().await.unwrap().json().await.unwrap();
+            stats["jwks_fetches"].as_u64().unwrap()
+        }
+    };
+    assert_eq!(rpc(&http, &f.url, &old, &[], &initialize()).await.0, 200);
+    // The issuer moves to a new key and withdraws the old one.
+    http.post(format!("{}/rotate", f.issuer))
+        .send()
+        .await
+        .unwrap();
+    http.post(format!("{}/withdraw", f.issuer))
+        .json(&json!({"kid": "test-key-1"}))
+        .send()
+        .await
+        .unwrap();
+    let new = mint(&http, &f.issuer, claims).await;
+    // Until the front fetches the set again, its copy still has the old key;
+    // the request during which it fetches must be refused.
+    let started = std::time::Instant::now();
+    loop {
+        let before = fetches().await;
+        let status = rpc(&http, &f.url, &old, &[], &initialize()).await.0;
+        if fetches().await > before {
+            assert_eq!(
+                status,
+                401,
+                "the withdrawn key was accepted after the fetch\n{}",
+                f.logs()
+            );
+            break;
+        }
+        assert_eq!(status, 200, "{}", f.logs());
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "the JWK Set was not fetched again\n{}",
+            f.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(rpc(&http, &f.url, &old, &[], &initialize()).await.0, 401);
+    assert_eq!(rpc(&http, &f.url, &new, &[], &initialize()).await.0, 200);
+}
+
+/// What `[mcp]` the front refuses before it serves, in `stepgate
+/// check-config` and at `stepgate mcp`: a JWK Set or issuer over plain http
+/// beyond loopback, static tokens whose namespaces are prefixes of one
+/// another or under the JWT principals' root; and what check-config prints
+/// of the URLs: no credentials.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mcp_refuses_plain_http_keys_and_overlapping_namespaces_at_start() {
+    let work = tempfile::tempdir().unwrap();
+    let base = r#"
+[kafka]
+brokers = "127.0.0.1:9"
+
+[tools.search]
+category = "read_only"
+url = "http://127.0.0.1:1/search"
+
+[mcp.auth.scopes]
+s = ["search"]
+"#;
+    let config = |name: &str, mcp: &str| {
+        let path = work.path().join(name);
+        std::fs::write(&path, format!("{base}\n{mcp}")).unwrap();
+        path
+    };
+    let check = |path: &std::path::Path| {
+        let out = Command::new(stepgate_bin())
+            .args(["check-config", "--config"])
+            .arg(path)
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned()
+                + &String::from_utf8_lossy(&out.stderr),
+        )
+    };
+    let auth = |issuer: &str, jwks: &str| {
+        format!("[mcp.auth]\nissuer = \"{issuer}\"\njwks_url = \"{jwks}\"\n")
+    };
+    for (name, mcp, field) in [
+        (
+            "http-jwks.toml",
+            auth("https://idp.example", "http://idp.example/jwks"),
+            "mcp.auth.jwks_url",
+        ),
+        (
+            "http-issuer.toml",
+            auth("http://idp.example", "https://idp.example/jwks"),
+            "mcp.auth.issuer",
+        ),
+    ] {
+        let path = config(name, &mcp);
+        let (ok, out) = check(&path);
+        assert!(!ok, "{name}: {out}");
+        assert!(
+            out.contains(field) && out.contains("https"),
+            "{name}: {out}"
+        );
+        // `stepgate mcp` refuses it too, before it listens.
+        let port = free_port().to_string();
+        let served = Command::new(stepgate_bin())
+            .args(["mcp", "--config"])
+            .arg(&path)
+            .args(["--listen", &format!("127.0.0.1:{port}")])
+            .output()
+            .unwrap();
+        assert!(!served.status.success(), "{name}");
+        assert!(
+            String::from_utf8_lossy(&served.stderr).contains(field),
+            "{name}: {}",
+            String::from_utf8_lossy(&served.stderr)
+        );
+    }
+    // Plain http on a loopback host is accepted, and URLs show no credentials.
+    let (ok, out) = check(&config(
+        "loopback.toml",
+        &format!(
+            "[mcp]\nresource = \"https://front:pw-in-resource@mcp.example/mcp\"\n{}",
+            auth(
+                "http://127.0.0.1:8000",
+                "http://user:pw-in-jwks@localhost:8000/jwks?token=tok-in-query"
+            )
+        ),
+    ));
+    assert!(ok, "{out}");
+    for secret in ["pw-in-resource", "pw-in-jwks", "tok-in-query"] {
+        assert!(!out.contains(secret), "check-config shows {secret}: {out}");
+    }
+    assert!(out.contains("localhost:8000/jwks"), "{out}");
+
+    // Static tokens' namespaces: prefix-free, and none under `jwt:`.
+    let token = |name: &str, namespace: Option<&str>| {
+        let ns = namespace
+            .map(|n| format!("namespace = \"{n}\"\n"))
+            .unwrap_or_default();
+        format!(
+            "[[mcp.auth.tokens]]\nname = \"{name}\"\ntoken = \"literal-token-{name}-0123456789\"\nscopes = [\"s\"]\n{ns}"
+        )
+    };
+    for (name, mcp, needle) in [
+        (
+            "prefixes.toml",
+            token("acme", None) + &token("acme-eu", Some("acme/eu/")),
+            "prefixes of one another",
+        ),
+        (
+            "nested.toml",
+            token("support", Some("support/")) + &token("tier2", Some("support/tier2/")),
+            "prefixes of one another",
+        ),
+        (
+            "jwt-root.toml",
+            token("jwt:acme", None),
+            "the JWT principals",
+        ),
+    ] {
+        let (ok, out) = check(&config(name, &mcp));
+        assert!(!ok, "{name}: {out}");
+        assert!(
+            out.contains("mcp.auth.tokens[") && out.contains(needle),
+            "{name}: {out}"
+        );
+    }
+    // Distinct namespaces, and "" (every workflow, an operator's), pass.
+    let (ok, out) = check(&config(
+        "distinct.toml",
+        &(token("acme", None) + &token("acme-eu", None) + &token("ops", Some(""))),
+    ));
+    assert!(ok, "{out}");
 }

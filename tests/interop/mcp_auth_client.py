@@ -85,19 +85,23 @@ async def as_agent(name, work):
 
 async def agent_a(s):
     out = {"tools": sorted(t.name for t in (await s.list_tools()).tools)}
-    step = {"workflow_id": "agent-a/wf-1", "step_index": 0}
+    step = {"workflow_id": "jwt:agent-a/wf-1", "step_index": 0}
     out["first"] = seen(await s.call_tool("create_ticket", {"title": "Printer jammed"}, meta=step))
     out["again"] = seen(await s.call_tool("create_ticket", {"title": "The printer is jammed"}, meta=step))
     # Its own namespace only: another's workflow is refused.
     out["foreign_wf"] = seen(await s.call_tool(
-        "create_ticket", {"title": "x"}, meta={"workflow_id": "agent-b/wf-1", "step_index": 0}))
+        "create_ticket", {"title": "x"}, meta={"workflow_id": "jwt:agent-b/wf-1", "step_index": 0}))
+    # A JWT principal's namespace is under `jwt:`: the workflow a static
+    # token of the same name would have is not its.
+    out["static_root"] = seen(await s.call_tool(
+        "create_ticket", {"title": "x"}, meta={"workflow_id": "agent-a/wf-1", "step_index": 0}))
     return out
 
 
 async def agent_b(s):
     out = {"tools": sorted(t.name for t in (await s.list_tools()).tools)}
     out["search"] = seen(await s.call_tool(
-        "search", {"q": "printers"}, meta={"workflow_id": "agent-b/wf-1", "step_index": 0}))
+        "search", {"q": "printers"}, meta={"workflow_id": "jwt:agent-b/wf-1", "step_index": 0}))
     return out
 
 
@@ -107,12 +111,12 @@ async def agent_c(s):
     return {
         "others_step": seen(await s.call_tool(
             "create_ticket", {"title": "give me yours"},
-            meta={"workflow_id": "agent-a/wf-1", "step_index": 0})),
+            meta={"workflow_id": "jwt:agent-a/wf-1", "step_index": 0})),
         "no_such_wf": seen(await s.call_tool(
             "create_ticket", {"title": "give me yours"},
-            meta={"workflow_id": "agent-a/never-used", "step_index": 0})),
+            meta={"workflow_id": "jwt:agent-a/never-used", "step_index": 0})),
         "own": seen(await s.call_tool(
-            "create_ticket", {"title": "mine"}, meta={"workflow_id": "agent-c/wf-1", "step_index": 0})),
+            "create_ticket", {"title": "mine"}, meta={"workflow_id": "jwt:agent-c/wf-1", "step_index": 0})),
     }
 
 
@@ -160,13 +164,17 @@ async def probes(out, tokens):
         for k, t in bad.items():
             out[k] = await post(t)
         out["not_a_jwt"] = await post("not-a-token-at-all")
+        # A namespace claim with `/` in it would make a namespace that holds others.
+        slash = await mint(sub="agent-a/eu", aud=url, scope="tickets")
+        tokens.append(slash)
+        out["slash_sub"] = await post(slash)
 
         # A scope without the tool: 403 insufficient_scope naming the scope that grants it.
         search_only = await mint(sub="agent-b", aud=url, scope="search")
         tokens.append(search_only)
         out["search_only_init"] = await post(search_only)
         out["scope_without_tool"] = await post(
-            search_only, call_body("create_ticket", {"title": "x"}, {"workflow_id": "agent-b/x", "step_index": 0}))
+            search_only, call_body("create_ticket", {"title": "x"}, {"workflow_id": "jwt:agent-b/x", "step_index": 0}))
 
         # Transport: Origin and Host.
         out["foreign_origin"] = await post(valid, extra={"Origin": "https://evil.example"})
@@ -227,9 +235,9 @@ async def probes(out, tokens):
         out["rotated"] = {"kid": rotated, "status": r["status"], "attempts": attempts}
         out["old_key_after_rotation"] = await post(valid)
 
-        # Guessing tokens: an address that presents too many refused tokens is
-        # refused (429) before its tokens are checked. Last: it is this
-        # script's address.
+        # Guessing tokens: an address that presents too many refused tokens
+        # gets 429 for them; a valid token from it is still accepted. Last: it
+        # is this script's address.
         guessing = {"sent": 0, "limited": None}
         for n in range(10):
             batch = await asyncio.gather(*[post(f"guess-{n}-{i}-0123456789abcdef") for i in range(20)])
@@ -239,6 +247,8 @@ async def probes(out, tokens):
                 guessing["limited"] = limited[0]
                 break
         out["guessing"] = guessing
+        out["valid_while_locked"] = await post(valid)
+        out["static_while_locked"] = await post(static_token)
 
 
 async def main():

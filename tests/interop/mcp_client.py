@@ -1,15 +1,19 @@
 """Drives `stepgate mcp` with the official MCP Python SDK's client, as an MCP
-host would: over Streamable HTTP with the step in `_meta`, and over stdio with
-no step at all (the session's identity). Prints one JSON object with what it
-saw; tests/broker/mcp.rs checks it (and the tool's own count of invocations).
+host would: over Streamable HTTP with the step in `_meta`; with the SDK's
+high-level `Client` (which probes `server/discover` first) and no `_meta`, as a
+host that knows nothing of stepgate; and over stdio with no step at all (the
+session's identity). Prints one JSON object with what it saw; tests/broker/mcp.rs
+checks it (and the tool's own count of invocations).
 
 usage: mcp_client.py HTTP_URL STEPGATE_BIN CONFIG
 """
 import asyncio
 import json
+import logging
 import sys
 
-from mcp import ClientSession, StdioServerParameters
+from mcp import Client, ClientSession, StdioServerParameters
+from mcp.client import advertise
 from mcp.client.stdio import stdio_client
 from mcp.client.streamable_http import streamable_http_client
 
@@ -62,6 +66,42 @@ async def over_http(out):
             out["read_only"] = seen(await call("search", {"q": "printers"}, meta=step(3)))
 
 
+class Warnings(logging.Handler):
+    """The SDK's warnings (e.g. "Session termination failed: 202")."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.seen = []
+
+    def emit(self, record):
+        self.seen.append(record.getMessage())
+
+
+async def with_high_level_client(out):
+    """`mcp.Client(url)` as a host uses it: it negotiates the revision itself
+    (mode "auto": `server/discover`, then the initialize handshake if the
+    server offers no sessionless revision) and sends no `_meta`."""
+    warnings = Warnings()
+    logging.getLogger("mcp").addHandler(warnings)
+    async with Client(url) as c:
+        out["client_protocol"] = c.protocol_version
+        info = c.server_info
+        out["server_info"] = {"name": info.name, "version": info.version} if info else None
+        out["client_first"] = seen(await c.call_tool("create_ticket", {"title": "host call 1"}))
+        out["client_second"] = seen(await c.call_tool("create_ticket", {"title": "host call 2"}))
+    out["client_warnings"] = list(warnings.seen)
+    # A client that declares it names its steps is offered the sessionless revision.
+    async with Client(url, extensions=[advertise("stepgate/steps")]) as c:
+        out["steps_protocol"] = c.protocol_version
+        out["steps_call"] = seen(await c.call_tool(
+            "create_ticket", {"title": "named"}, meta={"workflow_id": "mcp-wf-B", "step_index": 0}))
+    # Pinned to the sessionless revision without a step: refused, with the text.
+    async with Client(url, mode="2026-07-28") as c:
+        out["pinned_no_meta"] = seen(await c.call_tool("create_ticket", {"title": "unnumbered"}))
+    logging.getLogger("mcp").removeHandler(warnings)
+    out["all_warnings"] = list(warnings.seen)
+
+
 async def over_stdio(out):
     params = StdioServerParameters(command=stepgate_bin, args=["mcp", "--config", config])
     async with stdio_client(params) as (read, write):
@@ -84,6 +124,7 @@ async def over_stdio(out):
 async def main():
     out = {}
     await over_http(out)
+    await with_high_level_client(out)
     await over_stdio(out)
     print(json.dumps(out))
 

@@ -8,8 +8,9 @@ allowed. Clients and their secrets and scopes come from CLIENTS_JSON:
 For the tests only, POST /mint takes claims as JSON and returns a token signed
 with the published key (or, with "foreign_key": true, with a key that is not
 published, under the same kid); POST /rotate makes a new key (a new kid),
-published beside the old one and signing from then on; GET /stats counts the
-JWK Set's fetches.
+published beside the old one and signing from then on; POST /withdraw with
+{"kid": ...} removes that key from the JWK Set (its tokens must then be
+refused); GET /stats counts the JWK Set's fetches.
 
 usage: mcp_issuer.py PORT CLIENTS_JSON
 """
@@ -105,6 +106,11 @@ class Handler(BaseHTTPRequestHandler):
             self.reply(200, {"access_token": sign(claims, foreign if foreign_key else None)})
         elif path == "/rotate":
             self.reply(200, {"kid": rotate()})
+        elif path == "/withdraw":
+            kid = json.loads(self.body())["kid"]
+            with lock:
+                jwks[:] = [k for k in jwks if k["kid"] != kid]
+            self.reply(200, {"withdrawn": kid})
         else:
             self.reply(404, {"error": "not_found"})
 

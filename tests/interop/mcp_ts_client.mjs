@@ -25,11 +25,11 @@ const seen = (r) => ({
 await client.connect(transport);
 const out = { protocol: transport.protocolVersion ?? null };
 out.tools = (await client.listTools()).tools.map((t) => t.name).sort();
-const step = { workflow_id: `${clientId}/ts-wf-1`, step_index: 0 };
+const step = { workflow_id: `jwt:${clientId}/ts-wf-1`, step_index: 0 };
 out.first = seen(await client.callTool({ name: "create_ticket", arguments: { title: "From TypeScript" }, _meta: step }));
 out.again = seen(await client.callTool({ name: "create_ticket", arguments: { title: "From TypeScript, again" }, _meta: step }));
 out.foreign_wf = seen(await client.callTool({
-  name: "create_ticket", arguments: { title: "x" }, _meta: { workflow_id: "agent-a/wf-1", step_index: 0 },
+  name: "create_ticket", arguments: { title: "x" }, _meta: { workflow_id: "jwt:agent-a/wf-1", step_index: 0 },
 }));
 out.token = provider.tokens()?.access_token ?? null;
 out.granted_scope = provider.tokens()?.scope ?? null;

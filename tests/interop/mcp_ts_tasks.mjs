@@ -59,8 +59,8 @@ out.tasks_capability = client.getServerCapabilities()?.tasks ?? null;
 const listed = (await client.listTools()).tools.find((t) => t.name === tool);
 out.task_support = listed?.execution?.taskSupport ?? null;
 
-const step0 = { workflow_id: `${clientId}/ts-tasks`, step_index: 0 };
-const step1 = { workflow_id: `${clientId}/ts-tasks`, step_index: 1 };
+const step0 = { workflow_id: `jwt:${clientId}/ts-tasks`, step_index: 0 };
+const step1 = { workflow_id: `jwt:${clientId}/ts-tasks`, step_index: 1 };
 const plain = (async () => {
   try {
     const r = await client.callTool({ name: tool, arguments: { month: "2026-10" }, _meta: step1 });

@@ -155,6 +155,12 @@ impl Texts {
         )
     }
 
+    /// A text from a tool as a message may quote it: one line, at most 300
+    /// characters (the cap every quoting message here applies).
+    pub fn excerpt(text: &str) -> String {
+        excerpt(text)
+    }
+
     /// An MCP tool answered with a result marked `isError`: it ran (or tried
     /// to) and says what went wrong, so this answer is final for the step.
     pub fn tool_reported_error(tool: &str, text: &str) -> String {
