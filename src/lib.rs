@@ -8,8 +8,11 @@
 //!   internal call/progress records), validation, and every text a model reads.
 //!   Mirrors `schemas/`; depends on nothing else of ours.
 //! - [`config`]: the TOML config with `STEPGATE_*` overrides and validation.
-//! - [`duration`], [`redact`]: leaf value types of the config — a duration as
-//!   written (`"10s"`), and what is a secret and how it is shown.
+//! - [`duration`]: a leaf value type of the config — a duration as written
+//!   (`"10s"`).
+//! - [`redact`]: what is a secret and how it is shown — the config's rules,
+//!   and the one rule for arguments and answers shown to people (the console,
+//!   the CLI, the audit).
 //! - [`state`]: the only owner of RocksDB, a cache of the changelog topic: step
 //!   records, deadlines, retention, restore.
 //! - [`gate`]: intents → dedup → `started` committed → invoke, or answers from
@@ -73,11 +76,13 @@ pub mod kafka;
 pub mod mcp;
 pub mod operator;
 pub mod provider;
+pub mod redact;
 pub mod state;
 pub mod telemetry;
 pub mod tools;
 pub mod worker;
 
-/// The wire contract and the secret redaction live in the `stepgate-client`
-/// crate, which agents depend on alone; here under their usual paths.
-pub use stepgate_client::{contract, redact};
+/// The wire contract lives in the `stepgate-client` crate, which agents depend
+/// on alone; here under its usual path (as the config's secret rules do, in
+/// [`redact`]).
+pub use stepgate_client::contract;

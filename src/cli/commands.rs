@@ -220,6 +220,7 @@ async fn audit(
         })
         .transpose()?;
     let query = crate::audit::AuditQuery { workflow, since_ms };
+    let r = redactor(&cfg);
     let report = tokio::task::spawn_blocking(move || {
         let mut last = String::new();
         crate::audit::report(&cfg.kafka, &query, |topic, n| {
@@ -234,6 +235,8 @@ async fn audit(
     })
     .await??;
     eprintln!();
+    // The one rule of what people are shown: the console's, the CLI's.
+    let report = report.redacted(&r);
     let text = match format {
         AuditFormat::Text => crate::audit::render_text(&report),
         AuditFormat::Json => serde_json::to_string_pretty(&report)? + "\n",
@@ -261,10 +264,19 @@ async fn steps(action: StepsCommand) -> anyhow::Result<()> {
                 crate::operator::workflow_steps(&k, &workflow_id)
             })
             .await??;
+            let r = redactor(&cfg);
             if json {
-                println!("{}", serde_json::to_string_pretty(&steps)?);
+                let shown = crate::operator::WorkflowSteps {
+                    steps: steps
+                        .steps
+                        .iter()
+                        .map(|rec| crate::operator::redacted_record(rec, &r))
+                        .collect(),
+                    ..steps
+                };
+                println!("{}", serde_json::to_string_pretty(&shown)?);
             } else {
-                print!("{}", crate::operator::render_steps(&steps));
+                print!("{}", crate::operator::render_steps(&steps, &r));
             }
         }
         StepsCommand::List {
@@ -277,7 +289,12 @@ async fn steps(action: StepsCommand) -> anyhow::Result<()> {
             let steps = tokio::task::spawn_blocking(move || crate::operator::unresolved_steps(&k))
                 .await??;
             if json {
-                println!("{}", serde_json::to_string_pretty(&steps)?);
+                let r = redactor(&cfg);
+                let shown: Vec<_> = steps
+                    .iter()
+                    .map(|rec| crate::operator::redacted_record(rec, &r))
+                    .collect();
+                println!("{}", serde_json::to_string_pretty(&shown)?);
             } else {
                 print!("{}", crate::operator::render_unresolved(&steps));
             }
@@ -315,10 +332,15 @@ async fn approvals(action: ApprovalsCommand) -> anyhow::Result<()> {
             let pending =
                 tokio::task::spawn_blocking(move || crate::operator::pending_approvals(&k))
                     .await??;
+            let r = redactor(&cfg);
             if json {
-                println!("{}", serde_json::to_string_pretty(&pending)?);
+                let shown: Vec<_> = pending
+                    .iter()
+                    .map(|a| crate::operator::redacted_approval(a, &r))
+                    .collect();
+                println!("{}", serde_json::to_string_pretty(&shown)?);
             } else {
-                print!("{}", crate::operator::render_approvals(&pending));
+                print!("{}", crate::operator::render_approvals(&pending, &r));
             }
             Ok(())
         }
@@ -391,6 +413,17 @@ fn check_config(deployment: &Deployment) -> anyhow::Result<()> {
     // Secrets (passwords, tokens, key material, header values) are printed redacted.
     print!("{}", super::render_config(&cfg)?);
     Ok(())
+}
+
+/// The one redaction of what people are shown, with a note on standard
+/// error for each tool header this process cannot read (its value cannot be
+/// recognised in what is printed).
+fn redactor(cfg: &Config) -> crate::redact::Redactor {
+    let (r, unread) = crate::operator::display_redactor(cfg, &|var| std::env::var(var).ok());
+    for u in unread {
+        eprintln!("note: {u}");
+    }
+    r
 }
 
 /// Cancelled on the first SIGTERM or SIGINT; a second one exits at once. Only
