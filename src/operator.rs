@@ -574,7 +574,7 @@ fn excerpt(s: &str) -> String {
 
 /// The one redaction of everything shown to people ([`Redactor`]): the
 /// configured secrets it can read here — every tool header value (already
-/// resolved, or read now through `env`), the console's tokens, the
+/// resolved, or read now through `env`), the console's tokens and key, the
 /// MCP front's static tokens — and, for each tool header it cannot read, a
 /// line saying so (that value cannot be recognised in what is shown).
 pub fn display_redactor(
@@ -605,6 +605,9 @@ pub fn display_redactor(
     // Tokens this process may not be given: redacted when readable.
     for t in &cfg.console.tokens {
         let _ = take(&t.token);
+    }
+    if let Some(k) = &cfg.console.session_key {
+        let _ = take(k);
     }
     for t in &cfg.mcp.auth.tokens {
         let _ = take(&t.token);

@@ -410,9 +410,21 @@ fn check_config(deployment: &Deployment) -> anyhow::Result<()> {
     crate::state::check_record_sizes(&cfg)?;
     // As `run` does: a tool header whose variable or file is missing fails.
     cfg.resolve_tool_headers(|var| std::env::var(var).ok())?;
+    // A configured console is checked as `stepgate console` checks it at
+    // start (its tokens and key readable, `mcp_auth` complete, …).
+    if console_configured(&cfg.console) {
+        crate::console::check(&cfg, &|var| std::env::var(var).ok())
+            .context("`[console]`: `stepgate console` would refuse to start")?;
+    }
     // Secrets (passwords, tokens, key material, header values) are printed redacted.
     print!("{}", super::render_config(&cfg)?);
     Ok(())
+}
+
+/// Whether the config sets up a console (anything beyond the defaults that
+/// names people): then `check-config` checks it as `stepgate console` does.
+fn console_configured(c: &crate::config::ConsoleConfig) -> bool {
+    c.has_identity() || !c.roles.is_empty() || c.session_key.is_some()
 }
 
 /// The one redaction of what people are shown, with a note on standard
