@@ -14,6 +14,7 @@
 //! partition and its restore state, the listed gates' `/metrics` (written
 //! here by [`super::gates::follow`]).
 
+use super::Shared;
 use crate::audit::Decision;
 use crate::config::KafkaConfig;
 use crate::contract::{ApprovalEvent, ApprovalKind, Command, Status, StepKey};
@@ -24,7 +25,6 @@ use rdkafka::consumer::Consumer as _;
 use rdkafka::error::KafkaError;
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Bound;
-use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
@@ -416,8 +416,6 @@ impl Cache {
         out
     }
 }
-
-pub type Shared = Arc<RwLock<Cache>>;
 
 /// Read the topics into `cache` until `shutdown`: from their beginning, then
 /// as records arrive. Blocking: run it on a thread of its own.

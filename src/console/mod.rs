@@ -32,7 +32,6 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Redirect, Response};
 use axum::routing::{get, post};
-use cache::Shared;
 use maud::Markup;
 use pages::{Chrome, Notice, Page, Tab};
 use serde::{Deserialize, Serialize};
@@ -81,6 +80,10 @@ pub fn check(
     }
     Ok(Identities::new(&cfg.console, &cfg.mcp, env)?)
 }
+
+/// The cache, shared by its reader thread, the gates' scraper and the
+/// request handlers.
+pub type Shared = Arc<RwLock<cache::Cache>>;
 
 /// Everything a request handler reads.
 struct App {
