@@ -703,7 +703,7 @@ async fn people_in_the_loop_decide_in_the_console() {
         said.contains("notice failed") && said.contains("stale_command"),
         "the form about run 1: {said}"
     );
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The gate refused it before the console answered: nothing to wait for.
     let (_, _, page) = get_as(&base, "/in-doubt", OLIVIA).await;
     assert!(page.contains("invoice-600"), "run 2 is still in doubt");
     assert_eq!(s.tools.count("wire"), 5, "and nothing ran");
@@ -797,7 +797,9 @@ async fn people_in_the_loop_decide_in_the_console() {
         (303, Some("/login".to_owned())),
         "no action without a person: to the login form"
     );
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Each was refused before anything was sent: the call is still held.
+    let (_, _, page) = get_as(&base, "/inbox", ALICE).await;
+    assert!(page.contains("order-9000"), "still held");
     assert!(agent.answers("v0").is_empty(), "still held");
     assert_eq!(s.tools.count("wire_money"), 1);
 
