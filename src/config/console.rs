@@ -382,3 +382,80 @@ fn redact_url_template(t: &str) -> String {
     const MARK: &str = "stepgate-trace-id-placeholder";
     shown_url(&t.replace("{trace_id}", MARK)).replace(MARK, "{trace_id}")
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn console(toml: &str) -> ConsoleConfig {
+        toml::from_str(toml).unwrap()
+    }
+
+    fn refused(c: &ConsoleConfig) -> String {
+        c.validate().unwrap_err().to_string()
+    }
+
+    #[test]
+    fn beyond_loopback_the_hosts_and_the_proxies_are_named() {
+        let e = refused(&console(r#"listen = "0.0.0.0:9470""#));
+        assert!(e.contains("allowed_hosts"), "{e}");
+        let e = refused(&console(
+            r#"listen = "0.0.0.0:9470"
+allowed_hosts = ["console.example.com"]
+proxy_user_header = "X-Forwarded-User""#,
+        ));
+        assert!(e.contains("trusted_proxies"), "{e}");
+        console(
+            r#"listen = "0.0.0.0:9470"
+allowed_hosts = ["console.example.com"]
+proxy_user_header = "X-Forwarded-User"
+trusted_proxies = ["10.0.0.0/24"]"#,
+        )
+        .validate()
+        .unwrap();
+        // On loopback, loopback peers are the proxy's.
+        let c = console(r#"proxy_user_header = "X-Forwarded-User""#);
+        c.validate().unwrap();
+        assert!(c.trusted_peers()[0].contains("127.0.0.1".parse().unwrap()));
+        let e = refused(&console(r#"trusted_proxies = ["10.0.0.0/33"]"#));
+        assert!(e.contains("trusted_proxies[0]"), "{e}");
+        let e = refused(&console(r#"session_key = "too-short""#));
+        assert!(e.contains("session_key"), "{e}");
+    }
+
+    #[test]
+    fn networks_contain_their_addresses() {
+        let n = PeerNet::parse("10.1.0.0/16").unwrap();
+        assert!(n.contains("10.1.200.3".parse().unwrap()));
+        assert!(!n.contains("10.2.0.1".parse().unwrap()));
+        assert!(
+            n.contains("::ffff:10.1.0.9".parse().unwrap()),
+            "IPv4 on an IPv6 socket"
+        );
+        let one = PeerNet::parse("fd00::5").unwrap();
+        assert!(
+            one.contains("fd00::5".parse().unwrap()) && !one.contains("fd00::6".parse().unwrap())
+        );
+        assert!(
+            PeerNet::parse("0.0.0.0/0")
+                .unwrap()
+                .contains("8.8.8.8".parse().unwrap())
+        );
+    }
+
+    #[test]
+    fn shown_without_credentials() {
+        let c = console(
+            r#"gates = ["http://admin:s3cret-1@gate-0:9464", "http://gate-1:9464"]
+trace_url = "http://u:s3cret-2@jaeger:16686/trace/{trace_id}"
+session_key = "a-literal-session-key-s3cret-3-0123456789""#,
+        )
+        .redacted();
+        let shown = toml::to_string(&c).unwrap();
+        assert!(!shown.contains("s3cret"), "{shown}");
+        assert!(
+            shown.contains("http://gate-1:9464\"") && shown.contains("{trace_id}"),
+            "{shown}"
+        );
+    }
+}
