@@ -6,10 +6,21 @@
 //! differed (a field-level diff of what the model changed), identical-argument
 //! calls at distinct steps (what an argument hash would have wrongly refused),
 //! in-doubt steps and how operators settled them, and latencies.
+//!
+//! Nothing an agent writes can hide a call from it: an intent that says it is
+//! a gate's re-routed copy (the `stepgate-forwarded-from` header) is left out
+//! only when the original it names is on `intents` byte for byte; otherwise
+//! it is reported, flagged as claiming to be forwarded. Answers are paired
+//! with calls by the whole step and `call_id` (two workflows' calls may share
+//! a `call_id`). What the reports show is redacted by the one rule
+//! ([`AuditReport::redacted`]), and the text report escapes every control
+//! character an agent could send to a terminal.
 
 use crate::config::KafkaConfig;
 use crate::contract::{Action, Command, StepKey, ToolResult};
 use crate::kafka;
+use crate::operator::terminal_safe;
+use crate::redact::Redactor;
 use rdkafka::Message;
 use rdkafka::error::KafkaError;
 use serde::Serialize;
@@ -19,9 +30,9 @@ use thiserror::Error;
 
 #[derive(Debug, Error)]
 pub enum AuditError {
-    #[error("Kafka")]
+    #[error("reading the topics")]
     Kafka(#[from] KafkaError),
-    #[error("Kafka")]
+    #[error("the topics' layout")]
     Setup(#[from] kafka::KafkaSetupError),
 }
 
@@ -52,6 +63,10 @@ pub struct CallRecord {
     pub deduplicated: Option<bool>,
     pub answered_at_ms: Option<i64>,
     pub latency_ms: Option<i64>,
+    /// The record says it is a gate's re-routed copy of another, but no
+    /// identical original is where it points: reported as a call of its own.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub claims_forwarded: bool,
 }
 
 /// One field-level difference between two argument objects.
@@ -145,6 +160,9 @@ pub struct Summary {
     pub in_doubt_resolved: usize,
     pub unanswered: usize,
     pub hash_collisions: usize,
+    /// Calls whose record claims to be a forwarded copy without an identical
+    /// original (an agent setting the gate's header itself).
+    pub claimed_forwarded: usize,
     /// Repeats / calls.
     pub dedup_rate: f64,
 }
@@ -162,9 +180,19 @@ pub struct Replayed {
     pub offset: i64,
     pub timestamp_ms: i64,
     pub value: Vec<u8>,
-    /// An intent the gate re-routed to its workflow's partition: a copy of
-    /// one published elsewhere, not a call of its own.
-    pub forwarded: bool,
+    /// The `stepgate-forwarded-from` header (`<partition>:<offset>`): the
+    /// record says it is the gate's copy of one published elsewhere. Believed
+    /// only when that original is there, identical.
+    pub forwarded_from: Option<Vec<u8>>,
+}
+
+impl Replayed {
+    /// Where the original of a claimed copy is, when the claim is readable.
+    fn claimed_original(&self) -> Option<(i32, i64)> {
+        let text = std::str::from_utf8(self.forwarded_from.as_deref()?).ok()?;
+        let mut parts = text.split(':');
+        Some((parts.next()?.parse().ok()?, parts.next()?.parse().ok()?))
+    }
 }
 
 /// `stepgate audit`: replay the intents, results and commands topics (from
@@ -180,7 +208,69 @@ pub fn report(
     let intents = read(&t.intents)?;
     let results = read(&t.results)?;
     let commands = read(&t.commands)?;
-    Ok(build(&intents, &results, &commands, query))
+    // The originals claimed copies name that the replay did not read (before
+    // `--since`): read one by one, to check the copies against them.
+    let have: std::collections::HashSet<(i32, i64)> =
+        intents.iter().map(|i| (i.partition, i.offset)).collect();
+    let mut originals = Vec::new();
+    for (p, o) in intents.iter().filter_map(Replayed::claimed_original) {
+        if !have.contains(&(p, o))
+            && let Some(r) = read_one(cfg, &t.intents, p, o)?
+        {
+            originals.push(r);
+        }
+    }
+    Ok(build_with_originals(
+        &intents, &originals, &results, &commands, query,
+    ))
+}
+
+/// The record at `offset` of one partition of `topic`, if there is one.
+fn read_one(
+    cfg: &KafkaConfig,
+    topic: &str,
+    partition: i32,
+    offset: i64,
+) -> Result<Option<Replayed>, AuditError> {
+    use rdkafka::consumer::Consumer as _;
+    let n = kafka::partition_counts(cfg, &[topic])?[0] as i32;
+    if !(0..n).contains(&partition) || offset < 0 {
+        return Ok(None);
+    }
+    let group = format!("stepgate-audit-{}", std::process::id());
+    let consumer = kafka::read_to_end_consumer(cfg, &group)?;
+    let (low, high) =
+        consumer.fetch_watermarks(topic, partition, std::time::Duration::from_secs(30))?;
+    if offset < low || offset >= high {
+        return Ok(None);
+    }
+    let mut tpl = rdkafka::TopicPartitionList::new();
+    tpl.add_partition_offset(topic, partition, rdkafka::Offset::Offset(offset))?;
+    consumer.assign(&tpl)?;
+    drop(tpl);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let mut found = None;
+    while found.is_none() && std::time::Instant::now() < deadline {
+        match consumer.poll(std::time::Duration::from_millis(200)) {
+            Some(Ok(m)) if m.offset() == offset => found = Some(replayed(&m)),
+            // Past it (a transaction marker or a compacted gap): not there.
+            Some(Ok(m)) if m.offset() > offset => break,
+            Some(Err(KafkaError::PartitionEOF(_))) => break,
+            _ => {}
+        }
+    }
+    let _ = consumer.unassign();
+    Ok(found)
+}
+
+fn replayed(m: &rdkafka::message::BorrowedMessage<'_>) -> Replayed {
+    Replayed {
+        partition: m.partition(),
+        offset: m.offset(),
+        timestamp_ms: m.timestamp().to_millis().unwrap_or(0),
+        value: m.payload().unwrap_or_default().to_vec(),
+        forwarded_from: kafka::header_value(m, crate::contract::headers::FORWARDED_FROM),
+    }
 }
 
 /// Read a topic from the beginning (or `since_ms`) to its end as of now.
@@ -196,13 +286,7 @@ pub fn replay_topic(
     let group = format!("stepgate-audit-{}", std::process::id());
     let mut out = Vec::new();
     kafka::replay(cfg, &group, topic, &partitions, since_ms, None, |m| {
-        out.push(Replayed {
-            partition: m.partition(),
-            offset: m.offset(),
-            timestamp_ms: m.timestamp().to_millis().unwrap_or(0),
-            value: m.payload().unwrap_or_default().to_vec(),
-            forwarded: kafka::has_header(m, crate::contract::headers::FORWARDED_FROM),
-        });
+        out.push(replayed(m));
         if out.len() % 10_000 == 0 {
             progress(out.len());
         }
@@ -219,6 +303,32 @@ pub fn build(
     commands: &[Replayed],
     query: &AuditQuery,
 ) -> AuditReport {
+    build_with_originals(intents, &[], results, commands, query)
+}
+
+/// [`build`], with the originals of claimed copies read beyond the replay
+/// (`originals`: checked against, never audited themselves).
+pub fn build_with_originals(
+    intents: &[Replayed],
+    originals: &[Replayed],
+    results: &[Replayed],
+    commands: &[Replayed],
+    query: &AuditQuery,
+) -> AuditReport {
+    let by_place: std::collections::HashMap<(i32, i64), &Replayed> = intents
+        .iter()
+        .chain(originals)
+        .map(|i| ((i.partition, i.offset), i))
+        .collect();
+    // A gate's copy: the original it names is there, published elsewhere,
+    // not itself a copy, and identical byte for byte.
+    let faithful_copy = |i: &Replayed| {
+        i.claimed_original()
+            .and_then(|at| by_place.get(&at))
+            .is_some_and(|o| {
+                o.partition != i.partition && o.forwarded_from.is_none() && o.value == i.value
+            })
+    };
     // Each decision once (a command re-sent by its author has the same id).
     let mut decisions: BTreeMap<StepKey, Vec<Decision>> = BTreeMap::new();
     for c in commands {
@@ -231,16 +341,30 @@ pub fn build(
         }
         list.push(Decision::from(cmd));
     }
-    let mut answers: BTreeMap<String, (ToolResult, i64)> = BTreeMap::new();
+    // Answers by their whole step and `call_id` (a `call_id` alone is not
+    // unique: two workflows may use the same), in the order they were written;
+    // each call takes the next answer to its step and `call_id`.
+    type AnswerKey = (String, u64, String, u64, String);
+    let mut answers: BTreeMap<AnswerKey, std::collections::VecDeque<(ToolResult, i64)>> =
+        BTreeMap::new();
     for r in results {
         if let Ok(t) = serde_json::from_slice::<ToolResult>(&r.value)
             && let Some(id) = t.call_id.clone()
         {
-            answers.entry(id).or_insert((t, r.timestamp_ms));
+            answers
+                .entry((
+                    t.workflow_id.clone(),
+                    t.step_index,
+                    t.tool.clone(),
+                    t.attempt,
+                    id,
+                ))
+                .or_default()
+                .push_back((t, r.timestamp_ms));
         }
     }
     let mut steps: BTreeMap<(String, u64, String, u64), StepAudit> = BTreeMap::new();
-    for i in intents.iter().filter(|i| !i.forwarded) {
+    for i in intents.iter().filter(|i| !faithful_copy(i)) {
         // Invalid intents were answered `rejected` and are in the DLQ; an
         // intent for a tool no longer configured is still audited.
         let Some(intent) = lenient(&i.value) else {
@@ -280,7 +404,18 @@ pub fn build(
             ),
             _ => Vec::new(),
         };
-        let answer = intent.call_id.as_ref().and_then(|id| answers.get(id));
+        let answer = intent.call_id.as_ref().and_then(|id| {
+            answers
+                .get_mut(&(
+                    entry.step.workflow_id.clone(),
+                    entry.step.step_index,
+                    entry.step.tool.clone(),
+                    entry.step.attempt,
+                    id.clone(),
+                ))
+                .and_then(|q| q.pop_front())
+        });
+        let answer = answer.as_ref();
         entry.repeats += usize::from(repeat);
         entry.rephrased += usize::from(!changes.is_empty());
         entry.calls.push(CallRecord {
@@ -295,6 +430,7 @@ pub fn build(
             deduplicated: answer.map(|(a, _)| a.deduplicated),
             answered_at_ms: answer.map(|(_, t)| *t),
             latency_ms: answer.map(|(_, t)| t - i.timestamp_ms),
+            claims_forwarded: i.forwarded_from.is_some(),
         });
     }
     let mut by_wf: BTreeMap<String, Vec<StepAudit>> = BTreeMap::new();
@@ -343,6 +479,11 @@ pub fn build(
                 .filter(|c| c.status.is_none())
                 .count();
             summary.hash_collisions += collisions.iter().map(|c| c.steps.len() - 1).sum::<usize>();
+            summary.claimed_forwarded += steps
+                .iter()
+                .flat_map(|s| &s.calls)
+                .filter(|c| c.claims_forwarded)
+                .count();
             WorkflowAudit {
                 workflow_id,
                 steps,
@@ -354,6 +495,35 @@ pub fn build(
         summary.dedup_rate = summary.repeats as f64 / summary.calls as f64;
     }
     AuditReport { summary, workflows }
+}
+
+impl AuditReport {
+    /// The report as people are shown it: every argument, rephrasing (by
+    /// its path), recorded output and reason redacted by the one rule — the
+    /// console's and the CLI's.
+    pub fn redacted(&self, r: &Redactor) -> AuditReport {
+        let mut out = self.clone();
+        for w in &mut out.workflows {
+            for s in &mut w.steps {
+                for c in &mut s.calls {
+                    if let Value::Object(m) =
+                        r.json(&Value::Object(std::mem::take(&mut c.arguments)))
+                    {
+                        c.arguments = m;
+                    }
+                    for ch in &mut c.changes {
+                        ch.before = ch.before.as_ref().map(|v| r.at_path(&ch.path, v));
+                        ch.after = ch.after.as_ref().map(|v| r.at_path(&ch.path, v));
+                    }
+                }
+                for d in &mut s.decisions {
+                    d.output = d.output.as_ref().map(|o| r.json(o));
+                    d.reason = d.reason.as_deref().map(|x| r.text(x));
+                }
+            }
+        }
+        out
+    }
 }
 
 /// The intent's structure, whatever its tool.
@@ -429,17 +599,28 @@ pub fn render_text(report: &AuditReport) -> String {
     );
     let _ = writeln!(
         o,
-        "{} calls had the same arguments as an earlier step: an argument hash would have wrongly refused them\n",
+        "{} calls had the same arguments as an earlier step: an argument hash would have wrongly refused them",
         s.hash_collisions
     );
+    if s.claimed_forwarded > 0 {
+        let _ = writeln!(
+            o,
+            "⚠ {} call(s) claim to be a gate's forwarded copy, but no identical original is where they point: each is reported as a call of its own (an agent may have set the header to hide it)",
+            s.claimed_forwarded
+        );
+    }
+    let _ = writeln!(o);
+    // Every text an agent chose is escaped: nothing it sent reaches the
+    // terminal as a control sequence.
+    let t = terminal_safe;
     for w in &report.workflows {
-        let _ = writeln!(o, "workflow {}", w.workflow_id);
+        let _ = writeln!(o, "workflow {}", t(&w.workflow_id));
         for st in &w.steps {
             let _ = writeln!(
                 o,
                 "  step {} {} (attempt {}) → {}{}",
                 st.step.step_index,
-                st.step.tool,
+                t(&st.step.tool),
                 st.step.attempt,
                 st.outcome.as_deref().unwrap_or("no answer"),
                 match (st.in_doubt, st.resolution()) {
@@ -452,36 +633,44 @@ pub fn render_text(report: &AuditReport) -> String {
                 let _ = writeln!(
                     o,
                     "    {} by {} at {}{}{}",
-                    d.action,
-                    d.by,
-                    d.at,
-                    d.output
+                    t(&d.action),
+                    t(&d.by),
+                    t(&d.at),
+                    t(&d.output
                         .as_ref()
                         .map(|v| format!(", output {v}"))
-                        .unwrap_or_default(),
-                    d.reason
+                        .unwrap_or_default()),
+                    t(&d.reason
                         .as_deref()
                         .map(|r| format!(": {r}"))
-                        .unwrap_or_default()
+                        .unwrap_or_default())
                 );
             }
             for c in &st.calls {
                 let _ = writeln!(
                     o,
-                    "    {} {:<14} {:<9} {:<8} {}",
+                    "    {} {:<14} {:<9} {:<8} {}{}",
                     clock(c.published_at_ms),
-                    c.call_id.as_deref().unwrap_or("-"),
+                    t(c.call_id.as_deref().unwrap_or("-")),
                     if c.repeat { "repeat" } else { "first" },
-                    c.status.as_deref().unwrap_or("…"),
-                    c.latency_ms.map(|l| format!("{l} ms")).unwrap_or_default()
+                    t(c.status.as_deref().unwrap_or("…")),
+                    c.latency_ms.map(|l| format!("{l} ms")).unwrap_or_default(),
+                    if c.claims_forwarded {
+                        format!(
+                            "  ⚠ claims to be forwarded (partition {} offset {}), but no identical original is there",
+                            c.partition, c.offset
+                        )
+                    } else {
+                        String::new()
+                    }
                 );
                 for ch in &c.changes {
                     let _ = writeln!(
                         o,
                         "        rephrased {}: {} → {}",
-                        ch.path,
-                        show(&ch.before),
-                        show(&ch.after)
+                        t(&ch.path),
+                        t(&show(&ch.before)),
+                        t(&show(&ch.after))
                     );
                 }
             }
@@ -491,7 +680,7 @@ pub fn render_text(report: &AuditReport) -> String {
             let _ = writeln!(
                 o,
                 "  identical arguments to {} at steps {}: each ran, as it should; a hash would have refused all but the first",
-                h.tool,
+                t(&h.tool),
                 steps.join(", ")
             );
         }
@@ -576,6 +765,15 @@ body{font:14px system-ui,sans-serif;margin:2em;color:#222}h1{font-size:20px}h2{f
                 );
             }
             o.push_str("</div>");
+            for c in st.calls.iter().filter(|c| c.claims_forwarded) {
+                let _ = write!(
+                    o,
+                    "<div class=\"warn\">{} claims to be a forwarded copy (partition {} offset {}), but no identical original is there: reported as a call of its own</div>",
+                    esc(c.call_id.as_deref().unwrap_or("-")),
+                    c.partition,
+                    c.offset
+                );
+            }
             for c in st.calls.iter().filter(|c| !c.changes.is_empty()) {
                 for ch in &c.changes {
                     let _ = write!(
@@ -615,7 +813,7 @@ mod tests {
             offset,
             timestamp_ms: ts,
             value: v.to_string().into_bytes(),
-            forwarded: false,
+            forwarded_from: None,
         }
     }
 
@@ -721,6 +919,129 @@ mod tests {
         assert!(
             text.contains(r#"resolve_executed by carol at 2026-11-29T08:41:07.118Z, output {"confirmation":"B-7"}: seen in the statement"#),
             "{text}"
+        );
+    }
+
+    fn at(partition: i32, offset: i64, ts: i64, v: Value, from: Option<&str>) -> Replayed {
+        Replayed {
+            partition,
+            offset,
+            timestamp_ms: ts,
+            value: v.to_string().into_bytes(),
+            forwarded_from: from.map(|f| f.as_bytes().to_vec()),
+        }
+    }
+
+    fn answer(wf: &str, call_id: &str) -> Value {
+        json!({"workflow_id": wf, "step_index": 0, "tool": "t", "attempt": 0, "call_id": call_id,
+            "status": "ok", "output": {}, "deduplicated": false, "completed_at": "2026-11-29T00:00:00.000Z"})
+    }
+
+    #[test]
+    fn answers_pair_by_workflow_and_call_id() {
+        // Two workflows use `call_0`; B is called after A was answered.
+        let call = |wf: &str| json!({"workflow_id": wf, "step_index": 0, "tool": "t", "arguments": {}, "call_id": "call_0"});
+        let intents = vec![
+            at(0, 0, 1_000, call("A"), None),
+            at(1, 0, 9_000, call("B"), None),
+        ];
+        let results = vec![
+            at(0, 0, 1_050, answer("A", "call_0"), None),
+            at(1, 0, 9_070, answer("B", "call_0"), None),
+        ];
+        let r = build(&intents, &results, &[], &AuditQuery::default());
+        let latency: Vec<Option<i64>> = r
+            .workflows
+            .iter()
+            .map(|w| w.steps[0].calls[0].latency_ms)
+            .collect();
+        assert_eq!(latency, vec![Some(50), Some(70)]);
+    }
+
+    #[test]
+    fn a_claimed_copy_is_left_out_only_when_its_original_is_identical() {
+        let call = |wf: &str| json!({"workflow_id": wf, "step_index": 0, "tool": "t", "arguments": {}, "call_id": wf});
+        let intents = vec![
+            // Published to the wrong partition, and the gate's copy of it.
+            at(1, 7, 1_000, call("moved"), None),
+            at(0, 3, 1_010, call("moved"), Some("1:7")),
+            // An agent's record naming one that is not its original.
+            at(0, 4, 1_020, call("hidden"), Some("1:7")),
+            // Naming a place with no record, or nothing readable.
+            at(0, 5, 1_030, call("nowhere"), Some("3:99")),
+            at(0, 6, 1_040, call("garbled"), Some("x")),
+        ];
+        let r = build(&intents, &[], &[], &AuditQuery::default());
+        let calls = |w: &str| {
+            r.workflows
+                .iter()
+                .find(|x| x.workflow_id == w)
+                .map(|x| x.steps[0].calls.clone())
+                .unwrap_or_default()
+        };
+        assert_eq!(calls("moved").len(), 1);
+        assert!(!calls("moved")[0].claims_forwarded);
+        for w in ["hidden", "nowhere", "garbled"] {
+            let c = calls(w);
+            assert_eq!(c.len(), 1, "{w} is reported");
+            assert!(c[0].claims_forwarded, "{w} is flagged");
+        }
+        assert_eq!(r.summary.claimed_forwarded, 3);
+        assert!(render_text(&r).contains("claims to be forwarded"));
+        // The original read beyond the replay (before `--since`) counts too.
+        let r = build_with_originals(
+            &intents[1..2],
+            &intents[..1],
+            &[],
+            &[],
+            &AuditQuery::default(),
+        );
+        assert_eq!(
+            r.summary.calls, 0,
+            "a faithful copy, its original elsewhere"
+        );
+    }
+
+    #[test]
+    fn the_text_report_escapes_what_agents_chose() {
+        let v = json!({"workflow_id": "w\u{1b}]0;x\u{7}", "step_index": 0, "tool": "t",
+            "arguments": {"k\u{1b}[2J": "v"}, "call_id": "c\u{1b}[H\u{202e}"});
+        let mut second = v.clone();
+        second["arguments"] = json!({"k\u{1b}[2J": "w"});
+        let intents = vec![at(0, 0, 1, v, None), at(0, 1, 2, second, None)];
+        let text = render_text(&build(&intents, &[], &[], &AuditQuery::default()));
+        assert!(
+            !text
+                .chars()
+                .any(|c| c.is_control() && c != '\n' || c == '\u{202e}'),
+            "{text:?}"
+        );
+        assert!(text.contains("\\u{1b}"), "{text}");
+    }
+
+    #[test]
+    fn the_report_is_redacted_by_the_one_rule() {
+        let v = |pw: &str| {
+            json!({"workflow_id": "w", "step_index": 0, "tool": "t",
+            "arguments": {"password": pw, "memo": "Bearer abcdefgh12345"}})
+        };
+        let intents = vec![
+            at(0, 0, 1, v("hunter2-a"), None),
+            at(0, 1, 2, v("hunter2-b"), None),
+        ];
+        let r = build(&intents, &[], &[], &AuditQuery::default())
+            .redacted(&Redactor::new(["Bearer abcdefgh12345".to_owned()]));
+        let out = serde_json::to_string(&r).unwrap() + &render_text(&r) + &render_html(&r);
+        assert!(!out.contains("hunter2"), "{out}");
+        assert!(!out.contains("abcdefgh12345"), "{out}");
+        let c = &r.workflows[0].steps[0].calls[1].changes[0];
+        assert_eq!(
+            (c.path.as_str(), c.before.clone(), c.after.clone()),
+            (
+                "password",
+                Some(json!("<redacted>")),
+                Some(json!("<redacted>"))
+            )
         );
     }
 

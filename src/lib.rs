@@ -8,9 +8,13 @@
 //!   internal call/progress records), validation, and every text a model reads.
 //!   Mirrors `schemas/`; depends on nothing else of ours.
 //! - [`config`]: the TOML config with `STEPGATE_*` overrides and validation.
-//! - [`duration`], [`redact`], [`retired`]: leaves of the config — a duration
-//!   as written (`"10s"`), what is a secret and how it is shown, and the keys
-//!   stepgate no longer takes (each refused with what it does now).
+//! - [`duration`]: a leaf value type of the config — a duration as written
+//!   (`"10s"`).
+//! - [`redact`]: what is a secret and how it is shown — the config's rules,
+//!   and the one rule for arguments and answers shown to people (the console,
+//!   the CLI, the audit).
+//! - [`retired`]: the config keys stepgate no longer takes, each refused
+//!   with what it does now.
 //! - [`state`]: the only owner of RocksDB, a cache of the changelog topic: step
 //!   records, deadlines, retention, restore.
 //! - [`gate`]: intents → dedup → `started` committed → invoke, or answers from
@@ -74,12 +78,14 @@ pub mod kafka;
 pub mod mcp;
 pub mod operator;
 pub mod provider;
+pub mod redact;
 pub mod retired;
 pub mod state;
 pub mod telemetry;
 pub mod tools;
 pub mod worker;
 
-/// The wire contract and the secret redaction live in the `stepgate-client`
-/// crate, which agents depend on alone; here under their usual paths.
-pub use stepgate_client::{contract, redact};
+/// The wire contract lives in the `stepgate-client` crate, which agents depend
+/// on alone; here under its usual path (as the config's secret rules do, in
+/// [`redact`]).
+pub use stepgate_client::contract;

@@ -8,9 +8,12 @@
 //! applies them in the same transaction as its other state changes, and the
 //! command's author waits until the changelog shows it applied.
 
-use crate::config::KafkaConfig;
-use crate::contract::{Action, ApprovalEvent, ApprovalKind, Command, Run, StepKey};
+use crate::config::{Config, HeaderSpec, KafkaConfig};
+use crate::contract::{
+    Action, ApprovalEvent, ApprovalKind, Arguments, Command, Outcome, Run, StepKey, ToolResult,
+};
 use crate::kafka::{self, KafkaSetupError, OutRecord};
+use crate::redact::Redactor;
 use crate::state::{StepRecord, changelog_step};
 use rdkafka::consumer::Consumer as _;
 use rdkafka::error::KafkaError;
@@ -23,9 +26,9 @@ use thiserror::Error;
 
 #[derive(Debug, Error)]
 pub enum OperatorError {
-    #[error("Kafka")]
+    #[error("reading or writing the topics")]
     Kafka(#[from] KafkaError),
-    #[error("Kafka")]
+    #[error("the topics' layout")]
     Setup(#[from] KafkaSetupError),
     #[error("reading `{topic}` did not reach its end within {limit:?}")]
     ReadTimeout { topic: String, limit: Duration },
@@ -174,7 +177,7 @@ pub fn render_unresolved(steps: &[StepRecord]) -> String {
         let _ = writeln!(
             s,
             "{:<24} {:<6} {:<24} {:<8} {:<18} {:<9} {:<8} {}",
-            r.step.workflow_id,
+            terminal_safe(&r.step.workflow_id),
             r.step.step_index,
             r.step.tool,
             r.step.attempt,
@@ -429,12 +432,14 @@ pub fn pending_approvals(cfg: &KafkaConfig) -> Result<Vec<PendingApproval>, Oper
     Ok(out.into_iter().map(|(_, a)| a).collect())
 }
 
-/// A workflow's steps as a table for people.
-pub fn render_steps(w: &WorkflowSteps) -> String {
+/// A workflow's steps as a table for people, redacted by `r` (the one rule)
+/// and safe for a terminal.
+pub fn render_steps(w: &WorkflowSteps, r: &Redactor) -> String {
     use std::fmt::Write as _;
+    let t = terminal_safe;
     let mut s = format!(
         "workflow {} (partition {}): {} recorded step(s)\n",
-        w.workflow_id,
+        t(&w.workflow_id),
         w.partition,
         w.steps.len()
     );
@@ -443,38 +448,50 @@ pub fn render_steps(w: &WorkflowSteps) -> String {
         "{:<6} {:<24} {:<8} {:<18} {:<8} {:<8} {:<25} answer",
         "STEP", "TOOL", "ATTEMPT", "STATE", "DISPATCH", "REPEATS", "INTENDED"
     );
-    for r in &w.steps {
-        let answer = match &r.result {
+    for rec in &w.steps {
+        let answer = match &rec.result {
             Some(res) => match (&res.output, &res.error) {
-                (Some(o), _) => format!("{}: {}", res.status.as_str(), excerpt(&o.to_string())),
+                (Some(o), _) => format!(
+                    "{}: {}",
+                    res.status.as_str(),
+                    excerpt(&r.json(o).to_string())
+                ),
                 (_, Some(e)) => format!("{} ({})", res.status.as_str(), e.kind),
                 _ => res.status.as_str().to_owned(),
             },
             None => "-".to_owned(),
         };
-        let intended = chrono::DateTime::from_timestamp_millis(r.intended_at_ms)
+        let intended = chrono::DateTime::from_timestamp_millis(rec.intended_at_ms)
             .map(crate::contract::timestamp)
             .unwrap_or_default();
         let _ = writeln!(
             s,
             "{:<6} {:<24} {:<8} {:<18} {:<8} {:<8} {:<25} {}",
-            r.step.step_index,
-            r.step.tool,
-            r.step.attempt,
-            r.phase.as_str(),
-            r.dispatch,
-            r.repeats,
+            rec.step.step_index,
+            rec.step.tool,
+            rec.step.attempt,
+            rec.phase.as_str(),
+            rec.dispatch,
+            rec.repeats,
             intended,
-            answer
+            t(&answer)
         );
-        if let Some(late) = &r.late_outcome {
+        let _ = writeln!(
+            s,
+            "       arguments: {}",
+            t(&excerpt(&r.json(&rec.arguments.to_value()).to_string()))
+        );
+        if let Some(late) = &rec.late_outcome {
             let _ = writeln!(
                 s,
                 "       late outcome (did not settle the step): {}",
-                excerpt(&serde_json::to_string(late).unwrap_or_default())
+                t(&excerpt(
+                    &r.json(&serde_json::to_value(late).unwrap_or_default())
+                        .to_string()
+                ))
             );
         }
-        for e in &r.evidence {
+        for e in &rec.evidence {
             let _ = writeln!(
                 s,
                 "       outcome of run {}: {}{} ({})",
@@ -484,38 +501,39 @@ pub fn render_steps(w: &WorkflowSteps) -> String {
                     .as_deref()
                     .map(|k| format!(" {k}"))
                     .unwrap_or_default(),
-                e.why
+                t(&r.text(&e.why))
             );
         }
-        if !r.open_dispatches.is_empty() && !r.phase.in_flight() {
+        if !rec.open_dispatches.is_empty() && !rec.phase.in_flight() {
             let _ = writeln!(
                 s,
                 "       runs started and never reported: {:?} (they may have taken effect)",
-                r.open_dispatches
+                rec.open_dispatches
             );
         }
-        for e in &r.operator_log {
+        for e in &rec.operator_log {
             let reason = e
                 .reason
                 .as_deref()
-                .map(|r| format!(": {r}"))
+                .map(|x| format!(": {}", r.text(x)))
                 .unwrap_or_default();
             let _ = writeln!(
                 s,
                 "       {} by {} at {} (was {}){}",
                 e.action,
-                e.by,
+                t(&e.by),
                 e.at,
                 e.from.as_str(),
-                reason
+                t(&reason)
             );
         }
     }
     s
 }
 
-/// Held calls as a table for people.
-pub fn render_approvals(pending: &[PendingApproval]) -> String {
+/// Held calls as a table for people, redacted by `r` (the one rule) and
+/// safe for a terminal.
+pub fn render_approvals(pending: &[PendingApproval], r: &Redactor) -> String {
     use std::fmt::Write as _;
     if pending.is_empty() {
         return "no calls are waiting for approval\n".to_owned();
@@ -526,20 +544,21 @@ pub fn render_approvals(pending: &[PendingApproval]) -> String {
     );
     for a in pending {
         let args = match &a.event.event {
-            ApprovalKind::Requested { arguments, .. } => {
-                excerpt(&serde_json::Value::Object(arguments.clone()).to_string())
-            }
+            ApprovalKind::Requested { arguments, .. } => excerpt(
+                &r.json(&serde_json::Value::Object(arguments.clone()))
+                    .to_string(),
+            ),
             _ => String::new(),
         };
         let _ = writeln!(
             s,
             "{:<24} {:<6} {:<24} {:<8} {:<25} {}",
-            a.event.step.workflow_id,
+            terminal_safe(&a.event.step.workflow_id),
             a.event.step.step_index,
             a.event.step.tool,
             a.event.step.attempt,
-            a.event.at,
-            args
+            terminal_safe(&a.event.at),
+            terminal_safe(&args)
         );
     }
     s
@@ -551,4 +570,148 @@ fn excerpt(s: &str) -> String {
     } else {
         s.to_owned()
     }
+}
+
+/// The one redaction of everything shown to people ([`Redactor`]): the
+/// configured secrets it can read here — every tool header value (already
+/// resolved, or read now through `env`), the console's tokens and key, the
+/// MCP front's static tokens — and, for each tool header it cannot read, a
+/// line saying so (that value cannot be recognised in what is shown).
+pub fn display_redactor(
+    cfg: &Config,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> (Redactor, Vec<String>) {
+    let mut values = Vec::new();
+    let mut unread = Vec::new();
+    let mut take = |spec: &HeaderSpec| -> Result<(), String> {
+        if let Some(v) = spec.value() {
+            values.push(v.to_owned());
+            return Ok(());
+        }
+        let mut s = spec.clone();
+        s.resolve(env)?;
+        values.extend(s.value().map(str::to_owned));
+        Ok(())
+    };
+    for (name, t) in &cfg.tools {
+        for (header, spec) in &t.headers {
+            if let Err(e) = take(spec) {
+                unread.push(format!(
+                    "tools.{name} header `{header}`: {e}, so its value is not recognised (not redacted) in what is shown"
+                ));
+            }
+        }
+    }
+    // Tokens this process may not be given: redacted when readable.
+    for t in &cfg.console.tokens {
+        let _ = take(&t.token);
+    }
+    if let Some(k) = &cfg.console.session_key {
+        let _ = take(k);
+    }
+    for t in &cfg.mcp.auth.tokens {
+        let _ = take(&t.token);
+    }
+    (Redactor::new(values), unread)
+}
+
+/// An answer as people are shown it.
+pub fn redacted_result(res: &ToolResult, r: &Redactor) -> ToolResult {
+    let mut res = res.clone();
+    res.output = res.output.as_ref().map(|o| r.json(o));
+    if let Some(e) = &mut res.error {
+        e.message = r.text(&e.message);
+    }
+    res
+}
+
+fn redacted_arguments(a: &Arguments, r: &Redactor) -> Arguments {
+    match r.json(&a.to_value()) {
+        serde_json::Value::Object(m) => Arguments::from(m),
+        _ => Arguments::empty(),
+    }
+}
+
+/// A step record as people are shown it (`steps show --json`): its
+/// arguments, rephrasings, answers, metadata and reasons redacted by the one
+/// rule.
+pub fn redacted_record(rec: &StepRecord, r: &Redactor) -> StepRecord {
+    let mut rec = rec.clone();
+    rec.arguments = redacted_arguments(&rec.arguments, r);
+    for re in &mut rec.rephrased {
+        re.arguments = redacted_arguments(&re.arguments, r);
+    }
+    rec.result = rec.result.as_ref().map(|x| redacted_result(x, r));
+    rec.late_outcome = rec.late_outcome.as_ref().map(|o| match o {
+        Outcome::Ok { output } => Outcome::Ok {
+            output: r.json(output),
+        },
+        Outcome::Error { error } => Outcome::Error {
+            error: crate::contract::ErrorBody {
+                kind: error.kind.clone(),
+                message: r.text(&error.message),
+            },
+        },
+        Outcome::InDoubt { error } => Outcome::InDoubt {
+            error: crate::contract::ErrorBody {
+                kind: error.kind.clone(),
+                message: r.text(&error.message),
+            },
+        },
+    });
+    rec.metadata = rec.metadata.as_ref().map(|m| redacted_map(m, r));
+    for e in &mut rec.operator_log {
+        e.reason = e.reason.as_deref().map(|x| r.text(x));
+    }
+    rec
+}
+
+fn redacted_map(
+    m: &serde_json::Map<String, serde_json::Value>,
+    r: &Redactor,
+) -> serde_json::Map<String, serde_json::Value> {
+    match r.json(&serde_json::Value::Object(m.clone())) {
+        serde_json::Value::Object(m) => m,
+        _ => serde_json::Map::new(),
+    }
+}
+
+/// A held call as people are shown it (`approvals list --json`).
+pub fn redacted_approval(a: &PendingApproval, r: &Redactor) -> PendingApproval {
+    let mut a = a.clone();
+    match &mut a.event.event {
+        ApprovalKind::Requested {
+            arguments,
+            metadata,
+            ..
+        } => {
+            *arguments = redacted_map(arguments, r);
+            *metadata = metadata.as_ref().map(|m| redacted_map(m, r));
+        }
+        ApprovalKind::Approved { reason, .. } | ApprovalKind::Denied { reason, .. } => {
+            *reason = reason.as_deref().map(|x| r.text(x));
+        }
+    }
+    a
+}
+
+/// Control characters (terminal escapes) in a text from an agent, escaped
+/// for a terminal (`\u{1b}`), and the bidirectional overrides too, so that
+/// nothing an agent sent can move the cursor, clear the screen, set the
+/// clipboard or reorder what is shown.
+pub fn terminal_safe(s: &str) -> String {
+    let unsafe_char =
+        |c: char| c.is_control() || matches!(c, '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}');
+    if !s.chars().any(unsafe_char) {
+        return s.to_owned();
+    }
+    s.chars()
+        .map(|c| {
+            if unsafe_char(c) {
+                c.escape_unicode().to_string()
+            } else {
+                c.to_string()
+            }
+        })
+        .collect()
 }

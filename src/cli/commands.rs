@@ -219,6 +219,7 @@ async fn audit(
         })
         .transpose()?;
     let query = crate::audit::AuditQuery { workflow, since_ms };
+    let r = redactor(&cfg);
     let report = tokio::task::spawn_blocking(move || {
         let mut last = String::new();
         crate::audit::report(&cfg.kafka, &query, |topic, n| {
@@ -233,6 +234,8 @@ async fn audit(
     })
     .await??;
     eprintln!();
+    // The one rule of what people are shown: the console's, the CLI's.
+    let report = report.redacted(&r);
     let text = match format {
         AuditFormat::Text => crate::audit::render_text(&report),
         AuditFormat::Json => serde_json::to_string_pretty(&report)? + "\n",
@@ -260,10 +263,19 @@ async fn steps(action: StepsCommand) -> anyhow::Result<()> {
                 crate::operator::workflow_steps(&k, &workflow_id)
             })
             .await??;
+            let r = redactor(&cfg);
             if json {
-                println!("{}", serde_json::to_string_pretty(&steps)?);
+                let shown = crate::operator::WorkflowSteps {
+                    steps: steps
+                        .steps
+                        .iter()
+                        .map(|rec| crate::operator::redacted_record(rec, &r))
+                        .collect(),
+                    ..steps
+                };
+                println!("{}", serde_json::to_string_pretty(&shown)?);
             } else {
-                print!("{}", crate::operator::render_steps(&steps));
+                print!("{}", crate::operator::render_steps(&steps, &r));
             }
         }
         StepsCommand::List {
@@ -276,7 +288,12 @@ async fn steps(action: StepsCommand) -> anyhow::Result<()> {
             let steps = tokio::task::spawn_blocking(move || crate::operator::unresolved_steps(&k))
                 .await??;
             if json {
-                println!("{}", serde_json::to_string_pretty(&steps)?);
+                let r = redactor(&cfg);
+                let shown: Vec<_> = steps
+                    .iter()
+                    .map(|rec| crate::operator::redacted_record(rec, &r))
+                    .collect();
+                println!("{}", serde_json::to_string_pretty(&shown)?);
             } else {
                 print!("{}", crate::operator::render_unresolved(&steps));
             }
@@ -314,10 +331,15 @@ async fn approvals(action: ApprovalsCommand) -> anyhow::Result<()> {
             let pending =
                 tokio::task::spawn_blocking(move || crate::operator::pending_approvals(&k))
                     .await??;
+            let r = redactor(&cfg);
             if json {
-                println!("{}", serde_json::to_string_pretty(&pending)?);
+                let shown: Vec<_> = pending
+                    .iter()
+                    .map(|a| crate::operator::redacted_approval(a, &r))
+                    .collect();
+                println!("{}", serde_json::to_string_pretty(&shown)?);
             } else {
-                print!("{}", crate::operator::render_approvals(&pending));
+                print!("{}", crate::operator::render_approvals(&pending, &r));
             }
             Ok(())
         }
@@ -387,9 +409,32 @@ fn check_config(deployment: &Deployment) -> anyhow::Result<()> {
     crate::state::check_record_sizes(&cfg)?;
     // As `run` does: a tool header whose variable or file is missing fails.
     cfg.resolve_tool_headers(|var| std::env::var(var).ok())?;
+    // A configured console is checked as `stepgate console` checks it at
+    // start (its tokens and key readable, `mcp_auth` complete, …).
+    if console_configured(&cfg.console) {
+        crate::console::check(&cfg, &|var| std::env::var(var).ok())
+            .context("`[console]`: `stepgate console` would refuse to start")?;
+    }
     // Secrets (passwords, tokens, key material, header values) are printed redacted.
     print!("{}", super::render_config(&cfg)?);
     Ok(())
+}
+
+/// Whether the config sets up a console (anything beyond the defaults that
+/// names people): then `check-config` checks it as `stepgate console` does.
+fn console_configured(c: &crate::config::ConsoleConfig) -> bool {
+    c.has_identity() || !c.roles.is_empty() || c.session_key.is_some()
+}
+
+/// The one redaction of what people are shown, with a note on standard
+/// error for each tool header this process cannot read (its value cannot be
+/// recognised in what is printed).
+fn redactor(cfg: &Config) -> crate::redact::Redactor {
+    let (r, unread) = crate::operator::display_redactor(cfg, &|var| std::env::var(var).ok());
+    for u in unread {
+        eprintln!("note: {u}");
+    }
+    r
 }
 
 /// Cancelled on the first SIGTERM or SIGINT; a second one exits at once. Only

@@ -71,6 +71,10 @@ endpoint = ""
 [console]
 proxy_user_header = ""
 trace_url = ""
+resource = ""
+session_key = "env:X"
+trusted_proxies = []
+allowed_hosts = []
 [[console.tokens]]
 name = ""
 token = "env:X"

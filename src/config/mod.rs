@@ -49,7 +49,7 @@ pub use crate::redact::{REDACTED, is_secret_property, redact_client_properties, 
 pub use crate::tools::tool::{
     Category, HeaderSource, HeaderSpec, Policy, ToolAnnotations, ToolConfig,
 };
-pub use console::{ConsoleConfig, ConsoleRole, ConsoleToken};
+pub use console::{CONSOLE_SCOPE, ConsoleConfig, ConsoleRole, ConsoleToken, PeerNet};
 pub use env::{NOT_CONFIG_PREFIXES, NOT_CONFIG_VARIABLES, is_not_config_variable};
 pub use instance::{default_instance_id, instance_id_from};
 pub use kafka::{KafkaConfig, REFUSED_CLIENT_PROPERTIES, TopicsConfig, refused_client_property};

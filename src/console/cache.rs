@@ -14,6 +14,7 @@
 //! partition and its restore state, the listed gates' `/metrics` (written
 //! here by [`super::gates::follow`]).
 
+use super::Shared;
 use crate::audit::Decision;
 use crate::config::KafkaConfig;
 use crate::contract::{ApprovalEvent, ApprovalKind, Command, Status, StepKey};
@@ -24,7 +25,6 @@ use rdkafka::consumer::Consumer as _;
 use rdkafka::error::KafkaError;
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Bound;
-use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
@@ -96,9 +96,16 @@ pub struct ApprovalTrail {
     pub decided: Option<(&'static str, String, String, Option<String>)>,
 }
 
+/// The row of the overview that counts calls and answers naming a tool that
+/// is not configured: an agent may send any name, and each must not cost a row.
+pub const OTHER_TOOLS: &str = "(not configured)";
+
 /// The view of the topics.
 #[derive(Default)]
 pub struct Cache {
+    /// The configured tools: calls and answers are counted by these names,
+    /// every other name under [`OTHER_TOOLS`].
+    configured: std::collections::BTreeSet<String>,
     tools: Vec<Box<str>>,
     steps: BTreeMap<EntryKey, StepEntry>,
     /// Whole records of the steps waiting for a person.
@@ -121,6 +128,23 @@ pub struct Cache {
 }
 
 impl Cache {
+    /// An empty cache counting calls for the `configured` tools.
+    pub fn new(configured: impl IntoIterator<Item = String>) -> Cache {
+        Cache {
+            configured: configured.into_iter().collect(),
+            ..Cache::default()
+        }
+    }
+
+    /// The name a call or answer is counted under.
+    fn counted_as(&self, tool: &str) -> Box<str> {
+        if self.configured.contains(tool) {
+            tool.into()
+        } else {
+            OTHER_TOOLS.into()
+        }
+    }
+
     fn tool_id(&mut self, tool: &str) -> u16 {
         if let Some(i) = self.tools.iter().position(|t| &**t == tool) {
             return i as u16;
@@ -236,7 +260,8 @@ impl Cache {
             tool: std::borrow::Cow<'a, str>,
         }
         if let Ok(t) = serde_json::from_slice::<ToolOnly>(value) {
-            *self.calls.entry(t.tool.as_ref().into()).or_default() += 1;
+            let name = self.counted_as(&t.tool);
+            *self.calls.entry(name).or_default() += 1;
         }
     }
 
@@ -248,24 +273,60 @@ impl Cache {
             status: Status,
         }
         if let Ok(b) = serde_json::from_slice::<Brief>(value) {
-            *self
-                .answers
-                .entry((b.tool.as_ref().into(), b.status.as_str()))
-                .or_default() += 1;
+            let name = self.counted_as(&b.tool);
+            *self.answers.entry((name, b.status.as_str())).or_default() += 1;
         }
     }
 
     /// The whole records of the steps waiting for a person in `phase`,
     /// oldest first.
     pub fn waiting(&self, phase: Phase) -> Vec<StepRecord> {
-        let mut out: Vec<StepRecord> = self
+        self.waiting_page(phase, 0, usize::MAX).0
+    }
+
+    /// How many steps wait for a person in `phase` (nothing cloned).
+    pub fn count_waiting(&self, phase: Phase) -> usize {
+        self.attention.values().filter(|r| r.phase == phase).count()
+    }
+
+    /// One page of [`Cache::waiting`]: `limit` records from the `skip`th
+    /// (only those cloned), and how many wait in all.
+    pub fn waiting_page(
+        &self,
+        phase: Phase,
+        skip: usize,
+        limit: usize,
+    ) -> (Vec<StepRecord>, usize) {
+        let mut all: Vec<&StepRecord> = self
             .attention
             .values()
             .filter(|r| r.phase == phase)
-            .cloned()
             .collect();
-        out.sort_by_key(|r| r.intended_at_ms);
-        out
+        all.sort_by_key(|r| r.intended_at_ms);
+        let total = all.len();
+        let page = all.into_iter().skip(skip).take(limit).cloned().collect();
+        (page, total)
+    }
+
+    /// A record waiting for a person, as if read from the changelog (tests).
+    #[cfg(test)]
+    pub(crate) fn insert_waiting(&mut self, record: StepRecord) {
+        let k = self.key_of(&record.step);
+        self.steps.insert(
+            k.clone(),
+            StepEntry {
+                partition: record.partition,
+                offset: 0,
+                phase: record.phase,
+                status: None,
+                intended_at_ms: record.intended_at_ms,
+                latency_ms: None,
+                repeats: record.repeats,
+                dispatch: record.dispatch,
+            },
+        );
+        self.attention.insert(k, record);
+        self.attention_version += 1;
     }
 
     /// The step's whole record, when it waits for a person.
@@ -355,8 +416,6 @@ impl Cache {
         out
     }
 }
-
-pub type Shared = Arc<RwLock<Cache>>;
 
 /// Read the topics into `cache` until `shutdown`: from their beginning, then
 /// as records arrive. Blocking: run it on a thread of its own.

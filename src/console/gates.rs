@@ -5,7 +5,7 @@
 //! `stepgate_partition_*` gauges). Scraped every few seconds into the cache;
 //! nothing else is kept.
 
-use super::cache::Shared;
+use super::Shared;
 use prometheus_parse::{Scrape, Value};
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;

@@ -7,77 +7,18 @@ use super::cache::{PartitionLag, StepEntry, ToolFigures};
 use super::gates::{GateScrape, GateView, PartitionRestore, RestoreState};
 use crate::audit::{Decision, diff};
 use crate::config::ConsoleRole;
-use crate::contract::{StepKey, ToolResult};
+use crate::contract::{Arguments, StepKey, ToolResult};
+use crate::redact::{Redactor, cut, hidden_paths};
 use crate::state::{Phase, StepRecord};
 use maud::{DOCTYPE, Markup, html};
-use serde_json::Value;
 use std::collections::BTreeMap;
 
-/// Replaces secrets in what a page shows: configured tokens and tool header
-/// values wherever they appear, and the values of arguments named like
-/// credentials.
-pub struct Redactor {
-    pub secrets: Vec<String>,
-}
-
-const REDACTED: &str = crate::redact::REDACTED;
-
-/// Argument names whose values are credentials.
-fn is_secret_name(name: &str) -> bool {
-    let n = name.to_ascii_lowercase();
-    [
-        "password",
-        "passphrase",
-        "secret",
-        "token",
-        "api_key",
-        "apikey",
-        "authorization",
-        "credential",
-        "private_key",
-        "access_key",
-        "cookie",
-    ]
-    .iter()
-    .any(|w| n.contains(w))
-}
-
-impl Redactor {
-    pub fn text(&self, s: &str) -> String {
-        let mut out = s.to_owned();
-        for secret in self.secrets.iter().filter(|s| s.len() >= 4) {
-            if out.contains(secret.as_str()) {
-                out = out.replace(secret.as_str(), REDACTED);
-            }
-        }
-        out
-    }
-
-    pub fn json(&self, v: &Value) -> Value {
-        match v {
-            Value::Object(m) => Value::Object(
-                m.iter()
-                    .map(|(k, v)| {
-                        let shown = if is_secret_name(k) && !v.is_null() {
-                            Value::String(REDACTED.into())
-                        } else {
-                            self.json(v)
-                        };
-                        (k.clone(), shown)
-                    })
-                    .collect(),
-            ),
-            Value::Array(a) => Value::Array(a.iter().map(|v| self.json(v)).collect()),
-            Value::String(s) => Value::String(self.text(s)),
-            v => v.clone(),
-        }
-    }
-
-    /// Pretty JSON, redacted.
-    pub fn pretty(&self, v: &Value) -> String {
-        serde_json::to_string_pretty(&self.json(v)).unwrap_or_default()
-    }
-}
+/// How many bytes of a call's arguments a card or a timeline shows; the rest
+/// is a link away ([`arguments_href`]).
+pub const ARGS_SHOWN: usize = 4096;
+/// How many held calls (or in-doubt steps) one page of the Inbox (or In
+/// doubt) shows.
+pub const PER_PAGE: usize = 20;
 
 /// Which tab is open.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -98,9 +39,13 @@ pub struct Chrome<'a> {
     pub notice: Option<Notice>,
 }
 
-pub enum Notice {
-    Done(String),
-    Failed(String),
+/// The banner above a page: what became of a person's action. Its text is
+/// the console's own (never taken from a link), with a link to the workflow.
+pub struct Notice {
+    pub ok: bool,
+    pub text: String,
+    /// The workflow's timeline: (href, its id).
+    pub workflow: Option<(String, String)>,
 }
 
 /// A whole page around `body`.
@@ -143,10 +88,13 @@ pub fn page(title: &str, c: &Chrome, body: Markup) -> Markup {
                     }
                 }
                 main {
-                    @match &c.notice {
-                        Some(Notice::Done(m)) => p.notice.done role="status" { (m) },
-                        Some(Notice::Failed(m)) => p.notice.failed role="alert" { (m) },
-                        None => {},
+                    @if let Some(n) = &c.notice {
+                        p.notice.done[n.ok].failed[!n.ok] role=(if n.ok { "status" } else { "alert" }) {
+                            (n.text)
+                            @if let Some((href, id)) = &n.workflow {
+                                " " a.timeline href=(href) { "Open the timeline of " span.mono { (id) } " →" }
+                            }
+                        }
                     }
                     (body)
                 }
@@ -234,6 +182,102 @@ fn step_fields(r: &StepRecord, csrf: &str) -> Markup {
     }
 }
 
+/// `/arguments?…`: one step's whole arguments.
+pub fn arguments_href(k: &StepKey) -> String {
+    format!(
+        "/arguments?workflow_id={}&step_index={}&tool={}&attempt={}",
+        super::percent(&k.workflow_id),
+        k.step_index,
+        super::percent(&k.tool),
+        k.attempt
+    )
+}
+
+/// Who may see the values hidden in a call's arguments.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reveal {
+    /// This person may decide the call (it waits for them): a control shows
+    /// the hidden values, and the exact text the tool receives.
+    Shown,
+    /// The call waits for a decision this person may not make: they are told
+    /// who can show them.
+    Deciders,
+    /// The call is settled: nothing is revealed any more.
+    Nobody,
+}
+
+impl Reveal {
+    /// For `person` looking at a step in `phase`.
+    pub fn of(person: &Person, phase: Phase) -> Reveal {
+        let decider = match phase {
+            Phase::AwaitingApproval => ConsoleRole::Approver,
+            Phase::InDoubt => ConsoleRole::Operator,
+            _ => return Reveal::Nobody,
+        };
+        if person.may(decider) {
+            Reveal::Shown
+        } else {
+            Reveal::Deciders
+        }
+    }
+}
+
+/// A call's arguments as a person sees them: redacted by the one rule
+/// ([`Redactor`]), never silently — each value hidden by its field's name is
+/// listed, and a person who may decide the call gets a control that shows
+/// it, and the exact text the tool receives ([`Reveal`]). `more` caps what is
+/// shown at [`ARGS_SHOWN`] bytes, with a link to the rest.
+pub fn arguments(args: &Arguments, r: &Redactor, reveal: Reveal, more: Option<&StepKey>) -> Markup {
+    let value = args.to_value();
+    let cap = if more.is_some() {
+        ARGS_SHOWN
+    } else {
+        usize::MAX
+    };
+    let shown = r.pretty(&value);
+    let (head, left) = cut(&shown, cap);
+    let hidden = hidden_paths(&value);
+    let raw = r.text(args.as_str());
+    let configured = raw != args.as_str();
+    html! {
+        pre.args { (head) @if left > 0 { "\n…" } }
+        @if left > 0 {
+            @if let Some(k) = more {
+                p.more { (left) " more bytes not shown here. " a href=(arguments_href(k)) { "Show all the arguments" } }
+            }
+        }
+        @if !hidden.is_empty() {
+            p.hidden data-hidden=(hidden.len()) {
+                (hidden.len()) " value(s) hidden because the field is named like a credential: "
+                span.mono { (hidden.join(", ")) } "."
+                @if reveal == Reveal::Deciders { " The person who decides this call can show them on its card." }
+            }
+            @if reveal == Reveal::Shown {
+                details.reveal {
+                    summary { "Show the hidden values (you may decide this call)" }
+                    @let (all, left) = cut_owned(serde_json::to_string_pretty(&r.reveal(&value)).unwrap_or_default(), cap);
+                    pre.args.revealed { (all) @if left > 0 { "\n…" } }
+                }
+            }
+        }
+        @if reveal == Reveal::Shown {
+            details.raw {
+                summary { "The exact text the tool receives" }
+                @let (text, left) = cut_owned(raw.clone(), cap);
+                pre.args.raw { (text) @if left > 0 { "\n…" } }
+            }
+        }
+        @if configured {
+            p.muted { "“<redacted>” also stands for a credential configured for this console's tools or sign-in: it is never shown." }
+        }
+    }
+}
+
+fn cut_owned(s: String, max: usize) -> (String, usize) {
+    let (head, left) = cut(&s, max);
+    (head.to_owned(), left)
+}
+
 fn phase_badge(phase: Phase, status: Option<&str>) -> Markup {
     let (class, text) = match phase {
         Phase::Completed => match status {
@@ -287,10 +331,45 @@ pub struct Held {
     pub earlier: Vec<(StepKey, StepEntry)>,
 }
 
-/// The Inbox's live part: every held call, oldest first.
+/// Which page of a list, and how long the list is.
+#[derive(Debug, Clone, Copy)]
+pub struct Page {
+    /// From 1.
+    pub number: usize,
+    pub total: usize,
+}
+
+impl Page {
+    pub fn skip(&self) -> usize {
+        (self.number - 1) * PER_PAGE
+    }
+
+    pub fn pages(&self) -> usize {
+        self.total.div_ceil(PER_PAGE).max(1)
+    }
+}
+
+/// "Showing 21–40 of 345", and links to the pages beside this one.
+fn pager(path: &str, page: Page, shown: usize) -> Markup {
+    let first = page.skip() + 1;
+    html! {
+        @if page.total > PER_PAGE || page.number > 1 {
+            nav.pager {
+                @if shown > 0 { "Showing " (first) "–" (first + shown - 1) " of " (page.total) ", oldest first. " }
+                @else { "Nothing on page " (page.number) " of " (page.pages()) ". " }
+                @if page.number > 1 { a.prev href=(format!("{path}?page={}", page.number - 1)) { "← older" } " " }
+                @if page.number < page.pages() { a.next href=(format!("{path}?page={}", page.number + 1)) { "newer →" } }
+            }
+        }
+    }
+}
+
+/// The Inbox's live part: one page of the held calls, oldest first.
+#[allow(clippy::too_many_arguments)]
 pub fn inbox_list(
     refresh_ms: u128,
     held: &[Held],
+    page: Page,
     person: &Person,
     csrf: &str,
     r: &Redactor,
@@ -299,10 +378,11 @@ pub fn inbox_list(
 ) -> Markup {
     let may = person.may(ConsoleRole::Approver);
     html! {
-        div #live hx-get=(format!("/live/inbox?v={version}")) hx-trigger=(format!("every {refresh_ms}ms")) hx-swap="outerHTML" {
-            @if held.is_empty() {
+        div #live hx-get=(format!("/live/inbox?page={}&v={version}", page.number)) hx-trigger=(format!("every {refresh_ms}ms")) hx-swap="outerHTML" {
+            @if page.total == 0 {
                 p.empty { "Nothing is waiting for approval." }
             }
+            (pager("/inbox", page, held.len()))
             @for h in held {
                 @let rec = &h.record;
                 article.card.held data-step=(step_label(&rec.step)) data-held-at-ms=(rec.intended_at_ms) {
@@ -320,7 +400,7 @@ pub fn inbox_list(
                     div.cols {
                         div {
                             h3 { "Arguments" }
-                            pre.args { (r.pretty(&rec.arguments.to_value())) }
+                            (arguments(&rec.arguments, r, Reveal::of(person, rec.phase), Some(&rec.step)))
                         }
                         div {
                             h3 { "Earlier steps of this workflow" }
@@ -362,7 +442,7 @@ fn last_said(rec: &StepRecord, r: &Redactor) -> Markup {
         }
         @if let Some(late) = &rec.late_outcome {
             p { "A late outcome arrived after the step was declared in doubt: " }
-            pre.args { (r.pretty(&serde_json::to_value(late).unwrap_or_default())) }
+            (capped(&r.pretty(&serde_json::to_value(late).unwrap_or_default())))
         }
         @for e in &rec.evidence {
             p.muted {
@@ -374,9 +454,11 @@ fn last_said(rec: &StepRecord, r: &Redactor) -> Markup {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 pub fn in_doubt_list(
     refresh_ms: u128,
     steps: &[Doubt],
+    page: Page,
     person: &Person,
     csrf: &str,
     r: &Redactor,
@@ -385,10 +467,11 @@ pub fn in_doubt_list(
 ) -> Markup {
     let may = person.may(ConsoleRole::Operator);
     html! {
-        div #live hx-get=(format!("/live/in-doubt?v={version}")) hx-trigger=(format!("every {refresh_ms}ms")) hx-swap="outerHTML" {
-            @if steps.is_empty() {
+        div #live hx-get=(format!("/live/in-doubt?page={}&v={version}", page.number)) hx-trigger=(format!("every {refresh_ms}ms")) hx-swap="outerHTML" {
+            @if page.total == 0 {
                 p.empty { "No step is in doubt." }
             }
+            (pager("/in-doubt", page, steps.len()))
             @for d in steps {
                 @let rec = &d.record;
                 article.card.doubt data-step=(step_label(&rec.step)) {
@@ -419,7 +502,7 @@ pub fn in_doubt_list(
                         dd { (last_said(rec, r)) }
                     }
                     h3 { "Arguments" }
-                    pre.args { (r.pretty(&rec.arguments.to_value())) }
+                    (arguments(&rec.arguments, r, Reveal::of(person, rec.phase), Some(&rec.step)))
                     @if may {
                         div.actions.resolve {
                             form method="post" action="/resolve" {
@@ -468,11 +551,58 @@ fn trace_id(traceparent: &str) -> Option<&str> {
     (id.len() == 32 && id.bytes().all(|b| b.is_ascii_hexdigit())).then_some(id)
 }
 
+/// A long text in a `pre`, cut at [`ARGS_SHOWN`] bytes.
+fn capped(text: &str) -> Markup {
+    let (head, left) = cut(text, ARGS_SHOWN);
+    html! {
+        pre.args { (head) @if left > 0 { "\n…" } }
+        @if left > 0 { p.more { (left) " more bytes not shown (" code { "stepgate steps show --json" } " prints them)." } }
+    }
+}
+
+/// What happened to a step's calls, in plain words: how many there were and
+/// how the repeats were (or will be) answered.
+fn calls_said(rec: &StepRecord) -> String {
+    let mut s = format!("{} call(s)", rec.repeats + 1);
+    if rec.repeats > 0 {
+        let rephrased = if rec.rephrased_count > 0 {
+            format!(", {} rephrased", rec.rephrased_count)
+        } else {
+            String::new()
+        };
+        let how = match (rec.phase, &rec.result) {
+            (Phase::AwaitingApproval, _) => "waiting for the decision, like the first",
+            (_, Some(res)) if res.error.as_ref().is_some_and(|e| e.kind == "denied") => {
+                "answered with the same denial"
+            }
+            (_, Some(_)) => "answered from the record, the tool not run again",
+            (_, None) => "waiting for the run's outcome, not run again",
+        };
+        s += &format!(" ({} repeat(s){rephrased} — {how})", rec.repeats);
+    }
+    s
+}
+
+/// Whether and how often the step's tool ran, in plain words.
+fn runs_said(rec: &StepRecord) -> String {
+    let denied = rec
+        .result
+        .as_ref()
+        .and_then(|r| r.error.as_ref())
+        .is_some_and(|e| e.kind == "denied");
+    match (rec.phase, rec.started_at_ms) {
+        (Phase::AwaitingApproval, None) => "held for approval, not run".into(),
+        (_, None) if denied => "denied, never run".into(),
+        (_, None) => "never run".into(),
+        (_, Some(t)) => format!("{} run(s), the last started {}", rec.dispatch, clock(t)),
+    }
+}
+
 fn answer(res: &ToolResult, r: &Redactor) -> Markup {
     html! {
         span.badge.(if res.status.as_str() == "ok" { "ok" } else if res.status.as_str() == "in_doubt" { "doubt" } else { "bad" }) { (res.status.as_str()) }
         " at " (at(&res.completed_at))
-        @if let Some(o) = &res.output { pre.args { (r.pretty(o)) } }
+        @if let Some(o) = &res.output { (capped(&r.pretty(o))) }
         @if let Some(e) = &res.error { p { b { (e.kind) } ": " (r.text(&e.message)) } }
     }
 }
@@ -504,14 +634,14 @@ pub fn timeline(
                     @if let Some(rec) = &s.record {
                         dl.facts {
                             dt { "Called" }
-                            dd {
+                            dd.calls {
                                 (rec.intent_ts_ms.map(clock).unwrap_or_else(|| clock(rec.intended_at_ms)))
                                 @if let Some(c) = &rec.call_id { " · call " span.mono { (c) } }
-                                " · " (rec.repeats + 1) " call(s)"
-                                @if rec.repeats > 0 { " (" (rec.repeats) " repeat(s), " (rec.rephrased_count) " rephrased — answered from the record)" }
+                                " · " (calls_said(rec))
                             }
                             dt { "Arguments" }
-                            dd { pre.args { (r.pretty(&rec.arguments.to_value())) } }
+                            // Revealed on its card only, while it waits.
+                            dd { (arguments(&rec.arguments, r, if matches!(rec.phase, Phase::AwaitingApproval | Phase::InDoubt) { Reveal::Deciders } else { Reveal::Nobody }, Some(&rec.step))) }
                             @for re in &rec.rephrased {
                                 dt { "Rephrased at " (clock(re.at_ms)) }
                                 dd {
@@ -520,19 +650,18 @@ pub fn timeline(
                                         @for ch in diff("", &rec.arguments.to_value(), &re.arguments.to_value()) {
                                             li {
                                                 span.mono { (ch.path) } ": "
-                                                del { (ch.before.as_ref().map(|v| r.json(v).to_string()).unwrap_or("∅".into())) }
+                                                del { (ch.before.as_ref().map(|v| r.at_path(&ch.path, v).to_string()).unwrap_or("∅".into())) }
                                                 " → "
-                                                ins { (ch.after.as_ref().map(|v| r.json(v).to_string()).unwrap_or("∅".into())) }
+                                                ins { (ch.after.as_ref().map(|v| r.at_path(&ch.path, v).to_string()).unwrap_or("∅".into())) }
                                             }
                                         }
                                     }
                                 }
                             }
-                            dt { "Dispatches" }
-                            dd {
-                                (rec.dispatch) " run(s)"
-                                @if let Some(t) = rec.started_at_ms { " · last started " (clock(t)) }
-                                @if !rec.open_dispatches.is_empty() { " · never reported: " (format!("{:?}", rec.open_dispatches)) }
+                            dt { "Runs" }
+                            dd.runs {
+                                (runs_said(rec))
+                                @if !rec.open_dispatches.is_empty() { " · started and never reported: runs " (format!("{:?}", rec.open_dispatches)) " (they may have taken effect)" }
                                 @for e in &rec.evidence {
                                     br; span.muted { "run " (e.dispatch) ": " (e.status) @if let Some(k) = &e.kind { " (" (k) ")" } " — " (e.why) }
                                 }
@@ -541,6 +670,7 @@ pub fn timeline(
                             dd {
                                 @match &rec.result {
                                     Some(res) => (answer(res, r)),
+                                    None if rec.phase == Phase::AwaitingApproval => span.muted { "none yet: the agent waits for the decision" },
                                     None => span.muted { "none yet" },
                                 }
                             }
@@ -564,6 +694,15 @@ pub fn timeline(
                 }
             }
         }
+    }
+}
+
+/// `/arguments`: one step's whole arguments.
+pub fn arguments_page(rec: &StepRecord, r: &Redactor, reveal: Reveal) -> Markup {
+    html! {
+        h1 { "Arguments of " span.mono { (step_label(&rec.step)) } }
+        p { a href=(workflow_href(&rec.step.workflow_id)) { "← the workflow's timeline" } }
+        (arguments(&rec.arguments, r, reveal, None))
     }
 }
 
@@ -617,8 +756,12 @@ pub fn overview(
             } }
             tbody {
                 @for (name, f) in tools {
-                    tr {
-                        td.mono { (name) }
+                    tr.tool data-tool=(name) {
+                        @if name == super::cache::OTHER_TOOLS {
+                            td.muted title="calls and answers naming a tool that is not configured (each refused)" { (name) }
+                        } @else {
+                            td.mono { (name) }
+                        }
                         td.n { (f.calls) } td.n { (f.steps) } td.n { (f.repeats) }
                         td.n { (pct(f.dedup_rate())) }
                         td.n { (f.in_flight) } td.n { (f.awaiting_approval) }

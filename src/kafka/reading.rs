@@ -267,6 +267,15 @@ pub fn has_header(m: &rdkafka::message::BorrowedMessage<'_>, name: &str) -> bool
         .any(|(k, _)| k.eq_ignore_ascii_case(name))
 }
 
+/// The value of a message's header `name` (the first, when it repeats),
+/// without the panic rdkafka's own accessors have on a name that is not UTF-8.
+pub fn header_value(m: &rdkafka::message::BorrowedMessage<'_>, name: &str) -> Option<Vec<u8>> {
+    raw_headers(m)
+        .into_iter()
+        .find(|(k, _)| k.eq_ignore_ascii_case(name))
+        .map(|(_, v)| v.unwrap_or_default())
+}
+
 /// A message's headers, names read as bytes. rdkafka's own `Headers::iter`,
 /// `get` and `try_get` unwrap `to_str()` on every name, so one header whose
 /// name is not UTF-8 — which any producer can write — panicked the process,

@@ -573,6 +573,20 @@ fn host_allowed(
     uri: &axum::http::Uri,
     peer: Option<SocketAddr>,
 ) -> Result<(), &'static str> {
+    host_allowed_in(&g.allowed_hosts, g.loopback, headers, uri, peer)
+}
+
+/// Whether `Host` (or the URI's authority) is one of `allowed_hosts` (`host`
+/// or `host:port`), from `peer`; the loopback names only from a loopback peer,
+/// and only on a `loopback` listener unless listed. The console checks the
+/// same way.
+pub fn host_allowed_in(
+    allowed_hosts: &[String],
+    loopback: bool,
+    headers: &HeaderMap,
+    uri: &axum::http::Uri,
+    peer: Option<SocketAddr>,
+) -> Result<(), &'static str> {
     let raw = match headers.get(header::HOST) {
         Some(h) => h.to_str().map_err(|_| "the Host header is not text")?,
         None => uri
@@ -592,14 +606,14 @@ fn host_allowed(
         // Only a loopback client reaches a loopback listener; on any other, a
         // loopback name is what a rebinding page or a spoofing client sends.
         let peer_loopback = peer.is_some_and(|p| p.ip().is_loopback());
-        let configured = g.allowed_hosts.iter().any(|a| host_matches(a, &host, port));
-        return if peer_loopback && (g.loopback || configured) {
+        let configured = allowed_hosts.iter().any(|a| host_matches(a, &host, port));
+        return if peer_loopback && (loopback || configured) {
             Ok(())
         } else {
             Err("a loopback Host from a client that is not on loopback")
         };
     }
-    if g.allowed_hosts.iter().any(|a| host_matches(a, &host, port)) {
+    if allowed_hosts.iter().any(|a| host_matches(a, &host, port)) {
         Ok(())
     } else {
         Err("the Host header names a host this server does not serve")

@@ -20,6 +20,12 @@ use tokio::process::{Child, ChildStdin, ChildStdout};
 
 /// A tool header's secret: no page may show it, wherever it turns up.
 const SECRET: &str = "sk-live-CONSOLE-SECRET-4711";
+/// The token of a tool's `Authorization: Bearer …` header: no page may show
+/// it either, even alone (as a tool that echoes its key writes it).
+const BARE: &str = "bare-token-value-0042";
+/// A value hidden because its field is named like a credential: an approver
+/// may reveal it, a viewer never gets it.
+const HIDDEN: &str = "tok_live_visible_123";
 
 const TOOLS: &str = r#"
 [tools.wire_money]
@@ -27,7 +33,7 @@ category = "unkeyed"
 policy = "approval"
 url = "{tools}/wire_money"
 timeout = "2s"
-headers = { "X-Api-Key" = "sk-live-CONSOLE-SECRET-4711" }
+headers = { "X-Api-Key" = "sk-live-CONSOLE-SECRET-4711", Authorization = "Bearer bare-token-value-0042" }
 "#;
 
 /// The agent's trace: the timeline links the step to it.
@@ -154,6 +160,43 @@ fn urlencoded(form: &[(&str, String)]) -> String {
         .join("&")
 }
 
+/// The CSRF cookie (`name=value`) and the forms' token of a page as `token`
+/// sees it: the token is derived from the cookie and the principal.
+async fn csrf_pair(base: &str, token: &str) -> (String, String) {
+    let r = reqwest::Client::new()
+        .get(format!("{base}/inbox"))
+        .bearer_auth(token)
+        .send()
+        .await
+        .unwrap();
+    let cookie = set_cookies(&r)
+        .into_iter()
+        .find(|c| c.starts_with("stepgate_console_csrf="))
+        .expect("a CSRF cookie for a request without one");
+    let cookie = cookie.split(';').next().unwrap().to_owned();
+    let page = r.text().await.unwrap();
+    (cookie, field(&page, "csrf"))
+}
+
+/// A response's `Set-Cookie` values.
+fn set_cookies(r: &reqwest::Response) -> Vec<String> {
+    r.headers()
+        .get_all("set-cookie")
+        .iter()
+        .map(|v| v.to_str().unwrap().to_owned())
+        .collect()
+}
+
+/// The banner of the page a decision's redirect leads to, as `token` sees it.
+async fn banner(base: &str, token: &str, location: &str) -> String {
+    let (_, _, page) = get_as(base, location, token).await;
+    let start = page
+        .find("class=\"notice")
+        .unwrap_or_else(|| panic!("no banner on {location}: {page}"));
+    let end = page[start..].find("</p>").unwrap() + start;
+    page[start..end].to_owned()
+}
+
 /// A form posted as `token` with a valid CSRF pair: its status and `Location`.
 async fn post_form(
     base: &str,
@@ -161,15 +204,15 @@ async fn post_form(
     path: &str,
     mut form: Vec<(&str, String)>,
 ) -> (u16, String) {
-    let csrf = "d".repeat(64);
-    form.push(("csrf", csrf.clone()));
+    let (cookie, csrf) = csrf_pair(base, token).await;
+    form.push(("csrf", csrf));
     let r = reqwest::Client::builder()
         .redirect(reqwest::redirect::Policy::none())
         .build()
         .unwrap()
         .post(format!("{base}{path}"))
         .bearer_auth(token)
-        .header("cookie", format!("stepgate_console_csrf={csrf}"))
+        .header("cookie", cookie)
         .header("content-type", "application/x-www-form-urlencoded")
         .body(urlencoded(&form))
         .send()
@@ -348,7 +391,9 @@ async fn people_in_the_loop_decide_in_the_console() {
         2,
         "wire_money",
         json!({"amount_eur": 1250, "iban": "DE89 3704 0044 0532 0130 00",
-               "memo": format!("refund, auth {SECRET}"), "api_key": SECRET}),
+               "memo": format!("refund, auth {SECRET}"), "api_key": SECRET,
+               "note": format!("key {BARE}"), "payment_token": HIDDEN,
+               "password": "hunter2-first"}),
         "c2",
     );
     agent
@@ -379,16 +424,45 @@ async fn people_in_the_loop_decide_in_the_console() {
             2,
             "wire_money",
             json!({"amount_eur": 1250, "iban": "DE89370400440532013000",
-                   "memo": format!("refund, auth {SECRET}"), "api_key": SECRET}),
+                   "memo": format!("refund, auth {SECRET}"), "api_key": SECRET,
+                   "note": format!("key {BARE}"), "payment_token": HIDDEN,
+                   "password": "hunter2-second"}),
             "c2-again",
         ))
         .await;
-    let html = b.cmd("html").await;
+    let html = b.cmd("html").await["html"].as_str().unwrap().to_owned();
+    assert!(!html.contains(SECRET), "the Inbox shows the tool's secret");
     assert!(
-        !html["html"].as_str().unwrap().contains(SECRET),
-        "the Inbox shows the tool's secret"
+        !html.contains(BARE),
+        "the Inbox shows the bare token of a tool's header"
     );
-    assert!(html["html"].as_str().unwrap().contains("DE89 3704"));
+    assert!(html.contains("DE89 3704"));
+    // A value hidden by its field's name is said to be hidden, and the
+    // approver reveals it on demand.
+    let text = b.cmd("text").await["text"].as_str().unwrap().to_owned();
+    assert!(
+        text.contains("hidden because the field is named like a credential"),
+        "{text}"
+    );
+    assert!(text.contains("payment_token"), "{text}");
+    assert_eq!(b.cmd(&format!("visible {HIDDEN}")).await["visible"], false);
+    b.cmd("click_text Show the hidden values").await;
+    assert_eq!(
+        b.cmd(&format!("visible {HIDDEN}")).await["visible"],
+        true,
+        "the approver revealed the hidden value"
+    );
+    let html = b.cmd("html").await["html"].as_str().unwrap().to_owned();
+    assert!(
+        !html.contains(SECRET) && !html.contains(BARE),
+        "a configured secret is never revealed"
+    );
+    // A viewer is told it is hidden, and never sent it.
+    let (_, _, viewed) = get_as(&base, "/inbox", VICTOR).await;
+    assert!(
+        viewed.contains("payment_token") && !viewed.contains(HIDDEN),
+        "{viewed}"
+    );
     b.screenshot("console-inbox.png").await;
 
     // Approve: the agent gets its answer, the tool ran once, and the
@@ -398,8 +472,14 @@ async fn people_in_the_loop_decide_in_the_console() {
         done["notice"]
             .as_str()
             .unwrap()
-            .contains("approve by alice applied"),
+            .contains("Approved by alice: wire_money in workflow order-7781 (step 2)"),
         "{done}"
+    );
+    assert_eq!(
+        b.cmd("count .notice a.timeline[href='/workflows/order-7781']")
+            .await["n"],
+        1,
+        "the banner links to the workflow's timeline"
     );
     let answer = agent.answer("c2", Duration::from_secs(30)).await;
     assert_eq!(answer.status, Status::Ok, "{answer:?}");
@@ -411,11 +491,11 @@ async fn people_in_the_loop_decide_in_the_console() {
     let text = b.cmd("text").await["text"].as_str().unwrap().to_owned();
     assert!(text.contains("approve by alice"), "{text}");
     assert!(text.contains("iban"), "the rephrasing's diff: {text}");
+    let html = b.cmd("html").await["html"].as_str().unwrap().to_owned();
+    assert!(!html.contains(SECRET) && !html.contains(BARE));
     assert!(
-        !b.cmd("html").await["html"]
-            .as_str()
-            .unwrap()
-            .contains(SECRET)
+        !html.contains("hunter2"),
+        "the rephrasing's diff shows a password: {html}"
     );
     assert_eq!(
         b.cmd(
@@ -441,12 +521,16 @@ async fn people_in_the_loop_decide_in_the_console() {
         .await;
     let shown = b.read().await;
     assert!(shown.get("error").is_none(), "{shown}");
+    // Held, it has not run, and its timeline says so in plain words.
+    let (_, _, page) = get_as(&base, "/workflows/refund-88", ALICE).await;
+    assert!(page.contains("held for approval, not run"), "{page}");
+    assert!(!page.contains("1 run(s)"), "{page}");
     let done = b.cmd("deny refund-88 the account is frozen").await;
     assert!(
         done["notice"]
             .as_str()
             .unwrap()
-            .contains("deny by alice applied"),
+            .contains("Denied by alice: wire_money in workflow refund-88 (step 0) will not run"),
         "{done}"
     );
     let denied = agent.answer("d0", Duration::from_secs(30)).await;
@@ -454,6 +538,8 @@ async fn people_in_the_loop_decide_in_the_console() {
     let message = &denied.error.as_ref().unwrap().message;
     assert!(message.contains("the account is frozen"), "{message}");
     assert_eq!(s.tools.count("wire_money"), 1, "a denied call does not run");
+    let page = eventually_page(&base, "/workflows/refund-88", ALICE, "denied, never run").await;
+    assert!(!page.contains("run(s)"), "{page}");
 
     // In doubt: an approver sees it and cannot resolve it; an operator
     // resolves it "not executed", and the agent's retry runs once.
@@ -500,7 +586,7 @@ async fn people_in_the_loop_decide_in_the_console() {
         done["notice"]
             .as_str()
             .unwrap()
-            .contains("resolve_not_executed by olivia applied"),
+            .contains("Marked as not executed by olivia: the agent's next call of wire in workflow invoice-512 (step 0) runs it again"),
         "{done}"
     );
     let retry = agent
@@ -542,7 +628,7 @@ async fn people_in_the_loop_decide_in_the_console() {
         done["notice"]
             .as_str()
             .unwrap()
-            .contains("resolve_failed by olivia applied"),
+            .contains("Marked as failed by olivia"),
         "{done}"
     );
     let after = agent
@@ -594,7 +680,8 @@ async fn people_in_the_loop_decide_in_the_console() {
     };
     let (status, location) = post_form(&base, OLIVIA, "/resolve", form("1")).await;
     assert_eq!(status, 303);
-    assert!(location.contains("done="), "{location}");
+    let said = banner(&base, OLIVIA, &location).await;
+    assert!(said.contains("Marked as not executed"), "{said}");
     assert_eq!(
         agent.call(call("x1")).await.status,
         Status::InDoubt,
@@ -611,11 +698,12 @@ async fn people_in_the_loop_decide_in_the_console() {
     }
     let (status, location) = post_form(&base, OLIVIA, "/resolve", form("1")).await;
     assert_eq!(status, 303);
+    let said = banner(&base, OLIVIA, &location).await;
     assert!(
-        location.contains("failed=") && location.contains("stale_command"),
-        "the form about run 1: {location}"
+        said.contains("notice failed") && said.contains("stale_command"),
+        "the form about run 1: {said}"
     );
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The gate refused it before the console answered: nothing to wait for.
     let (_, _, page) = get_as(&base, "/in-doubt", OLIVIA).await;
     assert!(page.contains("invoice-600"), "run 2 is still in doubt");
     assert_eq!(s.tools.count("wire"), 5, "and nothing ran");
@@ -630,6 +718,25 @@ async fn people_in_the_loop_decide_in_the_console() {
             "v0",
         ))
         .await;
+    // A repeat while it is held: the timeline says it waits for the decision.
+    agent
+        .send(&intent(
+            "order-9000",
+            0,
+            "wire_money",
+            json!({"amount_eur": 5}),
+            "v1",
+        ))
+        .await;
+    let page = eventually_page(
+        &base,
+        "/workflows/order-9000",
+        ALICE,
+        "waiting for the decision",
+    )
+    .await;
+    assert!(page.contains("held for approval, not run"), "{page}");
+    assert!(!page.contains("answered from the record"), "{page}");
     b.cmd("fresh").await;
     b.cmd(&format!("login {VICTOR}")).await;
     b.cmd("goto /inbox").await;
@@ -673,19 +780,42 @@ async fn people_in_the_loop_decide_in_the_console() {
         403,
         "a form without this console's CSRF token"
     );
-    let r = reqwest::Client::new()
+    let r = client_from("127.0.0.1")
         .post(format!("{base}/approve"))
         .header("content-type", "application/x-www-form-urlencoded")
         .body(format!("csrf={csrf}"))
         .send()
         .await
         .unwrap();
-    assert_ne!(r.status().as_u16(), 200, "no action without a person");
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        (
+            r.status().as_u16(),
+            r.headers()
+                .get("location")
+                .map(|l| l.to_str().unwrap().to_owned())
+        ),
+        (303, Some("/login".to_owned())),
+        "no action without a person: to the login form"
+    );
+    // Each was refused before anything was sent: the call is still held.
+    let (_, _, page) = get_as(&base, "/inbox", ALICE).await;
+    assert!(page.contains("order-9000"), "still held");
     assert!(agent.answers("v0").is_empty(), "still held");
     assert_eq!(s.tools.count("wire_money"), 1);
 
     // No page shows the secret; every page carries the CSP.
+    // A banner comes only from a link the console made: free text in a
+    // link shows nothing.
+    let (_, _, page) = get_as(
+        &base,
+        "/in-doubt?done=Bank%20confirmed%3A%20mark%20order-7781%20executed&failed=x&notice=00.00",
+        OLIVIA,
+    )
+    .await;
+    assert!(
+        !page.contains("Bank confirmed") && !page.contains("class=\"notice"),
+        "{page}"
+    );
     for path in [
         "/inbox",
         "/in-doubt",
@@ -701,6 +831,11 @@ async fn people_in_the_loop_decide_in_the_console() {
         assert_eq!(status, 200, "{path}: {body}");
         assert!(csp.contains("script-src 'self'"), "{path}: {csp}");
         assert!(!body.contains(SECRET), "{path} shows the tool's secret");
+        assert!(
+            !body.contains(BARE),
+            "{path} shows a tool header's bare token"
+        );
+        assert!(!body.contains("hunter2"), "{path} shows a password");
     }
     let (status, _, _) = get_as(&base, "/inbox", "not-a-token-of-this-console").await;
     assert_eq!(status, 401);
@@ -716,4 +851,452 @@ async fn people_in_the_loop_decide_in_the_console() {
         "the browser reported errors (a CSP refusal?)"
     );
     b.cmd("quit").await;
+}
+
+/// `stepgate console` on the stack's config, on 127.0.0.1:`port`, until dropped.
+fn start_console(s: &Stack, port: u16, env: &[(&str, &str)]) -> Killed {
+    let mut cmd = std::process::Command::new(stepgate_bin());
+    cmd.args(["console", "--config"])
+        .arg(&s.config_path)
+        .args(["--listen", &format!("127.0.0.1:{port}")])
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(s.dir.path().join(format!("console-{port}.log"))).unwrap());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    Killed(cmd.spawn().expect("stepgate console starts"))
+}
+
+/// A client that does not follow redirects, connecting from `from`.
+fn client_from(from: &str) -> reqwest::Client {
+    reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .local_address(from.parse::<std::net::IpAddr>().unwrap())
+        .build()
+        .unwrap()
+}
+
+/// An agent's MCP token (all tools): not a console login.
+const AGENT_MCP: &str = "mcp-agent-token-000000001";
+/// An MCP token granted the console (`stepgate:console`): `token:alice`.
+const ALICE_MCP: &str = "mcp-alice-console-token-0001";
+/// A console token of another approver.
+const BOB: &str = "bob-approver-console-token-01";
+
+fn configure_trust(c: &mut stepgate::config::Config) {
+    c.mcp = toml::from_str(
+        r#"
+[auth]
+scopes = { all = ["*"], "stepgate:console" = [] }
+tokens = [
+  { name = "agent", token = "mcp-agent-token-000000001", scopes = ["all"] },
+  { name = "alice", token = "mcp-alice-console-token-0001", scopes = ["stepgate:console"] },
+]
+"#,
+    )
+    .expect("the test's [mcp]");
+    // `agent` as a role too: before principals were keyed by their kind, the
+    // agent's MCP token named this role.
+    c.console = toml::from_str(
+        r#"
+mcp_auth = true
+proxy_user_header = "X-Forwarded-User"
+trusted_proxies = ["127.0.0.1"]
+roles = { agent = "approver", "token:agent" = "approver", "token:alice" = "approver", bob = "approver", carol = "operator" }
+tokens = [{ name = "bob", token = "bob-approver-console-token-01" }]
+refresh = "500ms"
+"#,
+    )
+    .expect("the console's test config");
+}
+
+/// The console only people reach: an agent's MCP token is no login unless
+/// granted the console; the proxy's user header counts only from a trusted
+/// proxy, once; the `Host` must be the console's; no one decides a call their
+/// own credential sent; cookies are `__Host-`/`Secure` over https, hold a
+/// signed session (never the token), and come once; a malformed form is 403.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_console_is_for_people_it_knows() {
+    let mut s = Stack::new(StackOptions {
+        tool_tables: TOOLS.to_owned(),
+        configure: configure_trust,
+        ..StackOptions::default()
+    })
+    .await;
+    s.start().await;
+    let port = free_port();
+    let base = format!("http://127.0.0.1:{port}");
+    let _console = start_console(&s, port, &[]);
+    console_ready(&base).await;
+    let direct = client_from("127.0.0.1");
+
+    // An agent's MCP token is not a console login; one granted the console is,
+    // named by its kind.
+    let r = direct
+        .get(format!("{base}/inbox"))
+        .bearer_auth(AGENT_MCP)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        r.status().as_u16(),
+        401,
+        "an agent's MCP token at the console"
+    );
+    let body = r.text().await.unwrap();
+    assert!(body.contains("stepgate:console"), "{body}");
+    let (status, _, page) = get_as(&base, "/inbox", ALICE_MCP).await;
+    assert_eq!(status, 200, "{page}");
+    assert!(page.contains("token:alice"), "{page}");
+
+    // The Host must be one the console answers to.
+    let r = direct
+        .get(format!("{base}/inbox"))
+        .bearer_auth(BOB)
+        .header("host", format!("attacker.example:{port}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 403, "a rebinding page's Host");
+
+    // The proxy's header: believed from the trusted proxy (127.0.0.1) only,
+    // and only once.
+    let r = direct
+        .get(format!("{base}/in-doubt"))
+        .header("x-forwarded-user", "carol")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    assert!(
+        r.text()
+            .await
+            .unwrap()
+            .contains("signed in as <b>carol</b>")
+    );
+    let r = client_from("127.0.0.2")
+        .get(format!("{base}/in-doubt"))
+        .header("x-forwarded-user", "carol")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 403, "the header from a direct peer");
+    let r = direct
+        .get(format!("{base}/in-doubt"))
+        .header("x-forwarded-user", "carol")
+        .header("x-forwarded-user", "mallory")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 400, "the header twice");
+
+    // Sign in through the trusted proxy over https: a `__Host-` session,
+    // `Secure`, signed, not the token.
+    let r = direct
+        .get(format!("{base}/login"))
+        .header("x-forwarded-proto", "https")
+        .send()
+        .await
+        .unwrap();
+    let csrf_cookie = set_cookies(&r)
+        .into_iter()
+        .find(|c| c.starts_with("__Host-stepgate_console_csrf="))
+        .expect("the CSRF cookie, __Host- over https");
+    assert!(csrf_cookie.contains("; Secure"), "{csrf_cookie}");
+    let csrf_cookie = csrf_cookie.split(';').next().unwrap().to_owned();
+    let csrf = field(&r.text().await.unwrap(), "csrf");
+    let r = direct
+        .post(format!("{base}/login"))
+        .header("x-forwarded-proto", "https")
+        .header("cookie", &csrf_cookie)
+        .header("content-type", "application/x-www-form-urlencoded")
+        .body(urlencoded(&[("token", BOB.into()), ("csrf", csrf.clone())]))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 303);
+    let session = set_cookies(&r)
+        .into_iter()
+        .find(|c| c.starts_with("__Host-stepgate_console_session="))
+        .expect("a session cookie");
+    for attribute in ["; Path=/", "; HttpOnly", "; SameSite=Strict", "; Secure"] {
+        assert!(session.contains(attribute), "{attribute} in {session}");
+    }
+    assert!(
+        !session.contains(BOB),
+        "the cookie holds the token: {session}"
+    );
+    let session = session.split(';').next().unwrap().to_owned();
+    let r = direct
+        .get(format!("{base}/inbox"))
+        .header("x-forwarded-proto", "https")
+        .header("cookie", format!("{session}; {csrf_cookie}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    assert!(r.text().await.unwrap().contains("signed in as <b>bob</b>"));
+    // A planted second cookie of the same name is refused.
+    let r = direct
+        .get(format!("{base}/inbox"))
+        .header("x-forwarded-proto", "https")
+        .header(
+            "cookie",
+            format!(
+                "{session}; {csrf_cookie}; __Host-stepgate_console_csrf={}",
+                "e".repeat(64)
+            ),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 400, "a cookie of the console's twice");
+    // Over plain http the cookies are plain (no `Secure`, which a browser
+    // would refuse there).
+    let r = direct.get(format!("{base}/login")).send().await.unwrap();
+    let plain = set_cookies(&r);
+    assert!(
+        plain
+            .iter()
+            .any(|c| c.starts_with("stepgate_console_csrf=") && !c.contains("Secure")),
+        "{plain:?}"
+    );
+
+    // A call sent with alice's own credential (the MCP front records it in
+    // the intent's metadata): alice cannot decide it; bob can.
+    let agent = s.agent();
+    let mut held = intent(
+        "alice/pay-1",
+        0,
+        "wire_money",
+        json!({"amount_eur": 700, "to": "alice's landlord"}),
+        "a0",
+    );
+    held["metadata"] = json!({"stepgate.principal": "token:alice"});
+    agent.send(&held).await;
+    let page = eventually_page(&base, "/inbox", ALICE_MCP, "alice/pay-1").await;
+    let form = vec![
+        ("workflow_id", "alice/pay-1".to_owned()),
+        ("step_index", "0".into()),
+        ("tool", "wire_money".into()),
+        ("attempt", "0".into()),
+        ("dispatch", field(&page, "dispatch")),
+        ("intended_at_ms", field(&page, "intended_at_ms")),
+    ];
+    let (status, location) = post_form(&base, ALICE_MCP, "/approve", form.clone()).await;
+    assert_eq!(status, 303);
+    let said = banner(&base, ALICE_MCP, &location).await;
+    assert!(
+        said.contains("notice failed") && said.contains("your own credential (token:alice)"),
+        "{said}"
+    );
+    assert!(agent.answers("a0").is_empty(), "still held");
+    assert_eq!(s.tools.count("wire_money"), 0, "and not run");
+    let (status, location) = post_form(&base, BOB, "/approve", form.clone()).await;
+    assert_eq!(status, 303);
+    let said = banner(&base, BOB, &location).await;
+    assert!(said.contains("Approved by bob"), "{said}");
+    assert_eq!(
+        agent.answer("a0", Duration::from_secs(30)).await.status,
+        Status::Ok
+    );
+    assert_eq!(s.tools.count("wire_money"), 1);
+
+    // A form the console cannot read — no CSRF token, or a malformed field —
+    // gets the documented 403, not a framework's 422.
+    let (cookie, csrf) = csrf_pair(&base, BOB).await;
+    for body in [
+        "workflow_id=x&step_index=0&tool=wire_money&attempt=0&dispatch=1&intended_at_ms=0"
+            .to_owned(),
+        format!(
+            "csrf={csrf}&workflow_id=x&step_index=zero&tool=wire_money&attempt=0&dispatch=1&intended_at_ms=0"
+        ),
+    ] {
+        let r = direct
+            .post(format!("{base}/approve"))
+            .bearer_auth(BOB)
+            .header("cookie", &cookie)
+            .header("content-type", "application/x-www-form-urlencoded")
+            .body(body.clone())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 403, "{body}");
+        assert!(
+            r.text()
+                .await
+                .unwrap()
+                .contains("did not come from this console"),
+            "{body}"
+        );
+    }
+}
+
+fn configure_bounded(c: &mut stepgate::config::Config) {
+    c.console = toml::from_str(
+        r#"
+roles = { alice = "approver", victor = "viewer" }
+tokens = [
+  { name = "alice", token = "alice-approver-token-0001" },
+  { name = "victor", token = "victor-viewer-token-00001" },
+]
+refresh = "500ms"
+"#,
+    )
+    .expect("the console's test config");
+}
+
+/// What agents send cannot swamp the console: calls naming tools that are
+/// not configured share one row of the overview; the Inbox is paginated and a
+/// card shows a few KiB of a large call's arguments, with a link to the rest;
+/// an unchanged live list answers 204.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_agents_send_does_not_swamp_the_console() {
+    let mut s = Stack::new(StackOptions {
+        tool_tables: TOOLS.to_owned(),
+        configure: configure_bounded,
+        ..StackOptions::default()
+    })
+    .await;
+    s.start().await;
+    let port = free_port();
+    let base = format!("http://127.0.0.1:{port}");
+    let _console = start_console(&s, port, &[]);
+    console_ready(&base).await;
+    let agent = s.agent();
+
+    // 300 calls, each naming a tool nobody configured.
+    for i in 0..300 {
+        agent
+            .send(&intent(
+                &format!("ghost-{i}"),
+                0,
+                &format!("ghost_tool_{i:04}"),
+                json!({}),
+                &format!("g{i}"),
+            ))
+            .await;
+    }
+    // 23 held calls, one with 20 KB of arguments.
+    let long = "x".repeat(20_000);
+    for i in 0..23 {
+        let args = if i == 0 {
+            json!({"amount_eur": 1, "memo": long})
+        } else {
+            json!({"amount_eur": i})
+        };
+        agent
+            .send(&intent(
+                &format!("held-{i:02}"),
+                0,
+                "wire_money",
+                args,
+                &format!("h{i}"),
+            ))
+            .await;
+    }
+    let page = eventually_page(&base, "/overview", VICTOR, ">300<").await;
+    let rows = page.matches("<tr class=\"tool\"").count();
+    assert!(
+        rows <= s.config.tools.len() + 1,
+        "{rows} tool rows for {} configured tools",
+        s.config.tools.len()
+    );
+    assert!(page.contains("data-tool=\"(not configured)\""), "{page}");
+    assert!(
+        !page.contains("ghost_tool_"),
+        "an unconfigured name has no row"
+    );
+
+    // The Inbox: 20 a page, oldest first.
+    let page = eventually_page(&base, "/inbox", VICTOR, "of 23").await;
+    assert_eq!(
+        page.matches("<article class=\"card held\"").count(),
+        20,
+        "{page}"
+    );
+    assert!(page.contains("Showing 1–20 of 23"), "{page}");
+    assert!(page.contains("/inbox?page=2"), "{page}");
+    let (_, _, second) = get_as(&base, "/inbox?page=2", VICTOR).await;
+    assert_eq!(second.matches("<article class=\"card held\"").count(), 3);
+    // The large call's card shows a few KiB, and links to the rest.
+    let both = format!("{page}{second}");
+    assert!(!both.contains(&long), "the whole 20 KB in the Inbox");
+    assert!(both.contains("Show all the arguments"), "{both}");
+    let link = "/arguments?workflow_id=held-00&step_index=0&tool=wire_money&attempt=0";
+    assert!(both.contains(&link.replace('&', "&amp;")), "{both}");
+    let (status, _, all) = get_as(&base, link, VICTOR).await;
+    assert_eq!(status, 200);
+    assert!(all.contains(&long), "the arguments page shows them whole");
+
+    // The live list: 204 while nothing changed.
+    let v: String = {
+        let marker = "/live/inbox?page=1&amp;v=";
+        let at = page.find(marker).expect("the live list's version") + marker.len();
+        page[at..]
+            .chars()
+            .take_while(char::is_ascii_digit)
+            .collect()
+    };
+    let r = reqwest::Client::new()
+        .get(format!("{base}/live/inbox?page=1&v={v}"))
+        .bearer_auth(VICTOR)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 204);
+}
+
+/// `stepgate check-config` refuses what `stepgate console` would refuse at
+/// start (a console token it cannot read), and prints the console's URLs
+/// without their credentials.
+#[tokio::test]
+async fn check_config_checks_the_console_as_it_starts() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("stepgate.toml");
+    std::fs::write(
+        &path,
+        r#"
+[tools.search]
+category = "read_only"
+url = "http://127.0.0.1:1/search"
+
+[console]
+gates = ["http://admin:s3cret-gate-pw@gate-0:9464"]
+trace_url = "http://viewer:s3cret-trace-pw@jaeger:16686/trace/{trace_id}"
+roles = { alice = "approver" }
+tokens = [{ name = "alice", token = "env:CONSOLE_TEST_ALICE_TOKEN" }]
+"#,
+    )
+    .unwrap();
+    let run = |token: Option<&str>| {
+        let mut c = std::process::Command::new(stepgate_bin());
+        c.args(["check-config", "--config"]).arg(&path);
+        c.env_remove("CONSOLE_TEST_ALICE_TOKEN");
+        if let Some(t) = token {
+            c.env("CONSOLE_TEST_ALICE_TOKEN", t);
+        }
+        c.output().unwrap()
+    };
+    let out = run(None);
+    assert!(
+        !out.status.success(),
+        "a console token nobody can read passed"
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("CONSOLE_TEST_ALICE_TOKEN"), "{err}");
+    let out = run(Some("short"));
+    assert!(!out.status.success(), "a too short console token passed");
+    let out = run(Some("alice-token-long-enough-0001"));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let shown = String::from_utf8_lossy(&out.stdout);
+    assert!(!shown.contains("s3cret"), "{shown}");
+    assert!(
+        shown.contains("gate-0:9464") && shown.contains("{trace_id}"),
+        "{shown}"
+    );
 }

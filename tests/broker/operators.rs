@@ -703,3 +703,251 @@ async fn unresolved_steps_outlive_the_retention() {
     assert_eq!(approved.status, Status::Ok);
     assert_eq!(s.tools.count("wire_approved"), 1);
 }
+
+/// Tools whose configured secrets must never be shown: a header holding a
+/// key, and a `Bearer` one whose token may turn up alone.
+const SECRET_TOOLS: &str = r#"
+[tools.open_account]
+category = "keyed"
+url = "{tools}/open_account"
+timeout = "2s"
+headers = { Authorization = "Bearer s3cr3t-token-value-123" }
+
+[tools.wire_held]
+category = "unkeyed"
+policy = "approval"
+url = "{tools}/wire_held"
+timeout = "2s"
+headers = { "X-Api-Key" = "sk-live-OPERATORS-0042" }
+"#;
+
+/// Every secret the commands below must not print.
+const NEVER_SHOWN: [&str; 5] = [
+    "s3cr3t-token-value-123",
+    "sk-live-OPERATORS-0042",
+    "hunter2-first",
+    "hunter2-second",
+    "pay-tok-visible-77",
+];
+
+/// `approvals list`, `steps show` and `stepgate audit` show what the console
+/// shows: the one redaction rule (configured secrets whole and as bare
+/// tokens, fields named like credentials, a rephrasing's diff by its path),
+/// in text, JSON and HTML.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_command_line_and_the_audit_redact_as_the_console_does() {
+    let mut s = Stack::new(StackOptions {
+        tool_tables: SECRET_TOOLS.to_owned(),
+        ..StackOptions::default()
+    })
+    .await;
+    s.start().await;
+    let agent = s.agent();
+    let wf = "wf-redact";
+    let first = agent
+        .call(intent(
+            wf,
+            0,
+            "open_account",
+            json!({"owner": "ana", "password": "hunter2-first", "memo": "key s3cr3t-token-value-123"}),
+            "r0",
+        ))
+        .await;
+    assert_eq!(first.status, Status::Ok);
+    // A rephrased repeat: its diff names the password's path.
+    agent
+        .call(intent(
+            wf,
+            0,
+            "open_account",
+            json!({"owner": "ana", "password": "hunter2-second", "memo": "key s3cr3t-token-value-123"}),
+            "r1",
+        ))
+        .await;
+    agent
+        .send(&intent(
+            wf,
+            1,
+            "wire_held",
+            json!({"amount_eur": 9, "api_key": "sk-live-OPERATORS-0042", "payment_token": "pay-tok-visible-77"}),
+            "r2",
+        ))
+        .await;
+    let mut shown = Vec::new();
+    for args in [
+        vec!["approvals", "list"],
+        vec!["approvals", "list", "--json"],
+        vec!["steps", "show", wf],
+        vec!["steps", "show", wf, "--json"],
+        vec!["audit", "--workflow", wf, "--format", "text"],
+        vec!["audit", "--workflow", wf, "--format", "json"],
+        vec!["audit", "--workflow", wf, "--format", "html"],
+    ] {
+        // The held call is in the list once the gate has held it.
+        let until = std::time::Instant::now() + Duration::from_secs(20);
+        let out = loop {
+            let out = s.cli(&args).await;
+            assert!(out.status.success(), "{args:?}: {}", stderr(&out));
+            if args[0] != "approvals" || stdout(&out).contains("wire_held") {
+                break stdout(&out);
+            }
+            assert!(std::time::Instant::now() < until, "{args:?}: nothing held");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        };
+        for secret in NEVER_SHOWN {
+            assert!(!out.contains(secret), "{args:?} shows {secret}:\n{out}");
+        }
+        assert!(
+            out.contains("<redacted>") || out.contains("&lt;redacted&gt;"),
+            "{args:?} says what it hid:\n{out}"
+        );
+        shown.push(out);
+    }
+    // The same rule: the arguments `steps show --json` prints are those the
+    // audit prints for the step's first call.
+    let steps: Value = serde_json::from_str(&shown[3]).unwrap();
+    let audit: Value = serde_json::from_str(&shown[5]).unwrap();
+    let recorded = &step_of(&steps, 0)["arguments"];
+    let audited = &audit["workflows"][0]["steps"][0]["calls"][0]["arguments"];
+    assert_eq!(recorded, audited);
+    assert_eq!(recorded["password"], "<redacted>");
+    assert_eq!(recorded["memo"], "key <redacted>");
+    let change = &audit["workflows"][0]["steps"][0]["calls"][1]["changes"][0];
+    assert_eq!(
+        (
+            change["path"].as_str(),
+            change["before"].as_str(),
+            change["after"].as_str()
+        ),
+        (Some("password"), Some("<redacted>"), Some("<redacted>"))
+    );
+}
+
+/// `stepgate audit` cannot be fooled: an intent claiming to be a gate's
+/// forwarded copy is reported (flagged) unless its identical original is
+/// where it points; a real re-routed copy is counted once; answers pair with
+/// calls by workflow and `call_id`; no agent text reaches the terminal as a
+/// control sequence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_audit_cannot_be_fooled() {
+    let mut s = Stack::new(StackOptions::default()).await;
+    s.start().await;
+    let agent = s.agent();
+    let prefix = random_name("aud");
+    let wf = |name: &str| format!("{prefix}-{name}");
+    let n = s.config.kafka.partitions as i32;
+
+    // An agent sets the gate's header itself, naming a record that is not
+    // its original: the call runs, and the audit reports it.
+    let hidden = wf("hidden");
+    let forged = intent(
+        &hidden,
+        0,
+        "send_email",
+        json!({"to": "x@example.com"}),
+        "f0",
+    );
+    agent
+        .send_raw(
+            &hidden,
+            forged.to_string().as_bytes(),
+            None,
+            &[("stepgate-forwarded-from", "0:0")],
+        )
+        .await;
+    agent.answer("f0", Duration::from_secs(30)).await;
+
+    // An intent published to the wrong partition: the gate re-routes a copy,
+    // and the audit counts the call once.
+    let moved = wf("moved");
+    let right = stepgate::contract::partition_for(&moved, n);
+    let wrong = (right + 1) % n;
+    let m = intent(
+        &moved,
+        0,
+        "send_email",
+        json!({"to": "y@example.com"}),
+        "m0",
+    );
+    agent
+        .send_raw(&moved, m.to_string().as_bytes(), Some(wrong), &[])
+        .await;
+    agent.answer("m0", Duration::from_secs(30)).await;
+
+    // Two workflows use the same call_id; the second is called after the
+    // first was answered.
+    let (a, b) = (wf("pair-a"), wf("pair-b"));
+    agent
+        .call(intent(&a, 0, "send_email", json!({"to": "a"}), "call_0"))
+        .await;
+    agent
+        .send(&intent(&b, 0, "send_email", json!({"to": "b"}), "call_0"))
+        .await;
+    eventually(Duration::from_secs(30), "both answers", || {
+        agent.answers("call_0").len() == 2
+    })
+    .await;
+
+    // Terminal escapes in what an agent chose.
+    let esc = wf("esc");
+    let raw = format!(
+        r#"{{"workflow_id":"{esc}","step_index":0,"tool":"send_email","arguments":{{"k\u001b]52;c;cHduZWQ=\u0007":"v"}},"call_id":"c\u001b[2J\u001b[Hall clear"}}"#
+    );
+    agent.send_raw(&esc, raw.as_bytes(), None, &[]).await;
+    eventually(
+        Duration::from_secs(30),
+        "the escape intent's answer",
+        || {
+            agent
+                .results
+                .all()
+                .iter()
+                .any(|r| r.value["workflow_id"] == esc.as_str())
+        },
+    )
+    .await;
+
+    let audit = |format: &str| {
+        let out = std::process::Command::new(stepgate_bin())
+            .args(["audit", "--format", format, "--config"])
+            .arg(&s.config_path)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", stderr(&out));
+        out.stdout
+    };
+    let report: Value = serde_json::from_slice(&audit("json")).unwrap();
+    let calls_of = |w: &str| -> Vec<Value> {
+        report["workflows"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|x| x["workflow_id"] == w)
+            .flat_map(|x| x["steps"][0]["calls"].as_array().unwrap().clone())
+            .collect()
+    };
+    let h = calls_of(&hidden);
+    assert_eq!(h.len(), 1, "the forged copy is reported: {report}");
+    assert_eq!(h[0]["claims_forwarded"], true);
+    assert!(report["summary"]["claimed_forwarded"].as_u64() >= Some(1));
+    let m = calls_of(&moved);
+    assert_eq!(m.len(), 1, "the original and its copy are one call: {m:?}");
+    assert!(m[0].get("claims_forwarded").is_none(), "{m:?}");
+    for w in [&a, &b] {
+        let c = calls_of(w);
+        assert_eq!(c.len(), 1);
+        let latency = c[0]["latency_ms"].as_i64().expect("answered");
+        assert!(
+            latency >= 0,
+            "{w}: paired with another workflow's answer ({latency} ms)"
+        );
+    }
+    let text = audit("text");
+    assert!(
+        !text.contains(&0x1b) && !text.contains(&0x07),
+        "the text report carries terminal escapes"
+    );
+    let text = String::from_utf8(text).unwrap();
+    assert!(text.contains("\\u{1b}[2J"), "{text}");
+    assert!(text.contains("claims to be forwarded"), "{text}");
+}

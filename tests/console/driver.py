@@ -15,6 +15,9 @@ Commands:
   fail TEXT FOUND...          type what was found in that card's "failed" form,
                               click "Mark as failed"
   count SELECTOR              how many elements match
+  visible TEXT...             whether an element with that exact text shows
+  click_text TEXT...          click the first element showing that text (a
+                              <summary> that opens its <details>)
   fresh                       a new browser context (signed out)
   problems                    console errors and CSP refusals seen so far
   text                        the page's visible text
@@ -105,6 +108,11 @@ def main():
                         form.get_by_role("button", name="Mark as failed").click()
                     notice = page.locator(".notice")
                     answer(notice=notice.first.inner_text() if notice.count() else "", url=page.url)
+                elif cmd == "visible":
+                    answer(visible=page.get_by_text(" ".join(args)).first.is_visible())
+                elif cmd == "click_text":
+                    page.get_by_text(" ".join(args)).first.click()
+                    answer(clicked=True)
                 elif cmd == "count":
                     answer(n=page.locator(" ".join(args)).count())
                 elif cmd == "text":
