@@ -41,10 +41,9 @@ use std::time::{Duration, Instant};
 use thiserror::Error;
 use tokio_util::sync::CancellationToken;
 
-/// The key of an intent's `metadata` under which the MCP front records who
-/// sent the call (`token:<name>` or `jwt:<sub>`): that principal may not
-/// decide the step.
-pub const PRINCIPAL_METADATA: &str = "stepgate.principal";
+// Who sent a call, as the MCP front records it in the intent's `metadata`:
+// that principal may not decide the step.
+use crate::mcp::auth::PRINCIPAL_METADATA;
 
 /// How long a banner link stays valid.
 const NOTICE_SECS: i64 = 600;
