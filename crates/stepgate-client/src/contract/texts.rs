@@ -518,9 +518,9 @@ mod golden {
         assert!(texts[1].contains("HTTP 409") && texts[1].contains("Do not call"));
         assert!(texts[2].contains("not performed") && texts[2].contains("`gpu`"));
         assert!(
-            texts[3].contains("may have taken effect")
+            texts[3].contains("may or may not have been performed")
                 && texts[3].contains("connection refused")
-                && texts[3].contains("Do not call")
+                && texts[3].contains("for this same step")
         );
     }
 
