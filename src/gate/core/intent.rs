@@ -207,6 +207,7 @@ impl GateCore {
                     fast_ref: Some(input.offset),
                     traceparent: decision.traceparent().or(traceparent),
                     call_id: intent.call_id,
+                    token: None,
                 },
             ));
             return Ok(());
@@ -364,6 +365,8 @@ impl GateCore {
             record.operator_log = prev.operator_log;
             record.evidence = prev.evidence;
             record.settled_through = prev.settled_through;
+            // Earlier runs' reports still count as theirs (evidence).
+            record.tokens = prev.tokens;
         }
         if tool.ends_workflow() {
             ax.write_deferred_of(p, &step.workflow_id);
@@ -526,6 +529,9 @@ impl GateCore {
         }
         record.deadline_ms = Some(deadline);
         self.due.insert((deadline, partition, record.step.clone()));
+        // The dispatch's token: its reports on `progress` count only with it.
+        let token = self.tokens.next_token();
+        record.remember_token(record.dispatch, &token);
         Call {
             step: record.step.clone(),
             arguments: record.arguments.clone(),
@@ -533,6 +539,7 @@ impl GateCore {
             fast_ref: None,
             traceparent: parent.or_else(|| record.traceparent.clone()),
             call_id: record.call_id.clone(),
+            token: Some(token),
         }
     }
 }

@@ -41,6 +41,10 @@ pub enum RejectionReason {
     /// Older than the state retention and its step has no record: it may be a
     /// re-read (group offsets lost) of a call whose record was purged.
     Expired,
+    /// A record of `progress` that does not prove where it comes from (a
+    /// worker's without its pool's signature, one without its dispatch's
+    /// token, …): it settles nothing.
+    RefusedProgress,
 }
 
 impl RejectionReason {
@@ -61,6 +65,7 @@ impl RejectionReason {
             RejectionReason::Unprocessable => "unprocessable",
             RejectionReason::WrongPartition => "wrong_partition",
             RejectionReason::Expired => "expired",
+            RejectionReason::RefusedProgress => "refused_progress",
         }
     }
 }
