@@ -78,6 +78,7 @@ fn schema_and_parser_agree_on_intents() {
         json!({"workflow_id": "w", "step_index": 1, "tool": "send_email"}),
         json!({"workflow_id": "w", "step_index": 1, "tool": "send_email", "arguments": {}, "attempt": 1.5}),
         json!({"workflow_id": "w", "step_index": 1, "tool": "send_email", "arguments": {}, "call_id": 3}),
+        json!({"workflow_id": "w", "step_index": 1, "tool": "send_email", "arguments": {}, "call_id": "a\u{1b}[2J"}),
         json!({"workflow_id": "w", "step_index": 1, "tool": "send_email", "arguments": {}, "metadata": "x"}),
         json!({"workflow_id": "w".repeat(256), "step_index": 1, "tool": "send_email", "arguments": {}}),
     ];
