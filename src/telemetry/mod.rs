@@ -290,7 +290,7 @@ impl Metrics {
         let intents_received = counter_vec(
             &r,
             "stepgate_intents_received_total",
-            "Intents read from the intents topic, valid or not, by the tool they name (unknown when the intent names no configured tool or cannot be read).",
+            "Intents read from the intents topic, valid or not, by the tool they name (unknown when the intent names no configured tool or cannot be read); each counted once, by the gate that decides it (an intent re-routed to its workflow's partition there).",
             &["tool"],
         );
         let effectful_calls = counter_vec(

@@ -32,8 +32,13 @@ impl GateCore {
         // (re-read because a fast-path call before it was unanswered): only
         // fast-path calls, which record nothing, are run again.
         let replayed = self.applied.get(&p).is_some_and(|a| input.offset < *a);
-        // A re-routed intent was counted where it was published.
-        let counted = !replayed && !input.forwarded();
+        // Counted once, where it is decided: an intent re-routed to its
+        // workflow's partition is counted there, not where it was published.
+        // Whether a copy says it was re-routed (`stepgate-forwarded-from`,
+        // a header any writer of the topic can set) changes neither its count
+        // nor its decision: it decides only that a copy found outside its
+        // partition is not re-routed again.
+        let counted = !replayed;
         let reply = input.reply_partition(self.intent_partitions);
         let payload = input.payload.as_deref().unwrap_or_default();
         let intent = match parse_intent(payload, self.settings.max_intent_bytes, &self.tool_names) {
@@ -47,9 +52,6 @@ impl GateCore {
                 return Ok(());
             }
         };
-        if counted {
-            self.metrics.intent_received(Some(&intent.tool));
-        }
         // A step is deduplicated within its workflow's partition only.
         if self.settings.check_partition
             && let Some(n) = self.intent_partitions
@@ -64,6 +66,7 @@ impl GateCore {
             // twice: a re-routed copy found outside its partition too (the
             // partition count changed in between) is refused.
             if self.settings.forward_wrong_partition && !input.forwarded() {
+                // Counted as received by the owner, which decides it.
                 self.metrics.intent_forwarded(&intent.tool);
                 let mut headers: Vec<_> = input
                     .headers
@@ -90,6 +93,9 @@ impl GateCore {
                 });
                 return Ok(());
             }
+            if counted {
+                self.metrics.intent_received(Some(&intent.tool));
+            }
             let rejection = Rejection {
                 reason: RejectionReason::WrongPartition,
                 message: Texts::wrong_partition(&intent.tool, &intent.workflow_id, p, owner),
@@ -100,6 +106,9 @@ impl GateCore {
             };
             self.reject(input, rejection, ax.now_ms);
             return Ok(());
+        }
+        if counted {
+            self.metrics.intent_received(Some(&intent.tool));
         }
         let tool = &self.tools[&intent.tool];
         let step = intent.step_key();
