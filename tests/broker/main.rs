@@ -32,4 +32,5 @@ mod secured;
 mod stale_disk;
 mod tool_ledger;
 mod traces;
+mod trust;
 mod workers;
