@@ -7,6 +7,7 @@
 
 mod common;
 
+mod acls;
 mod broker_restart;
 mod client;
 mod cluster_faults;

@@ -1145,10 +1145,10 @@ pub struct Secured {
     pub untrusted_ca: String,
 }
 
-/// [`Secured`] from `KAFKA_SASL_SSL_ENV`, else from the data dir that
-/// `deploy/local/kafka.sh` uses for the port of [`brokers`].
-pub fn secured() -> Secured {
-    let path = std::env::var("KAFKA_SASL_SSL_ENV").unwrap_or_else(|_| {
+/// The file naming the SASL_SSL listener's coordinates: `KAFKA_SASL_SSL_ENV`,
+/// else where `deploy/local/kafka.sh` writes it for the port of [`brokers`].
+pub fn secured_env_path() -> String {
+    std::env::var("KAFKA_SASL_SSL_ENV").unwrap_or_else(|_| {
         let cache = std::env::var("STEPGATE_CACHE").unwrap_or_else(|_| {
             format!(
                 "{}/.cache/stepgate",
@@ -1158,7 +1158,13 @@ pub fn secured() -> Secured {
         let b = brokers();
         let port = b.rsplit(':').next().unwrap_or("9092").to_owned();
         format!("{cache}/kafka-run-{port}/sasl_ssl.env")
-    });
+    })
+}
+
+/// [`Secured`] from `KAFKA_SASL_SSL_ENV`, else from the data dir that
+/// `deploy/local/kafka.sh` uses for the port of [`brokers`].
+pub fn secured() -> Secured {
+    let path = secured_env_path();
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| {
         panic!(
             "no SASL_SSL listener's coordinates at {path} ({e}): start the test broker with `deploy/local/kafka.sh start` (a broker started by an older kafka.sh has no SASL_SSL listener: `kafka.sh stop --wipe` first), or set KAFKA_SASL_SSL_ENV"
