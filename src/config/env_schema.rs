@@ -85,6 +85,7 @@ jwks_url = ""
 name = ""
 token = "env:X"
 scopes = []
+[pools]
 "#;
 
 /// A tool with every key set (`mcp`, which excludes `url`, is added in
@@ -282,6 +283,8 @@ fn collect(
                 Some((MapKeys::Lower, Kind::List(Box::new(Kind::Str))))
             }
             (false, ["console", "roles"]) => Some((MapKeys::Lower, Kind::Str)),
+            // `STEPGATE_POOLS_GPU='{"key": "env:GPU_POOL_KEY"}'`.
+            (false, ["pools"]) => Some((MapKeys::Lower, Kind::Json)),
             (true, ["headers"]) | (false, ["traces", "headers"]) => {
                 Some((MapKeys::Header, Kind::Str))
             }

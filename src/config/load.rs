@@ -122,6 +122,7 @@ impl Config {
         for (name, tool) in &self.tools {
             tool.validate(name)?;
         }
+        super::pools::validate(&self.pools, &self.tools)?;
         self.mcp.validate(&self.tools)?;
         self.traces.validate()?;
         self.console.validate()?;

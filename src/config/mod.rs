@@ -35,6 +35,7 @@ mod instance;
 mod kafka;
 mod load;
 mod mcp;
+mod pools;
 mod process;
 mod traces;
 
@@ -56,6 +57,7 @@ pub use kafka::{KafkaConfig, REFUSED_CLIENT_PROPERTIES, TopicsConfig, refused_cl
 pub use mcp::{
     JWT_NAMESPACE_ROOT, MCP_JWT_ALGORITHMS, McpAuthConfig, McpConfig, McpStaticToken, TrustedProxy,
 };
+pub use pools::PoolConfig;
 pub use process::{
     DEFAULT_BLOCK_CACHE_BYTES, ExecutorConfig, GateConfig, HttpConfig, LogConfig, StateConfig,
 };
@@ -115,6 +117,9 @@ pub struct Config {
     pub console: ConsoleConfig,
     /// Tools by name.
     pub tools: BTreeMap<String, ToolConfig>,
+    /// Worker pools by name (`pools.rs`): the key the gates share with each.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub pools: BTreeMap<String, PoolConfig>,
 }
 
 // Redaction: the one place that decides what is a secret. `check-config`
@@ -137,8 +142,24 @@ impl Config {
                 .iter()
                 .map(|(n, t)| (n.clone(), t.redacted()))
                 .collect(),
+            pools: self
+                .pools
+                .iter()
+                .map(|(n, p)| (n.clone(), p.redacted()))
+                .collect(),
             ..self.clone()
         }
+    }
+
+    /// Read the pools' keys (every pool's, or only `only`'s: a worker's), once,
+    /// at start; see `pools.rs`. The error names the pool and the source,
+    /// never the key.
+    pub fn resolve_pool_keys(
+        &mut self,
+        only: Option<&str>,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<(), ConfigError> {
+        pools::resolve_pool_keys(&mut self.pools, only, &env)
     }
 
     /// Sorted tool names.

@@ -263,6 +263,7 @@ impl Invoker {
                 dispatch: call.dispatch,
                 fast_ref: call.fast_ref,
                 at_ms: chrono::Utc::now().timestamp_millis(),
+                token: call.token,
                 event,
             };
             // The receiver lives as long as the gate; after it, nothing to do.

@@ -131,6 +131,7 @@ mod tests {
                 dispatch: 1,
                 fast_ref: None,
                 at_ms: 0,
+                token: None,
                 event: ProgressEvent::Finished {
                     outcome: Outcome::Ok {
                         output: serde_json::Value::Null,

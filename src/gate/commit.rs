@@ -7,6 +7,8 @@ use super::poison::Poison;
 use super::session::Session;
 use super::{GateCore, GateError, Out, lost, now_ms, result_record};
 use crate::config::Config;
+use crate::contract::headers::SIGNATURE;
+use crate::contract::sign::{Signed, sign};
 use crate::contract::{Call, Progress, codec};
 use crate::executor::Finished;
 use crate::hooks;
@@ -158,6 +160,7 @@ pub(super) fn progress_record(topic: &str, partition: i32, p: &Progress) -> OutR
 /// None for a tool this process invokes itself. A worker takes it only
 /// before `take_by_ms`, the tool's deadline from now: the gate's deadline for
 /// the step is that plus `in_doubt_grace` (docs/design.md "Worker pools").
+/// Signed with the pool's key (read at start): workers run nothing else.
 pub(super) fn pool_call_record(
     config: &Config,
     partition: i32,
@@ -167,12 +170,26 @@ pub(super) fn pool_call_record(
     let pool = tool.pool.as_ref()?;
     let take_by = now_ms() + tool.deadline().as_millis().min(i64::MAX as u128) as i64;
     let message = crate::contract::PoolCall::new(call, partition, tool.category.as_str(), take_by);
+    let payload = message.to_json();
+    // Never unsigned in a running gate (its start reads every pool's key); a
+    // record without one is refused by every worker, and the step ends
+    // `no_worker` — never run outside the gate.
+    let headers = config
+        .pools
+        .get(pool)
+        .and_then(crate::config::PoolConfig::key_bytes)
+        .map(|key| {
+            let signature = sign(key, Signed::Call, &payload);
+            (SIGNATURE.to_owned(), Some(signature.into_bytes()))
+        })
+        .into_iter()
+        .collect();
     let mut record = OutRecord {
         topic: config.kafka.topics.calls_for(pool),
         partition: None,
         key: Some(call.step.workflow_id.as_bytes().to_vec()),
-        payload: Some(message.to_json()),
-        headers: Vec::new(),
+        payload: Some(payload),
+        headers,
         timestamp_ms: None,
     };
     if let Some(tp) = &call.traceparent {

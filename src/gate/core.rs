@@ -6,7 +6,7 @@ use crate::config::Config;
 use crate::contract::{ApprovalEvent, Call, DlqRecord, Progress, Status, StepKey, ToolResult};
 pub use crate::kafka::Input;
 use crate::state::{
-    Batch, FastEntry, Indexed, Phase, StateError, StateStore, StepRecord, WorkflowEnd,
+    Batch, FastEntry, Indexed, Phase, StateError, StateStore, StepRecord, Tokens, WorkflowEnd,
 };
 use crate::telemetry::Metrics;
 use crate::tools::ToolConfig;
@@ -140,6 +140,11 @@ pub struct GateCore {
     /// The process is stopping: a call handed back not invoked is left for
     /// the next owner (due at once) instead of being started here.
     stopping: bool,
+    /// Where each dispatch's token comes from (`StepRecord::tokens`).
+    tokens: Tokens,
+    /// Each pool's key (`[pools.<name>] key`, resolved at start): a worker's
+    /// Outcome v1 counts only when signed with its tool's pool's key.
+    pool_keys: HashMap<String, Vec<u8>>,
 }
 
 /// What one input is applied to: the committed state, the batch its writes
@@ -436,7 +441,19 @@ impl GateCore {
             unsure: Vec::new(),
             held: HashMap::new(),
             stopping: false,
+            tokens: Tokens::from_os(),
+            pool_keys: config
+                .pools
+                .iter()
+                .filter_map(|(name, p)| Some((name.clone(), p.key_bytes()?.to_vec())))
+                .collect(),
         }
+    }
+
+    /// Dispatch tokens from a fixed seed: a simulation replays exactly.
+    #[cfg(test)]
+    pub(crate) fn seed_tokens(&mut self, seed: u64) {
+        self.tokens = Tokens::seeded(seed);
     }
 
     /// Messages decided since the last call.
@@ -549,8 +566,11 @@ impl GateCore {
             let Some(record) = store.step(p, &call.step)? else {
                 continue;
             };
+            // The very call's record committed (its token's, not a record
+            // decided again since with the same dispatch number).
             let committed_not_run = record.phase == Phase::Started
                 && record.dispatch == call.dispatch
+                && record.token_matches(call.dispatch, call.token.as_deref())
                 && !self.running.contains_key(&(p, call.step.clone()));
             if committed_not_run {
                 tracing::info!(step = %call.step, "its commit was reported failed but had landed: invoking it now");

@@ -68,6 +68,7 @@ fn call() -> Call {
         fast_ref: None,
         traceparent: Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into()),
         call_id: Some("call-1".into()),
+        token: None,
     }
 }
 

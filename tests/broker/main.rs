@@ -7,6 +7,7 @@
 
 mod common;
 
+mod acls;
 mod broker_restart;
 mod client;
 mod cluster_faults;
@@ -33,4 +34,5 @@ mod secured;
 mod stale_disk;
 mod tool_ledger;
 mod traces;
+mod trust;
 mod workers;

@@ -32,8 +32,13 @@ impl GateCore {
         // (re-read because a fast-path call before it was unanswered): only
         // fast-path calls, which record nothing, are run again.
         let replayed = self.applied.get(&p).is_some_and(|a| input.offset < *a);
-        // A re-routed intent was counted where it was published.
-        let counted = !replayed && !input.forwarded();
+        // Counted once, where it is decided: an intent re-routed to its
+        // workflow's partition is counted there, not where it was published.
+        // Whether a copy says it was re-routed (`stepgate-forwarded-from`,
+        // a header any writer of the topic can set) changes neither its count
+        // nor its decision: it decides only that a copy found outside its
+        // partition is not re-routed again.
+        let counted = !replayed;
         let reply = input.reply_partition(self.intent_partitions);
         let payload = input.payload.as_deref().unwrap_or_default();
         let intent = match parse_intent(payload, self.settings.max_intent_bytes, &self.tool_names) {
@@ -47,9 +52,6 @@ impl GateCore {
                 return Ok(());
             }
         };
-        if counted {
-            self.metrics.intent_received(Some(&intent.tool));
-        }
         // A step is deduplicated within its workflow's partition only.
         if self.settings.wrong_partition != super::WrongPartition::Accept
             && let Some(n) = self.intent_partitions
@@ -65,6 +67,7 @@ impl GateCore {
             // partition count changed in between) is refused.
             if self.settings.wrong_partition == super::WrongPartition::Forward && !input.forwarded()
             {
+                // Counted as received by the owner, which decides it.
                 self.metrics.intent_forwarded(&intent.tool);
                 let mut headers: Vec<_> = input
                     .headers
@@ -91,6 +94,9 @@ impl GateCore {
                 });
                 return Ok(());
             }
+            if counted {
+                self.metrics.intent_received(Some(&intent.tool));
+            }
             let rejection = Rejection {
                 reason: RejectionReason::WrongPartition,
                 message: Texts::wrong_partition(&intent.tool, &intent.workflow_id, p, owner),
@@ -101,6 +107,9 @@ impl GateCore {
             };
             self.reject(input, rejection, ax.now_ms);
             return Ok(());
+        }
+        if counted {
+            self.metrics.intent_received(Some(&intent.tool));
         }
         let tool = &self.tools[&intent.tool];
         let step = intent.step_key();
@@ -208,6 +217,7 @@ impl GateCore {
                     fast_ref: Some(input.offset),
                     traceparent: decision.traceparent().or(traceparent),
                     call_id: intent.call_id,
+                    token: None,
                 },
             ));
             return Ok(());
@@ -365,6 +375,8 @@ impl GateCore {
             record.operator_log = prev.operator_log;
             record.evidence = prev.evidence;
             record.settled_through = prev.settled_through;
+            // Earlier runs' reports still count as theirs (evidence).
+            record.tokens = prev.tokens;
             if prev.phase == Phase::Unreached {
                 // Asked again with the key: the runs that may have reached
                 // the tool are still unaccounted for.
@@ -534,6 +546,9 @@ impl GateCore {
         }
         record.deadline_ms = Some(deadline);
         self.due.insert((deadline, partition, record.step.clone()));
+        // The dispatch's token: its reports on `progress` count only with it.
+        let token = self.tokens.next_token();
+        record.remember_token(record.dispatch, &token);
         Call {
             step: record.step.clone(),
             arguments: record.arguments.clone(),
@@ -541,6 +556,7 @@ impl GateCore {
             fast_ref: None,
             traceparent: parent.or_else(|| record.traceparent.clone()),
             call_id: record.call_id.clone(),
+            token: Some(token),
         }
     }
 }

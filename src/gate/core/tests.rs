@@ -1,8 +1,10 @@
 //! The gate's decisions over real RocksDB, without Kafka.
 use super::timers::Purged;
 use super::*;
+use crate::contract::headers::SIGNATURE;
+use crate::contract::sign::{Signed, sign};
 use crate::contract::{
-    Action, Command, ErrorBody, Outcome, Progress, ProgressEvent, RejectionReason, Status,
+    Action, Command, ErrorBody, Outcome, Progress, ProgressEvent, RejectionReason, Status, codec,
 };
 use crate::state::Batch;
 use serde_json::json;
@@ -42,7 +44,12 @@ category = "unkeyed"
 pool = "gpu"
 timeout = "2s"
 retries = 0
+[pools.gpu]
+key = "the-gpu-pool-key-of-thirty-two-bytes"
 "#;
+
+/// `[pools.gpu] key` above: what the pool's workers sign with.
+const GPU_KEY: &[u8] = b"the-gpu-pool-key-of-thirty-two-bytes";
 
 struct Fixture {
     _dir: tempfile::TempDir,
@@ -130,8 +137,28 @@ impl Fixture {
         self.outs()
     }
 
+    /// A record of `progress` as its writer sends it: a pool tool's as its
+    /// worker (JSON, signed with the pool's key), another's as a gate's
+    /// hand-over.
     fn progress(&mut self, p: Progress, now: i64) -> Vec<Out> {
-        let input = self.input("progress", serde_json::to_vec(&p).unwrap());
+        if p.step.tool.starts_with("gpu_") {
+            let json = serde_json::to_vec(&p).unwrap();
+            let signature = sign(GPU_KEY, Signed::Outcome, &json);
+            self.progress_raw(json, vec![(SIGNATURE.into(), Some(signature.into()))], now)
+        } else {
+            self.progress_raw(codec::encode(&p), vec![], now)
+        }
+    }
+
+    /// A record of `progress` exactly as given.
+    fn progress_raw(
+        &mut self,
+        payload: Vec<u8>,
+        headers: Vec<(String, Option<Vec<u8>>)>,
+        now: i64,
+    ) -> Vec<Out> {
+        let mut input = self.input("progress", payload);
+        input.headers = headers;
         let mut b = Batch::default();
         self.core
             .on_progress(&self.store, &mut b, &input, now)
@@ -188,6 +215,7 @@ fn finished(call: &Call, outcome: Outcome) -> Progress {
         dispatch: call.dispatch,
         fast_ref: call.fast_ref,
         at_ms: 0,
+        token: call.token.clone(),
         event: ProgressEvent::Finished { outcome },
     }
 }
@@ -1601,6 +1629,18 @@ fn a_report_handed_over_to_a_deferred_step_is_evidence_only() {
     f.commit(b);
     let mine = call_of(&reread(&mut f, &input, 100));
     assert_eq!(mine.dispatch, 2);
+    // An earlier reading's run 2 had a token of its own, which this
+    // reading's record never kept: refused, not even evidence.
+    let earlier = Call {
+        token: Some("0".repeat(32)),
+        ..mine.clone()
+    };
+    let outs = f.progress(finished(&earlier, refused()), 150);
+    assert!(
+        results(&outs).is_empty() && refused_progress(&outs) == 1,
+        "{outs:?}"
+    );
+    assert!(f.record(&mine.step).evidence.is_empty());
     let outs = f.progress(not_invoked(&mine), 200);
     assert!(outs.is_empty(), "not re-run, not answered: {outs:?}");
     let outs = f.progress(finished(&mine, refused()), 300);
@@ -1612,4 +1652,178 @@ fn a_report_handed_over_to_a_deferred_step_is_evidence_only() {
     // This reading's own run settles it.
     let rs = results(&f.outcome(&mine, Outcome::Ok { output: json!(1) }, 400));
     assert_eq!((rs.len(), rs[0].status), (1, Status::Ok));
+}
+
+/// How many records of `progress` the decisions dead-lettered as refused.
+fn refused_progress(outs: &[Out]) -> usize {
+    outs.iter()
+        .filter(|o| {
+            matches!(o, Out::Dlq { record, .. } if record.reason == RejectionReason::RefusedProgress)
+        })
+        .count()
+}
+
+fn refused_count(f: &Fixture, reason: &str) -> String {
+    let line = format!(r#"stepgate_progress_refused_total{{reason="{reason}"}} "#);
+    let out = f.core.metrics.render();
+    out.lines()
+        .find(|l| l.starts_with(&line))
+        .map_or("0".into(), |l| l[line.len()..].to_owned())
+}
+
+fn wire_call(call_id: &str) -> serde_json::Value {
+    json!({"workflow_id": "wf", "step_index": 2, "tool": "wire", "arguments": {}, "call_id": call_id})
+}
+
+/// Security review, finding 1: whoever may write `progress` (every pool's
+/// workers) sent a "not invoked" for the current run of a running unkeyed
+/// step, and the gate ran it a second time, answering one clean `ok`. Only
+/// a gate's hand-over with the run's token may say so now.
+#[test]
+fn a_forged_not_invoked_never_runs_an_unkeyed_step_again() {
+    let mut f = Fixture::new();
+    let call = call_of(&f.intent(wire_call("c1"), 0));
+    let before = f.record(&call.step);
+    // As a gate's hand-over, without the run's token, or with another's.
+    for token in [None, Some("f".repeat(32))] {
+        let forged = Progress {
+            token,
+            ..not_invoked(&call)
+        };
+        let outs = f.progress(forged, 500);
+        assert!(
+            !outs.iter().any(|o| matches!(o, Out::Invoke { .. })),
+            "never run again: {outs:?}"
+        );
+        assert_eq!(refused_progress(&outs), 1, "{outs:?}");
+    }
+    // As a worker's JSON (unsigned, or signed with a pool's key): a wire is
+    // no pool tool, and no worker says "not invoked".
+    let json = serde_json::to_vec(&not_invoked(&call)).unwrap();
+    let signature = sign(GPU_KEY, Signed::Outcome, &json);
+    for headers in [
+        vec![],
+        vec![(SIGNATURE.to_owned(), Some(signature.into_bytes()))],
+    ] {
+        let outs = f.progress_raw(json.clone(), headers, 600);
+        assert_eq!(refused_progress(&outs), 1, "{outs:?}");
+        assert!(!outs.iter().any(|o| matches!(o, Out::Invoke { .. })));
+    }
+    assert_eq!(f.record(&call.step), before, "the record is untouched");
+    assert_eq!(refused_count(&f, "token"), "2");
+    assert_eq!(refused_count(&f, "not_pool_tool"), "2");
+    // The run's own outcome is the one answer.
+    let rs = results(&f.outcome(
+        &call,
+        Outcome::Ok {
+            output: json!("paid"),
+        },
+        900,
+    ));
+    assert_eq!((rs.len(), rs[0].status), (1, Status::Ok));
+}
+
+/// A forged "not performed" of an older run must not close that run: while
+/// it is open, a later run's "not performed" is in doubt.
+#[test]
+fn a_forged_report_of_an_older_run_neither_closes_it_nor_counts_as_evidence() {
+    let mut f = Fixture::started_first();
+    let first = call_of(&f.intent(email("c1", "x"), 0));
+    let second = call_of(&f.tick(3001));
+    assert_eq!(second.dispatch, 2);
+    for forged in [not_invoked(&first), finished(&first, refused())] {
+        let forged = Progress {
+            token: Some("1".repeat(32)),
+            ..forged
+        };
+        assert_eq!(refused_progress(&f.progress(forged, 3100)), 1);
+    }
+    let rec = f.record(&first.step);
+    assert_eq!(
+        rec.open_dispatches,
+        vec![1, 2],
+        "run 1 is still unaccounted for"
+    );
+    assert!(rec.evidence.is_empty(), "{rec:?}");
+    let r = results(&f.progress(finished(&second, refused()), 3500)).remove(0);
+    assert_eq!(r.status, Status::InDoubt, "{r:?}");
+}
+
+/// A worker's report counts only signed with its tool's pool's key and with
+/// its run's token; a gate's hand-over never counts for a pool tool.
+#[test]
+fn a_pool_step_takes_only_its_worker_s_signed_report_with_the_run_s_token() {
+    let mut f = Fixture::new();
+    let call = call_of(&f.intent(pool_call("gpu_wire", 1, "p1"), 1000));
+    assert!(call.token.is_some(), "the call carries its run's token");
+    let fake = Outcome::Ok {
+        output: json!({"paid": true, "ref": "FAKE"}),
+    };
+    let json = serde_json::to_vec(&finished(&call, fake.clone())).unwrap();
+    let sig = |key: &[u8], v: &[u8]| {
+        vec![(
+            SIGNATURE.to_owned(),
+            Some(sign(key, Signed::Outcome, v).into_bytes()),
+        )]
+    };
+    // Unsigned; signed with another key; signed as a call, not an outcome.
+    let as_call = sign(GPU_KEY, Signed::Call, &json).into_bytes();
+    for headers in [
+        vec![],
+        sig(b"another-pool-s-key-of-thirty-two-bytes", &json),
+        vec![(SIGNATURE.to_owned(), Some(as_call))],
+    ] {
+        let outs = f.progress_raw(json.clone(), headers, 1100);
+        assert!(results(&outs).is_empty(), "{outs:?}");
+        assert_eq!(refused_progress(&outs), 1);
+    }
+    // Signed, without the run's token (a worker that never read this call).
+    let tokenless = serde_json::to_vec(&Progress {
+        token: None,
+        ..finished(&call, fake.clone())
+    })
+    .unwrap();
+    let outs = f.progress_raw(tokenless.clone(), sig(GPU_KEY, &tokenless), 1200);
+    assert!(results(&outs).is_empty() && refused_progress(&outs) == 1);
+    // A gate's hand-over for a pool tool, even with the token.
+    let outs = f.progress_raw(codec::encode(&finished(&call, fake)), vec![], 1300);
+    assert!(results(&outs).is_empty() && refused_progress(&outs) == 1);
+    // `started` with another's token claims nothing: no worker took it.
+    let outs = f.progress(
+        Progress {
+            token: Some("2".repeat(32)),
+            ..taken(&call)
+        },
+        1400,
+    );
+    assert_eq!(refused_progress(&outs), 1);
+    assert_eq!(f.record(&call.step).taken, None);
+    for (reason, n) in [("signature", "3"), ("token", "2"), ("pool_handover", "1")] {
+        assert_eq!(refused_count(&f, reason), n, "{reason}");
+    }
+    // The worker's own report settles it.
+    let real = Outcome::Ok {
+        output: json!({"paid": true, "ref": "r-1"}),
+    };
+    assert!(f.progress(taken(&call), 1500).is_empty());
+    let rs = results(&f.progress(finished(&call, real), 1600));
+    assert_eq!(rs.len(), 1);
+    assert_eq!(rs[0].output, Some(json!({"paid": true, "ref": "r-1"})));
+}
+
+#[test]
+fn a_dispatch_s_token_is_kept_as_a_digest_across_reruns() {
+    let mut f = Fixture::started_first();
+    let first = call_of(&f.intent(email("c1", "x"), 0));
+    let second = call_of(&f.tick(3001));
+    let rec = f.record(&first.step);
+    let (t1, t2) = (first.token.clone().unwrap(), second.token.clone().unwrap());
+    assert_ne!(t1, t2, "a token per run");
+    assert!(rec.token_matches(1, Some(&t1)) && rec.token_matches(2, Some(&t2)));
+    assert!(!rec.token_matches(2, Some(&t1)), "a run's token is its own");
+    let stored = serde_json::to_string(&rec).unwrap();
+    assert!(
+        !stored.contains(&t1) && !stored.contains(&t2),
+        "never the token itself"
+    );
 }
