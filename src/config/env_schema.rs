@@ -2,8 +2,7 @@
 //! derived from the typed defaults (a new key is settable with no list to keep).
 
 use super::Config;
-use super::env::NOT_CONFIG_VARIABLES;
-use super::load::merge;
+use super::table::{lookup, merge};
 
 /// How an environment value is read for a key: as the type of the key.
 #[derive(Debug, Clone, PartialEq)]
@@ -226,7 +225,7 @@ impl EnvSchema {
         }
     }
 
-    /// Every variable name the config knows, for the nearest-name hint.
+    /// Every variable name the config's keys have, for the nearest-name hint.
     pub(super) fn known_names(&self, root: &toml::Table) -> Vec<String> {
         let mut out: Vec<String> = self
             .leaves
@@ -260,7 +259,6 @@ impl EnvSchema {
                 entries(&self.tool_maps, t, &prefix, &mut out);
             }
         }
-        out.extend(NOT_CONFIG_VARIABLES.iter().map(|s| s.to_string()));
         out
     }
 }
@@ -303,16 +301,6 @@ fn collect(
             }),
         }
         path.pop();
-    }
-}
-
-fn lookup<'a>(table: &'a toml::Table, path: &[String]) -> Option<&'a toml::Value> {
-    let (first, rest) = path.split_first()?;
-    let v = table.get(first)?;
-    if rest.is_empty() {
-        Some(v)
-    } else {
-        lookup(v.as_table()?, rest)
     }
 }
 

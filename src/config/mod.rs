@@ -24,9 +24,10 @@
 //! The files: the sections and their defaults ([`KafkaConfig`] in `kafka.rs`;
 //! `mcp.rs`, `console.rs`, `traces.rs`; `process.rs`: state, gate, executor,
 //! HTTP, logs), the environment overlay (`env.rs`, and `env_schema.rs`: which
-//! key a variable names), this instance's identity (`instance.rs`), and
-//! loading: the file, the overlay, the checks (`load.rs`). A tool's own checks
-//! are beside the tool (`src/tools/validate.rs`).
+//! key a variable names), this instance's identity (`instance.rs`), loading:
+//! the file, the overlay, the checks (`load.rs`), and the TOML-table helpers
+//! the last two share (`table.rs`). A tool's own checks are beside the tool
+//! (`src/tools/validate.rs`).
 
 mod console;
 mod env;
@@ -36,6 +37,7 @@ mod kafka;
 mod load;
 mod mcp;
 mod process;
+mod table;
 mod traces;
 
 use crate::tools::validate::InvalidTool;
