@@ -31,6 +31,7 @@ pub const NOT_CONFIG_VARIABLES: &[&str] = &[
     "STEPGATE_CACHE",
     "STEPGATE_PEERS_DIR",
     "STEPGATE_CONSOLE_SCREENSHOTS",
+    "STEPGATE_WRITE_REFERENCE",
 ];
 
 /// Prefixes of `STEPGATE_*` variables that are not config keys: the test

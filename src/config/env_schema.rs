@@ -263,6 +263,44 @@ impl EnvSchema {
     }
 }
 
+/// Every key the environment sets, with its variable, as the configuration
+/// reference lists them: `("kafka.brokers", "STEPGATE_KAFKA_BROKERS")`; a
+/// tool's key under `<name>`: `("tools.<name>.timeout",
+/// "STEPGATE_TOOLS_<NAME>_TIMEOUT")`; an entry of a name-keyed table under
+/// what names it: `("kafka.client.<property>",
+/// "STEPGATE_KAFKA_CLIENT_<PROPERTY>")`.
+pub fn key_variables() -> Vec<(String, String)> {
+    let schema = EnvSchema::new();
+    let mut out = Vec::new();
+    let mut add = |leaves: &[Leaf], maps: &[MapAt], key: &str, var: &str| {
+        for l in leaves {
+            out.push((
+                format!("{key}{}", l.path.join(".")),
+                format!("{var}{}", l.env),
+            ));
+        }
+        for m in maps {
+            let entry = match m.keys {
+                MapKeys::Property => "property",
+                MapKeys::Header => "header",
+                MapKeys::Lower => "name",
+            };
+            out.push((
+                format!("{key}{}.<{entry}>", m.path.join(".")),
+                format!("{var}{}_<{}>", m.env, entry.to_ascii_uppercase()),
+            ));
+        }
+    };
+    add(&schema.leaves, &schema.maps, "", "STEPGATE_");
+    add(
+        &schema.tool_leaves,
+        &schema.tool_maps,
+        "tools.<name>.",
+        "STEPGATE_TOOLS_<NAME>_",
+    );
+    out
+}
+
 /// The leaves and name-keyed tables under `table`.
 fn collect(
     table: &toml::Table,

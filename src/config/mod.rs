@@ -28,6 +28,11 @@
 //! the file, the overlay, the checks (`load.rs`), and the TOML-table helpers
 //! the last two share (`table.rs`). A tool's own checks are beside the tool
 //! (`src/tools/validate.rs`).
+//!
+//! `docs/configuration-reference.md` is generated from these types: each
+//! field's doc comment is its description there, a doc paragraph starting
+//! `Advanced:` marks it advanced, and [`key_variables`] gives its variable
+//! (`tests/offline/reference.rs` writes it and fails when it is stale).
 
 mod console;
 mod env;
@@ -53,6 +58,7 @@ pub use crate::tools::tool::{
 };
 pub use console::{CONSOLE_SCOPE, ConsoleConfig, ConsoleRole, ConsoleToken, PeerNet};
 pub use env::{NOT_CONFIG_PREFIXES, NOT_CONFIG_VARIABLES, is_not_config_variable};
+pub use env_schema::key_variables;
 pub use instance::{default_instance_id, instance_id_from};
 pub use kafka::{KafkaConfig, REFUSED_CLIENT_PROPERTIES, TopicsConfig, refused_client_property};
 pub use mcp::{
