@@ -2,6 +2,7 @@
 //! over both (`env.rs`), then the checks serde cannot express.
 
 use super::env::apply_env;
+use super::table::merge;
 use super::{Config, ConfigError, HeaderSource, refused_client_property};
 use std::path::Path;
 
@@ -150,17 +151,6 @@ impl Config {
             }
         }
         Ok(())
-    }
-}
-
-pub(super) fn merge(base: &mut toml::Table, over: toml::Table) {
-    for (k, v) in over {
-        match (base.get_mut(&k), v) {
-            (Some(toml::Value::Table(b)), toml::Value::Table(o)) => merge(b, o),
-            (_, v) => {
-                base.insert(k, v);
-            }
-        }
     }
 }
 

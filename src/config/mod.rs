@@ -24,9 +24,15 @@
 //! The files: the sections and their defaults ([`KafkaConfig`] in `kafka.rs`;
 //! `mcp.rs`, `console.rs`, `traces.rs`; `process.rs`: state, gate, executor,
 //! HTTP, logs), the environment overlay (`env.rs`, and `env_schema.rs`: which
-//! key a variable names), this instance's identity (`instance.rs`), and
-//! loading: the file, the overlay, the checks (`load.rs`). A tool's own checks
-//! are beside the tool (`src/tools/validate.rs`).
+//! key a variable names), this instance's identity (`instance.rs`), loading:
+//! the file, the overlay, the checks (`load.rs`), and the TOML-table helpers
+//! the last two share (`table.rs`). A tool's own checks are beside the tool
+//! (`src/tools/validate.rs`).
+//!
+//! `docs/configuration-reference.md` is generated from these types: each
+//! field's doc comment is its description there, a doc paragraph starting
+//! `Advanced:` marks it advanced, and [`key_variables`] gives its variable
+//! (`tests/offline/reference.rs` writes it and fails when it is stale).
 
 mod console;
 mod env;
@@ -37,6 +43,7 @@ mod load;
 mod mcp;
 mod pools;
 mod process;
+mod table;
 mod traces;
 
 use crate::tools::validate::InvalidTool;
@@ -52,6 +59,7 @@ pub use crate::tools::tool::{
 };
 pub use console::{CONSOLE_SCOPE, ConsoleConfig, ConsoleRole, ConsoleToken, PeerNet};
 pub use env::{NOT_CONFIG_PREFIXES, NOT_CONFIG_VARIABLES, is_not_config_variable};
+pub use env_schema::key_variables;
 pub use instance::{default_instance_id, instance_id_from};
 pub use kafka::{KafkaConfig, REFUSED_CLIENT_PROPERTIES, TopicsConfig, refused_client_property};
 pub use mcp::{
