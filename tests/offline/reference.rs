@@ -12,7 +12,10 @@ const REGENERATE: &str = "STEPGATE_WRITE_REFERENCE=1 cargo test --test offline r
 
 /// A named section (`[tools.<name>]`) needs an entry to show its defaults:
 /// the least each takes, under the name `x`.
-const NAMED_SAMPLES: &[(&str, &str)] = &[("tools", "category = \"keyed\"\nurl = \"http://h/x\"\n")];
+const NAMED_SAMPLES: &[(&str, &str)] = &[
+    ("tools", "category = \"keyed\"\nurl = \"http://h/x\"\n"),
+    ("pools", "key = \"env:STEPGATE_REFERENCE_POOL_KEY\"\n"),
+];
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -241,6 +244,10 @@ impl Sources {
         let value = v.and_then(|t| t.get(*last));
         let required =
             !is_option && !serde_flag(&field.serde, "default") && !serde_flag(container, "default");
+        // A required key of a named section: the sample's value is no default.
+        if required && !derived && path.contains("<name>") {
+            return "required".into();
+        }
         match value {
             // Under `try_from`, an optional key's value is derived (from the
             // sample, or from other keys): not a default.
@@ -340,7 +347,14 @@ impl Sources {
                     ),
                     None => user_type(ty, &self.items),
                 };
-                (f.name.clone(), ty, self.variables.get(&at).cloned())
+                // A key of a table set whole from one variable, as JSON
+                // (`STEPGATE_POOLS_<NAME>='{"key": …}'`): that variable.
+                let variable = self.variables.get(&at).cloned().or_else(|| {
+                    let (table, _) = at.rsplit_once('.')?;
+                    let var = self.variables.get(table)?;
+                    Some(format!("{var} (the whole table, as JSON)"))
+                });
+                (f.name.clone(), ty, variable)
             };
             assert!(
                 in_array || variable.is_some(),
@@ -542,7 +556,9 @@ fn generate() -> (String, Vec<Section>) {
         .collect();
     for (key, var) in &sources.variables {
         assert!(
-            shown.contains(&var.as_str()),
+            shown
+                .iter()
+                .any(|v| *v == var || v.starts_with(&format!("{var} "))),
             "`{key}` ({var}) is settable but not in the reference"
         );
     }
