@@ -1,0 +1,55 @@
+/** Scripted models for the frameworks' real runners, offline. */
+import { randomUUID } from "node:crypto";
+
+import { MockLanguageModelV4 } from "ai/test";
+
+/** A turn: a final text, tool calls `[name, args]`, or a function giving either (run when the model is asked). */
+export type Turn = string | Array<[string, Record<string, unknown>]> | (() => string | Array<[string, Record<string, unknown>]>);
+
+const usage = {
+  inputTokens: { total: 1, noCache: 1, cacheRead: undefined, cacheWrite: undefined },
+  outputTokens: { total: 1, text: 1, reasoning: undefined },
+};
+
+/** The AI SDK's own mock language model, answering the turns in order (then "done"). */
+export function aiModel(turns: Turn[]) {
+  const queue = [...turns];
+  const prompts: unknown[] = [];
+  const model = new MockLanguageModelV4({
+    doGenerate: async (options) => {
+      prompts.push(options.prompt);
+      let turn = queue.shift() ?? "done";
+      if (typeof turn === "function") turn = turn();
+      if (typeof turn === "string") {
+        return { content: [{ type: "text", text: turn }], finishReason: { unified: "stop", raw: "stop" }, usage, warnings: [] };
+      }
+      return {
+        content: turn.map(([name, args]) => ({
+          type: "tool-call" as const,
+          toolCallId: `call-${randomUUID().slice(0, 12)}`,
+          toolName: name,
+          input: JSON.stringify(args),
+        })),
+        finishReason: { unified: "tool-calls", raw: "tool_calls" },
+        usage,
+        warnings: [],
+      };
+    },
+  });
+  return {
+    model,
+    prompts,
+    /** The tool results the model was shown in its last prompt, as the SDK sent them. */
+    toolOutputs(): unknown[] {
+      const last = (prompts.at(-1) ?? []) as Array<{ role: string; content: unknown }>;
+      const out: unknown[] = [];
+      for (const m of last) {
+        if (m.role !== "tool" || !Array.isArray(m.content)) continue;
+        for (const part of m.content as Array<{ type: string; output?: { type: string; value: unknown } }>) {
+          if (part.type === "tool-result") out.push(part.output?.value);
+        }
+      }
+      return out;
+    },
+  };
+}
