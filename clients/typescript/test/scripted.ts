@@ -53,3 +53,49 @@ export function aiModel(turns: Turn[]) {
     },
   };
 }
+
+/** A scripted model for OpenAI Agents JS's Runner: the turns in order (then "done"). */
+export function agentsModel(turns: Turn[]) {
+  const queue = [...turns];
+  const inputs: unknown[] = [];
+  const model = {
+    async getResponse(request: { input: unknown }) {
+      inputs.push(request.input);
+      let turn = queue.shift() ?? "done";
+      if (typeof turn === "function") turn = turn();
+      const usage = { requests: 1, inputTokens: 1, outputTokens: 1, totalTokens: 2 };
+      if (typeof turn === "string") {
+        return {
+          usage,
+          output: [{ type: "message", id: `msg-${randomUUID().slice(0, 8)}`, role: "assistant", status: "completed", content: [{ type: "output_text", text: turn }] }],
+        };
+      }
+      return {
+        usage,
+        output: turn.map(([name, args]) => {
+          const callId = `call-${randomUUID().slice(0, 12)}`;
+          return { type: "function_call", id: `fc-${callId}`, callId, name, arguments: JSON.stringify(args), status: "completed" };
+        }),
+      };
+    },
+    // eslint-disable-next-line require-yield
+    async *getStreamedResponse(): AsyncIterable<never> {
+      throw new Error("not used");
+    },
+  };
+  return {
+    model,
+    inputs,
+    /** The tool outputs the model was shown in its last input. */
+    toolOutputs(): string[] {
+      const last = inputs.at(-1);
+      if (!Array.isArray(last)) return [];
+      return last
+        .filter((i: { type?: string }) => i.type === "function_call_result")
+        .map((i: { output: unknown }) => {
+          const o = i.output as { type?: string; text?: string } | string;
+          return typeof o === "string" ? o : (o.text ?? JSON.stringify(o));
+        });
+    },
+  };
+}
