@@ -257,9 +257,14 @@ token = "env:STEPGATE_TS_TEST_MCP_TOKEN"
 scopes = ["all"]
 ${tables}`,
     );
-    const out = s.cli("topics", "create");
-    if (out.status !== 0) throw new Error(`stepgate topics create: ${out.stdout}\n${out.stderr}`);
-    await s.#startRun();
+    try {
+      const out = s.cli("topics", "create");
+      if (out.status !== 0) throw new Error(`stepgate topics create: ${out.stdout}\n${out.stderr}`);
+      await s.#startRun();
+    } catch (e) {
+      await s.stop();
+      throw e;
+    }
     return s;
   }
 
