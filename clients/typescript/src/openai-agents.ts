@@ -19,10 +19,10 @@
  * A run that cannot prove its position stops: `StepgatePositionLost` is
  * thrown out of `run()`, never shown to the model as a tool's output.
  */
-import { tool, type FunctionTool, type RunContext } from "@openai/agents";
+import { tool, type FunctionTool, type MCPToolCustomDataContext, type MCPToolMetaContext, type RunContext } from "@openai/agents";
 
-import { StepgateError, StepgatePositionLost } from "./errors.js";
-import { askStep, invokeStep, StepRun } from "./run.js";
+import { StepgateError, StepgateMcpError, StepgatePositionLost } from "./errors.js";
+import { askStep, invokeStep, NOT_ANSWERED, StepRun } from "./run.js";
 import type { Transport } from "./transport.js";
 
 /**
@@ -119,4 +119,162 @@ export function stepgateTool(transport: Transport, options: StepgateToolOptions)
         }
       : {}),
   } as never) as FunctionTool;
+}
+
+// ---------------------------------------------------------------------------
+// `stepgate mcp` through the SDK's own MCP client (`MCPServerStreamableHttp`).
+
+interface Inflight {
+  run: StepRun;
+  step: number;
+  fresh: boolean;
+  tool: string;
+  args: string;
+}
+
+/** Arguments as a canonical string (sorted keys): how a call is recognised between the hooks. */
+function fingerprint(value: unknown): string {
+  const sort = (v: unknown): unknown =>
+    Array.isArray(v) ? v.map(sort) : v && typeof v === "object" ? Object.fromEntries(Object.entries(v).sort(([a], [b]) => (a < b ? -1 : 1)).map(([k, x]) => [k, sort(x)])) : v;
+  return JSON.stringify(sort(value ?? {}));
+}
+
+/**
+ * The step of each call to `stepgate mcp` through an Agents SDK MCP server
+ * (`MCPServerStreamableHttp`), from the run's `StepRun` in its context, with
+ * no Kafka client in the agent's process:
+ *
+ *     const hooks = new McpStepHooks();
+ *     const stepgate = new MCPServerStreamableHttp({ url, requestInit: { headers: { authorization: `Bearer ${token}` } }, ...hooks.options() });
+ *
+ * - `toolMetaResolver` takes the call's step as `stepgateTool` does (the
+ *   tool's first unanswered step, else the next), saves the numbering with
+ *   the step pending, and sends it in `_meta`.
+ * - `customDataExtractor` reads the result's `stepgate/…` fields. An answer
+ *   settles the step; a result without one (not answered in time, refused)
+ *   leaves the step to the model's retry. A fresh step answered as a repeat
+ *   throws `StepgatePositionLost`.
+ * - `errorFunction`: a call that failed in the client leaves its step to the
+ *   model's retry when it is the run's only call in flight (with others in
+ *   flight the failed one cannot be told apart: its step is not reused, so the
+ *   retry runs as a new step rather than risk another call's answer).
+ *
+ * Give the server a `timeout` above `stepgate mcp --timeout` (120 s by
+ * default), so a slow call comes back as the front's "not answered yet".
+ */
+export class McpStepHooks {
+  readonly contextAttribute: string;
+  readonly #inflight = new Map<string, Inflight[]>();
+  /** Steps a call conflicted with: "<workflow>\u0000<step>" → argument fingerprints. */
+  readonly #conflicts = new Map<string, Set<string>>();
+
+  constructor(options: { contextAttribute?: string } = {}) {
+    this.contextAttribute = options.contextAttribute ?? "stepgate";
+  }
+
+  /** The three hooks, to spread into the MCP server's options. */
+  options() {
+    return { toolMetaResolver: this.toolMetaResolver, customDataExtractor: this.customDataExtractor, errorFunction: this.errorFunction };
+  }
+
+  #key(run: StepRun, tool: string, args: string): string {
+    return `${run.workflowId}\u0000${tool}\u0000${args}`;
+  }
+
+  toolMetaResolver = async (ctx: MCPToolMetaContext): Promise<Record<string, unknown>> => {
+    const run = runOf(ctx.runContext as RunContext<unknown>, this.contextAttribute);
+    if (run.positionLost) throw new StepgatePositionLost(run.workflowId, run.nextStep, ctx.toolName);
+    const args = fingerprint(ctx.arguments);
+    const skip = new Set<number>();
+    for (const [k, seen] of this.#conflicts) {
+      const [wf, step] = k.split("\u0000");
+      if (wf === run.workflowId && seen.has(args)) skip.add(Number(step));
+    }
+    const { step, fresh } = run.takeStep(ctx.toolName, skip);
+    run.pending.set(step, ctx.toolName);
+    const key = this.#key(run, ctx.toolName, args);
+    this.#inflight.set(key, [...(this.#inflight.get(key) ?? []), { run, step, fresh, tool: ctx.toolName, args }]);
+    await run.saved(); // before the call is sent
+    return { workflow_id: run.workflowId, step_index: step, attempt: 0 };
+  };
+
+  #take(run: StepRun, tool: string, args: string): Inflight | undefined {
+    const key = this.#key(run, tool, args);
+    const list = this.#inflight.get(key);
+    const entry = list?.shift();
+    if (list && list.length === 0) this.#inflight.delete(key);
+    return entry;
+  }
+
+  async #unanswered(entry: Inflight, front = false): Promise<void> {
+    entry.run.pending.delete(entry.step);
+    entry.run.leaveUnanswered(entry.tool, entry.step, front);
+    await entry.run.saved();
+  }
+
+  customDataExtractor = async (ctx: MCPToolCustomDataContext): Promise<undefined> => {
+    const run = runOf(ctx.runContext as RunContext<unknown>, this.contextAttribute);
+    const entry = this.#take(run, ctx.toolName, fingerprint(ctx.arguments));
+    if (entry === undefined) return undefined;
+    const meta = ctx.resultMeta ?? {};
+    if (typeof meta["stepgate/status"] !== "string") {
+      // No answer of stepgate's: not answered in time, or refused before it
+      // was asked. The step goes to the model's retry.
+      await this.#unanswered(entry);
+      return undefined;
+    }
+    if (meta["stepgate/workflow_id"] !== run.workflowId || meta["stepgate/step_index"] !== entry.step) {
+      await this.#unanswered(entry);
+      throw new StepgateMcpError(
+        `the MCP server answered ${ctx.toolName} as step ${String(meta["stepgate/step_index"])} of ${String(meta["stepgate/workflow_id"])}, ` +
+          `not the step sent in _meta (step ${entry.step} of ${run.workflowId}): is it \`stepgate mcp\`, and does it read _meta?`,
+      );
+    }
+    const conflict = meta["stepgate/error_kind"] === "identity_conflict";
+    if (conflict && !entry.fresh) {
+      // The unanswered step belongs to another call (its identity arguments
+      // differ): it stays open for that call's real retry.
+      const k = `${run.workflowId}\u0000${entry.step}`;
+      this.#conflicts.set(k, new Set([...(this.#conflicts.get(k) ?? []), entry.args]));
+      await this.#unanswered(entry, true);
+      return undefined;
+    }
+    run.pending.delete(entry.step);
+    if (entry.fresh && (meta["stepgate/deduplicated"] === true || conflict)) {
+      run.positionLost = true;
+      await run.saved();
+      throw new StepgatePositionLost(run.workflowId, entry.step, entry.tool);
+    }
+    this.#conflicts.delete(`${run.workflowId}\u0000${entry.step}`);
+    await run.saved();
+    return undefined;
+  };
+
+  errorFunction = async ({ context, error }: { context: RunContext; error: unknown }): Promise<string> => {
+    let e: unknown = error;
+    while (e) {
+      if (e instanceof StepgatePositionLost || e instanceof StepgateMcpError) throw e; // the run stops
+      e = (e as { cause?: unknown }).cause;
+    }
+    let run: StepRun | undefined;
+    try {
+      run = runOf(context as RunContext<unknown>, this.contextAttribute);
+    } catch {
+      run = undefined;
+    }
+    if (run) {
+      const mine = [...this.#inflight.entries()].filter(([, list]) => list.some((x) => x.run === run));
+      const only = mine.length === 1 && mine[0]![1].length === 1 ? mine[0]! : undefined;
+      if (only) {
+        this.#inflight.delete(only[0]);
+        await this.#unanswered(only[1][0]!);
+        return NOT_ANSWERED;
+      }
+    }
+    return (
+      `not answered: the call to stepgate failed (${error instanceof Error ? error.message : String(error)}), and it may or ` +
+      "may not have been performed. Another call of this tool now runs as a new call: tell the user the outcome is " +
+      "unconfirmed instead of calling it again."
+    );
+  };
 }

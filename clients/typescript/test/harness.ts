@@ -213,7 +213,7 @@ export class Stack {
   http = "";
   mcpUrl = "";
   proc: ChildProcess | undefined;
-  mcp: ChildProcess | undefined;
+  readonly fronts = new Map<string, { url: string; proc: ChildProcess }>();
 
   static async start(tools: ToolSpec[] = DEFAULT_TOOLS): Promise<Stack> {
     const s = new Stack();
@@ -301,16 +301,20 @@ ${tables}`,
     );
   }
 
-  /** `stepgate mcp --listen` on a free loopback port, with the static token `MCP_TOKEN`. */
-  async startMcp(): Promise<string> {
-    if (this.mcpUrl) return this.mcpUrl;
+  /**
+   * `stepgate mcp --listen` on a free loopback port, with the static token
+   * `MCP_TOKEN`; one front per `timeout` (how long a call waits for stepgate's
+   * answer before the front answers "not answered yet").
+   */
+  async startMcp(timeout = "30s"): Promise<string> {
+    const running = this.fronts.get(timeout);
+    if (running) return running.url;
     const port = await freePort();
     const log = openSync(join(this.dir, "mcp.log"), "a");
-    const proc = spawn(stepgateBin(), ["mcp", "--config", this.configPath, "--listen", `127.0.0.1:${port}`, "--timeout", "30s"], {
+    const proc = spawn(stepgateBin(), ["mcp", "--config", this.configPath, "--listen", `127.0.0.1:${port}`, "--timeout", timeout], {
       env: this.env(),
       stdio: ["ignore", "ignore", log],
     });
-    this.mcp = proc;
     const url = `http://127.0.0.1:${port}/mcp`;
     await eventually(
       async () => {
@@ -326,7 +330,8 @@ ${tables}`,
       "stepgate mcp listening",
       100,
     );
-    this.mcpUrl = url;
+    this.fronts.set(timeout, { url, proc });
+    if (!this.mcpUrl) this.mcpUrl = url;
     return url;
   }
 
@@ -351,7 +356,7 @@ ${tables}`,
   }
 
   async stop(): Promise<void> {
-    for (const p of [this.mcp, this.proc]) {
+    for (const p of [...[...this.fronts.values()].map((f) => f.proc), this.proc]) {
       if (p && p.exitCode === null) {
         const exited = new Promise((r) => p.once("exit", r));
         p.kill("SIGTERM");

@@ -2,13 +2,13 @@
 import assert from "node:assert/strict";
 import { after, before, describe, test } from "node:test";
 
-import { Agent, Runner, RunState, setTracingDisabled } from "@openai/agents";
+import { Agent, MCPServerStreamableHttp, Runner, RunState, setTracingDisabled } from "@openai/agents";
 
 import { StepgatePositionLost } from "../src/errors.js";
-import { stepgateTool } from "../src/openai-agents.js";
+import { McpStepHooks, stepgateTool } from "../src/openai-agents.js";
 import { NOT_ANSWERED, StepRun, type StepRunState } from "../src/run.js";
 import type { Transport } from "../src/transport.js";
-import { Stack, eventually, freshWorkflow } from "./harness.js";
+import { MCP_TOKEN, Stack, eventually, freshWorkflow } from "./harness.js";
 import { agentsModel, type Turn } from "./scripted.js";
 
 setTracingDisabled(true);
@@ -172,6 +172,71 @@ describe("OpenAI Agents JS approvals", () => {
       assert.equal(stack.tools.count("wire_approved", wf), 1);
     } finally {
       await client.close();
+    }
+  });
+});
+
+describe("OpenAI Agents JS through its own MCP client (MCPServerStreamableHttp) to stepgate mcp", () => {
+  /** An agent whose tools are stepgate mcp's, with the step hooks; the front answers "not answered yet" after 3 s. */
+  async function mcpAgent(turns: Turn[]) {
+    const url = await stack.startMcp("3s");
+    const hooks = new McpStepHooks();
+    const server = new MCPServerStreamableHttp({
+      url,
+      name: "stepgate",
+      requestInit: { headers: { authorization: `Bearer ${MCP_TOKEN}` } },
+      timeout: 60_000,
+      ...hooks.options(),
+    });
+    await server.connect();
+    const m = agentsModel(turns);
+    return { a: new Agent({ name: "support", model: m.model as never, mcpServers: [server] }), m, server };
+  }
+
+  test("the step goes in _meta: numbered calls, and a rephrased retry after a lost answer gets the first answer", async () => {
+    const wf = freshWorkflow();
+    stack.tools.hold("slow");
+    const { a, m, server } = await mcpAgent([
+      [["create_ticket", { title: "one" }]],
+      [["slow", { title: "Refund issued" }]],
+      () => {
+        assert.doesNotMatch(m.toolOutputs().at(-1) ?? "", /Refund issued/);
+        stack.tools.release("slow");
+        return [["slow", { title: "Your refund was issued" }]];
+      },
+      "done",
+    ]);
+    try {
+      const steps = new StepRun(wf);
+      await new Runner().run(a, "go", { context: steps });
+      assert.deepEqual(stack.tools.invocations("create_ticket", wf).map((c) => c.stepIndex), [0]);
+      assert.deepEqual(stack.tools.invocations("slow", wf).map((c) => c.stepIndex), [1]);
+      assert.match(m.toolOutputs().at(-1) ?? "", /Refund issued/);
+      assert.doesNotMatch(m.toolOutputs().at(-1) ?? "", /Your refund/);
+      assert.equal(steps.nextStep, 2);
+    } finally {
+      stack.tools.release("slow");
+      await server.close();
+    }
+  });
+
+  test("a run restarted without its numbering refuses and never gets an old answer", async () => {
+    const wf = freshWorkflow();
+    const first = await mcpAgent([[["create_ticket", { title: "the first ticket" }]], "done"]);
+    await new Runner().run(first.a, "go", { context: new StepRun(wf) });
+    await first.server.close();
+    const again = await mcpAgent([[["create_ticket", { title: "a brand new ticket" }]], "done"]);
+    try {
+      await assert.rejects(new Runner().run(again.a, "go", { context: new StepRun(wf) }), (e: unknown) => {
+        let c: unknown = e;
+        while (c && !(c instanceof StepgatePositionLost)) c = (c as { cause?: unknown }).cause;
+        assert.ok(c instanceof StepgatePositionLost, String(e));
+        return true;
+      });
+      assert.ok(!JSON.stringify(again.m.inputs.slice(1)).includes("the first ticket"), "the model never saw the old answer");
+      assert.equal(stack.tools.count("create_ticket", wf), 1);
+    } finally {
+      await again.server.close();
     }
   });
 });
