@@ -313,6 +313,7 @@ export class KafkaClient implements Transport {
     const value = Buffer.from(JSON.stringify(intentRecord(call, callId)), "utf8");
     // Follow the answers' partition before the intent can be answered.
     await this.#follow(this.partition(call.workflowId));
+    signal?.throwIfAborted();
     const key = keyOf(call.workflowId, call.stepIndex, call.tool, attempt, callId);
     const base = { workflowId: call.workflowId, stepIndex: call.stepIndex, tool: call.tool, attempt, callId };
 

@@ -283,9 +283,11 @@ async function readSse(res: Response, id: number): Promise<JsonRpcResponse | und
         const line = buffer.slice(0, nl).replace(/\r$/, "");
         buffer = buffer.slice(nl + 1);
         if (line === "") {
-          if (data.length) {
-            const message = JSON.parse(data.join("\n")) as JsonRpcResponse;
-            data = [];
+          // An event ends; the stream opens with an empty one (a resumption id only).
+          const text = data.join("\n").trim();
+          data = [];
+          if (text) {
+            const message = JSON.parse(text) as JsonRpcResponse;
             if (message.id === id && ("result" in message || "error" in message)) return message;
           }
         } else if (line.startsWith("data:")) {
