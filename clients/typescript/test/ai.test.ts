@@ -69,9 +69,9 @@ function aiTests(name: string, connect: () => Promise<Transport>) {
           chatId,
           [
             [["slow", { title: "Refund issued" }]],
-            () => {
+            (outputs) => {
               // The model read "not answered yet" and retries, rephrased.
-              assert.equal(m.toolOutputs().at(-1), NOT_ANSWERED);
+              assert.equal(outputs.at(-1), NOT_ANSWERED);
               stack.tools.release("slow");
               return [["slow", { title: "Your refund was issued" }]];
             },

@@ -3,8 +3,11 @@ import { randomUUID } from "node:crypto";
 
 import { MockLanguageModelV4 } from "ai/test";
 
-/** A turn: a final text, tool calls `[name, args]`, or a function giving either (run when the model is asked). */
-export type Turn = string | Array<[string, Record<string, unknown>]> | (() => string | Array<[string, Record<string, unknown>]>);
+/**
+ * A turn: a final text, tool calls `[name, args]`, or a function giving either
+ * (run when the model is asked, with the tool outputs it is shown then).
+ */
+export type Turn = string | Array<[string, Record<string, unknown>]> | ((toolOutputs: unknown[]) => string | Array<[string, Record<string, unknown>]>);
 
 const usage = {
   inputTokens: { total: 1, noCache: 1, cacheRead: undefined, cacheWrite: undefined },
@@ -15,11 +18,21 @@ const usage = {
 export function aiModel(turns: Turn[]) {
   const queue = [...turns];
   const prompts: unknown[] = [];
+  const outputsOf = (prompt: unknown): unknown[] => {
+    const out: unknown[] = [];
+    for (const m of (prompt ?? []) as Array<{ role: string; content: unknown }>) {
+      if (m.role !== "tool" || !Array.isArray(m.content)) continue;
+      for (const part of m.content as Array<{ type: string; output?: { type: string; value: unknown } }>) {
+        if (part.type === "tool-result") out.push(part.output?.value);
+      }
+    }
+    return out;
+  };
   const model = new MockLanguageModelV4({
     doGenerate: async (options) => {
       prompts.push(options.prompt);
       let turn = queue.shift() ?? "done";
-      if (typeof turn === "function") turn = turn();
+      if (typeof turn === "function") turn = turn(outputsOf(options.prompt));
       if (typeof turn === "string") {
         return { content: [{ type: "text", text: turn }], finishReason: { unified: "stop", raw: "stop" }, usage, warnings: [] };
       }
@@ -41,15 +54,7 @@ export function aiModel(turns: Turn[]) {
     prompts,
     /** The tool results the model was shown in its last prompt, as the SDK sent them. */
     toolOutputs(): unknown[] {
-      const last = (prompts.at(-1) ?? []) as Array<{ role: string; content: unknown }>;
-      const out: unknown[] = [];
-      for (const m of last) {
-        if (m.role !== "tool" || !Array.isArray(m.content)) continue;
-        for (const part of m.content as Array<{ type: string; output?: { type: string; value: unknown } }>) {
-          if (part.type === "tool-result") out.push(part.output?.value);
-        }
-      }
-      return out;
+      return outputsOf(prompts.at(-1));
     },
   };
 }
@@ -58,11 +63,20 @@ export function aiModel(turns: Turn[]) {
 export function agentsModel(turns: Turn[]) {
   const queue = [...turns];
   const inputs: unknown[] = [];
+  const outputsOf = (input: unknown): string[] =>
+    Array.isArray(input)
+      ? input
+          .filter((i: { type?: string }) => i.type === "function_call_result")
+          .map((i: { output: unknown }) => {
+            const o = i.output as { type?: string; text?: string } | string;
+            return typeof o === "string" ? o : (o.text ?? JSON.stringify(o));
+          })
+      : [];
   const model = {
     async getResponse(request: { input: unknown }) {
       inputs.push(request.input);
       let turn = queue.shift() ?? "done";
-      if (typeof turn === "function") turn = turn();
+      if (typeof turn === "function") turn = turn(outputsOf(request.input));
       const usage = { requests: 1, inputTokens: 1, outputTokens: 1, totalTokens: 2 };
       if (typeof turn === "string") {
         return {
@@ -88,14 +102,7 @@ export function agentsModel(turns: Turn[]) {
     inputs,
     /** The tool outputs the model was shown in its last input. */
     toolOutputs(): string[] {
-      const last = inputs.at(-1);
-      if (!Array.isArray(last)) return [];
-      return last
-        .filter((i: { type?: string }) => i.type === "function_call_result")
-        .map((i: { output: unknown }) => {
-          const o = i.output as { type?: string; text?: string } | string;
-          return typeof o === "string" ? o : (o.text ?? JSON.stringify(o));
-        });
+      return outputsOf(inputs.at(-1));
     },
   };
 }
