@@ -1,6 +1,7 @@
 /** Scripted models for the frameworks' real runners, offline. */
 import { randomUUID } from "node:crypto";
 
+import { Usage } from "@openai/agents";
 import { MockLanguageModelV4 } from "ai/test";
 
 /**
@@ -77,7 +78,7 @@ export function agentsModel(turns: Turn[]) {
       inputs.push(request.input);
       let turn = queue.shift() ?? "done";
       if (typeof turn === "function") turn = turn(outputsOf(request.input));
-      const usage = { requests: 1, inputTokens: 1, outputTokens: 1, totalTokens: 2 };
+      const usage = new Usage();
       if (typeof turn === "string") {
         return {
           usage,
