@@ -52,7 +52,7 @@ const lastToolText = (messages: BaseMessage[]) => {
 const echo = (text: string) => (JSON.parse(text) as { echo: unknown }).echo;
 
 function workflowsOf(thread: string) {
-  return [...new Set(stack.tools.calls.filter((c) => c.workflowId.startsWith(`${thread}@`)).map((c) => c.workflowId))];
+  return [...new Set(stack.tools.calls.filter((c) => c.workflowId.startsWith(`${thread}/`)).map((c) => c.workflowId))];
 }
 
 describe("LangGraph.js over Kafka", () => {
