@@ -31,7 +31,16 @@
  */
 import { ToolMessage, type BaseMessage } from "@langchain/core/messages";
 import { tool, type StructuredToolInterface } from "@langchain/core/tools";
-import { Annotation, Command, getConfig, getCurrentTaskInput, interrupt, MessagesAnnotation } from "@langchain/langgraph";
+import {
+  Annotation,
+  Command,
+  getConfig,
+  getCurrentTaskInput,
+  interrupt,
+  MessagesAnnotation,
+  ReducedValue,
+  StateSchema,
+} from "@langchain/langgraph";
 
 import { answerText, type Answer } from "./answer.js";
 import { StepgateMcpError, StepgatePublishError } from "./errors.js";
@@ -318,10 +327,16 @@ export interface StepgateMiddlewareOptions {
  */
 export async function stepgateMiddleware(transport: Transport, options: StepgateMiddlewareOptions = {}) {
   const { createMiddleware } = await import("langchain");
+  const { z } = await import("zod");
   const only = options.tools ? new Set(options.tools) : undefined;
+  // The agent's state gains the channel (a middleware's state is a StateSchema).
+  const channel = z.record(z.string(), z.any());
+  const stateSchema = new StateSchema({
+    stepgate: new ReducedValue(channel.optional() as never, { inputSchema: channel.optional() as never, reducer: mergeSteps as never }),
+  });
   return createMiddleware({
     name: "stepgate",
-    stateSchema: Annotation.Root({ stepgate: stepgateChannel() }),
+    stateSchema,
     wrapToolCall: async (request, handler) => {
       const call = request.toolCall;
       if (only && !only.has(call.name)) return handler(request);
@@ -331,7 +346,7 @@ export async function stepgateMiddleware(transport: Transport, options: Stepgate
         call.name,
         (call.args ?? {}) as Record<string, unknown>,
         call.id,
-        request.state as unknown as Record<string, unknown>,
+        { ...(request.state as unknown as Record<string, unknown>), stepgate: (request.state as { stepgate?: StepgateChannel }).stepgate ?? {} },
         getConfig() as Record<string, unknown>,
         { channel: "stepgate", ...(options.timeoutMs !== undefined ? { timeoutMs: options.timeoutMs } : {}) },
       );

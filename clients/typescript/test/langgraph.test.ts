@@ -7,7 +7,7 @@ import { AIMessage, RemoveMessage, type BaseMessage } from "@langchain/core/mess
 import { Command, END, MemorySaver, START, StateGraph } from "@langchain/langgraph";
 import { ToolNode, toolsCondition } from "@langchain/langgraph/prebuilt";
 
-import { StepgateAnnotation, stepgateTool } from "../src/langgraph.js";
+import { StepgateAnnotation, stepgateMiddleware, stepgateTool } from "../src/langgraph.js";
 import { NOT_ANSWERED } from "../src/run.js";
 import type { Transport } from "../src/transport.js";
 import { Stack } from "./harness.js";
@@ -52,7 +52,7 @@ const lastToolText = (messages: BaseMessage[]) => {
 const echo = (text: string) => (JSON.parse(text) as { echo: unknown }).echo;
 
 function workflowsOf(thread: string) {
-  return [...new Set(stack.tools.calls.filter((c) => c.workflowId.startsWith(`${thread}/`)).map((c) => c.workflowId))];
+  return [...new Set(stack.tools.calls.filter((c) => (c.workflowId.startsWith(`${thread}/`) || c.workflowId.startsWith(`${thread}@`))).map((c) => c.workflowId))];
 }
 
 describe("LangGraph.js over Kafka", () => {
@@ -155,5 +155,51 @@ describe("LangGraph.js over Kafka", () => {
     const second = await g.invoke(new Command({ resume: "approved" }), config);
     assert.equal((JSON.parse(lastToolText(second.messages)) as { tool: string }).tool, "wire_approved");
     assert.equal(stack.tools.count("wire_approved", held.workflow_id), 1);
+  });
+});
+
+describe("LangChain v1 createAgent with stepgate's middleware", () => {
+  test("every tool call goes through stepgate, numbered in the agent's stepgate channel; the local tool body never runs", async () => {
+    const client = await stack.client();
+    try {
+      const { createAgent } = await import("langchain");
+      const { tool } = await import("@langchain/core/tools");
+      const { BaseChatModel } = await import("@langchain/core/language_models/chat_models");
+      const { z } = await import("zod");
+      let localRuns = 0;
+      const createTicket = tool(
+        async () => {
+          localRuns++;
+          return "the local body ran";
+        },
+        { name: "create_ticket", description: "Open a support ticket.", schema: z.object({ title: z.string() }) },
+      );
+      const call = (title: string) => new AIMessage({ content: "", tool_calls: [{ id: `call-${randomUUID().slice(0, 12)}`, name: "create_ticket", args: { title }, type: "tool_call" }] });
+      // A scripted chat model: its turns in order, whatever tools it is bound to.
+      const turns = [call("one"), call("two"), new AIMessage("done")];
+      class Scripted extends BaseChatModel {
+        _llmType() {
+          return "scripted";
+        }
+        override bindTools() {
+          return this as never;
+        }
+        async _generate() {
+          const message = turns.shift() ?? new AIMessage("done");
+          return { generations: [{ message, text: String(message.content) }] };
+        }
+      }
+      const model = new Scripted({});
+      const agent = createAgent({ model, tools: [createTicket], middleware: [await stepgateMiddleware(client)], checkpointer: new MemorySaver() });
+      const thread = `lg-${randomUUID().slice(0, 8)}`;
+      const out = await agent.invoke({ messages: [{ role: "user", content: "open two tickets" }] }, { configurable: { thread_id: thread } });
+      assert.equal(localRuns, 0);
+      const wfs = workflowsOf(thread);
+      assert.equal(wfs.length, 1, `one workflow: ${wfs}`);
+      assert.deepEqual(stack.tools.invocations("create_ticket", wfs[0]).map((c) => [c.stepIndex, (c.body as { title: string }).title]), [[0, "one"], [1, "two"]]);
+      assert.deepEqual(echo(lastToolText(out.messages as BaseMessage[])), { title: "two" });
+    } finally {
+      await client.close();
+    }
   });
 });
