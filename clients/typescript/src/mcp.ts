@@ -138,7 +138,9 @@ export class McpClient implements Transport {
    * its `Answer`, or `unanswered` when no answer came within `timeoutMs` or
    * the front answered without stepgate's answer (its text says why). A call
    * of an `approval` tool waits for the decision (the front does not tell a
-   * held call from a slow one: `onHeld` is not used here).
+   * held call from a slow one: `onHeld` is not used here). The front names
+   * each call itself: an answer's `callId` is the front's id for the call,
+   * not `call.callId` (which stays in the `held`/`unanswered` outcomes).
    */
   async call(call: StepCall, options: CallOptions = {}): Promise<Outcome> {
     checkCall(call);
@@ -154,7 +156,6 @@ export class McpClient implements Transport {
     const onAbort = () => controller.abort(options.signal?.reason);
     options.signal?.addEventListener("abort", onAbort, { once: true });
     const meta: Record<string, unknown> = { workflow_id: call.workflowId, step_index: call.stepIndex, attempt };
-    if (call.callId !== undefined) meta.call_id = call.callId;
     try {
       // A 404 (the session is gone) performed nothing: the call is sent again
       // in a new session, once.
