@@ -28,6 +28,7 @@ mod one_pass;
 mod operations;
 mod operators;
 mod python_client;
+mod readme;
 #[cfg(feature = "test-hooks")]
 mod recovery;
 mod secured;
