@@ -46,7 +46,7 @@ timed build cargo test --no-run --features test-hooks
 all_tests() {
   local out status=0
   out="$(mktemp)"
-  cargo test --all-targets --features test-hooks 2>&1 | tee "$out" || status=$?
+  cargo test --all-targets --no-fail-fast --features test-hooks 2>&1 | tee "$out" || status=$?
   if ((status != 0)); then
     echo "--- the failures' messages again, without their backtraces ---"
     awk '/panicked at/ { n = 60 }
