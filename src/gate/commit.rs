@@ -373,7 +373,9 @@ impl Session<'_> {
         let batch = Arc::new(pending.batch);
         let changelog = t.changelog.clone();
         let starts_calls = !invokes.is_empty();
-        let answers = !results.is_empty();
+        // For the test hooks: whether this transaction commits answers — its
+        // own, or the offsets of repeats answered at once before it.
+        let answers = !results.is_empty() || !pending.sent_at_once.is_empty();
         let records = Arc::new(records);
         let (slot, producer) = producer.next();
         let (consumer, sent_records) = (consumer.clone(), records.clone());
