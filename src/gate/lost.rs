@@ -24,7 +24,7 @@
 //! so nothing is written (as when the read-back times out).
 
 use super::GateError;
-use super::ownership::parse_applied;
+use super::mark::AppliedMark;
 use crate::config::KafkaConfig;
 use crate::kafka::{self, OutRecord, TxnConsumer};
 use crate::telemetry::Metrics;
@@ -130,7 +130,7 @@ struct Seen {
 
 /// Where the group stands in an input partition: its offset, and the first
 /// offset not yet applied (the applied mark an intents offset's metadata
-/// carries, [`applied_metadata`](super::ownership::applied_metadata); the
+/// carries, [`AppliedMark`]; the
 /// offset itself without one). Ordered by offset, then mark.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 struct Position {
@@ -140,7 +140,7 @@ struct Position {
 
 impl Position {
     fn of(offset: i64, metadata: Option<&str>) -> Position {
-        let applied = metadata.and_then(|m| parse_applied(m).0);
+        let applied = metadata.and_then(|m| AppliedMark::parse(m).applied);
         Position {
             offset,
             applied: applied.map_or(offset, |a| a.max(offset)),
