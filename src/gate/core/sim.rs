@@ -1451,7 +1451,7 @@ impl World {
             return;
         }
         let mut o = std::mem::take(&mut pr.open);
-        // As `gate::commit`: every intent read is decided (applied); the
+        // As `Ownership::batch_offsets`: every intent read is decided (applied); the
         // committed offset stops at the first deferred step not settled.
         let mut applied = BTreeMap::new();
         for &p in &pr.owned {
@@ -1498,7 +1498,7 @@ impl World {
             *c = (*c).max(a);
         }
         for f in &s.handover {
-            // As a gate writes it (`commit::progress_record`).
+            // As a gate writes it (`records::progress_record`).
             let payload = crate::contract::codec::encode(&f.progress);
             self.kafka.publish(Topic::Progress, f.p, payload);
         }
