@@ -8,6 +8,7 @@
 use super::backpressure::Backpressure;
 use super::batch::OpenBatch;
 use super::commit::{Commits, InFlight, Landed};
+use super::lost::LastCommits;
 use super::ownership::{Ownership, check_layout};
 use super::poison::Poison;
 use super::timers::Timers;
@@ -116,7 +117,7 @@ impl<'a> Session<'a> {
         env: Env<'a>,
         core: &'a mut GateCore,
         poison: &'a mut Poison,
-        last_commits: &'a mut super::lost::LastCommits,
+        last_commits: &'a mut LastCommits,
     ) -> Result<Session<'a>, GateError> {
         let k = &env.config.kafka;
         let (ctx, events) = RebalanceContext::new(env.metrics.clone(), &k.gate_group);
