@@ -8,10 +8,12 @@
  * `StepRun` per chat id through the app's `ChatStepStore` — so trimming or
  * pruning the messages never renumbers a step, and a chat resumed in another
  * process continues its numbering. Each tool reaches its chat through its tool
- * context: `toolsContext: { create_ticket: { chatId } }` (or `stepgateContext`).
+ * context: `toolsContext: { create_ticket: { chatId } }` (or `stepgateContext`);
+ * a `ToolLoopAgent` built with `stepgateAgentCall(tools)` takes the chat id per
+ * call (`agent.generate({ messages, options: { chatId } })`) and puts it there.
  *
  * A held call (a tool whose stepgate policy is `approval`) becomes the AI SDK's
- * own tool approval: `toolApproval: stepgateApproval(steps, tools)` publishes
+ * own tool approval: `toolApproval: stepgateApproval(client, steps, tools)` publishes
  * the call when the SDK asks, and answers `user-approval` when stepgate holds
  * it. Once a person has approved it in stepgate, the app answers the approval
  * request (a `tool-approval-response` with `approved: true`) and runs the chat
@@ -66,7 +68,13 @@ export class ChatSteps {
   /** The chat's numbering. */
   run(chatId: string): Promise<StepRun> {
     if (typeof chatId !== "string" || chatId.length === 0) {
-      return Promise.reject(new TypeError("stepgate's AI SDK tools need the chat id in their tool context: toolsContext: { <tool>: { chatId } }"));
+      return Promise.reject(
+        new TypeError(
+          "stepgate's AI SDK tools need the chat id in their tool context: give generateText/streamText " +
+            "`toolsContext: stepgateContext(tools, chatId)`, or build the ToolLoopAgent with `...stepgateAgentCall(tools)` " +
+            "and call it with `options: { chatId }`",
+        ),
+      );
     }
     let run = this.#runs.get(chatId);
     if (run === undefined) {
@@ -187,4 +195,31 @@ export function stepgateApproval<TOOLS extends Record<string, StepgateTool<any>>
 /** `toolsContext` for a set of stepgate tools of one chat: `{ <tool>: { chatId } }`. */
 export function stepgateContext<TOOLS extends ToolSet>(tools: TOOLS, chatId: string): { [K in keyof TOOLS]: StepgateToolContext } {
   return Object.fromEntries(Object.keys(tools).map((k) => [k, { chatId }])) as never;
+}
+
+/**
+ * The `callOptionsSchema` and `prepareCall` of a `ToolLoopAgent` whose tools
+ * are stepgate's: each call of the agent names its chat
+ * (`agent.generate({ prompt, options: { chatId } })`), and the agent hands the
+ * chat id to each stepgate tool in its tool context. One agent serves every chat.
+ *
+ *     const agent = new ToolLoopAgent({ model, tools, toolApproval, ...stepgateAgentCall(tools) });
+ */
+export function stepgateAgentCall<TOOLS extends ToolSet>(tools: TOOLS) {
+  const stepgate = Object.entries(tools)
+    .filter(([, t]) => typeof (t as Partial<StepgateTool>).stepgateName === "string")
+    .map(([key]) => key);
+  return {
+    callOptionsSchema: jsonSchema<{ chatId: string }>({
+      type: "object",
+      properties: { chatId: { type: "string", minLength: 1 } },
+      required: ["chatId"],
+    }),
+    prepareCall: <P extends { options: { chatId: string }; toolsContext?: unknown }>({ options, ...rest }: P) => {
+      const given = (rest.toolsContext ?? {}) as Record<string, Record<string, unknown> | undefined>;
+      const toolsContext = { ...given };
+      for (const key of stepgate) toolsContext[key] = { ...given[key], chatId: options.chatId };
+      return { ...rest, toolsContext } as unknown as Omit<P, "options">;
+    },
+  };
 }

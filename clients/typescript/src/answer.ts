@@ -63,7 +63,7 @@ export interface Answer {
  * A call of an `approval` tool that stepgate holds for a person (returned
  * instead of waiting when the call asked for it with `onHeld: "return"`). The
  * step is recorded: call it again with the same step key for its answer once
- * a person has decided (`stepgate approvals approve <workflow> <step>`).
+ * a person has decided (`stepgate approvals approve <workflow> <step> <tool>`).
  */
 export interface Held {
   readonly kind: "held";

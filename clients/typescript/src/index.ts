@@ -7,7 +7,7 @@
  * - `stepgate/mcp`: `McpClient` over stepgate's MCP front, with `fetch` only (serverless, Bun, edge).
  * - `workflow`: `Workflow`, a run's steps numbered in order, `again(step)` for a lost answer.
  * - `run`: `StepRun`, the durable numbering the adapters keep in their framework's state, and `invokeStep`.
- * - Adapters: `stepgate/ai`, `stepgate/openai-agents`, `stepgate/langgraph`.
+ * - Adapters: `stepgate/ai`, `stepgate/openai-agents`, `stepgate/langgraph`, `stepgate/mastra`.
  */
 export * from "./answer.js";
 export * from "./errors.js";

@@ -44,7 +44,7 @@ import {
 
 import { answerText, type Answer } from "./answer.js";
 import { StepgateMcpError, StepgatePublishError } from "./errors.js";
-import { NOT_ANSWERED } from "./run.js";
+import { approveCommand, NOT_ANSWERED } from "./run.js";
 import type { Transport } from "./transport.js";
 
 /** One namespace's numbering in the channel. */
@@ -262,7 +262,7 @@ async function callThrough(
           step_index: stepIndex,
           tool: name,
           arguments: outcome.event?.arguments ?? args,
-          approve: `stepgate approvals approve ${workflowId} ${stepIndex} ${name} --by <you>`,
+          approve: approveCommand({ workflowId, stepIndex, tool: name, attempt: 0 }),
         };
         interrupt(held);
         outcome = await transport.call(call, wait);

@@ -161,10 +161,21 @@ export interface InvokeOptions {
   onHeld?: "wait" | "return";
 }
 
+/** A word for a POSIX shell: as it is when it is plain, else single-quoted. */
+function shellWord(word: string): string {
+  return /^[A-Za-z0-9_./:@#~+=,-]+$/.test(word) ? word : `'${word.replace(/'/g, `'\\''`)}'`;
+}
+
+/** The command a person runs to let a held call run (`stepgate approvals approve <workflow> <step> <tool>`). */
+export function approveCommand(h: Pick<Held, "workflowId" | "stepIndex" | "tool" | "attempt">): string {
+  const attempt = h.attempt ? ` --attempt ${h.attempt}` : "";
+  return `stepgate approvals approve ${shellWord(h.workflowId)} ${h.stepIndex} ${h.tool}${attempt} --by <you>`;
+}
+
 function heldText(h: Held): string {
   return (
     `held for a person's approval: step ${h.stepIndex} of workflow ${h.workflowId} (${h.tool}) waits for a decision ` +
-    `(stepgate approvals approve ${h.workflowId} ${h.stepIndex}). It has not run yet; it runs once when approved.`
+    `(${approveCommand(h)}). It has not run yet; it runs once when approved.`
   );
 }
 

@@ -1,10 +1,13 @@
-/** The AI SDK adapter through the SDK's own generateText, with its mock model, against a real stepgate. */
+/**
+ * The AI SDK adapter through the SDK's own loops — generateText, streamText and
+ * ToolLoopAgent — with its mock language model, against a real stepgate.
+ */
 import assert from "node:assert/strict";
 import { after, before, describe, test } from "node:test";
 
-import { generateText, isStepCount, jsonSchema, type ModelMessage } from "ai";
+import { generateText, isStepCount, jsonSchema, streamText, ToolLoopAgent, type ModelMessage, type ToolSet } from "ai";
 
-import { ChatSteps, MemoryChatStepStore, stepgateApproval, stepgateContext, stepgateTool } from "../src/ai.js";
+import { ChatSteps, MemoryChatStepStore, stepgateAgentCall, stepgateApproval, stepgateContext, stepgateTool } from "../src/ai.js";
 import { StepgatePositionLost } from "../src/errors.js";
 import { NOT_ANSWERED } from "../src/run.js";
 import type { Transport } from "../src/transport.js";
@@ -14,6 +17,45 @@ import { aiModel } from "./scripted.js";
 const TITLE = jsonSchema<{ title: string }>({ type: "object", properties: { title: { type: "string" } }, required: ["title"] });
 const echo = (out: unknown) => (out as { echo: unknown }).echo;
 
+/** The SDK's three ways to run a tool loop: the adapter serves them alike. */
+type Runner = "generateText" | "streamText" | "ToolLoopAgent";
+
+interface Ran {
+  text: string;
+  content: Array<{ type: string; [k: string]: unknown }>;
+  steps: Array<{ content: Array<{ type: string; [k: string]: unknown }> }>;
+  /** The response's messages, to append to the chat. */
+  messages: ModelMessage[];
+}
+
+/** One turn loop of a chat, as an app runs it with `runner`. */
+async function runLoop(
+  runner: Runner,
+  s: { model: unknown; tools: ToolSet; chatId: string; messages: ModelMessage[]; toolApproval?: unknown; abortSignal?: AbortSignal },
+): Promise<Ran> {
+  const common = {
+    model: s.model,
+    tools: s.tools,
+    stopWhen: isStepCount(10),
+    ...(s.toolApproval ? { toolApproval: s.toolApproval } : {}),
+  };
+  const abort = s.abortSignal ? { abortSignal: s.abortSignal } : {};
+  if (runner === "generateText") {
+    const r = await generateText({ ...common, ...abort, toolsContext: stepgateContext(s.tools, s.chatId), messages: s.messages } as never);
+    return { text: r.text, content: r.content as never, steps: r.steps as never, messages: r.response.messages };
+  }
+  if (runner === "streamText") {
+    const r = streamText({ ...common, ...abort, toolsContext: stepgateContext(s.tools, s.chatId), messages: s.messages } as never);
+    const text = await r.text;
+    s.abortSignal?.throwIfAborted();
+    return { text, content: (await r.content) as never, steps: (await r.steps) as never, messages: (await r.response).messages };
+  }
+  // One agent for every chat: each call names its chat.
+  const agent = new ToolLoopAgent({ ...common, ...stepgateAgentCall(s.tools) } as never);
+  const r = await agent.generate({ messages: s.messages, options: { chatId: s.chatId }, ...abort } as never);
+  return { text: r.text, content: r.content as never, steps: r.steps as never, messages: r.response.messages };
+}
+
 let stack: Stack;
 before(async () => {
   stack = await Stack.start();
@@ -22,8 +64,8 @@ after(async () => {
   await stack?.stop();
 });
 
-function aiTests(name: string, connect: () => Promise<Transport>) {
-  describe(`AI SDK over ${name}`, () => {
+function aiTests(name: string, runner: Runner, connect: () => Promise<Transport>) {
+  describe(`AI SDK ${runner} over ${name}`, () => {
     let client: Transport;
     before(async () => {
       client = await connect();
@@ -32,17 +74,11 @@ function aiTests(name: string, connect: () => Promise<Transport>) {
       await client?.close();
     });
 
-    /** One generateText turn loop of a chat, as an app runs it. */
+    /** One turn loop of a chat, as an app runs it. */
     async function chat(steps: ChatSteps, chatId: string, turns: Parameters<typeof aiModel>[0], tool = "create_ticket", messages?: ModelMessage[], timeoutMs?: number) {
       const tools = { [tool]: stepgateTool(client, steps, { name: tool, inputSchema: TITLE, ...(timeoutMs ? { timeoutMs } : {}) }) };
       const m = aiModel(turns);
-      const result = await generateText({
-        model: m.model,
-        tools,
-        toolsContext: stepgateContext(tools, chatId),
-        messages: messages ?? [{ role: "user", content: "go" }],
-        stopWhen: isStepCount(10),
-      } as never);
+      const result = await runLoop(runner, { model: m.model, tools, chatId, messages: messages ?? [{ role: "user", content: "go" }] });
       return { result, m };
     }
 
@@ -109,17 +145,11 @@ function aiTests(name: string, connect: () => Promise<Transport>) {
       try {
         const ac = new AbortController();
         const tools = { slow: stepgateTool(client, dying, { name: "slow", inputSchema: TITLE }) };
-        const run = generateText({
-          model: aiModel([[["slow", { title: "Refund issued" }]], "done"]).model,
-          tools,
-          toolsContext: stepgateContext(tools, chatId),
-          prompt: "go",
-          abortSignal: ac.signal,
-          stopWhen: isStepCount(5),
-        } as never);
+        const model = aiModel([[["slow", { title: "Refund issued" }]], "done"]).model;
+        const run = runLoop(runner, { model, tools, chatId, messages: [{ role: "user", content: "go" }], abortSignal: ac.signal });
         await eventually(() => stack.tools.count("slow", wf) === 1, 30_000, "the call reached the tool");
         ac.abort(new Error("the process died")); // the process dies mid-call
-        await assert.rejects(run);
+        await assert.rejects(run, /the process died/);
         assert.deepEqual(store.rows.get(chatId)?.unanswered, { slow: [0] });
         stack.tools.release("slow");
         // A new process: the chat's numbering from the app's store.
@@ -139,9 +169,9 @@ function aiTests(name: string, connect: () => Promise<Transport>) {
       // The process restarts and the app lost the numbering (another store).
       const lost = new ChatSteps(new MemoryChatStepStore(), { workflowPrefix: "ts/" });
       const { m, result } = await chat(lost, chatId, [[["create_ticket", { title: "a brand new ticket" }]], [["create_ticket", { title: "and again" }]], "done"]);
-      const errors = result.steps.flatMap((s) => s.content).filter((p) => p.type === "tool-error");
+      const errors = result.steps.flatMap((st) => st.content).filter((p) => p.type === "tool-error");
       assert.equal(errors.length, 2, "both calls refused");
-      assert.ok(errors.every((e) => (e as { error: unknown }).error instanceof StepgatePositionLost));
+      assert.ok(errors.every((e) => e.error instanceof StepgatePositionLost));
       assert.ok(!JSON.stringify(m.prompts).includes("the first ticket"), "the model never saw the old answer");
       assert.deepEqual(stack.tools.invocations("create_ticket", steps.workflowId(chatId)).map((c) => c.body), [{ title: "the first ticket" }]);
     });
@@ -159,38 +189,40 @@ function aiTests(name: string, connect: () => Promise<Transport>) {
   });
 }
 
-aiTests("Kafka", () => stack.client());
-aiTests("MCP", async () => {
+for (const runner of ["generateText", "streamText", "ToolLoopAgent"] as const) aiTests("Kafka", runner, () => stack.client());
+aiTests("MCP", "generateText", async () => {
   await stack.startMcp();
   return stack.mcpClient();
 });
 
-describe("AI SDK tool approval", () => {
-  test("a held call is the SDK's approval request; approved in stepgate, the call runs once", async () => {
-    const client = await stack.client();
-    try {
-      const steps = new ChatSteps(new MemoryChatStepStore(), { workflowPrefix: "ts/" });
-      const chatId = freshWorkflow("chat").slice(3);
-      const wf = steps.workflowId(chatId);
-      const wire = stepgateTool(client, steps, { name: "wire_approved", inputSchema: jsonSchema<Record<string, unknown>>({ type: "object" }) });
-      const tools = { wire };
-      const m = aiModel([[["wire", { amount: 900 }]], "sent"]);
-      const settings = { model: m.model, tools, toolsContext: stepgateContext(tools, chatId), toolApproval: stepgateApproval(client, steps, tools), stopWhen: isStepCount(5) };
-      const messages: ModelMessage[] = [{ role: "user", content: "wire 900" }];
-      const first = await generateText({ ...settings, messages } as never);
-      const request = first.content.find((p) => p.type === "tool-approval-request") as { approvalId: string; reason?: string } | undefined;
-      assert.ok(request, `an approval request: ${JSON.stringify(first.content)}`);
-      assert.match(request.reason ?? "", /stepgate approvals approve/);
-      assert.equal(stack.tools.count("wire_approved", wf), 0);
-      // A person approves in stepgate; the app answers the SDK's request.
-      stack.approve(wf, 0, "wire_approved");
-      messages.push(...first.response.messages, { role: "tool", content: [{ type: "tool-approval-response", approvalId: request.approvalId, approved: true }] });
-      const second = await generateText({ ...settings, messages } as never);
-      assert.equal(second.text, "sent");
-      assert.equal(echo(m.toolOutputs().at(-1)) && (m.toolOutputs().at(-1) as { tool: string }).tool, "wire_approved");
-      assert.equal(stack.tools.count("wire_approved", wf), 1);
-    } finally {
-      await client.close();
-    }
+for (const runner of ["generateText", "streamText", "ToolLoopAgent"] as const) {
+  describe(`AI SDK ${runner} tool approval`, () => {
+    test("a held call is the SDK's approval request; approved in stepgate, the call runs once", async () => {
+      const client = await stack.client();
+      try {
+        const steps = new ChatSteps(new MemoryChatStepStore(), { workflowPrefix: "ts/" });
+        const chatId = freshWorkflow("chat").slice(3);
+        const wf = steps.workflowId(chatId);
+        const wire = stepgateTool(client, steps, { name: "wire_approved", inputSchema: jsonSchema<Record<string, unknown>>({ type: "object" }) });
+        const tools = { wire };
+        const m = aiModel([[["wire", { amount: 900 }]], "sent"]);
+        const settings = { model: m.model, tools, chatId, toolApproval: stepgateApproval(client, steps, tools) };
+        const messages: ModelMessage[] = [{ role: "user", content: "wire 900" }];
+        const first = await runLoop(runner, { ...settings, messages });
+        const request = first.content.find((p) => p.type === "tool-approval-request") as { approvalId: string; reason?: string } | undefined;
+        assert.ok(request, `an approval request: ${JSON.stringify(first.content)}`);
+        assert.match(request.reason ?? "", /stepgate approvals approve \S+ 0 wire_approved/);
+        assert.equal(stack.tools.count("wire_approved", wf), 0);
+        // A person approves in stepgate; the app answers the SDK's request.
+        stack.approve(wf, 0, "wire_approved");
+        messages.push(...first.messages, { role: "tool", content: [{ type: "tool-approval-response", approvalId: request.approvalId, approved: true }] });
+        const second = await runLoop(runner, { ...settings, messages });
+        assert.equal(second.text, "sent");
+        assert.equal((m.toolOutputs().at(-1) as { tool: string }).tool, "wire_approved");
+        assert.equal(stack.tools.count("wire_approved", wf), 1);
+      } finally {
+        await client.close();
+      }
+    });
   });
-});
+}

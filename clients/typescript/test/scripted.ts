@@ -2,6 +2,8 @@
 import { randomUUID } from "node:crypto";
 
 import { Usage } from "@openai/agents";
+import { MastraLanguageModelV2Mock, simulateReadableStream } from "@mastra/core/test-utils/llm-mock";
+import { simulateReadableStream as aiStream } from "ai";
 import { MockLanguageModelV4 } from "ai/test";
 
 /**
@@ -15,7 +17,7 @@ const usage = {
   outputTokens: { total: 1, text: 1, reasoning: undefined },
 };
 
-/** The AI SDK's own mock language model, answering the turns in order (then "done"). */
+/** The AI SDK's own mock language model, answering the turns in order (then "done"), generating or streaming. */
 export function aiModel(turns: Turn[]) {
   const queue = [...turns];
   const prompts: unknown[] = [];
@@ -29,25 +31,36 @@ export function aiModel(turns: Turn[]) {
     }
     return out;
   };
+  const next = (prompt: unknown) => {
+    prompts.push(prompt);
+    let turn = queue.shift() ?? "done";
+    if (typeof turn === "function") turn = turn(outputsOf(prompt));
+    return turn;
+  };
+  const calls = (turn: Array<[string, Record<string, unknown>]>) =>
+    turn.map(([name, args]) => ({
+      type: "tool-call" as const,
+      toolCallId: `call-${randomUUID().slice(0, 12)}`,
+      toolName: name,
+      input: JSON.stringify(args),
+    }));
+  const stop = { unified: "stop" as const, raw: "stop" };
+  const toolCalls = { unified: "tool-calls" as const, raw: "tool_calls" };
   const model = new MockLanguageModelV4({
+    // generateText
     doGenerate: async (options) => {
-      prompts.push(options.prompt);
-      let turn = queue.shift() ?? "done";
-      if (typeof turn === "function") turn = turn(outputsOf(options.prompt));
-      if (typeof turn === "string") {
-        return { content: [{ type: "text", text: turn }], finishReason: { unified: "stop", raw: "stop" }, usage, warnings: [] };
-      }
-      return {
-        content: turn.map(([name, args]) => ({
-          type: "tool-call" as const,
-          toolCallId: `call-${randomUUID().slice(0, 12)}`,
-          toolName: name,
-          input: JSON.stringify(args),
-        })),
-        finishReason: { unified: "tool-calls", raw: "tool_calls" },
-        usage,
-        warnings: [],
-      };
+      const turn = next(options.prompt);
+      if (typeof turn === "string") return { content: [{ type: "text", text: turn }], finishReason: stop, usage, warnings: [] };
+      return { content: calls(turn), finishReason: toolCalls, usage, warnings: [] };
+    },
+    // streamText (and ToolLoopAgent.stream)
+    doStream: async (options) => {
+      const turn = next(options.prompt);
+      const parts: unknown[] = [{ type: "stream-start", warnings: [] }];
+      if (typeof turn === "string") parts.push({ type: "text-start", id: "t" }, { type: "text-delta", id: "t", delta: turn }, { type: "text-end", id: "t" });
+      else parts.push(...calls(turn));
+      parts.push({ type: "finish", finishReason: typeof turn === "string" ? stop : toolCalls, usage });
+      return { stream: aiStream({ chunks: parts }) as never };
     },
   });
   return {
@@ -104,6 +117,57 @@ export function agentsModel(turns: Turn[]) {
     /** The tool outputs the model was shown in its last input. */
     toolOutputs(): string[] {
       return outputsOf(inputs.at(-1));
+    },
+  };
+}
+
+/**
+ * Mastra's own test model (`MastraLanguageModelV2Mock`) for its Agent: the
+ * turns in order (then "done"), for `generate` and `stream` alike.
+ */
+export function mastraModel(turns: Turn[]) {
+  const queue = [...turns];
+  const prompts: unknown[] = [];
+  const outputsOf = (prompt: unknown): unknown[] => {
+    const out: unknown[] = [];
+    for (const m of (prompt ?? []) as Array<{ role: string; content: unknown }>) {
+      if (m.role !== "tool" || !Array.isArray(m.content)) continue;
+      for (const part of m.content as Array<{ type: string; output?: { type: string; value: unknown } }>) {
+        if (part.type === "tool-result") out.push(part.output?.value);
+      }
+    }
+    return out;
+  };
+  const mastraUsage = { inputTokens: 1, outputTokens: 1, totalTokens: 2 };
+  const next = (prompt: unknown) => {
+    prompts.push(prompt);
+    let turn = queue.shift() ?? "done";
+    if (typeof turn === "function") turn = turn(outputsOf(prompt));
+    return turn;
+  };
+  const calls = (turn: Array<[string, Record<string, unknown>]>) =>
+    turn.map(([name, args]) => ({ type: "tool-call" as const, toolCallId: `call-${randomUUID().slice(0, 12)}`, toolName: name, input: JSON.stringify(args) }));
+  const model = new MastraLanguageModelV2Mock({
+    doGenerate: async (options) => {
+      const turn = next(options.prompt);
+      if (typeof turn === "string") return { content: [{ type: "text", text: turn }], finishReason: "stop", usage: mastraUsage, warnings: [] };
+      return { content: calls(turn), finishReason: "tool-calls", usage: mastraUsage, warnings: [] };
+    },
+    doStream: async (options) => {
+      const turn = next(options.prompt);
+      const parts: unknown[] = [{ type: "stream-start", warnings: [] }];
+      if (typeof turn === "string") parts.push({ type: "text-start", id: "t" }, { type: "text-delta", id: "t", delta: turn }, { type: "text-end", id: "t" });
+      else parts.push(...calls(turn));
+      parts.push({ type: "finish", finishReason: typeof turn === "string" ? "stop" : "tool-calls", usage: mastraUsage });
+      return { stream: simulateReadableStream({ chunks: parts }) as never };
+    },
+  });
+  return {
+    model,
+    prompts,
+    /** The tool results the model was shown in its last prompt. */
+    toolOutputs(): unknown[] {
+      return outputsOf(prompts.at(-1));
     },
   };
 }
