@@ -33,6 +33,8 @@
 //! - [`mcp`]: the MCP front (`stepgate mcp`): each `tools/call` a step,
 //!   through the [`client`].
 //! - [`operator`]: steps of a workflow, resolutions and approvals, for operators.
+//! - [`notify`]: the approvals webhook: held calls' lifecycle events, read
+//!   back from `stepgate.approvals`, posted signed (`[notify]`).
 //! - [`console`]: the web console (`stepgate console`): held calls, in-doubt
 //!   steps and timelines from a cache of the topics (and of the listed gates'
 //!   `/metrics`: who owns each partition); decisions through [`operator`].
@@ -61,7 +63,11 @@
 //! safe, and `in_doubt` otherwise. A tool declared `pool = "…"` is not invoked
 //! by the gate: its call (Call v1) is published in the transaction that records
 //! it `started`, a [`worker`] of the pool runs it, and the outcome comes back on
-//! `stepgate.progress` (Outcome v1).
+//! `stepgate.progress` (Outcome v1). A call of an `approval` tool waits for a
+//! person (`stepgate.approvals` out, `stepgate.commands` in), and expires after
+//! its `approval_ttl`; an in-doubt step of a tool with a `reconcile` lookup is
+//! settled by asking the tool ([`tools::reconcile`], lookups run by the
+//! invoker, answers settled by the gate).
 
 pub mod app;
 pub mod audit;
@@ -76,6 +82,7 @@ pub mod gate;
 pub mod hooks;
 pub mod kafka;
 pub mod mcp;
+pub mod notify;
 pub mod operator;
 pub mod provider;
 pub mod redact;

@@ -85,6 +85,9 @@ name = ""
 token = "env:X"
 scopes = []
 [pools]
+[notify]
+url = ""
+key = "env:X"
 "#;
 
 /// A tool with every key set (`mcp`, which excludes `url`, is added in
@@ -110,6 +113,10 @@ headers = { H = "v" }
 busy_statuses = [409]
 busy_wait = "1s"
 identity = ["/a"]
+approval_ttl = "1s"
+escalate_after = "1s"
+approval_by_workflow = [{ workflow_prefix = "a", approval_ttl = "1s", escalate_after = "1s" }]
+reconcile = { url = "http://h/x", mcp = "", mcp_tool = "x", every = "1s", until = "1s", timeout = "1s" }
 "#;
 
 /// The variable-name form of a key path: upper case, anything but a letter

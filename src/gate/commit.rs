@@ -299,6 +299,12 @@ impl Session<'_> {
                     &event.step.workflow_id,
                     &event,
                 )),
+                Out::Command { partition, command } => records.push(OutRecord::json_for_workflow(
+                    &t.commands,
+                    partition,
+                    &command.step.workflow_id,
+                    &command,
+                )),
                 Out::Forward {
                     partition,
                     key,

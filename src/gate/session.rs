@@ -453,7 +453,9 @@ impl Session<'_> {
         let p = f.partition;
         self.linger.finished(f.took);
         core.finished(p, &f.progress.step, f.progress.dispatch);
-        let fast = f.progress.fast_ref.is_some();
+        // A reconcile lookup's answer, like a read's, is never handed over:
+        // the partition's owner asks again at its next time.
+        let fast = f.progress.fast_ref.is_some() || f.progress.lookup_ask().is_some();
         if self.assigned.contains(&p) {
             self.ensure_owned(core, consumer, p).await?;
             core.on_outcome(

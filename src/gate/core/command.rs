@@ -71,6 +71,10 @@ impl GateCore {
             self.reject(input, rejection, ax.now_ms);
             return Ok(());
         }
+        // A held call's terms and lifecycle (`approvals.rs`).
+        if self.decision_refused(ax, input, &command, &record)? {
+            return Ok(());
+        }
         let wanted = Phase::acted_on_by(&command.action);
         if record.phase != wanted {
             let problem = format!(

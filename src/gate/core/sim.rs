@@ -885,7 +885,10 @@ impl World {
                     });
                 }
                 Out::Invoke { partition, call } => pr.open.evs.push(Ev::Invoke(partition, call)),
-                Out::Approval { .. } | Out::Dlq { .. } | Out::Forward { .. } => {}
+                Out::Approval { .. }
+                | Out::Command { .. }
+                | Out::Dlq { .. }
+                | Out::Forward { .. } => {}
             }
         }
         // Calls started at once: those whose commit was reported failed and

@@ -1153,6 +1153,9 @@ fn unresolved_steps_outlive_the_retention_and_expire_once_settled() {
         at: "2026-12-02T00:00:00Z".into(),
         reason: None,
         run: None,
+        arguments_sha256: None,
+        policy_version: None,
+        evidence: None,
     };
     let input = f.input("commands", serde_json::to_vec(&resolve).unwrap());
     let mut b = Batch::default();
