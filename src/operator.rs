@@ -56,6 +56,14 @@ pub enum OperatorError {
     #[error("the gate refused the command ({reason}): {message}")]
     Refused { reason: String, message: String },
     #[error(
+        "step {step} can no longer be decided: nobody decided it within its approval_ttl ({ttl}), so it expired at {expired_at} and was answered `approval_expired`; nothing ran. A new call of the tool asks for approval again."
+    )]
+    HoldExpired {
+        step: StepKey,
+        ttl: String,
+        expired_at: String,
+    },
+    #[error(
         "step {step} is at run {current}, not run {asked}: it was re-run since you checked it; look at it again (`stepgate steps show`)"
     )]
     NotThatRun {
@@ -216,6 +224,19 @@ pub async fn decide(
                 step: step.clone(),
             })?;
     let wanted = crate::state::Phase::acted_on_by(&action);
+    if let Some(h) = record.hold.as_ref().filter(|h| h.told("expired"))
+        && record.phase != wanted
+    {
+        return Err(OperatorError::HoldExpired {
+            step,
+            ttl: h.ttl.clone().unwrap_or_default(),
+            expired_at: h
+                .expires_at_ms
+                .and_then(chrono::DateTime::from_timestamp_millis)
+                .map(crate::contract::timestamp)
+                .unwrap_or_default(),
+        });
+    }
     if record.phase != wanted {
         return Err(OperatorError::WrongPhase {
             step,

@@ -8,6 +8,7 @@
 mod common;
 
 mod acls;
+mod approvals_lifecycle;
 mod broker_restart;
 mod client;
 mod cluster_faults;
@@ -28,6 +29,7 @@ mod one_pass;
 mod operations;
 mod operators;
 mod python_client;
+mod reconcile;
 #[cfg(feature = "test-hooks")]
 mod recovery;
 mod secured;

@@ -1830,3 +1830,5 @@ fn a_dispatch_s_token_is_kept_as_a_digest_across_reruns() {
         "never the token itself"
     );
 }
+
+mod lifecycle;
