@@ -24,7 +24,7 @@ use crate::tools::reconcile::LookupAnswer;
 
 /// Who a reconciler's settlement is by, in the operator log, its command and
 /// the audit.
-pub const RECONCILER: &str = "stepgate:reconciler";
+const RECONCILER: &str = crate::contract::RECONCILER_BY;
 
 impl GateCore {
     /// An in-doubt answer being settled: its structured `in_doubt` and, for
@@ -117,7 +117,7 @@ impl GateCore {
             .get(&record.step.tool)
             .and_then(|t| t.reconcile.clone());
         let Some(cfg) = cfg.filter(|_| ax.now_ms < r.until_ms) else {
-            return self.to_person(ax, p, record, r);
+            return self.leave_to_person(ax, p, record, r);
         };
         r.asked += 1;
         let body = serde_json::json!({
@@ -277,7 +277,7 @@ impl GateCore {
 
     /// The lookups could not tell by `until`: a person settles the step. Its
     /// stored answer (what later repeats get) says so from now on.
-    fn to_person(
+    fn leave_to_person(
         &mut self,
         ax: &mut Apply<'_>,
         p: i32,

@@ -1,8 +1,12 @@
 //! The parts of the contract about steps a person or a program still has to
-//! settle: the structured `in_doubt` of Result v1, a held call's hold (on its
-//! approval events), and the evidence a reconciler's settlement carries.
+//! settle: the structured `in_doubt` of Result v1, and the evidence a
+//! reconciler's settlement carries.
 
 use serde::{Deserialize, Serialize};
+
+/// Who a settlement by stepgate's reconciler is by: its Command v1 `by` and
+/// its operator-log entry (a person's decision carries their name).
+pub const RECONCILER_BY: &str = "stepgate:reconciler";
 
 /// The version of [`InDoubt`]'s shape: a field may be added without a change;
 /// one removed or changed in meaning takes a new number.
@@ -56,27 +60,6 @@ impl Settler {
 pub enum Learn {
     /// Send the same step again: it is answered from the step's record.
     RepeatStep,
-}
-
-/// A call held for a person, as its approval events describe it: what the
-/// person approves, and how long they have.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct HoldTerms {
-    /// SHA-256 (lowercase hex) of the call's arguments exactly as the tool
-    /// receives them (the intent's bytes): a decision carrying it approves
-    /// only those bytes.
-    pub arguments_sha256: String,
-    /// The tool's policy version when the call was held
-    /// (`ToolConfig::policy_version`): a decision carrying it approves the
-    /// call under that policy only; a gate whose tool changed since asks again.
-    pub policy_version: String,
-    /// When the hold expires unanswered (RFC 3339), if the tool has an
-    /// `approval_ttl`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub expires_at: Option<String>,
-    /// When it is escalated (RFC 3339), if the tool has an `escalate_after`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub escalate_at: Option<String>,
 }
 
 /// One answer of a tool's reconcile lookup, as a settlement's evidence.

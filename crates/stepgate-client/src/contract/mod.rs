@@ -21,7 +21,7 @@ mod validate;
 mod fuzz;
 
 pub use arguments::{Arguments, text_deeper_than};
-pub use lifecycle::{HoldTerms, IN_DOUBT_VERSION, InDoubt, Learn, LookupEvidence, Settler};
+pub use lifecycle::{IN_DOUBT_VERSION, InDoubt, Learn, LookupEvidence, RECONCILER_BY, Settler};
 pub use operator::{Action, ApprovalEvent, ApprovalKind, Command, Run};
 pub use partition::{murmur2, partition_for};
 pub use texts::Texts;

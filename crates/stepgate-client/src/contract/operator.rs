@@ -104,8 +104,9 @@ pub enum ApprovalKind {
         call_id: Option<String>,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         metadata: Option<Map<String, Value>>,
-        /// SHA-256 of the arguments' bytes as the tool receives them
-        /// (see [`super::HoldTerms`]); a decision may carry it back.
+        /// SHA-256 (lowercase hex) of the arguments' bytes exactly as the
+        /// tool receives them; a decision may carry it back, and one about
+        /// other bytes is refused.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         arguments_sha256: Option<String>,
         /// The tool's policy version the call is held under.
