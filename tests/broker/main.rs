@@ -29,6 +29,7 @@ mod one_pass;
 mod operations;
 mod operators;
 mod python_client;
+mod readme;
 mod reconcile;
 #[cfg(feature = "test-hooks")]
 mod recovery;

@@ -229,14 +229,6 @@ fn cycles(
     cycles
 }
 
-/// Circles known and being removed, each with the issue that removes it: a
-/// cycle among these modules' files is left out, and the entry must go when
-/// the circle does.
-const KNOWN_CIRCLES: &[(&str, &str)] = &[(
-    "gate::",
-    "issue #59: the gate session's files (session, commit, ownership, lost, batch, gauges) are being composed into parts",
-)];
-
 #[test]
 fn no_module_imports_in_a_cycle() {
     let graph = module_imports("src");
@@ -244,22 +236,18 @@ fn no_module_imports_in_a_cycle() {
         graph.contains_key("gate") && graph["gate"].contains("state"),
         "{graph:?}"
     );
-    // Between sibling files too: `config::load` names `config::env`.
-    assert!(
-        graph
-            .get("config::load")
-            .is_some_and(|d| d.contains("config::env")),
-        "{graph:?}"
-    );
-    let mut found = cycles(&graph);
-    for (prefix, why) in KNOWN_CIRCLES {
-        let before = found.len();
-        found.retain(|c| !c.split(" → ").all(|m| m.starts_with(prefix)));
+    // Between sibling files too: `config::load` names `config::env`, the
+    // gate's session its commits.
+    for (from, to) in [
+        ("config::load", "config::env"),
+        ("gate::session", "gate::commit"),
+    ] {
         assert!(
-            found.len() < before,
-            "no circle among `{prefix}*` any more ({why}): remove it from KNOWN_CIRCLES"
+            graph.get(from).is_some_and(|d| d.contains(to)),
+            "{from} → {to} not seen: {graph:?}"
         );
     }
+    let mut found = cycles(&graph);
     // The workspace's other crates too (their roots, lib.rs or main.rs, excepted).
     for src in ["crates/stepgate-client/src", "crates/stepgate-bench/src"] {
         let graph = module_imports(src);

@@ -12,7 +12,7 @@
 //! (`stepgate_progress_refused_total{reason}`), dead-lettered — never
 //! settling, never evidence, never closing an open dispatch.
 
-use super::{Apply, GateCore, Out, at, ms};
+use super::{Apply, GateCore, Out, When, at, ms};
 use crate::contract::sign::{Signed, verify};
 use crate::contract::{
     Call, ErrorBody, Outcome, Progress, ProgressEvent, Rejection, RejectionReason, Texts,
@@ -20,8 +20,7 @@ use crate::contract::{
 };
 use crate::kafka::Input;
 use crate::state::{Evidence, MAX_EVIDENCE_KEPT, Phase, StateError, StepRecord};
-use crate::tools::{Category, ToolConfig};
-use std::time::Duration;
+use crate::tools::Category;
 
 /// Error kinds that say the tool did not perform the action.
 pub(super) const NOT_PERFORMED_KINDS: &[&str] = &[
@@ -263,6 +262,7 @@ impl GateCore {
                     result,
                     traceparent: entry.traceparent,
                     since_ms: entry.intent_ts_ms,
+                    when: When::WithBatch,
                 });
             }
             return Ok(());
@@ -352,9 +352,9 @@ impl GateCore {
                 && let Some(entry) = self.fast.get_mut(&(p, fast_ref))
             {
                 entry.dispatch += 1;
-                self.immediate.push((
-                    p,
-                    Call {
+                self.outs.push(Out::Invoke {
+                    partition: p,
+                    call: Call {
                         step: entry.step.clone(),
                         arguments: entry.arguments.clone(),
                         dispatch: entry.dispatch,
@@ -363,7 +363,8 @@ impl GateCore {
                         call_id: entry.call_id.clone(),
                         token: None,
                     },
-                ));
+                    when: When::Now,
+                });
             }
             return Ok(());
         }
@@ -505,13 +506,6 @@ impl GateCore {
         }
     }
 
-    pub(super) fn tool_deadline(&self, tool: &str) -> Duration {
-        self.tools
-            .get(tool)
-            .map(ToolConfig::deadline)
-            .unwrap_or(Duration::from_secs(30))
-    }
-
     /// Store an outcome, leaving the step in `phase`, and answer the first
     /// caller and every waiting repeat.
     pub(super) fn settle(
@@ -541,6 +535,7 @@ impl GateCore {
                 result: result.clone(),
                 traceparent: record.traceparent.clone(),
                 since_ms: record.intent_ts_ms,
+                when: When::WithBatch,
             });
         }
         for w in record.waiters.drain(..) {
@@ -549,6 +544,7 @@ impl GateCore {
                 result: result.for_repeat(w.call_id),
                 traceparent: w.traceparent,
                 since_ms: w.intent_ts_ms,
+                when: When::WithBatch,
             });
         }
         record.result = Some(result);

@@ -14,7 +14,7 @@
 //! v1 on `commands` (by [`RECONCILER`], with its evidence) for the audit and
 //! the console — which the gate reads back as already applied.
 
-use super::{Apply, GateCore, Out, at, ms};
+use super::{Apply, GateCore, Out, When, at, ms};
 use crate::contract::{
     Action, Arguments, Call, Command, ErrorBody, IN_DOUBT_VERSION, InDoubt, Learn, LookupEvidence,
     Outcome, Progress, ProgressEvent, Run, Settler, Texts, ToolResult, timestamp,
@@ -131,8 +131,12 @@ impl GateCore {
             "ask": r.asked,
         });
         let body = Arguments::try_from(body).unwrap_or_else(|_| Arguments::empty());
-        self.immediate
-            .push((p, Call::lookup(record.step.clone(), body, r.asked)));
+        // At once, like a fast path's call: a lookup records nothing first.
+        self.outs.push(Out::Invoke {
+            partition: p,
+            call: Call::lookup(record.step.clone(), body, r.asked),
+            when: When::Now,
+        });
         // The next ask at its time; never before this one had its time to
         // answer, and the last one's answer still counts before `until`.
         let answered_by = ax.now_ms.saturating_add(ms(cfg.timeout()));

@@ -264,6 +264,10 @@ struct Proc {
     stopping: bool,
     owned: BTreeSet<i32>,
     pos: BTreeMap<(Topic, i32), i64>,
+    /// Per intents partition owned, its applied mark (as the gate's
+    /// `Ownership` keeps it: from the committed offset's metadata at the
+    /// partition's load, moved by each batch that commits).
+    applied: BTreeMap<i32, i64>,
     /// Per partition newly loaded, where its `progress` ended then: its
     /// deadlines wait until it is read that far.
     progress_end: BTreeMap<i32, i64>,
@@ -473,6 +477,7 @@ fn new_proc(name: char, store: StateStore, config: &Config, seed: u64) -> Proc {
         stopping: false,
         owned: BTreeSet::new(),
         pos: BTreeMap::new(),
+        applied: BTreeMap::new(),
         progress_end: BTreeMap::new(),
         open: Pending::default(),
         committing: None,
@@ -841,32 +846,44 @@ impl World {
 
     /// Take the core's decisions into the process's open batch.
     fn collect(&mut self, x: usize) -> Check {
+        let outs = self.procs[x].core.take_outs();
+        let (now, with_batch): (Vec<Out>, Vec<Out>) =
+            outs.into_iter().partition(|o| o.when() == When::Now);
+        let mut calls = Vec::new();
         // Answers sent at once are published now, whatever becomes of the batch.
-        for o in self.procs[x].core.take_at_once() {
-            if let Out::Result {
-                partition, result, ..
-            } = o
-            {
-                let step = step_of(&result);
-                let pr = &self.procs[x];
-                let dispatch = pr
-                    .store
-                    .step(partition, &step)
-                    .map_err(state_err)?
-                    .map(|r| r.dispatch);
-                self.note(format!(
-                    "{}: answers {:?} of {step} at once",
-                    pr.name, result.call_id
-                ));
-                self.observe(&Ev::Answer {
-                    result,
-                    dispatch,
-                    at_once: true,
-                })?;
+        for o in now {
+            match o {
+                Out::Result {
+                    partition, result, ..
+                } => {
+                    let step = step_of(&result);
+                    let pr = &self.procs[x];
+                    let dispatch = pr
+                        .store
+                        .step(partition, &step)
+                        .map_err(state_err)?
+                        .map(|r| r.dispatch);
+                    self.note(format!(
+                        "{}: answers {:?} of {step} at once",
+                        pr.name, result.call_id
+                    ));
+                    self.observe(&Ev::Answer {
+                        result,
+                        dispatch,
+                        at_once: true,
+                    })?;
+                }
+                Out::Invoke {
+                    partition, call, ..
+                } => calls.push((partition, call)),
+                Out::Approval { .. }
+                | Out::Command { .. }
+                | Out::Dlq { .. }
+                | Out::Forward { .. } => {}
             }
         }
         let pr = &mut self.procs[x];
-        for o in pr.core.take_outs() {
+        for o in with_batch {
             match o {
                 Out::Result {
                     partition, result, ..
@@ -884,19 +901,21 @@ impl World {
                         at_once: false,
                     });
                 }
-                Out::Invoke { partition, call } => pr.open.evs.push(Ev::Invoke(partition, call)),
+                Out::Invoke {
+                    partition, call, ..
+                } => pr.open.evs.push(Ev::Invoke(partition, call)),
                 Out::Approval { .. }
                 | Out::Command { .. }
                 | Out::Dlq { .. }
                 | Out::Forward { .. } => {}
             }
         }
-        // Calls started at once: those whose commit was reported failed and
-        // had landed (found at a partition's load), already marked running.
-        let immediate = self.procs[x].core.take_immediate();
-        for (p, call) in immediate {
+        // Calls started at once: a first-read keyed step's, and those whose
+        // commit was reported failed and had landed (found at a partition's
+        // load), already marked running.
+        for (p, call) in calls {
             self.note(format!(
-                "{}: invokes {} #{} (its commit had landed)",
+                "{}: invokes {} #{} at once",
                 self.procs[x].name, call.step, call.dispatch
             ));
             self.queue(x, p, call);
@@ -928,8 +947,9 @@ impl World {
             .copied()
             .unwrap_or(0)
             .max(self.kafka.committed(Topic::Intents, p));
+        pr.applied.insert(p, applied);
         pr.core
-            .load_partition(&pr.store, p, applied, self.now)
+            .load_partition(&pr.store, p, self.now)
             .map_err(state_err)?;
         for t in Topic::ALL {
             pr.pos.insert((t, p), self.kafka.committed(t, p));
@@ -987,6 +1007,7 @@ impl World {
         let pr = &mut self.procs[x];
         pr.owned.remove(&p);
         pr.core.drop_partition(p);
+        pr.applied.remove(&p);
         for t in Topic::ALL {
             pr.pos.remove(&(t, p));
         }
@@ -1031,6 +1052,7 @@ impl World {
             pr.backlog.extend(s.outcomes);
         }
         pr.pos.clear();
+        pr.applied.clear();
         // The invoker is told the session ended: calls still queued are not
         // invoked, and come back as such.
         let mut queued = Vec::new();
@@ -1112,6 +1134,7 @@ impl World {
         pr.open = Pending::default();
         pr.backlog.clear();
         pr.pos.clear();
+        pr.applied.clear();
         pr.progress_end.clear();
         for p in std::mem::take(&mut pr.owned) {
             self.owner.remove(&p);
@@ -1190,8 +1213,9 @@ impl World {
                     self.counts.reread += 1;
                 }
                 let pr = &mut self.procs[x];
+                let applied = pr.applied.get(&p).copied().unwrap_or(0);
                 pr.core
-                    .on_intent(&pr.store, &mut pr.open.batch, &input, now)
+                    .on_intent(&pr.store, &mut pr.open.batch, &input, applied, now)
                     .map_err(state_err)?;
             }
             Topic::Commands => self.on_command(x, &input, &payload)?,
@@ -1433,7 +1457,7 @@ impl World {
             return;
         }
         let mut o = std::mem::take(&mut pr.open);
-        // As `gate::commit`: every intent read is decided (applied); the
+        // As `Ownership::batch_offsets`: every intent read is decided (applied); the
         // committed offset stops at the first deferred step not settled.
         let mut applied = BTreeMap::new();
         for &p in &pr.owned {
@@ -1480,7 +1504,7 @@ impl World {
             *c = (*c).max(a);
         }
         for f in &s.handover {
-            // As a gate writes it (`commit::progress_record`).
+            // As a gate writes it (`records::progress_record`).
             let payload = crate::contract::codec::encode(&f.progress);
             self.kafka.publish(Topic::Progress, f.p, payload);
         }
@@ -1510,6 +1534,11 @@ impl World {
                 let pr = &mut self.procs[x];
                 pr.store.apply(&s.batch, &next).map_err(state_err)?;
                 pr.open.batch.detach();
+                for (&p, &a) in &s.applied {
+                    if let Some(mark) = pr.applied.get_mut(&p) {
+                        *mark = (*mark).max(a);
+                    }
+                }
                 for (p, call) in invokes {
                     self.procs[x].core.invoked(p, &call);
                     self.queue(x, p, call);

@@ -56,6 +56,8 @@ struct Fixture {
     store: StateStore,
     core: GateCore,
     offset: i64,
+    /// Partition 0's applied mark, as the session's `Ownership` keeps it.
+    applied: i64,
 }
 
 impl Fixture {
@@ -82,6 +84,7 @@ impl Fixture {
             store,
             _dir: dir,
             offset: 0,
+            applied: 0,
         }
     }
 
@@ -93,17 +96,9 @@ impl Fixture {
         self.core.awaiting_commit.clear();
     }
 
-    /// The decisions since the last call, fast-path calls (started at once)
-    /// included as invocations.
+    /// The decisions since the last call (calls started at once included).
     fn outs(&mut self) -> Vec<Out> {
-        let mut outs = self.core.take_outs();
-        outs.extend(
-            self.core
-                .take_immediate()
-                .into_iter()
-                .map(|(partition, call)| Out::Invoke { partition, call }),
-        );
-        outs
+        self.core.take_outs()
     }
 
     /// A step's record as the gate sees it (a deferred one's, in memory).
@@ -131,7 +126,7 @@ impl Fixture {
         let input = self.input("intents", v.to_string().into_bytes());
         let mut b = Batch::default();
         self.core
-            .on_intent(&self.store, &mut b, &input, now)
+            .on_intent(&self.store, &mut b, &input, self.applied, now)
             .unwrap();
         self.commit(b);
         self.outs()
@@ -198,6 +193,20 @@ fn call_of(outs: &[Out]) -> Call {
             _ => None,
         })
         .expect("a call was started")
+}
+
+/// The calls started at once, not after a commit.
+fn calls_now(outs: &[Out]) -> Vec<(i32, Call)> {
+    outs.iter()
+        .filter_map(|o| match o {
+            Out::Invoke {
+                partition,
+                call,
+                when: When::Now,
+            } => Some((*partition, call.clone())),
+            _ => None,
+        })
+        .collect()
 }
 
 fn results(outs: &[Out]) -> Vec<ToolResult> {
@@ -291,8 +300,10 @@ fn at_once_and_rest(
     v: serde_json::Value,
 ) -> (Vec<Out>, Vec<Out>) {
     let input = f.input("intents", v.to_string().into_bytes());
-    f.core.on_intent(&f.store, batch, &input, 5000).unwrap();
-    (f.core.take_at_once(), f.outs())
+    f.core
+        .on_intent(&f.store, batch, &input, f.applied, 5000)
+        .unwrap();
+    f.outs().into_iter().partition(|o| o.when() == When::Now)
 }
 
 #[test]
@@ -521,7 +532,7 @@ fn while_stopping_a_call_not_invoked_is_left_due_at_once_for_the_next_owner() {
     // The next owner (a new core over the same state) runs it, never in doubt.
     let config = Config::from_toml_str(CONFIG, Vec::new()).unwrap();
     f.core = GateCore::new(&config, Arc::new(Metrics::new()));
-    f.core.load_partition(&f.store, 0, 0, 600).unwrap();
+    f.core.load_partition(&f.store, 0, 600).unwrap();
     f.core.progress_read(0);
     assert!(f.tick(1000).is_empty(), "held for the grace period");
     let outs = f.tick(1700);
@@ -541,7 +552,7 @@ fn deadlines_of_a_partition_taken_over_wait_until_progress_is_read() {
         0,
     ));
     f.core.reset();
-    f.core.load_partition(&f.store, 0, 0, 10_000).unwrap();
+    f.core.load_partition(&f.store, 0, 10_000).unwrap();
     assert!(
         f.tick(60_000).is_empty(),
         "progress not read yet: long past the grace, still held"
@@ -559,7 +570,7 @@ fn deadlines_survive_a_restart() {
     ));
     f.core.reset();
     assert!(f.tick(10_000).is_empty(), "nothing loaded yet");
-    f.core.load_partition(&f.store, 0, 0, 10_000).unwrap();
+    f.core.load_partition(&f.store, 0, 10_000).unwrap();
     f.core.progress_read(0);
     assert!(
         f.tick(10_999).is_empty(),
@@ -578,7 +589,7 @@ fn after_a_long_restore_an_outcome_waiting_on_progress_settles_its_step() {
     // Taken over long after its deadline (a long restore): its deadline is
     // past, but the old owner's outcome waits on `progress`.
     f.core.reset();
-    f.core.load_partition(&f.store, 0, 0, 60_000).unwrap();
+    f.core.load_partition(&f.store, 0, 60_000).unwrap();
     assert!(f.tick(60_100).is_empty(), "held while progress is read");
     let r = results(&f.progress(finished(&call, Outcome::Ok { output: json!(1) }), 60_200));
     assert_eq!(r.len(), 1);
@@ -627,7 +638,8 @@ fn intents_re_read_below_the_applied_mark_only_rerun_reads() {
     // A restart: the committed offset stayed at the unanswered read, the
     // applied mark is past both intents.
     f.core.reset();
-    f.core.load_partition(&f.store, 0, f.offset + 1, 0).unwrap();
+    f.core.load_partition(&f.store, 0, 0).unwrap();
+    f.applied = f.offset + 1;
     f.offset = read.fast_ref.unwrap() - 1;
     let outs = f.intent(q, 20);
     assert_eq!(
@@ -657,7 +669,9 @@ fn bad_input_goes_to_the_dlq_and_addressable_input_gets_rejected() {
     let mut f = Fixture::new();
     let input = f.input("intents", b"{oops".to_vec());
     let mut b = Batch::default();
-    f.core.on_intent(&f.store, &mut b, &input, 0).unwrap();
+    f.core
+        .on_intent(&f.store, &mut b, &input, f.applied, 0)
+        .unwrap();
     let outs = f.core.take_outs();
     assert_eq!(outs.len(), 1);
     assert!(matches!(&outs[0], Out::Dlq { record, .. } if record.payload == "{oops"));
@@ -771,7 +785,9 @@ fn an_intent_older_than_the_retention_without_a_record_is_not_run() {
     );
     input.timestamp_ms = Some(now - hour - 1);
     let mut b = Batch::default();
-    f.core.on_intent(&f.store, &mut b, &input, now).unwrap();
+    f.core
+        .on_intent(&f.store, &mut b, &input, f.applied, now)
+        .unwrap();
     f.commit(b);
     let outs = f.outs();
     assert_eq!(outs.len(), 1, "{outs:?}");
@@ -785,7 +801,7 @@ fn an_intent_older_than_the_retention_without_a_record_is_not_run() {
     old_repeat.timestamp_ms = Some(now - hour - 1);
     let mut b = Batch::default();
     f.core
-        .on_intent(&f.store, &mut b, &old_repeat, now)
+        .on_intent(&f.store, &mut b, &old_repeat, f.applied, now)
         .unwrap();
     f.commit(b);
     let r = results(&f.outs());
@@ -799,7 +815,9 @@ fn an_intent_older_than_the_retention_without_a_record_is_not_run() {
     );
     fresh.timestamp_ms = Some(now - hour);
     let mut b = Batch::default();
-    f.core.on_intent(&f.store, &mut b, &fresh, now).unwrap();
+    f.core
+        .on_intent(&f.store, &mut b, &fresh, f.applied, now)
+        .unwrap();
     f.commit(b);
     assert!(f.outs().iter().any(|o| matches!(o, Out::Invoke { .. })));
 }
@@ -822,8 +840,8 @@ fn a_call_whose_commit_was_reported_failed_runs_when_its_record_says_committed()
     };
     f.core.commit_unknown([(0, call.clone()), (0, other)]);
     f.core.reset();
-    f.core.load_partition(&f.store, 0, 0, 100).unwrap();
-    let started = f.core.take_immediate();
+    f.core.load_partition(&f.store, 0, 100).unwrap();
+    let started = calls_now(&f.outs());
     assert_eq!(
         started,
         vec![(0, call.clone())],
@@ -901,7 +919,9 @@ fn a_commit_slower_than_the_deadline_never_turns_its_call_into_doubt() {
     let wire = json!({"workflow_id": "wf", "step_index": 2, "tool": "wire", "arguments": {}, "call_id": "c1"});
     let input = f.input("intents", wire.to_string().into_bytes());
     let mut b = Batch::default();
-    f.core.on_intent(&f.store, &mut b, &input, 0).unwrap();
+    f.core
+        .on_intent(&f.store, &mut b, &input, f.applied, 0)
+        .unwrap();
     let call = call_of(&f.core.take_outs());
     // The batch is still committing at the deadline: more time, no answer.
     let mut later = Batch::default();
@@ -930,7 +950,9 @@ fn input_at(
 
 fn feed(f: &mut Fixture, input: &Input, now: i64) -> Vec<Out> {
     let mut b = Batch::default();
-    f.core.on_intent(&f.store, &mut b, input, now).unwrap();
+    f.core
+        .on_intent(&f.store, &mut b, input, f.applied, now)
+        .unwrap();
     f.commit(b);
     f.outs()
 }
@@ -1201,7 +1223,7 @@ fn a_repeat_counts_toward_its_tools_dedup_rate_and_a_fast_path_read_does_not() {
     );
     let input = f.input("intents", b"{broken".to_vec());
     f.core
-        .on_intent(&f.store, &mut Batch::default(), &input, 70)
+        .on_intent(&f.store, &mut Batch::default(), &input, f.applied, 70)
         .unwrap();
     let out = metrics.render();
     for line in [
@@ -1301,7 +1323,8 @@ fn reread(f: &mut Fixture, input: &Input, now: i64) -> Vec<Out> {
 /// its applied mark at `applied`, its progress read.
 fn restart_session(f: &mut Fixture, applied: i64, now: i64) {
     f.core.reset();
-    f.core.load_partition(&f.store, 0, applied, now).unwrap();
+    f.core.load_partition(&f.store, 0, now).unwrap();
+    f.applied = applied;
     f.core.progress_read(0);
 }
 
@@ -1311,7 +1334,9 @@ fn restart_session(f: &mut Fixture, applied: i64, now: i64) {
 fn reread_from(f: &mut Fixture, input: &Input, applied: i64, now: i64) -> Vec<Out> {
     restart_session(f, applied, now);
     let mut b = Batch::default();
-    f.core.on_intent(&f.store, &mut b, input, now).unwrap();
+    f.core
+        .on_intent(&f.store, &mut b, input, f.applied, now)
+        .unwrap();
     f.commit(b);
     f.outs()
 }
@@ -1321,7 +1346,9 @@ fn a_keyed_step_writes_one_record_settled_and_holds_its_offset_until_then() {
     let mut f = Fixture::new();
     let input = f.input("intents", email("c1", "x").to_string().into_bytes());
     let mut b = Batch::default();
-    f.core.on_intent(&f.store, &mut b, &input, 0).unwrap();
+    f.core
+        .on_intent(&f.store, &mut b, &input, f.applied, 0)
+        .unwrap();
     assert!(
         b.changelog().is_empty(),
         "nothing is written before the call: {:?}",
@@ -1352,8 +1379,7 @@ fn a_keyed_step_writes_one_record_settled_and_holds_its_offset_until_then() {
     );
 }
 
-/// `gate.invoke_before_commit` (the default): a keyed step read for the
-/// first time is sent at once, and when its outcome is in before its batch
+/// A keyed step read for the first time is sent at once, and when its outcome is in before its batch
 /// closes, the decision, the settled record, the answer and the offset are
 /// one transaction — one commit a new step.
 #[test]
@@ -1361,19 +1387,20 @@ fn a_first_read_keyed_call_is_sent_before_its_batch_commits_and_settles_in_it() 
     let mut f = Fixture::new();
     let input = f.input("intents", email("c1", "x").to_string().into_bytes());
     let mut b = Batch::default();
-    f.core.on_intent(&f.store, &mut b, &input, 0).unwrap();
-    let now: Vec<Call> = f
-        .core
-        .take_immediate()
-        .into_iter()
-        .map(|(_, c)| c)
-        .collect();
+    f.core
+        .on_intent(&f.store, &mut b, &input, f.applied, 0)
+        .unwrap();
+    let outs = f.outs();
+    let now: Vec<Call> = calls_now(&outs).into_iter().map(|(_, c)| c).collect();
     assert_eq!(now.len(), 1, "sent at once");
     assert!(
-        !f.core
-            .take_outs()
-            .iter()
-            .any(|o| matches!(o, Out::Invoke { .. })),
+        !outs.iter().any(|o| matches!(
+            o,
+            Out::Invoke {
+                when: When::WithBatch,
+                ..
+            }
+        )),
         "nothing waits for the commit"
     );
     let call = &now[0];
@@ -1444,7 +1471,7 @@ fn a_keyed_call_that_never_reached_its_tool_is_asked_again_by_its_next_call() {
 
     let mut f = Fixture::started_first();
     let outs = f.intent(email("c1", "x"), 0);
-    assert!(f.core.take_immediate().is_empty());
+    assert!(calls_now(&outs).is_empty());
     let call = call_of(&outs);
     assert!(!f.record(&call.step).unseen_reader);
     let r = results(&f.outcome(&call, unreachable(), 500)).remove(0);
@@ -1461,7 +1488,9 @@ fn a_keyed_step_read_again_while_its_early_call_runs_is_numbered_above_it() {
     let mut f = Fixture::new();
     let input = f.input("intents", email("c1", "x").to_string().into_bytes());
     let mut b = Batch::default();
-    f.core.on_intent(&f.store, &mut b, &input, 0).unwrap();
+    f.core
+        .on_intent(&f.store, &mut b, &input, f.applied, 0)
+        .unwrap();
     let first = call_of(&f.outs());
     // The batch never committed; the session starts over.
     let again = call_of(&reread_from(&mut f, &input, input.offset, 20));
@@ -1492,7 +1521,9 @@ fn a_hand_back_of_a_reused_run_number_never_turns_unreachable_into_not_performed
     let mut f = Fixture::new();
     let input = f.input("intents", email("c1", "x").to_string().into_bytes());
     let mut b = Batch::default();
-    f.core.on_intent(&f.store, &mut b, &input, 0).unwrap();
+    f.core
+        .on_intent(&f.store, &mut b, &input, f.applied, 0)
+        .unwrap();
     let first = call_of(&f.outs());
     assert_eq!(first.dispatch, 1);
     // The session starts over before that batch commits; the call's `ok`
@@ -1504,7 +1535,9 @@ fn a_hand_back_of_a_reused_run_number_never_turns_unreachable_into_not_performed
     assert!(results(&f.outcome(&first, ok, 20)).is_empty());
     // Read again as new: run 1 again, sent at once; this batch commits.
     let mut b = Batch::default();
-    f.core.on_intent(&f.store, &mut b, &input, 30).unwrap();
+    f.core
+        .on_intent(&f.store, &mut b, &input, f.applied, 30)
+        .unwrap();
     f.commit(b);
     let second = call_of(&f.outs());
     assert_eq!(second.dispatch, 1, "numbered as the first run");
@@ -1533,7 +1566,9 @@ fn a_re_read_keyed_intent_runs_again_with_its_key_and_never_says_not_performed()
     let mut f = Fixture::new();
     let input = f.input("intents", email("c1", "x").to_string().into_bytes());
     let mut b = Batch::default();
-    f.core.on_intent(&f.store, &mut b, &input, 0).unwrap();
+    f.core
+        .on_intent(&f.store, &mut b, &input, f.applied, 0)
+        .unwrap();
     f.commit(b);
     let first = call_of(&f.outs());
     // The process crashes while the call runs: nothing was written. Its
@@ -1558,7 +1593,9 @@ fn a_re_read_keyed_step_settles_with_its_ok_and_a_fresh_one_says_not_performed()
     let mut f = Fixture::new();
     let input = f.input("intents", email("c1", "x").to_string().into_bytes());
     let mut b = Batch::default();
-    f.core.on_intent(&f.store, &mut b, &input, 0).unwrap();
+    f.core
+        .on_intent(&f.store, &mut b, &input, f.applied, 0)
+        .unwrap();
     f.commit(b);
     let again = call_of(&reread(&mut f, &input, 100));
     let rs = results(&f.outcome(
@@ -1586,23 +1623,28 @@ fn a_repeat_re_read_after_its_step_settled_is_not_answered_twice() {
     let mut f = Fixture::new();
     let first = f.input("intents", email("c1", "x").to_string().into_bytes());
     let mut b = Batch::default();
-    f.core.on_intent(&f.store, &mut b, &first, 0).unwrap();
+    f.core
+        .on_intent(&f.store, &mut b, &first, f.applied, 0)
+        .unwrap();
     f.commit(b);
     let call = call_of(&f.outs());
     let repeat = f.input("intents", email("c2", "x again").to_string().into_bytes());
     let mut b = Batch::default();
-    f.core.on_intent(&f.store, &mut b, &repeat, 10).unwrap();
+    f.core
+        .on_intent(&f.store, &mut b, &repeat, f.applied, 10)
+        .unwrap();
     f.commit(b);
     let rs = results(&f.outcome(&call, Outcome::Ok { output: json!(1) }, 20));
     assert_eq!(rs.len(), 2, "the caller and the waiting repeat");
     // Both re-read (the committed offset lagged): both were answered.
     f.core.reset();
-    f.core
-        .load_partition(&f.store, 0, repeat.offset + 1, 30)
-        .unwrap();
+    f.core.load_partition(&f.store, 0, 30).unwrap();
+    f.applied = repeat.offset + 1;
     let mut b = Batch::default();
     for input in [&first, &repeat] {
-        f.core.on_intent(&f.store, &mut b, input, 30).unwrap();
+        f.core
+            .on_intent(&f.store, &mut b, input, f.applied, 30)
+            .unwrap();
     }
     assert!(b.changelog().is_empty());
     let outs = f.outs();
@@ -1628,7 +1670,9 @@ fn a_report_handed_over_to_a_deferred_step_is_evidence_only() {
     let mut f = Fixture::new();
     let input = f.input("intents", email("c1", "x").to_string().into_bytes());
     let mut b = Batch::default();
-    f.core.on_intent(&f.store, &mut b, &input, 0).unwrap();
+    f.core
+        .on_intent(&f.store, &mut b, &input, f.applied, 0)
+        .unwrap();
     f.commit(b);
     let mine = call_of(&reread(&mut f, &input, 100));
     assert_eq!(mine.dispatch, 2);
