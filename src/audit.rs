@@ -104,6 +104,10 @@ pub struct Decision {
     /// The output an operator recorded for a step resolved as executed.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub output: Option<Value>,
+    /// A settlement by stepgate's reconciler (`by` `stepgate:reconciler`):
+    /// the tool's lookups' answers it rests on.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub evidence: Vec<crate::contract::LookupEvidence>,
 }
 
 impl From<Command> for Decision {
@@ -120,6 +124,7 @@ impl From<Command> for Decision {
                 Action::ResolveExecuted { output } => Some(output),
                 _ => None,
             },
+            evidence: cmd.evidence.unwrap_or_default(),
         }
     }
 }
@@ -625,6 +630,8 @@ pub fn render_text(report: &AuditReport) -> String {
                 st.outcome.as_deref().unwrap_or("no answer"),
                 match (st.in_doubt, st.resolution()) {
                     (true, None) => "  ⚠ in doubt: may have run, needs a person",
+                    (true, Some(d)) if d.by == crate::contract::RECONCILER_BY =>
+                        "  (in doubt, then settled by asking the tool)",
                     (true, Some(_)) => "  (in doubt, then settled by an operator)",
                     _ => "",
                 }
@@ -645,6 +652,19 @@ pub fn render_text(report: &AuditReport) -> String {
                         .map(|r| format!(": {r}"))
                         .unwrap_or_default())
                 );
+                for e in &d.evidence {
+                    let _ = writeln!(
+                        o,
+                        "      lookup {} at {}: {}{}",
+                        e.ask,
+                        t(&e.at),
+                        t(&e.answer),
+                        t(&e.detail
+                            .as_deref()
+                            .map(|x| format!(" ({x})"))
+                            .unwrap_or_default())
+                    );
+                }
             }
             for c in &st.calls {
                 let _ = writeln!(

@@ -36,6 +36,8 @@
 //! - [`mcp`]: the MCP front (`stepgate mcp`): each `tools/call` a step,
 //!   through the [`client`].
 //! - [`operator`]: steps of a workflow, resolutions and approvals, for operators.
+//! - [`notify`]: the approvals webhook: held calls' lifecycle events, read
+//!   back from `stepgate.approvals`, posted signed (`[notify]`).
 //! - [`console`]: the web console (`stepgate console`): held calls, in-doubt
 //!   steps and timelines from a cache of the topics (and of the listed gates'
 //!   `/metrics`: who owns each partition); decisions through [`operator`].
@@ -69,6 +71,7 @@ pub mod gate;
 pub mod hooks;
 pub mod kafka;
 pub mod mcp;
+pub mod notify;
 pub mod operator;
 pub mod provider;
 pub mod redact;

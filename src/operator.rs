@@ -56,6 +56,14 @@ pub enum OperatorError {
     #[error("the gate refused the command ({reason}): {message}")]
     Refused { reason: String, message: String },
     #[error(
+        "step {step} can no longer be decided: nobody decided it within its approval_ttl ({ttl}), so it expired at {expired_at} and was answered `approval_expired`; nothing ran. A new call of the tool asks for approval again."
+    )]
+    HoldExpired {
+        step: StepKey,
+        ttl: String,
+        expired_at: String,
+    },
+    #[error(
         "step {step} is at run {current}, not run {asked}: it was re-run since you checked it; look at it again (`stepgate steps show`)"
     )]
     NotThatRun {
@@ -216,6 +224,19 @@ pub async fn decide(
                 step: step.clone(),
             })?;
     let wanted = crate::state::Phase::acted_on_by(&action);
+    if let Some(h) = record.hold.as_ref().filter(|h| h.told("expired"))
+        && record.phase != wanted
+    {
+        return Err(OperatorError::HoldExpired {
+            step,
+            ttl: h.ttl.clone().unwrap_or_default(),
+            expired_at: h
+                .expires_at_ms
+                .and_then(chrono::DateTime::from_timestamp_millis)
+                .map(crate::contract::timestamp)
+                .unwrap_or_default(),
+        });
+    }
     if record.phase != wanted {
         return Err(OperatorError::WrongPhase {
             step,
@@ -239,7 +260,39 @@ pub async fn decide(
         dispatch: run.unwrap_or(record.dispatch),
         intended_at_ms: record.intended_at_ms,
     };
-    send_decision(cfg, found.partition, step, action, by, reason, run, wait).await
+    // A decision about a held call names the terms it decides (the argument
+    // bytes and the tool's policy version of the record read here).
+    let terms = record.hold.as_ref().map(HeldTerms::of);
+    send_decision(
+        cfg,
+        found.partition,
+        step,
+        action,
+        by,
+        reason,
+        run,
+        terms,
+        wait,
+    )
+    .await
+}
+
+/// What a decision about a held call approves or denies: the held call's
+/// argument digest and policy version, as the decider was shown them. The
+/// gate refuses a decision about other terms.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeldTerms {
+    pub arguments_sha256: String,
+    pub policy_version: String,
+}
+
+impl HeldTerms {
+    pub fn of(hold: &crate::state::Hold) -> HeldTerms {
+        HeldTerms {
+            arguments_sha256: hold.arguments_sha256.clone(),
+            policy_version: hold.policy_version.clone(),
+        }
+    }
 }
 
 /// Write `action` about `step` (which lives in `partition`) to the commands
@@ -256,9 +309,14 @@ pub async fn send_decision(
     by: &str,
     reason: Option<String>,
     run: Run,
+    terms: Option<HeldTerms>,
     wait: Duration,
 ) -> Result<StepRecord, OperatorError> {
     let now = chrono::Utc::now();
+    let (arguments_sha256, policy_version) = match terms {
+        Some(t) => (Some(t.arguments_sha256), Some(t.policy_version)),
+        None => (None, None),
+    };
     let command = Command {
         id: format!(
             "{}-{}-{}",
@@ -272,6 +330,9 @@ pub async fn send_decision(
         at: crate::contract::timestamp(now),
         reason,
         run: Some(run),
+        arguments_sha256,
+        policy_version,
+        evidence: None,
     };
     // Where the changelog and the DLQ end now: the gate's answer to the
     // command is written after it, so only what follows is read.
@@ -422,9 +483,13 @@ pub fn pending_approvals(cfg: &KafkaConfig) -> Result<Vec<PendingApproval>, Oper
                     ),
                 );
             }
-            ApprovalKind::Approved { .. } | ApprovalKind::Denied { .. } => {
+            ApprovalKind::Approved { .. }
+            | ApprovalKind::Denied { .. }
+            | ApprovalKind::Expired { .. } => {
                 pending.remove(&event.step);
             }
+            // Still held: the listing shows when it expires.
+            ApprovalKind::Escalated { .. } | ApprovalKind::Expiring { .. } => {}
         }
     })?;
     let mut out: Vec<(usize, PendingApproval)> = pending.into_values().collect();
@@ -539,25 +604,33 @@ pub fn render_approvals(pending: &[PendingApproval], r: &Redactor) -> String {
         return "no calls are waiting for approval\n".to_owned();
     }
     let mut s = format!(
-        "{:<24} {:<6} {:<24} {:<8} {:<25} arguments\n",
-        "WORKFLOW", "STEP", "TOOL", "ATTEMPT", "REQUESTED"
+        "{:<24} {:<6} {:<24} {:<8} {:<25} {:<25} arguments\n",
+        "WORKFLOW", "STEP", "TOOL", "ATTEMPT", "REQUESTED", "EXPIRES"
     );
     for a in pending {
-        let args = match &a.event.event {
-            ApprovalKind::Requested { arguments, .. } => excerpt(
-                &r.json(&serde_json::Value::Object(arguments.clone()))
-                    .to_string(),
+        let (args, expires) = match &a.event.event {
+            ApprovalKind::Requested {
+                arguments,
+                expires_at,
+                ..
+            } => (
+                excerpt(
+                    &r.json(&serde_json::Value::Object(arguments.clone()))
+                        .to_string(),
+                ),
+                expires_at.clone().unwrap_or_else(|| "never".into()),
             ),
-            _ => String::new(),
+            _ => (String::new(), String::new()),
         };
         let _ = writeln!(
             s,
-            "{:<24} {:<6} {:<24} {:<8} {:<25} {}",
+            "{:<24} {:<6} {:<24} {:<8} {:<25} {:<25} {}",
             terminal_safe(&a.event.step.workflow_id),
             a.event.step.step_index,
             a.event.step.tool,
             a.event.step.attempt,
             terminal_safe(&a.event.at),
+            terminal_safe(&expires),
             terminal_safe(&args)
         );
     }
@@ -691,6 +764,9 @@ pub fn redacted_approval(a: &PendingApproval, r: &Redactor) -> PendingApproval {
         ApprovalKind::Approved { reason, .. } | ApprovalKind::Denied { reason, .. } => {
             *reason = reason.as_deref().map(|x| r.text(x));
         }
+        ApprovalKind::Escalated { .. }
+        | ApprovalKind::Expiring { .. }
+        | ApprovalKind::Expired { .. } => {}
     }
     a
 }

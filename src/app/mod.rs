@@ -94,6 +94,8 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
     config.resolve_tool_headers(|var| std::env::var(var).ok())?;
     // So are the pools' keys, which sign their calls and outcomes.
     config.resolve_pool_keys(None, |var| std::env::var(var).ok())?;
+    // And the notifications' key.
+    config.resolve_notify_key(|var| std::env::var(var).ok())?;
     let claims = claims::claim(&config)?;
     start_claimed(config, claims, shutdown).await
 }
@@ -167,6 +169,14 @@ pub async fn start_claimed(
             gate::run(c, Arc::new(store), m, h, s)
                 .await
                 .map_err(AppError::from)
+        }));
+    }
+    // The approvals webhook, beside the gate that decides its events.
+    if config.notify.enabled() {
+        let (c, m, s) = (config.clone(), metrics.clone(), shutdown.clone());
+        tasks.push(tokio::spawn(async move {
+            crate::notify::run(c, m, s).await;
+            Ok(())
         }));
     }
     Ok(Running {

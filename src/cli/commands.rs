@@ -97,6 +97,7 @@ async fn gate(deployment: &Deployment, local: super::Local) -> anyhow::Result<()
     crate::telemetry::init_logging(&cfg.log);
     cfg.resolve_tool_headers(|var| std::env::var(var).ok())?;
     cfg.resolve_pool_keys(None, |var| std::env::var(var).ok())?;
+    cfg.resolve_notify_key(|var| std::env::var(var).ok())?;
     // Before any Kafka call: a second process on this host sharing this one's
     // instance id, state or address is told so at once.
     let claims = crate::app::claims::claim(&cfg)?;
@@ -413,6 +414,7 @@ fn check_config(deployment: &Deployment) -> anyhow::Result<()> {
     // missing (or a key too short) fails.
     cfg.resolve_tool_headers(|var| std::env::var(var).ok())?;
     cfg.resolve_pool_keys(None, |var| std::env::var(var).ok())?;
+    cfg.resolve_notify_key(|var| std::env::var(var).ok())?;
     // A configured console is checked as `stepgate console` checks it at
     // start (its tokens and key readable, `mcp_auth` complete, …).
     if console_configured(&cfg.console) {

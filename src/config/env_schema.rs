@@ -85,13 +85,16 @@ name = ""
 token = "env:X"
 scopes = []
 [pools]
+[notify]
+url = ""
+key = "env:X"
 "#;
 
 /// A tool with every key set (`mcp`, which excludes `url`, is added in
-/// [`EnvSchema::new`]).
+/// [`EnvSchema::new`], and so are `reconcile`'s `mcp` and `mcp_tool`).
 const TOOL_WITH_EVERY_KEY: &str = r#"
-category = "keyed"
-policy = "in_doubt"
+category = "unkeyed"
+policy = "approval"
 url = "http://h/x"
 mcp_tool = "x"
 description = ""
@@ -110,6 +113,10 @@ headers = { H = "v" }
 busy_statuses = [409]
 busy_wait = "1s"
 identity = ["/a"]
+approval_ttl = "2s"
+escalate_after = "1s"
+approval_by_workflow = [{ workflow_prefix = "a", approval_ttl = "2s", escalate_after = "1s" }]
+reconcile = { url = "http://h/x", every = "1s", until = "1s", timeout = "1s" }
 "#;
 
 /// The variable-name form of a key path: upper case, anything but a letter
@@ -161,6 +168,15 @@ impl EnvSchema {
         tool.insert("mcp".into(), toml::Value::String(String::new()));
         // `pool` excludes `url`: settable all the same (`STEPGATE_TOOLS_<NAME>_POOL`).
         tool.insert("pool".into(), toml::Value::String(String::new()));
+        // So does a lookup's `mcp` (with its `mcp_tool`).
+        if let Some(r) = tool
+            .get_mut("reconcile")
+            .and_then(toml::Value::as_table_mut)
+        {
+            for k in ["mcp", "mcp_tool"] {
+                r.insert(k.into(), toml::Value::String(String::new()));
+            }
+        }
         let (mut leaves, mut maps) = (Vec::new(), Vec::new());
         collect(&sample, &mut Vec::new(), false, &mut leaves, &mut maps);
         let (mut tool_leaves, mut tool_maps) = (Vec::new(), Vec::new());

@@ -127,6 +127,7 @@ impl Config {
         self.mcp.validate(&self.tools)?;
         self.traces.validate()?;
         self.console.validate()?;
+        self.notify.validate()?;
         Ok(())
     }
 

@@ -41,6 +41,7 @@ mod instance;
 mod kafka;
 mod load;
 mod mcp;
+mod notify;
 mod pools;
 mod process;
 mod table;
@@ -65,6 +66,7 @@ pub use kafka::{KafkaConfig, REFUSED_CLIENT_PROPERTIES, TopicsConfig, refused_cl
 pub use mcp::{
     JWT_NAMESPACE_ROOT, MCP_JWT_ALGORITHMS, McpAuthConfig, McpConfig, McpStaticToken, TrustedProxy,
 };
+pub use notify::{NOTIFY_EVENTS, NotifyConfig};
 pub use pools::PoolConfig;
 pub use process::{
     DEFAULT_BLOCK_CACHE_BYTES, ExecutorConfig, GateConfig, HttpConfig, LogConfig, StateConfig,
@@ -123,6 +125,9 @@ pub struct Config {
     pub traces: TracesConfig,
     /// `stepgate console`: the web console for approvals and in-doubt steps.
     pub console: ConsoleConfig,
+    /// The webhook told about calls held for approval (`notify.rs`); off
+    /// without `url`.
+    pub notify: NotifyConfig,
     /// Tools by name.
     pub tools: BTreeMap<String, ToolConfig>,
     /// Worker pools by name (`pools.rs`): the key the gates share with each.
@@ -145,6 +150,7 @@ impl Config {
             mcp: self.mcp.redacted(),
             traces: self.traces.redacted(),
             console: self.console.redacted(),
+            notify: self.notify.redacted(),
             tools: self
                 .tools
                 .iter()
@@ -168,6 +174,14 @@ impl Config {
         env: impl Fn(&str) -> Option<String>,
     ) -> Result<(), ConfigError> {
         pools::resolve_pool_keys(&mut self.pools, only, &env)
+    }
+
+    /// Read the `[notify]` key from its source, once, at start (`notify.rs`).
+    pub fn resolve_notify_key(
+        &mut self,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<(), ConfigError> {
+        self.notify.resolve_key(&env)
     }
 
     /// Sorted tool names.

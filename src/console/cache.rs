@@ -239,6 +239,15 @@ impl Cache {
             ApprovalKind::Denied { by, reason } => {
                 trail.decided = Some(("denied", by, e.at, reason))
             }
+            ApprovalKind::Expired { ttl } => {
+                trail.decided = Some((
+                    "expired",
+                    "stepgate".into(),
+                    e.at,
+                    Some(format!("nobody decided within {ttl}: nothing ran")),
+                ))
+            }
+            ApprovalKind::Escalated { .. } | ApprovalKind::Expiring { .. } => {}
         }
     }
 

@@ -1056,6 +1056,11 @@ struct DecisionForm {
     outcome: Option<String>,
     #[serde(default)]
     output: Option<String>,
+    /// A held call's terms as the page showed them.
+    #[serde(default)]
+    arguments_sha256: Option<String>,
+    #[serde(default)]
+    policy_version: Option<String>,
 }
 
 impl DecisionForm {
@@ -1269,6 +1274,15 @@ async fn decide(
         &p.name,
         f.reason(),
         run,
+        f.arguments_sha256
+            .clone()
+            .zip(f.policy_version.clone())
+            .map(
+                |(arguments_sha256, policy_version)| crate::operator::HeldTerms {
+                    arguments_sha256,
+                    policy_version,
+                },
+            ),
         app.cfg.console.decision_wait.0,
     )
     .await

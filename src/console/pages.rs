@@ -179,6 +179,53 @@ fn step_fields(r: &StepRecord, csrf: &str) -> Markup {
         input type="hidden" name="attempt" value=(r.step.attempt);
         input type="hidden" name="dispatch" value=(r.dispatch);
         input type="hidden" name="intended_at_ms" value=(r.intended_at_ms);
+        // A held call: the terms the person is shown (the gate refuses a
+        // decision about other argument bytes or another policy version).
+        @if let Some(h) = &r.hold {
+            input type="hidden" name="arguments_sha256" value=(h.arguments_sha256);
+            input type="hidden" name="policy_version" value=(h.policy_version);
+        }
+    }
+}
+
+/// A held call's lifecycle, for the Inbox: when it expires (nothing runs
+/// then), whether it was escalated, and the policy it is held under.
+fn hold_terms(rec: &StepRecord, now_ms: i64) -> Markup {
+    html! {
+        @if let Some(h) = &rec.hold {
+            p.meta.hold {
+                @match h.expires_at_ms {
+                    Some(e) if e > now_ms => { b { "expires " (clock(e)) } " (in " (ago(now_ms, e)) "): if nobody decides by then, it is refused as expired and nothing runs" }
+                    Some(e) => { b { "expired " (clock(e)) } }
+                    None => { "no expiry: it waits until someone decides" }
+                }
+                @if h.told.iter().any(|t| t == "escalated") { " · " b { "escalated" } }
+                " · policy " span.mono { (h.policy_version) }
+            }
+        }
+    }
+}
+
+/// An in-doubt step's reconciliation: who settles it, and each lookup's answer.
+fn lookups(rec: &StepRecord) -> Markup {
+    html! {
+        @if let Some(rc) = &rec.reconcile {
+            dt { "Asking the tool (reconcile)" }
+            dd {
+                @if rc.settling == crate::contract::Settler::Reconciler {
+                    "stepgate is asking the tool what happened, until " (clock(rc.until_ms)) "; "
+                } @else {
+                    "the tool's lookups could not tell by " (clock(rc.until_ms)) ": a person decides; "
+                }
+                (rc.asked) " lookup(s) made"
+                @for l in &rc.lookups {
+                    p.muted.lookup {
+                        "lookup " (l.ask) " at " (l.at) ": " b { (l.answer) }
+                        @if let Some(d) = &l.detail { " — " (d) }
+                    }
+                }
+            }
+        }
     }
 }
 
@@ -397,6 +444,7 @@ pub fn inbox_list(
                         " · requested " (h.requested_at.as_deref().map(at).unwrap_or_else(|| clock(rec.intended_at_ms)))
                         @if rec.repeats > 0 { " · the agent asked " (rec.repeats + 1) " times" }
                     }
+                    (hold_terms(rec, now_ms))
                     div.cols {
                         div {
                             h3 { "Arguments" }
@@ -500,6 +548,7 @@ pub fn in_doubt_list(
                         }
                         dt { "What the tool last said" }
                         dd { (last_said(rec, r)) }
+                        (lookups(rec))
                     }
                     h3 { "Arguments" }
                     (arguments(&rec.arguments, r, Reveal::of(person, rec.phase), Some(&rec.step)))

@@ -185,7 +185,9 @@ impl Invoker {
 
     /// Run `call` (of a step in `partition`) as soon as a slot is free.
     pub fn start(&self, partition: i32, call: Call) {
-        crate::hooks::crash_before_invoke();
+        if !call.is_lookup() {
+            crate::hooks::crash_before_invoke();
+        }
         let bytes = call.arguments.text_len();
         self.running.fetch_add(1, Ordering::AcqRel);
         self.queued_bytes.fetch_add(bytes, Ordering::AcqRel);
@@ -227,9 +229,11 @@ impl Invoker {
             let t = Instant::now();
             // The `execute_tool` span (when traced), under the decision that
             // started the call; the tool is sent its traceparent.
+            // A reconcile lookup is no run of its tool: neither a span nor
+            // an invocation of it (it is counted where it is settled).
             let span = match slot {
-                Some(_) => metrics.traces().execute_tool(&call),
-                None => crate::telemetry::ToolSpan::none(),
+                Some(_) if !call.is_lookup() => metrics.traces().execute_tool(&call),
+                _ => crate::telemetry::ToolSpan::none(),
             };
             if let Some(tp) = span.traceparent() {
                 call.traceparent = Some(tp);
@@ -243,6 +247,7 @@ impl Invoker {
                 None => None,
             };
             let event = match invoked {
+                Some(outcome) if call.is_lookup() => ProgressEvent::Finished { outcome },
                 Some(outcome) => {
                     span.finished(&outcome);
                     metrics.invoked(&call.step, outcome.label(), t.elapsed());

@@ -60,6 +60,13 @@ pub enum Out {
         headers: Vec<(String, Option<Vec<u8>>)>,
         timestamp_ms: Option<i64>,
     },
+    /// A decision written to the operators' commands topic, in the step's
+    /// partition: the reconciler's settlement, for the audit (the gate reads
+    /// it back as already applied).
+    Command {
+        partition: i32,
+        command: crate::contract::Command,
+    },
     /// A refused input, with its original key and headers.
     Dlq {
         key: Option<Vec<u8>>,
@@ -84,7 +91,9 @@ impl Out {
     pub fn when(&self) -> When {
         match self {
             Out::Invoke { when, .. } | Out::Result { when, .. } => *when,
-            Out::Approval { .. } | Out::Forward { .. } | Out::Dlq { .. } => When::WithBatch,
+            Out::Approval { .. } | Out::Command { .. } | Out::Forward { .. } | Out::Dlq { .. } => {
+                When::WithBatch
+            }
         }
     }
 }
@@ -98,6 +107,9 @@ pub struct GateSettings {
     pub in_doubt_grace: Duration,
     pub max_intent_bytes: usize,
     pub wrong_partition: WrongPartition,
+    /// How long before a held call's expiry its hook is told it expires
+    /// soon (`notify.expiring_before`; none without `[notify]`).
+    pub expiring_before: Option<Duration>,
     /// Tests only: record a keyed step `started` before its call, as a large
     /// one is, to reach the two-record path with a small intent.
     #[cfg(test)]
@@ -467,6 +479,10 @@ impl GateCore {
                 in_doubt_grace: config.gate.in_doubt_grace.0,
                 max_intent_bytes: config.gate.max_intent_bytes,
                 wrong_partition: WrongPartition::of(&config.gate),
+                expiring_before: config
+                    .notify
+                    .enabled()
+                    .then_some(config.notify.expiring_before.0),
                 #[cfg(test)]
                 start_record: false,
             },
@@ -688,10 +704,12 @@ pub const KEPT_UNTIL_RESOLVED: i64 = i64::MAX;
 /// Calls of commits reported failed kept for a later look (see `GateCore::unsure`).
 const MAX_UNSURE: usize = 10_000;
 
+mod approvals;
 mod command;
 mod deferred;
 mod intent;
 mod outcome;
+mod reconcile;
 mod reject;
 mod timers;
 

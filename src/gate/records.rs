@@ -79,6 +79,12 @@ pub(super) fn batch_records(config: &Config, open: &mut OpenBatch) -> BatchRecor
                 &event.step.workflow_id,
                 &event,
             )),
+            Out::Command { partition, command } => out.records.push(OutRecord::json_for_workflow(
+                &t.commands,
+                partition,
+                &command.step.workflow_id,
+                &command,
+            )),
             Out::Forward {
                 partition,
                 key,

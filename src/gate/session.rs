@@ -552,7 +552,9 @@ impl<'a> Session<'a> {
         let p = f.partition;
         self.commits.linger.finished(f.took);
         self.core.finished(p, &f.progress.step, f.progress.dispatch);
-        let fast = f.progress.fast_ref.is_some();
+        // A reconcile lookup's answer, like a read's, is never handed over:
+        // the partition's owner asks again at its next time.
+        let fast = f.progress.fast_ref.is_some() || f.progress.lookup_ask().is_some();
         if self.ownership.is_assigned(p) {
             self.ensure_owned(p).await?;
             let (store, batch) = (self.env.store, &mut self.open.batch);

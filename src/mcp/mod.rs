@@ -1172,6 +1172,7 @@ scopes = ["s"]
             error: None,
             deduplicated: false,
             completed_at: "2026-12-01T00:00:00Z".into(),
+            in_doubt: None,
         };
         let repeat = ToolResult {
             call_id: Some("b".into()),

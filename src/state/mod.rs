@@ -30,9 +30,10 @@ mod record;
 mod restore;
 
 pub use record::{
-    DispatchToken, Evidence, FastEntry, MAX_EVIDENCE_KEPT, MAX_TOKENS_KEPT, MAX_WAITERS,
-    NotWaiting, OperatorEntry, Phase, REPHRASED_BUDGET_BYTES, RephrasedCall, StepRecord, Tokens,
-    WAITERS_BUDGET_BYTES, Waiter, WorkflowEnd, check_record_sizes, token_digest,
+    DispatchToken, Evidence, FastEntry, Hold, MAX_EVIDENCE_KEPT, MAX_LOOKUPS_KEPT, MAX_TOKENS_KEPT,
+    MAX_WAITERS, NotWaiting, OperatorEntry, Phase, REPHRASED_BUDGET_BYTES, Reconciling,
+    RephrasedCall, StepRecord, Tokens, WAITERS_BUDGET_BYTES, Waiter, WorkflowEnd,
+    check_record_sizes, token_digest,
 };
 pub use restore::{
     RebuildError, Rebuilt, RestoreError, Restored, Trust, rebuild_state, restore_partition,
@@ -913,11 +914,12 @@ pub struct OpenSteps {
     pub awaiting_approval: u64,
 }
 
-/// A step's entry in the deadlines index: only a started call awaits an
-/// outcome.
+/// A step's entry in the deadlines index: a started call awaits an
+/// outcome; a held call's lifecycle and an in-doubt step's reconcile lookups
+/// have times too (`gate/core/approvals.rs`, `reconcile.rs`).
 fn deadline_of(phase: Phase, deadline_ms: Option<i64>) -> Option<i64> {
     match phase {
-        Phase::Started => deadline_ms,
+        Phase::Started | Phase::AwaitingApproval | Phase::InDoubt => deadline_ms,
         _ => None,
     }
 }

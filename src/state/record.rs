@@ -284,7 +284,82 @@ pub struct StepRecord {
     /// not the token: who reads the changelog cannot make one.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tokens: Vec<DispatchToken>,
+    /// A call held for a person (`policy = "approval"`): what is approved and
+    /// its lifecycle (`approval_ttl`, `escalate_after`); kept once decided or
+    /// expired, for the audit and to refuse a late decision.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hold: Option<Hold>,
+    /// An in-doubt step whose tool has a `reconcile` lookup: the gate asks it
+    /// what happened, and keeps its answers as evidence.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reconcile: Option<Reconciling>,
 }
+
+/// A held call's terms and lifecycle (`gate/core/approvals.rs`). Its
+/// `deadline_ms` on the step record is the next of its times still ahead.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hold {
+    /// When the call was held (or asked again after its tool's policy changed).
+    pub since_ms: i64,
+    /// SHA-256 of the arguments' bytes, as the tool receives them.
+    pub arguments_sha256: String,
+    /// The tool's `policy_version` it is held under.
+    pub policy_version: String,
+    /// When nobody's decision expires it (`approval_ttl`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expires_at_ms: Option<i64>,
+    /// The TTL as configured, for the texts (`"30m"`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttl: Option<String>,
+    /// When it is escalated (`escalate_after`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub escalate_at_ms: Option<i64>,
+    /// When its hook is told it expires soon (`notify.expiring_before`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expiring_at_ms: Option<i64>,
+    /// The lifecycle events already told (on `approvals`, to the hook):
+    /// `escalated`, `expiring`, `expired`, each once.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub told: Vec<String>,
+}
+
+impl Hold {
+    pub fn told(&self, event: &str) -> bool {
+        self.told.iter().any(|t| t == event)
+    }
+
+    /// The next of the hold's times not yet told, if any: the step's deadline.
+    pub fn next_at_ms(&self) -> Option<i64> {
+        [
+            ("escalated", self.escalate_at_ms),
+            ("expiring", self.expiring_at_ms),
+            ("expired", self.expires_at_ms),
+        ]
+        .into_iter()
+        .filter(|(e, _)| !self.told(e))
+        .filter_map(|(_, at)| at)
+        .min()
+    }
+}
+
+/// Where an in-doubt step's reconciliation is (`gate/core/reconcile.rs`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Reconciling {
+    /// When the step was declared in doubt.
+    pub since_ms: i64,
+    /// After this, no more lookups: a person settles it.
+    pub until_ms: i64,
+    /// Lookups started so far.
+    pub asked: u32,
+    /// Who settles it now: `reconciler` while asking, `person` after.
+    pub settling: crate::contract::Settler,
+    /// The lookups' answers, the newest [`MAX_LOOKUPS_KEPT`].
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub lookups: Vec<crate::contract::LookupEvidence>,
+}
+
+/// At most this many lookup answers are kept per step (the newest).
+pub const MAX_LOOKUPS_KEPT: usize = 16;
 
 /// A dispatch's token as its step's record keeps it (see [`StepRecord::tokens`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -424,6 +499,8 @@ impl StepRecord {
             reply_partition: None,
             unseen_reader: false,
             tokens: Vec::new(),
+            hold: None,
+            reconcile: None,
         }
     }
 

@@ -2,6 +2,7 @@
 //! Metric names follow `stepgate_<noun>_<unit>_total`; labels are bounded (tool,
 //! category, status, reason), never a workflow id.
 
+mod lifecycle;
 mod server;
 mod traces;
 
@@ -72,6 +73,8 @@ pub struct Metrics {
     partitions: PartitionGauges,
     /// The spans of each step (`[traces]`): nothing unless configured.
     traces: Traces,
+    /// Held calls' lifecycle, reconcile lookups, notifications (`lifecycle.rs`).
+    lifecycle: lifecycle::LifecycleMetrics,
 }
 
 fn counter(r: &Registry, name: &str, help: &str) -> IntCounter {
@@ -506,6 +509,7 @@ impl Metrics {
             open_steps,
             commit_latency,
             state_write_latency,
+            lifecycle: lifecycle::LifecycleMetrics::new(&r),
             registry: r,
             tools,
             traces: Traces::disabled(),

@@ -21,6 +21,7 @@
 //! `timeout` starts.
 
 pub mod mcp;
+pub mod reconcile;
 pub mod tool;
 mod transport;
 pub(crate) mod validate;
@@ -143,6 +144,9 @@ impl ToolRegistry {
         call: &Call,
         may_send: &(dyn Fn() -> bool + Sync),
     ) -> Option<Outcome> {
+        if call.is_lookup() {
+            return Some(self.lookup(call).await);
+        }
         let tool_name = &call.step.tool;
         let Some(tool) = self.tools.get(tool_name) else {
             return Some(Outcome::Error {

@@ -218,6 +218,152 @@ pub struct ToolConfig {
     /// a body) stays out: a rephrased retry must still be a retry.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub identity: Vec<String>,
+    /// With `policy = "approval"`: a held call nobody approves or denies
+    /// within this is answered `approval_expired` (nothing ran; a new call
+    /// asks again), and a decision after it is refused. Unset: a held call
+    /// waits until someone decides.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub approval_ttl: Option<Dur>,
+    /// With `policy = "approval"`: a held call nobody decided within this is
+    /// escalated (an `escalated` approval event, and the `[notify]` hook is
+    /// told). Shorter than `approval_ttl`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub escalate_after: Option<Dur>,
+    /// With `policy = "approval"`: `approval_ttl` and `escalate_after` for
+    /// the workflows whose id starts with a prefix
+    /// (`[[tools.<name>.approval_by_workflow]]` with `workflow_prefix`); the
+    /// longest matching prefix wins, and what it leaves unset is the tool's.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub approval_by_workflow: Vec<ApprovalOverride>,
+    /// How to ask the tool what became of a call that is in doubt (`keyed`
+    /// and `unkeyed` tools): the gate asks, with backoff, and settles the
+    /// step as executed or not, or leaves it to a person with the answers as
+    /// evidence (docs/tools.md "Reconciliation").
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reconcile: Option<ReconcileConfig>,
+}
+
+/// `[[tools.<name>.approval_by_workflow]]`: a held call's lifecycle for the
+/// workflows whose id starts with `workflow_prefix`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ApprovalOverride {
+    /// The workflows it applies to: those whose id starts with this.
+    pub workflow_prefix: String,
+    /// Their `approval_ttl` (unset: the tool's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub approval_ttl: Option<Dur>,
+    /// Their `escalate_after` (unset: the tool's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub escalate_after: Option<Dur>,
+}
+
+/// `[tools.<name>] reconcile = { … }`: how to ask what happened to a call of
+/// the tool that is in doubt. Give `url` (an HTTP endpoint) or `mcp` (an MCP
+/// server's endpoint, with `mcp_tool`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReconcileConfig {
+    /// The lookup's `http://…` or `https://…` endpoint: it receives a `POST`
+    /// naming the step and its idempotency key (docs/tools.md "Reconciliation").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub url: Option<String>,
+    /// Instead of `url`: the Streamable HTTP endpoint of an MCP server whose
+    /// tool `mcp_tool` is the lookup.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mcp: Option<String>,
+    /// With `mcp`: the lookup tool's name at the MCP server.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mcp_tool: Option<String>,
+    /// The first lookup is made this long after the step went in doubt; each
+    /// later one waits twice as long as the one before, at most 10 × this.
+    /// Unset: 5s.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub every: Option<Dur>,
+    /// How long after the step went in doubt lookups are made; after that
+    /// the step is left to a person, with the lookups' answers as evidence.
+    /// Unset: 10m.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub until: Option<Dur>,
+    /// How long one lookup may take. Unset: 10s.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout: Option<Dur>,
+}
+
+impl ReconcileConfig {
+    /// Its URLs' credentials redacted (what `check-config` prints).
+    pub fn redacted(&self) -> ReconcileConfig {
+        ReconcileConfig {
+            url: self.url.as_deref().map(crate::redact::redact_url),
+            mcp: self.mcp.as_deref().map(crate::redact::redact_url),
+            ..self.clone()
+        }
+    }
+
+    /// Its checks, as `tools.<name>.reconcile.<field>` and a message.
+    pub(crate) fn check(&self) -> Result<(), (String, String)> {
+        let bad = |f: &str, m: &str| Err((f.to_owned(), m.to_owned()));
+        match (&self.url, &self.mcp) {
+            (Some(_), Some(_)) => {
+                return bad("url", "give either `url` or `mcp` for the lookup, not both");
+            }
+            (None, None) => {
+                return bad(
+                    "url",
+                    "a `reconcile` lookup needs `url` (an HTTP endpoint) or `mcp` (an MCP server's endpoint, with `mcp_tool`)",
+                );
+            }
+            _ => {}
+        }
+        if let Some(url) = self.url.as_ref().or(self.mcp.as_ref())
+            && !(url.starts_with("http://") || url.starts_with("https://"))
+        {
+            return bad(
+                if self.url.is_some() { "url" } else { "mcp" },
+                "must be an http:// or https:// URL",
+            );
+        }
+        if self.mcp.is_some() && self.mcp_tool.as_deref().is_none_or(str::is_empty) {
+            return bad(
+                "mcp_tool",
+                "names the lookup tool at the MCP server; it is required with `mcp`",
+            );
+        }
+        if self.mcp.is_none() && self.mcp_tool.is_some() {
+            return bad("mcp_tool", "applies only with `mcp`");
+        }
+        if self.every().is_zero() || self.timeout().is_zero() {
+            return bad("every", "`every` and `timeout` must be longer than 0");
+        }
+        if self.until() < self.every() {
+            return bad(
+                "until",
+                "must be at least `every`: no lookup would ever be made",
+            );
+        }
+        Ok(())
+    }
+
+    pub fn every(&self) -> Duration {
+        self.every.map_or(Duration::from_secs(5), |d| d.0)
+    }
+
+    pub fn until(&self) -> Duration {
+        self.until.map_or(Duration::from_secs(600), |d| d.0)
+    }
+
+    pub fn timeout(&self) -> Duration {
+        self.timeout.map_or(Duration::from_secs(10), |d| d.0)
+    }
+
+    /// How long after the step went in doubt lookup number `ask` (1-based)
+    /// starts: `every`, then doubling each time, each wait at most 10 × `every`.
+    pub fn ask_at(&self, ask: u32) -> Duration {
+        let every = self.every();
+        (1..=ask.max(1))
+            .map(|n| (every * (1u32 << (n - 1).min(16))).min(every * 10))
+            .sum()
+    }
 }
 
 /// Where a tool header's value comes from.
@@ -415,6 +561,14 @@ struct RawToolConfig {
     busy_wait: Option<Dur>,
     #[serde(default)]
     identity: Vec<String>,
+    #[serde(default)]
+    approval_ttl: Option<Dur>,
+    #[serde(default)]
+    escalate_after: Option<Dur>,
+    #[serde(default)]
+    approval_by_workflow: Vec<ApprovalOverride>,
+    #[serde(default)]
+    reconcile: Option<ReconcileConfig>,
 }
 
 impl TryFrom<RawToolConfig> for ToolConfig {
@@ -424,6 +578,7 @@ impl TryFrom<RawToolConfig> for ToolConfig {
         let category = r.category.or(r.annotations.map(|a| a.category())).ok_or_else(|| {
             "a tool needs `category` (read_only | idempotent | keyed | unkeyed) or MCP `annotations`".to_owned()
         })?;
+        check_lifecycle(&r, category)?;
         if r.policy.is_some_and(|p| p != Policy::InDoubt) && category != Category::Unkeyed {
             return Err(format!(
                 "`policy` applies to unkeyed tools only; this tool is {}, which is safe to re-run \
@@ -505,8 +660,84 @@ impl TryFrom<RawToolConfig> for ToolConfig {
             busy_statuses: r.busy_statuses,
             busy_wait: r.busy_wait.unwrap_or(r.timeout),
             identity,
+            approval_ttl: r.approval_ttl,
+            escalate_after: r.escalate_after,
+            approval_by_workflow: r.approval_by_workflow,
+            reconcile: r.reconcile,
         })
     }
+}
+
+/// The approval lifecycle's keys only with `policy = "approval"`, each
+/// escalation before its expiry; `reconcile` only where a call can be in
+/// doubt, and well formed.
+fn check_lifecycle(r: &RawToolConfig, category: Category) -> Result<(), String> {
+    let approval = category == Category::Unkeyed && r.policy == Some(Policy::Approval);
+    let lifecycle = r.approval_ttl.is_some()
+        || r.escalate_after.is_some()
+        || !r.approval_by_workflow.is_empty();
+    if lifecycle && !approval {
+        return Err(
+            "`approval_ttl`, `escalate_after` and `approval_by_workflow` apply to a tool whose \
+             calls wait for a person (`category = \"unkeyed\"`, `policy = \"approval\"`)"
+                .to_owned(),
+        );
+    }
+    let zero = |d: Option<Dur>| d.is_some_and(|d| d.0.is_zero());
+    let terms = std::iter::once((None, r.approval_ttl, r.escalate_after)).chain(
+        r.approval_by_workflow.iter().map(|o| {
+            (
+                Some(o.workflow_prefix.as_str()),
+                o.approval_ttl.or(r.approval_ttl),
+                o.escalate_after.or(r.escalate_after),
+            )
+        }),
+    );
+    for (prefix, ttl, escalate) in terms {
+        let whose = prefix.map_or(String::new(), |p| {
+            format!(" (for the workflows starting with {p:?})")
+        });
+        if zero(ttl) || zero(escalate) {
+            return Err(format!(
+                "`approval_ttl` and `escalate_after` must be longer than 0{whose}"
+            ));
+        }
+        if let (Some(t), Some(e)) = (ttl, escalate)
+            && e.0 >= t.0
+        {
+            return Err(format!(
+                "`escalate_after` ({}) must be shorter than `approval_ttl` ({}){whose}: an escalation after the expiry would never be made",
+                humantime::format_duration(e.0),
+                humantime::format_duration(t.0)
+            ));
+        }
+    }
+    let mut prefixes = std::collections::BTreeSet::new();
+    for o in &r.approval_by_workflow {
+        if o.workflow_prefix.is_empty() {
+            return Err(
+                "`approval_by_workflow` entries need a non-empty `workflow_prefix` (the tool's own keys are for every workflow)"
+                    .to_owned(),
+            );
+        }
+        if !prefixes.insert(o.workflow_prefix.as_str()) {
+            return Err(format!(
+                "`approval_by_workflow` lists the prefix {:?} twice",
+                o.workflow_prefix
+            ));
+        }
+    }
+    if let Some(rc) = &r.reconcile {
+        if !matches!(category, Category::Keyed | Category::Unkeyed) {
+            return Err(format!(
+                "`reconcile` applies to `keyed` and `unkeyed` tools, whose calls can be in doubt; this tool is {}",
+                category.as_str()
+            ));
+        }
+        rc.check()
+            .map_err(|(field, message)| format!("`reconcile.{field}` {message}"))?;
+    }
+    Ok(())
 }
 
 /// A pool's name: it is part of a topic name.
@@ -601,6 +832,41 @@ impl ToolConfig {
         self.category == Category::Unkeyed && self.policy == Policy::LastStep
     }
 
+    /// A held call's `(approval_ttl, escalate_after)` in `workflow_id`: the
+    /// longest matching `approval_by_workflow` prefix's, else the tool's.
+    pub fn approval_times(&self, workflow_id: &str) -> (Option<Duration>, Option<Duration>) {
+        let over = self
+            .approval_by_workflow
+            .iter()
+            .filter(|o| workflow_id.starts_with(&o.workflow_prefix))
+            .max_by_key(|o| o.workflow_prefix.len());
+        let ttl = over.and_then(|o| o.approval_ttl).or(self.approval_ttl);
+        let escalate = over.and_then(|o| o.escalate_after).or(self.escalate_after);
+        (ttl.map(|d| d.0), escalate.map(|d| d.0))
+    }
+
+    /// What a person approving a call of this tool approves besides its
+    /// arguments: where and how it runs (category, policy, endpoint, key,
+    /// identity, the names of its headers — not their values, which rotate).
+    /// A call held under one version and approved under another is asked
+    /// for again. `pv1-` and 16 hex characters.
+    pub fn policy_version(&self) -> String {
+        use sha2::{Digest, Sha256};
+        let terms = serde_json::json!([
+            self.category.as_str(),
+            self.policy.as_str(),
+            self.url,
+            self.mcp_tool,
+            self.pool,
+            self.idempotency_header,
+            self.idempotency_field,
+            self.identity,
+            self.headers.keys().collect::<Vec<_>>(),
+        ]);
+        let digest = Sha256::digest(terms.to_string().as_bytes());
+        format!("pv1-{}", crate::contract::hex(&digest[..8]))
+    }
+
     /// Backoff before try number `n` (1-based retries).
     pub fn backoff_before(&self, retry: u32) -> Duration {
         let base = self.backoff.0;
@@ -649,6 +915,7 @@ impl ToolConfig {
         ToolConfig {
             url: redact_url(&self.url),
             headers,
+            reconcile: self.reconcile.as_ref().map(ReconcileConfig::redacted),
             ..self.clone()
         }
     }
@@ -679,6 +946,10 @@ impl std::fmt::Debug for ToolConfig {
             .field("busy_statuses", &r.busy_statuses)
             .field("busy_wait", &r.busy_wait)
             .field("identity", &r.identity)
+            .field("approval_ttl", &r.approval_ttl)
+            .field("escalate_after", &r.escalate_after)
+            .field("approval_by_workflow", &r.approval_by_workflow)
+            .field("reconcile", &r.reconcile)
             .finish()
     }
 }

@@ -8,6 +8,7 @@
 mod common;
 
 mod acls;
+mod approvals_lifecycle;
 mod broker_restart;
 mod client;
 mod cluster_faults;
@@ -29,6 +30,7 @@ mod operations;
 mod operators;
 mod python_client;
 mod readme;
+mod reconcile;
 #[cfg(feature = "test-hooks")]
 mod recovery;
 mod secured;

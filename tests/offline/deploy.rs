@@ -45,7 +45,17 @@ fn metric_names(expr: &str) -> BTreeSet<String> {
 }
 
 fn exported() -> String {
-    std::fs::read_to_string(root().join("src/telemetry/mod.rs")).unwrap()
+    // Every file of the telemetry module registers metrics (`lifecycle.rs` too).
+    let mut files: Vec<PathBuf> = std::fs::read_dir(root().join("src/telemetry"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "rs"))
+        .collect();
+    files.sort();
+    files
+        .iter()
+        .map(|f| std::fs::read_to_string(f).unwrap())
+        .collect()
 }
 
 #[test]

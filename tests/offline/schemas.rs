@@ -133,6 +133,7 @@ fn every_result_status_validates() {
         error: Some(err),
         deduplicated: false,
         completed_at: stepgate::contract::timestamp(at),
+        in_doubt: None,
     };
     assert_valid(&v, &serde_json::to_value(&rejected).unwrap());
     // The schema really constrains: an ok without output, or an unknown status, fails.
@@ -141,6 +142,82 @@ fn every_result_status_validates() {
     assert!(!v.is_valid(&bad));
     bad["status"] = json!("maybe");
     assert!(!v.is_valid(&bad));
+}
+
+/// The structured `in_doubt` of an in-doubt answer, as the gate writes it
+/// for a person or for the reconciler, validates; and the schema holds it to
+/// in-doubt answers, and to its fields' shapes.
+#[test]
+fn the_structured_in_doubt_validates() {
+    use stepgate::contract::{IN_DOUBT_VERSION, InDoubt, Learn, Settler};
+    let v = schema("result.v1.json");
+    let err = ErrorBody {
+        kind: "executor_lost".into(),
+        message: "m".into(),
+    };
+    let mut r = ToolResult::from_outcome(
+        &step(),
+        Some("c".into()),
+        Outcome::InDoubt { error: err },
+        chrono::Utc::now(),
+    );
+    for (settling, until) in [
+        (Settler::Person, None),
+        (
+            Settler::Reconciler,
+            Some("2026-11-29T08:10:00.000Z".to_owned()),
+        ),
+    ] {
+        r.in_doubt = Some(InDoubt {
+            version: IN_DOUBT_VERSION,
+            idempotency_key: step().idempotency_key(),
+            since: "2026-11-29T08:00:00.000Z".into(),
+            settling,
+            until,
+            learn: Learn::RepeatStep,
+        });
+        let json = serde_json::to_value(&r).unwrap();
+        assert_valid(&v, &json);
+        assert_valid(
+            &v,
+            &serde_json::to_value(r.for_repeat(Some("c2".into()))).unwrap(),
+        );
+        assert_eq!(json["in_doubt"]["settling"], json!(settling.as_str()));
+        assert_eq!(json["in_doubt"]["learn"], json!("repeat_step"));
+        assert_eq!(
+            json["in_doubt"]["idempotency_key"],
+            json!(step().idempotency_key())
+        );
+        let back: ToolResult = serde_json::from_value(json).unwrap();
+        assert_eq!(back, r, "round trip");
+    }
+    // A field a later version adds is read past (additive).
+    let mut later = serde_json::to_value(&r).unwrap();
+    later["in_doubt"]["asked"] = json!(3);
+    assert_valid(&v, &later);
+    assert!(serde_json::from_value::<ToolResult>(later).is_ok());
+    // Only on in-doubt answers, and with its fields' shapes.
+    let mut ok = serde_json::to_value(&r).unwrap();
+    ok["status"] = json!("ok");
+    ok.as_object_mut().unwrap().remove("error");
+    ok["output"] = json!({});
+    assert!(!v.is_valid(&ok), "in_doubt on an ok answer");
+    for (field, bad) in [
+        ("settling", json!("robot")),
+        ("learn", json!("poll")),
+        ("since", json!(12)),
+        ("idempotency_key", json!("")),
+    ] {
+        let mut b = serde_json::to_value(&r).unwrap();
+        b["in_doubt"][field] = bad;
+        assert!(!v.is_valid(&b), "in_doubt.{field}");
+    }
+    let mut missing = serde_json::to_value(&r).unwrap();
+    missing["in_doubt"]
+        .as_object_mut()
+        .unwrap()
+        .remove("idempotency_key");
+    assert!(!v.is_valid(&missing));
 }
 
 /// Every rejection reason. The match makes a new variant a compile error here
@@ -164,12 +241,15 @@ fn all_reasons() -> Vec<RejectionReason> {
         WrongPartition,
         Expired,
         RefusedProgress,
+        SelfDecision,
+        ApprovalExpired,
     ];
     for r in &all {
         match r {
             Oversized | MalformedJson | NotAnObject | MissingField | WrongType | InvalidValue
             | UnknownTool | WorkflowEnded | BadCommand | StaleCommand | IdentityConflict
-            | TooDeep | Unprocessable | WrongPartition | Expired | RefusedProgress => {}
+            | TooDeep | Unprocessable | WrongPartition | Expired | RefusedProgress
+            | SelfDecision | ApprovalExpired => {}
         }
     }
     all
@@ -287,6 +367,14 @@ fn operator_commands_and_approval_events_match_their_schemas() {
                 dispatch: 2,
                 intended_at_ms: 1_764_316_800_000,
             }),
+            arguments_sha256: Some("ab".repeat(32)),
+            policy_version: Some("pv1-0123456789abcdef".into()),
+            evidence: Some(vec![stepgate::contract::LookupEvidence {
+                ask: 1,
+                at: "2026-11-29T08:00:00.000Z".into(),
+                answer: "failed".into(),
+                detail: Some("HTTP 502".into()),
+            }]),
         };
         assert_valid(&v, &serde_json::to_value(&c).unwrap());
     }
@@ -320,7 +408,28 @@ fn operator_commands_and_approval_events_match_their_schemas() {
             arguments: serde_json::Map::new(),
             call_id: None,
             metadata: None,
+            arguments_sha256: None,
+            policy_version: None,
+            expires_at: None,
+            escalate_at: None,
         },
+        ApprovalKind::Requested {
+            arguments: serde_json::Map::new(),
+            call_id: Some("c".into()),
+            metadata: None,
+            arguments_sha256: Some("0f".repeat(32)),
+            policy_version: Some("pv1-0123456789abcdef".into()),
+            expires_at: Some("2026-11-29T08:30:00.000Z".into()),
+            escalate_at: Some("2026-11-29T08:10:00.000Z".into()),
+        },
+        ApprovalKind::Escalated {
+            expires_at: Some("2026-11-29T08:30:00.000Z".into()),
+        },
+        ApprovalKind::Escalated { expires_at: None },
+        ApprovalKind::Expiring {
+            expires_at: "2026-11-29T08:30:00.000Z".into(),
+        },
+        ApprovalKind::Expired { ttl: "30m".into() },
         ApprovalKind::Approved {
             by: "alice".into(),
             reason: None,

@@ -11,7 +11,17 @@ keeps the two from overwriting each other's files if both get installed).
 
 __version__ = "0.2.0"
 
-from .answer import Answer, AnswerError, ResultV1, Status, answer_text
+from .answer import (
+    PERSON,
+    RECONCILER,
+    Answer,
+    AnswerError,
+    InDoubt,
+    InDoubtV1,
+    ResultV1,
+    Status,
+    answer_text,
+)
 from .client import (
     AsyncClient,
     AsyncWorkflow,
@@ -23,19 +33,25 @@ from .client import (
     StepgateTimeout,
     StepgateTopicError,
     Workflow,
+    await_settled,
     hop_call_id,
     murmur2,
     new_call_id,
     partition_for,
     topic_names,
+    wait_settled,
 )
 
 __all__ = [
+    "PERSON",
+    "RECONCILER",
     "Answer",
     "AnswerError",
     "AsyncClient",
     "AsyncWorkflow",
     "Client",
+    "InDoubt",
+    "InDoubtV1",
     "ResultV1",
     "Status",
     "StepgateAwaitingApproval",
@@ -47,9 +63,11 @@ __all__ = [
     "Workflow",
     "__version__",
     "answer_text",
+    "await_settled",
     "hop_call_id",
     "murmur2",
     "new_call_id",
     "partition_for",
     "topic_names",
+    "wait_settled",
 ]

@@ -17,11 +17,11 @@ import json
 import threading
 import time
 import uuid
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 
-from .answer import MAX_CONFLICT_HOPS, Answer
+from .answer import MAX_CONFLICT_HOPS, RECONCILER, Answer
 
 
 def murmur2(data: bytes) -> int:
@@ -663,6 +663,11 @@ class Client:
         finally:
             call.unwatch(core, deliver, held)
 
+    def wait_settled(self, answer: Answer, arguments: Mapping[str, Any], **kw: Any) -> Answer:
+        """Repeat `answer`'s in-doubt step until it is settled (bounded); see
+        `wait_settled` (the module function) for the options."""
+        return wait_settled(self, answer, arguments, **kw)
+
     def close(self) -> None:
         """Stop reading answers; calls still waiting raise StepgateClosed."""
         self._core.close()
@@ -793,6 +798,11 @@ class AsyncClient:
             if not fut.done():
                 fut.cancel()
 
+    async def wait_settled(self, answer: Answer, arguments: Mapping[str, Any],
+                           **kw: Any) -> Answer:
+        """`Client.wait_settled`, awaited (see `await_settled`)."""
+        return await await_settled(self, answer, arguments, **kw)
+
     async def close(self) -> None:
         """Stop reading answers; calls still waiting raise StepgateClosed."""
         await asyncio.get_running_loop().run_in_executor(None, self._core.close)
@@ -802,6 +812,59 @@ class AsyncClient:
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.close()
+
+
+def _keeps_waiting(answer: Answer, wait_for_person: bool) -> bool:
+    """In doubt, and someone is expected to settle it while we wait."""
+    if answer.status != "in_doubt":
+        return False
+    return wait_for_person or (answer.in_doubt is not None
+                               and answer.in_doubt.settling == RECONCILER)
+
+
+def wait_settled(client: Client, answer: Answer, arguments: Mapping[str, Any], *,
+                 within: float = 300.0, every: float = 2.0, wait_for_person: bool = False,
+                 **kw: Any) -> Answer:
+    """Learn how an in-doubt step was settled: repeat it — same workflow, step
+    index, tool and attempt, each repeat a call of its own (`call_id`) — every
+    `every` seconds, until its answer is no longer `in_doubt`, and return that
+    answer. At most `within` seconds: then the last (in-doubt) answer.
+
+    A repeat is what the answer's `in_doubt.learn` (`"repeat_step"`) says to
+    do: it returns the same in-doubt answer until the step is settled, then
+    the settled one — the tool's result if the call took effect, or, if it
+    did not, the result of running it once then (with the same key). An
+    answer that is not in doubt is returned at once. Without
+    `wait_for_person`, a step a person settles (`in_doubt.settling ==
+    "person"`: no tool lookup, or the lookups could not tell) is returned at
+    once too: nobody knows when a person decides. `kw` goes to each
+    `Client.call` (`timeout`, `metadata`, ...).
+    """
+    deadline = time.monotonic() + within
+    while _keeps_waiting(answer, wait_for_person) and time.monotonic() < deadline:
+        time.sleep(max(0.0, min(every, deadline - time.monotonic())))
+        answer = client.call(answer.workflow_id, answer.step_index, answer.tool, arguments,
+                             attempt=answer.attempt, **dict(kw, call_id=new_call_id()))
+    return answer
+
+
+async def await_settled(client: Union[Client, "AsyncClient"], answer: Answer,
+                        arguments: Mapping[str, Any], *, within: float = 300.0,
+                        every: float = 2.0, wait_for_person: bool = False,
+                        **kw: Any) -> Answer:
+    """`wait_settled` from a coroutine, on either client (a `Client`'s calls
+    run on a worker thread)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while _keeps_waiting(answer, wait_for_person) and loop.time() < deadline:
+        await asyncio.sleep(max(0.0, min(every, deadline - loop.time())))
+        args = (answer.workflow_id, answer.step_index, answer.tool, arguments)
+        call_kw = dict(kw, attempt=answer.attempt, call_id=new_call_id())
+        if isinstance(client, AsyncClient):
+            answer = await client.call(*args, **call_kw)
+        else:
+            answer = await asyncio.to_thread(client.call, *args, **call_kw)
+    return answer
 
 
 def _at_hop(kw: Dict[str, Any], hop: int) -> Dict[str, Any]:

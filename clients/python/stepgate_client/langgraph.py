@@ -72,8 +72,10 @@ from .client import (
     Client,
     StepgateAwaitingApproval,
     StepgateError,
+    await_settled,
     hop_call_id,
     new_call_id,
+    wait_settled,
 )
 
 NOT_ANSWERED = "not answered yet:"
@@ -255,6 +257,7 @@ def stepgate_tool(
     args_schema: Optional[Type[BaseModel]] = None,
     timeout: float = 60.0,
     channel: str = "stepgate",
+    in_doubt_wait: float = 0.0,
 ) -> StructuredTool:
     """A tool for LangGraph's ToolNode whose calls go through stepgate.
 
@@ -262,6 +265,12 @@ def stepgate_tool(
     default description), or JSON Schema `properties` (with `required`; all
     required when not given). The graph's state needs the `stepgate` channel
     (`StepgateState`).
+
+    `in_doubt_wait`: seconds to wait for the resolution of a call that is in
+    doubt while stepgate asks the tool what happened (`Answer.reconciling`):
+    its step is repeated until settled (`wait_settled`), and the model gets
+    the settled answer. 0 (the default): the model gets the in-doubt answer,
+    which tells it a repeat returns the outcome once known.
     """
     base = args_schema or _schema_model(name, properties, required)
     if description is None:
@@ -297,6 +306,12 @@ def stepgate_tool(
                 return step.result(NOT_ANSWERED_TEXT, unanswered=True)
             if not (answer.identity_conflict and step.conflicted()):
                 break
+        if in_doubt_wait > 0 and answer.reconciling:
+            try:
+                answer = wait_settled(client, answer, args, within=in_doubt_wait,
+                                      timeout=timeout, metadata=metadata)
+            except StepgateError:
+                pass  # the in-doubt answer stands: it says how to learn more
         return step.result(answer_text(answer))
 
     async def arun(state: dict, tool_call_id: str, config: RunnableConfig,
@@ -324,6 +339,12 @@ def stepgate_tool(
                 return step.result(NOT_ANSWERED_TEXT, unanswered=True)
             if not (answer.identity_conflict and step.conflicted()):
                 break
+        if in_doubt_wait > 0 and answer.reconciling:
+            try:
+                answer = await await_settled(client, answer, args, within=in_doubt_wait,
+                                             timeout=timeout, metadata=metadata)
+            except StepgateError:
+                pass
         return step.result(answer_text(answer))
 
     return StructuredTool.from_function(
@@ -337,6 +358,7 @@ def stepgate_tool_from(
     *,
     timeout: float = 60.0,
     channel: str = "stepgate",
+    in_doubt_wait: float = 0.0,
 ) -> StructuredTool:
     """`stepgate_tool` from a `@tool` (a LangChain tool) or a typed function:
     its name, description and argument schema, as LangChain derives them.
@@ -349,7 +371,7 @@ def stepgate_tool_from(
     if not (isinstance(schema, type) and issubclass(schema, BaseModel)):
         raise TypeError(f"{tool.name}: its argument schema is not a pydantic model")
     return stepgate_tool(client, tool.name, tool.description, args_schema=schema,
-                         timeout=timeout, channel=channel)
+                         timeout=timeout, channel=channel, in_doubt_wait=in_doubt_wait)
 
 
 def _py_type(schema: Dict[str, Any]) -> Any:

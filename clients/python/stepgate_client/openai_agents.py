@@ -74,6 +74,7 @@ from .client import (
     StepgateAwaitingApproval,
     StepgateError,
     StepgateTimeout,
+    await_settled,
     hop_call_id,
     new_call_id,
 )
@@ -454,11 +455,13 @@ def _correlation(tool_call_id: Optional[str]) -> Optional[Dict[str, Any]]:
 
 async def invoke_step(client: Union[Client, AsyncClient], run: StepgateRun, name: str,
                       arguments: Dict[str, Any], tool_call_id: Optional[str],
-                      timeout: float) -> str:
+                      timeout: float, in_doubt_wait: float = 0.0) -> str:
     """One tool call of a run through stepgate: the text for the model.
     `tool_call_id` is the model's id of the call: it finds a call whose step
     was taken before an approval interruption, and goes in the intent's
-    metadata; each intent gets a wire `call_id` of its own."""
+    metadata; each intent gets a wire `call_id` of its own. With
+    `in_doubt_wait`, a call in doubt while stepgate asks the tool what
+    happened is repeated until settled, at most that many seconds."""
     if tool_call_id is not None and tool_call_id in run.calls:
         # A call whose step was taken before it was held for approval.
         step, fresh = run.calls.pop(tool_call_id), False
@@ -492,6 +495,12 @@ async def invoke_step(client: Union[Client, AsyncClient], run: StepgateRun, name
         del run.pending[step]
         await run._saved()
         raise _position_lost(run, step, name)
+    if in_doubt_wait > 0 and answer.reconciling:
+        try:
+            answer = await await_settled(client, answer, arguments, within=in_doubt_wait,
+                                         timeout=timeout, metadata=_correlation(tool_call_id))
+        except StepgateError:
+            pass  # the in-doubt answer stands: it says how to learn more
     del run.pending[step]
     await run._saved()
     return answer_text(answer)
@@ -506,8 +515,15 @@ def stepgate_tool(
     context_attribute: str = "stepgate",
     strict_json_schema: bool = True,
     approval: bool = False,
+    in_doubt_wait: float = 0.0,
 ) -> FunctionTool:
     """A function tool for `Agent(tools=[...])` whose calls go through stepgate.
+
+    `in_doubt_wait`: seconds to wait for the resolution of a call in doubt
+    while stepgate asks the tool what happened (`Answer.reconciling`): its
+    step is repeated until settled, and the model gets the settled answer. 0
+    (the default): the model gets the in-doubt answer, which says a repeat
+    returns the outcome once known.
 
     `approval=True`, for a tool whose stepgate policy is `approval`: each call
     is published when the SDK asks whether it needs approval; if stepgate
@@ -527,7 +543,8 @@ def stepgate_tool(
         if found is not None:
             return answer_text(found)
         arguments = json.loads(input_json or "{}")
-        return await invoke_step(client, run, name, arguments, ctx.tool_call_id, timeout)
+        return await invoke_step(client, run, name, arguments, ctx.tool_call_id, timeout,
+                                 in_doubt_wait)
 
     async def needs_approval(ctx: Any, arguments: Dict[str, Any], tool_call_id: str) -> bool:
         run = await resolve_run(ctx, context_attribute)
@@ -570,6 +587,7 @@ def stepgate_function_tool(
     description: Optional[str] = None,
     timeout: float = 60.0,
     context_attribute: str = "stepgate",
+    in_doubt_wait: float = 0.0,
 ) -> Any:
     """A function tool from a typed Python function's signature and docstring
     (the SDK's own `function_schema`), whose calls go through stepgate: the
@@ -584,7 +602,8 @@ def stepgate_function_tool(
         return stepgate_tool(client, schema.name, schema.description or "",
                              schema.params_json_schema, timeout=timeout,
                              context_attribute=context_attribute,
-                             strict_json_schema=schema.strict_json_schema)
+                             strict_json_schema=schema.strict_json_schema,
+                             in_doubt_wait=in_doubt_wait)
 
     return make(func) if func is not None else make
 

@@ -92,6 +92,7 @@ class ToolServer:
         self.calls: List[Invocation] = []
         self.delays: Dict[str, float] = {}
         self.statuses: Dict[str, int] = {}
+        self.bodies: Dict[str, Any] = {}
         self.rendezvous: Dict[str, Tuple[int, float]] = {}
         self.inside: Dict[str, int] = {}
         self.most_inside: Dict[str, int] = {}
@@ -144,6 +145,8 @@ class ToolServer:
                 time.sleep(self.delays[name])
             if name in self.statuses:
                 return self.statuses[name], {"error": f"status {self.statuses[name]}"}
+            if name in self.bodies:
+                return 200, self.bodies[name]
             return 200, {"tool": name, "echo": body, "together": together}
         finally:
             with self.lock:
@@ -191,6 +194,10 @@ DEFAULT_TOOLS = [
     ("mail", "keyed", "10s", 'identity = ["to"]\n'),
     # Every call waits for a person's approval (`stepgate approvals approve`).
     ("wire_approved", "unkeyed", "10s", 'policy = "approval"\n'),
+    # An unkeyed tool the gate can ask what happened (its lookup is the
+    # tool server's `doubtful_lookup`, answering `ToolServer.bodies`).
+    ("doubtful", "unkeyed", "10s",
+     'reconcile = { url = "{tools}/doubtful_lookup", every = "200ms", until = "60s" }\n'),
 ]
 
 
@@ -226,7 +233,7 @@ class Stack:
             f'\n[tools.{n}]\ncategory = "{c}"\n'
             + ("" if "pool =" in "".join(more) else f'url = "{self.tools.base}/{n}"\n')
             + f'timeout = "{t}"\nretries = 1\nbackoff = "50ms"\n{"".join(more)}'
-            for n, c, t, *more in tools)
+            for n, c, t, *more in tools).replace("{tools}", self.tools.base)
         self.config_path.write_text(f"""[kafka]
 brokers = "{self.brokers}"
 gate_group = "{self.prefix}-gate"

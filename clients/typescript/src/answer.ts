@@ -19,6 +19,43 @@ export interface AnswerError {
   message: string;
 }
 
+/** Who settles an in-doubt step (`InDoubt.settling`): a person (an operator, `stepgate resolve` or the console), or stepgate's reconciler (it asks the tool's `reconcile` lookup until `InDoubt.until`, then leaves the step to a person). */
+export type Settler = "person" | "reconciler";
+
+/** Result v1 `in_doubt` as it is on the wire (schemas/result.v1.json). */
+export interface InDoubtV1 {
+  version: number;
+  idempotency_key: string;
+  since: string;
+  settling: Settler | (string & {});
+  until?: string;
+  learn: "repeat_step" | (string & {});
+}
+
+/**
+ * Why and how an `in_doubt` answer will be settled (Result v1 `in_doubt`), for
+ * a program: `error.message` says the same to a model.
+ */
+export interface InDoubt {
+  /** The shape's version (1). A newer stepgate may add fields: they are in `Answer.raw`. */
+  readonly version: number;
+  /** The key the call carried (its `Idempotency-Key`): what to look the call up by at the provider. */
+  readonly idempotencyKey: string;
+  /** When the step was declared in doubt (RFC 3339). */
+  readonly since: string;
+  /** Who settles it: `person` or `reconciler`. */
+  readonly settling: Settler | (string & {});
+  /** With `reconciler`: when stepgate stops asking the tool and leaves the step to a person (RFC 3339). */
+  readonly until?: string;
+  /**
+   * How to learn the resolution. `repeat_step`: call the same step again (same
+   * workflow, step index, tool, attempt): it returns this answer until the step
+   * is settled, then the settled one (a step found not executed is run once by
+   * that repeat, with the same key).
+   */
+  readonly learn: "repeat_step" | (string & {});
+}
+
 /** A Result v1 record as it is on the wire (JSON). */
 export interface ResultV1 {
   workflow_id: string;
@@ -31,13 +68,16 @@ export interface ResultV1 {
   completed_at: string;
   output?: unknown;
   error?: AnswerError;
+  in_doubt?: InDoubtV1;
 }
 
 /**
  * The one answer of a step (Result v1). `output` is the tool's answer when
  * `status` is `ok`; `error` is set for every other status. `deduplicated` is
  * false only for the call that ran the tool. `in_doubt` is an answer like the
- * others: the call may have taken effect, and a person must check it.
+ * others: the call may have taken effect, and it is settled by a person or,
+ * for a tool with a `reconcile` lookup, by stepgate asking the tool
+ * (`inDoubt` says which, and how to learn the resolution).
  */
 export interface Answer {
   readonly kind: "answer";
@@ -51,8 +91,15 @@ export interface Answer {
   readonly completedAt: string;
   readonly output?: unknown;
   readonly error?: AnswerError;
+  /** With `status === "in_doubt"`: who settles the step and how to learn the resolution. */
+  readonly inDoubt?: InDoubt;
   /** `status === "ok"`. */
   readonly ok: boolean;
+  /**
+   * In doubt, and stepgate is asking the tool what happened: a repeat of the
+   * step soon returns the resolution.
+   */
+  readonly reconciling: boolean;
   /** The call named another call than the one recorded at its step (not run, not given that answer). */
   readonly identityConflict: boolean;
   /** The record exactly as stepgate wrote it. */
@@ -108,6 +155,24 @@ function isObject(v: unknown): v is Record<string, unknown> {
 
 const isStepNumber = (v: unknown): v is number => typeof v === "number" && Number.isInteger(v) && v >= 0;
 
+/**
+ * Result v1 `in_doubt`, read leniently: it is additive, and the answer stands
+ * without it (its `status` and `error.message` say what happened), so a field
+ * missing or of another type takes its default rather than refusing the answer.
+ */
+function inDoubtFromRecord(v: unknown): InDoubt | undefined {
+  if (!isObject(v)) return undefined;
+  const str = (x: unknown, dflt: string): string => (typeof x === "string" ? x : dflt);
+  return Object.freeze({
+    version: typeof v.version === "number" ? v.version : 1,
+    idempotencyKey: str(v.idempotency_key, ""),
+    since: str(v.since, ""),
+    settling: str(v.settling, "person"),
+    ...(typeof v.until === "string" ? { until: v.until } : {}),
+    learn: str(v.learn, "repeat_step"),
+  });
+}
+
 /** A Result v1 record (parsed JSON) as an `Answer`; `MalformedAnswer` when it is not one. */
 export function answerFromRecord(record: unknown): Answer {
   if (!isObject(record)) throw new MalformedAnswer("a result record must be a JSON object");
@@ -132,6 +197,7 @@ export function answerFromRecord(record: unknown): Answer {
   if (r.status !== "ok" && error === undefined) {
     throw new MalformedAnswer(`result: a ${r.status} answer must have an error`);
   }
+  const inDoubt = inDoubtFromRecord(r.in_doubt);
   const raw = r as unknown as ResultV1;
   return Object.freeze({
     kind: "answer" as const,
@@ -145,7 +211,9 @@ export function answerFromRecord(record: unknown): Answer {
     completedAt: typeof r.completed_at === "string" ? r.completed_at : "",
     ...(r.status === "ok" ? { output: r.output } : {}),
     ...(error ? { error } : {}),
+    ...(inDoubt ? { inDoubt } : {}),
     ok: r.status === "ok",
+    reconciling: r.status === "in_doubt" && inDoubt?.settling === "reconciler",
     identityConflict: r.status === "rejected" && error?.kind === IDENTITY_CONFLICT,
     raw,
   });

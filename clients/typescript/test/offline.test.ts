@@ -46,3 +46,27 @@ describe("answers", () => {
   });
 });
 
+describe("in doubt", () => {
+  test("the structured in_doubt of the schema's examples is exposed, and a record without it still reads", () => {
+    // The examples of schemas/result.v1.json, read from that file so the two cannot drift.
+    const schema = JSON.parse(readFileSync(join(REPO, "schemas/result.v1.json"), "utf8")) as { examples: Record<string, any>[] };
+    const doubtful = schema.examples.filter((e) => e.status === "in_doubt");
+    assert.ok(doubtful.some((e) => e.in_doubt?.settling === "person"), "an example settled by a person");
+    assert.ok(doubtful.some((e) => e.in_doubt?.settling === "reconciler"), "an example settled by the reconciler");
+    for (const e of doubtful) {
+      const a = answerFromRecord(e);
+      assert.equal(a.inDoubt?.idempotencyKey, e.in_doubt.idempotency_key);
+      assert.equal(a.inDoubt?.since, e.in_doubt.since);
+      assert.equal(a.inDoubt?.settling, e.in_doubt.settling);
+      assert.equal(a.inDoubt?.until, e.in_doubt.until);
+      assert.equal(a.inDoubt?.learn, "repeat_step");
+      assert.equal(a.reconciling, e.in_doubt.settling === "reconciler");
+    }
+    const bare = answerFromRecord({ ...doubtful[0], in_doubt: undefined });
+    assert.equal(bare.inDoubt, undefined);
+    assert.equal(bare.reconciling, false);
+    const odd = answerFromRecord({ ...doubtful[0], in_doubt: { version: 2, settling: 7 } });
+    assert.equal(odd.inDoubt?.settling, "person");
+    assert.equal(odd.inDoubt?.version, 2);
+  });
+});

@@ -604,6 +604,7 @@ mod tests {
             error: None,
             deduplicated: false,
             completed_at: "2026-01-01T00:00:00.000Z".into(),
+            in_doubt: None,
         }
     }
 

@@ -67,7 +67,7 @@ impl GateCore {
     /// refused with why (a command already applied, re-sent, is skipped).
     fn command_target(
         &mut self,
-        ax: &Apply<'_>,
+        ax: &mut Apply<'_>,
         input: &Input,
         command: &Command,
     ) -> Result<Option<StepRecord>, StateError> {
@@ -103,6 +103,10 @@ impl GateCore {
                 .operator_command(&command.step, action, &command.by, Some(&problem));
             let rejection = Rejection::new(RejectionReason::StaleCommand, problem);
             self.reject(input, rejection, ax.now_ms);
+            return Ok(None);
+        }
+        // A held call's terms and lifecycle (`approvals.rs`).
+        if self.decision_refused(ax, input, command, &record)? {
             return Ok(None);
         }
         let wanted = Phase::acted_on_by(&command.action);

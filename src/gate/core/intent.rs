@@ -4,11 +4,10 @@
 //! attached to the call in flight.
 
 use super::deferred::RUN_BEFORE_REREAD;
-use super::{Apply, GateCore, Out, When, WrongPartition, at, ms};
+use super::{Apply, GateCore, Out, When, WrongPartition, ms};
 use crate::contract::headers::{FORWARDED_FROM, REPLY_PARTITION};
 use crate::contract::{
-    Address, ApprovalEvent, ApprovalKind, Call, Intent, Rejection, RejectionReason, StepKey, Texts,
-    parse_intent,
+    Address, Call, Intent, Rejection, RejectionReason, StepKey, Texts, parse_intent,
 };
 use crate::kafka::Input;
 use crate::state::{FastEntry, NotWaiting, Phase, StateError, StepRecord, Waiter, WorkflowEnd};
@@ -567,19 +566,7 @@ impl GateCore {
             );
         }
         if awaits_approval {
-            self.metrics.approval_requested(&step);
-            self.outs.push(Out::Approval {
-                partition: p,
-                event: ApprovalEvent {
-                    step,
-                    event: ApprovalKind::Requested {
-                        arguments: intent.arguments.to_map(),
-                        call_id: intent.call_id,
-                        metadata: intent.metadata,
-                    },
-                    at: crate::contract::timestamp(at(ax.now_ms)),
-                },
-            });
+            self.hold_for_approval(p, tool, &mut record, ax.now_ms);
         } else {
             self.metrics.step_forwarded(&step, tool.category.as_str());
             self.start(p, &mut record, ax.now_ms, parent);

@@ -242,6 +242,9 @@ impl GateCore {
         p: i32,
         progress: Progress,
     ) -> Result<(), StateError> {
+        if progress.lookup_ask().is_some() {
+            return self.on_lookup_answer(ax, p, progress);
+        }
         let outcome = match progress.event {
             ProgressEvent::Finished { outcome } => outcome,
             ProgressEvent::NotInvoked => {
@@ -521,8 +524,11 @@ impl GateCore {
         // new result answers the step's later calls.
         let answer_caller = record.result.is_none();
         record.phase = phase;
-        let result =
+        let mut result =
             ToolResult::from_outcome(&record.step, record.call_id.clone(), outcome, at(ax.now_ms));
+        if phase == Phase::InDoubt {
+            self.describe_in_doubt(&mut record, &mut result, ax.now_ms);
+        }
         if answer_caller {
             self.outs.push(Out::Result {
                 partition: record.reply_partition.unwrap_or(p),
@@ -544,6 +550,7 @@ impl GateCore {
         record.result = Some(result);
         record.deadline_ms = None;
         record.expires_at_ms = ax.now_ms + ms(self.settings.retention);
+        self.schedule_lookup(p, &mut record);
         ax.put_step(p, &record)
     }
 }

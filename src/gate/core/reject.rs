@@ -55,6 +55,7 @@ impl GateCore {
                     call_id: addr.call_id.clone(),
                     status: Status::Rejected,
                     output: None,
+                    in_doubt: None,
                     error: Some(ErrorBody {
                         kind: rejection.reason.as_str().to_owned(),
                         message: rejection.message.clone(),

@@ -876,7 +876,10 @@ impl World {
                 Out::Invoke {
                     partition, call, ..
                 } => calls.push((partition, call)),
-                Out::Approval { .. } | Out::Dlq { .. } | Out::Forward { .. } => {}
+                Out::Approval { .. }
+                | Out::Command { .. }
+                | Out::Dlq { .. }
+                | Out::Forward { .. } => {}
             }
         }
         let pr = &mut self.procs[x];
@@ -901,7 +904,10 @@ impl World {
                 Out::Invoke {
                     partition, call, ..
                 } => pr.open.evs.push(Ev::Invoke(partition, call)),
-                Out::Approval { .. } | Out::Dlq { .. } | Out::Forward { .. } => {}
+                Out::Approval { .. }
+                | Out::Command { .. }
+                | Out::Dlq { .. }
+                | Out::Forward { .. } => {}
             }
         }
         // Calls started at once: a first-read keyed step's, and those whose

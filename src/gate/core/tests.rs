@@ -1175,6 +1175,9 @@ fn unresolved_steps_outlive_the_retention_and_expire_once_settled() {
         at: "2026-12-02T00:00:00Z".into(),
         reason: None,
         run: None,
+        arguments_sha256: None,
+        policy_version: None,
+        evidence: None,
     };
     let input = f.input("commands", serde_json::to_vec(&resolve).unwrap());
     let mut b = Batch::default();
@@ -1871,3 +1874,5 @@ fn a_dispatch_s_token_is_kept_as_a_digest_across_reruns() {
         "never the token itself"
     );
 }
+
+mod lifecycle;

@@ -43,6 +43,13 @@ impl GateCore {
             let Some(mut record) = ax.step(p, &step)? else {
                 continue;
             };
+            // A held call's lifecycle, an in-doubt step's next lookup.
+            if matches!(record.phase, Phase::AwaitingApproval | Phase::InDoubt) {
+                if record.deadline_ms == Some(deadline) {
+                    self.lifecycle_due(ax, p, record)?;
+                }
+                continue;
+            }
             if record.phase != Phase::Started || record.deadline_ms.is_some_and(|d| d != deadline) {
                 continue; // settled or re-run since
             }

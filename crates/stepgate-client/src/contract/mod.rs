@@ -10,6 +10,7 @@
 
 mod arguments;
 pub mod codec;
+mod lifecycle;
 mod operator;
 mod partition;
 pub mod sign;
@@ -20,6 +21,7 @@ mod validate;
 mod fuzz;
 
 pub use arguments::{Arguments, text_deeper_than};
+pub use lifecycle::{IN_DOUBT_VERSION, InDoubt, Learn, LookupEvidence, RECONCILER_BY, Settler};
 pub use operator::{Action, ApprovalEvent, ApprovalKind, Command, Run};
 pub use partition::{murmur2, partition_for};
 pub use texts::Texts;
@@ -196,6 +198,9 @@ pub struct ToolResult {
     pub error: Option<ErrorBody>,
     pub deduplicated: bool,
     pub completed_at: String,
+    /// With `status: in_doubt`: the same, structured, for programs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub in_doubt: Option<InDoubt>,
 }
 
 impl ToolResult {
@@ -222,6 +227,7 @@ impl ToolResult {
             error,
             deduplicated: false,
             completed_at: timestamp(at),
+            in_doubt: None,
         }
     }
 
@@ -286,6 +292,42 @@ pub struct Call {
     /// with its dispatch's token settles the step (`state::DispatchToken`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub token: Option<String>,
+}
+
+/// The `dispatch` of a [`Call`] that is a reconcile lookup, never a run of
+/// the step (runs are numbered from 1): its outcome is the lookup's answer.
+pub const LOOKUP_DISPATCH: u32 = 0;
+
+impl Call {
+    /// A reconcile lookup about `step` (`tools/reconcile.rs`): its
+    /// `arguments` are the lookup's body; `ask` (1-based) travels as its
+    /// token and comes back on its outcome.
+    pub fn lookup(step: StepKey, body: Arguments, ask: u32) -> Call {
+        Call {
+            step,
+            arguments: body,
+            dispatch: LOOKUP_DISPATCH,
+            fast_ref: None,
+            traceparent: None,
+            call_id: None,
+            token: Some(format!("lookup:{ask}")),
+        }
+    }
+
+    pub fn is_lookup(&self) -> bool {
+        self.dispatch == LOOKUP_DISPATCH && self.fast_ref.is_none()
+    }
+}
+
+impl Progress {
+    /// The answer of a reconcile lookup ([`Call::lookup`]) this process ran:
+    /// which lookup of its step it was.
+    pub fn lookup_ask(&self) -> Option<u32> {
+        if self.dispatch != LOOKUP_DISPATCH || self.fast_ref.is_some() {
+            return None;
+        }
+        self.token.as_deref()?.strip_prefix("lookup:")?.parse().ok()
+    }
 }
 
 /// Call v1 (public, `schemas/call.v1.json`): a call of a pool tool, published

@@ -3,7 +3,7 @@
 //! `workflow_id` and written to the partition number of the step they concern,
 //! so the gate that owns the step reads the command in order with its intents.
 
-use super::StepKey;
+use super::{LookupEvidence, StepKey};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
@@ -29,6 +29,20 @@ pub struct Command {
     /// without it apply to whatever run is current (hand-written ones).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub run: Option<Run>,
+    /// `approve`/`deny`: the held call's `arguments_sha256` as the person
+    /// was shown it (its approval event's). A decision about other bytes
+    /// than the held call's is refused (`stale_command`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub arguments_sha256: Option<String>,
+    /// `approve`/`deny`: the tool's `policy_version` as the person was shown
+    /// it. Refused when the call was held under another version; when the
+    /// gate's tool changed since the call was held, it is asked for again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub policy_version: Option<String>,
+    /// A settlement by stepgate's reconciler: the lookups' answers it rests
+    /// on (never read by the gate: the record of why, for the audit).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub evidence: Option<Vec<LookupEvidence>>,
 }
 
 /// Which run of a step a command decides.
@@ -90,6 +104,34 @@ pub enum ApprovalKind {
         call_id: Option<String>,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         metadata: Option<Map<String, Value>>,
+        /// SHA-256 (lowercase hex) of the arguments' bytes exactly as the
+        /// tool receives them; a decision may carry it back, and one about
+        /// other bytes is refused.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        arguments_sha256: Option<String>,
+        /// The tool's policy version the call is held under.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        policy_version: Option<String>,
+        /// When the hold expires unanswered (RFC 3339), with `approval_ttl`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        expires_at: Option<String>,
+        /// When it is escalated (RFC 3339), with `escalate_after`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        escalate_at: Option<String>,
+    },
+    /// Nobody decided by the tool's `escalate_after`: whoever is paged next
+    /// should look.
+    Escalated {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        expires_at: Option<String>,
+    },
+    /// The hold expires soon (`notify.expiring_before` ahead of it).
+    Expiring { expires_at: String },
+    /// Nobody decided by the tool's `approval_ttl`: answered `approval_expired`,
+    /// nothing ran; a later decision is refused.
+    Expired {
+        /// The hold's time to live, as configured (`"30m"`).
+        ttl: String,
     },
     Approved {
         by: String,

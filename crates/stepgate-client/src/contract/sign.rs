@@ -25,6 +25,9 @@ pub enum Signed {
     Call,
     /// An Outcome v1, signed by the worker that took the call.
     Outcome,
+    /// A notification to the approvals webhook (`[notify]`), signed by the
+    /// gate that sends it with `notify.key`.
+    Notify,
 }
 
 impl Signed {
@@ -32,6 +35,7 @@ impl Signed {
         match self {
             Signed::Call => b"stepgate-call-v1\n",
             Signed::Outcome => b"stepgate-outcome-v1\n",
+            Signed::Notify => b"stepgate-notify-v1\n",
         }
     }
 }

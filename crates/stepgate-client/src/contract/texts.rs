@@ -361,6 +361,52 @@ impl Texts {
         )
     }
 
+    /// A held call nobody approved or denied within the tool's
+    /// `approval_ttl`: it expired, and nothing ran.
+    pub fn approval_expired(tool: &str, ttl: &str) -> String {
+        format!(
+            "This call to `{tool}` waited {ttl} for a person's approval and nobody decided, so \
+             it expired and was not performed: nothing ran. Repeating this same call returns \
+             this same answer. If the action is still wanted, call `{tool}` again as a new call: \
+             that asks a person for approval again. Otherwise tell the user nobody approved it in \
+             time."
+        )
+    }
+
+    /// An in-doubt call whose tool can be asked what happened: stepgate asks
+    /// it, and a repeat of the step returns what it finds.
+    pub fn in_doubt_reconciling(tool: &str, until: &str) -> String {
+        format!(
+            "The call to `{tool}` may have taken effect; its outcome is unknown for now. \
+             stepgate is asking the tool what happened, until {until} at the latest. Calling \
+             `{tool}` again for this same step returns the outcome once it is known: the tool's \
+             result if it ran, or, if it did not run, it runs it once then. Do not make a new \
+             call of `{tool}` for this. Tell the user the outcome is being confirmed."
+        )
+    }
+
+    /// The reconciler found that an in-doubt call did not take effect (the
+    /// step's next call runs it).
+    pub fn reconciled_not_executed(tool: &str) -> String {
+        format!(
+            "The tool reported that the earlier call to `{tool}` for this step was not \
+             performed. If the action is still wanted, call `{tool}` again for this same step: it \
+             will run once."
+        )
+    }
+
+    /// An in-doubt call whose tool's lookups could not tell what happened:
+    /// left to a person.
+    pub fn in_doubt_unsettled(tool: &str, asked: u32) -> String {
+        format!(
+            "The call to `{tool}` may have taken effect and its outcome is still unknown: \
+             stepgate asked the tool {asked} time(s) what happened and got no clear answer. Do \
+             not call `{tool}` again for this step: repeating it returns this same answer until a \
+             person has checked it. Tell the user that the outcome is unconfirmed and a person \
+             must check it before anything else is done about it."
+        )
+    }
+
     /// An operator confirmed an in-doubt call did not take effect.
     pub fn resolved_not_executed(tool: &str) -> String {
         format!(
@@ -588,6 +634,45 @@ mod golden {
         assert!(Texts::denied("t", None).starts_with(
             "A person reviewed this call to `t` and refused it, so it was not performed. Do not"
         ));
+    }
+
+    #[test]
+    fn approval_expired() {
+        assert_eq!(
+            Texts::approval_expired("wire_money", "30m"),
+            "This call to `wire_money` waited 30m for a person's approval and nobody decided, \
+             so it expired and was not performed: nothing ran. Repeating this same call returns \
+             this same answer. If the action is still wanted, call `wire_money` again as a new \
+             call: that asks a person for approval again. Otherwise tell the user nobody approved \
+             it in time."
+        );
+    }
+
+    #[test]
+    fn in_doubt_reconciling_and_unsettled() {
+        assert_eq!(
+            Texts::in_doubt_reconciling("send_fax", "2026-11-29T08:10:00.000Z"),
+            "The call to `send_fax` may have taken effect; its outcome is unknown for now. \
+             stepgate is asking the tool what happened, until 2026-11-29T08:10:00.000Z at the \
+             latest. Calling `send_fax` again for this same step returns the outcome once it is \
+             known: the tool's result if it ran, or, if it did not run, it runs it once then. Do \
+             not make a new call of `send_fax` for this. Tell the user the outcome is being \
+             confirmed."
+        );
+        assert_eq!(
+            Texts::reconciled_not_executed("send_fax"),
+            "The tool reported that the earlier call to `send_fax` for this step was not \
+             performed. If the action is still wanted, call `send_fax` again for this same step: \
+             it will run once."
+        );
+        assert_eq!(
+            Texts::in_doubt_unsettled("send_fax", 4),
+            "The call to `send_fax` may have taken effect and its outcome is still unknown: \
+             stepgate asked the tool 4 time(s) what happened and got no clear answer. Do not \
+             call `send_fax` again for this step: repeating it returns this same answer until a \
+             person has checked it. Tell the user that the outcome is unconfirmed and a person \
+             must check it before anything else is done about it."
+        );
     }
 
     #[test]

@@ -47,6 +47,12 @@ pub enum RejectionReason {
     /// worker's without its pool's signature, one without its dispatch's
     /// token, …): it settles nothing.
     RefusedProgress,
+    /// An approval or denial by the principal that sent the held call (its
+    /// intent's `metadata["stepgate.principal"]`): nobody decides their own call.
+    SelfDecision,
+    /// A decision about a held call that arrived after its `approval_ttl`:
+    /// the call was answered `approval_expired`, and nothing ran.
+    ApprovalExpired,
 }
 
 impl RejectionReason {
@@ -68,6 +74,8 @@ impl RejectionReason {
             RejectionReason::WrongPartition => "wrong_partition",
             RejectionReason::Expired => "expired",
             RejectionReason::RefusedProgress => "refused_progress",
+            RejectionReason::SelfDecision => "self_decision",
+            RejectionReason::ApprovalExpired => "approval_expired",
         }
     }
 }
