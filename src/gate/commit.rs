@@ -32,6 +32,9 @@ use tracing::warn;
 pub(super) struct Producers {
     pub(super) all: [FutureProducer; 2],
     pub(super) turn: usize,
+    /// Numbers these producers within the process: the local state keeps each
+    /// one's last applied batch unconfirmed (`state::Committer`).
+    pub(super) session: u64,
 }
 
 impl Producers {
@@ -42,9 +45,11 @@ impl Producers {
             kafka::init_txn_producer(k, &id),
             kafka::init_txn_producer(k, &id_b),
         )?;
+        static SESSIONS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         Ok(Producers {
             all: [a, b],
             turn: 0,
+            session: SESSIONS.fetch_add(1, Ordering::Relaxed),
         })
     }
 
@@ -53,12 +58,21 @@ impl Producers {
         self.turn = (self.turn + 1) % self.all.len();
         (self.turn, self.all[self.turn].clone())
     }
+
+    /// Which of them commits as `slot` (`state::Committer`).
+    pub(super) fn committer(&self, slot: usize) -> crate::state::Committer {
+        crate::state::Committer {
+            session: self.session,
+            slot,
+        }
+    }
 }
 
 /// What a batch's commit task reports once the broker acknowledged it.
 pub(super) struct Landed {
-    /// Per partition, the changelog offset after its last record.
-    pub(super) changelog_next: BTreeMap<i32, i64>,
+    /// Per partition, its last changelog record (where the local state will
+    /// reflect the changelog up to, and what a restart confirms).
+    pub(super) changelog: BTreeMap<i32, crate::state::Tail>,
     /// Where each record landed (partition, offset), in order.
     pub(super) landed: Vec<(i32, i64)>,
     /// A test hook aborted it instead (see `hooks::lose_commit_marker`).
@@ -77,6 +91,7 @@ pub(super) struct InFlight {
     pub(super) input_offsets: Vec<lost::InputOffset>,
     /// Which of the producers commits it.
     pub(super) slot: usize,
+    pub(super) committer: crate::state::Committer,
     pub(super) invokes: Vec<(i32, Call)>,
     /// Calls of pool tools published in it (for their pools' workers).
     pub(super) published: Vec<(i32, Call, String)>,
@@ -358,7 +373,9 @@ impl Session<'_> {
         let starts_calls = !invokes.is_empty();
         let answers = !results.is_empty();
         let records = Arc::new(records);
-        let (slot, producer) = producer.next();
+        let (slot, producer_now) = producer.next();
+        let committer = producer.committer(slot);
+        let producer = producer_now;
         let (consumer, sent_records) = (consumer.clone(), records.clone());
         let limits = kafka::TxnLimits::of(&self.config.kafka);
         let stage = Arc::new(AtomicU8::new(Stage::SENDING));
@@ -408,16 +425,23 @@ impl Session<'_> {
                 "batch committed"
             );
             // Where the changelog records landed: the local state will
-            // reflect each partition's changelog up to there.
-            let mut next = BTreeMap::new();
-            for (r, &(p, o)) in records.iter().zip(&landed) {
-                if r.topic == changelog {
-                    let n = next.entry(p).or_insert(o + 1);
-                    *n = (*n).max(o + 1);
+            // reflect each partition's changelog up to its last record there.
+            let mut last: BTreeMap<i32, (i64, usize)> = BTreeMap::new();
+            for (i, (r, &(p, o))) in records.iter().zip(&landed).enumerate() {
+                if r.topic == changelog && last.get(&p).is_none_or(|&(l, _)| o > l) {
+                    last.insert(p, (o, i));
                 }
             }
+            let tails = last
+                .into_iter()
+                .map(|(p, (o, i))| {
+                    let r = &records[i];
+                    let tail = crate::state::Tail::of(o, r.key.as_deref(), r.payload.as_deref());
+                    (p, tail)
+                })
+                .collect();
             Ok::<_, GateError>(Landed {
-                changelog_next: next,
+                changelog: tails,
                 landed,
                 marker_lost,
                 renew_producer,
@@ -429,6 +453,7 @@ impl Session<'_> {
             records,
             input_offsets,
             slot,
+            committer,
             invokes,
             published,
             results,
@@ -479,7 +504,13 @@ impl Session<'_> {
         };
         self.poison.committed(f.first_input.as_ref());
         let t = Instant::now();
-        self.store.apply(&f.batch, &landed.changelog_next)?;
+        self.store.apply(
+            &f.batch,
+            &crate::state::Landing {
+                committer: f.committer,
+                tails: landed.changelog,
+            },
+        )?;
         self.metrics.state_written(t.elapsed());
         self.last_commits.record(
             f.slot,

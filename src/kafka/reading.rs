@@ -126,6 +126,22 @@ pub fn read_to_end<E>(
     Ok(ReadEnd::Reached)
 }
 
+/// Where a reader stands in a partition: the next offset it would return
+/// (past markers and aborted records it skipped); None when unknown.
+pub fn position_of<C: ConsumerContext>(
+    consumer: &BaseConsumer<C>,
+    topic: &str,
+    partition: i32,
+) -> Option<i64> {
+    let tpl = consumer.position().ok()?;
+    let at = tpl
+        .find_partition(topic, partition)
+        .and_then(|e| e.offset().to_raw())
+        .filter(|o| *o >= 0);
+    drop(tpl);
+    at
+}
+
 /// Replay `partitions` of `topic` to their end as of now (read_committed),
 /// from their beginning or from the first record at or after `since_ms`,
 /// handing each record to `f`; partitions that are empty are not waited for.

@@ -4,7 +4,7 @@
 //! per partition (`meta`), from which a restore resumes — only while the state
 //! is known contiguous with the changelog ([`StateStore::resume_point`]).
 
-use super::{FullReason, Resume, StateError, StateStore};
+use super::{Confirming, FullReason, Resume, StateError, StateStore, Verdict};
 use crate::config::KafkaConfig;
 use crate::kafka;
 use rdkafka::consumer::Consumer;
@@ -60,8 +60,9 @@ impl Trust {
 /// Bring a partition's local state up to its changelog's end (read_committed:
 /// only committed batches), from the offset the state last reflected — or
 /// from the start, over a wiped partition, when that is unknown, too old to
-/// be contiguous with the changelog, or not in the changelog (see
-/// [`StateStore::resume_point`]). Blocking. `applied` is kept at the records
+/// be contiguous with the changelog, not in the changelog, or when the state
+/// holds a batch the changelog does not (see [`StateStore::resume_point`]
+/// and [`super::confirm`]). Blocking. `applied` is kept at the records
 /// applied so far, for a caller watching a long restore.
 pub fn restore_partition(
     cfg: &KafkaConfig,
@@ -73,22 +74,24 @@ pub fn restore_partition(
     let group = format!("{}-restore", cfg.gate_group);
     let deadline = Instant::now() + RESTORE_LIMIT;
     let now_ms = chrono::Utc::now().timestamp_millis();
-    let (mut from, mut reason) = match store.resume_point(p, now_ms, trust)? {
-        Resume::From(next) => (Some(next), None),
+    let mut plan = match store.resume_point(p, now_ms, trust)? {
+        Resume::From { next, check } => Plan::Resume {
+            next,
+            confirming: Confirming::new(&check),
+            tails: check.len(),
+        },
         Resume::Full(why) => {
             if why != FullReason::NoLocalState {
-                warn!(
-                    partition = p,
-                    reason = why.label(),
-                    detail = ?why,
-                    local = ?store.changelog_next(p)?,
-                    "the local state of this partition is not known to be contiguous with its changelog: restoring it from the changelog's start"
-                );
+                warn_full(store, p, why)?;
             }
-            (None, Some(why))
+            Plan::Full(why)
         }
     };
     loop {
+        let (from, reason) = match &plan {
+            Plan::Resume { next, .. } => (Some(*next), None),
+            Plan::Full(why) => (None, Some(*why)),
+        };
         let full = from.is_none();
         if full {
             store.wipe_partition(p)?;
@@ -103,10 +106,12 @@ pub fn restore_partition(
         // From the start: at the log's first offset, asked for explicitly (a
         // logical "beginning" cost about a second per partition here), and
         // not read at all when the log holds nothing, not even an open
-        // transaction's records.
-        let start = match from {
-            Some(o) => o,
-            None => {
+        // transaction's records. Resuming: from the oldest tail to confirm.
+        let start = match &plan {
+            Plan::Resume {
+                next, confirming, ..
+            } => confirming.start(*next),
+            Plan::Full(_) => {
                 let (low, high) =
                     consumer.fetch_watermarks(&cfg.topics.changelog, p, Duration::from_secs(30))?;
                 if low >= high {
@@ -115,19 +120,28 @@ pub fn restore_partition(
                         records: 0,
                         full,
                         reason,
+                        confirmed: 0,
                     });
                 }
                 low
             }
         };
+        let apply_from = from.unwrap_or(start);
         let mut tpl = TopicPartitionList::new();
         tpl.add_partition_offset(&cfg.topics.changelog, p, Offset::Offset(start))?;
         consumer.assign(&tpl)?;
         drop(tpl);
         let mut buf = Vec::with_capacity(10_000);
         let mut n = 0;
-        let mut next = start;
+        let mut next = apply_from;
         let end = kafka::read_to_end(&consumer, BTreeSet::from([p]), Some(deadline), |m| {
+            if let Plan::Resume { confirming, .. } = &mut plan {
+                confirming.record(m.offset(), m.key(), m.payload());
+            }
+            // Below the local offset: read only to confirm the tails.
+            if m.offset() < apply_from {
+                return Ok(());
+            }
             next = next.max(m.offset() + 1);
             if let Some(k) = m.key() {
                 buf.push((k.to_vec(), m.payload().map(<[u8]>::to_vec)));
@@ -139,9 +153,43 @@ pub fn restore_partition(
             }
             Ok::<_, StateError>(())
         })?;
+        let position = kafka::position_of(&consumer, &cfg.topics.changelog, p);
         drop(consumer);
         match end {
             kafka::ReadEnd::Reached => {
+                if let Plan::Resume {
+                    confirming, tails, ..
+                } = &plan
+                {
+                    let why = match confirming.verdict(position.unwrap_or(i64::MIN)) {
+                        Verdict::Confirmed => None,
+                        Verdict::Refuted { offset } => Some(FullReason::Unconfirmed {
+                            offset,
+                            settled: true,
+                        }),
+                        Verdict::Unknown { offset } => Some(FullReason::Unconfirmed {
+                            offset,
+                            settled: false,
+                        }),
+                    };
+                    if let Some(why) = why {
+                        // What was applied above the local offset is
+                        // committed, but the state under it is not: start over.
+                        warn_full(store, p, why)?;
+                        plan = Plan::Full(why);
+                        continue;
+                    }
+                    let confirmed = *tails;
+                    n += store.apply_changelog(&buf)?;
+                    applied.store(n, Ordering::Relaxed);
+                    store.finish_restore(p, Some(next))?;
+                    return Ok(Restored {
+                        records: n,
+                        full,
+                        reason,
+                        confirmed,
+                    });
+                }
                 n += store.apply_changelog(&buf)?;
                 applied.store(n, Ordering::Relaxed);
                 store.finish_restore(p, Some(next))?;
@@ -149,6 +197,7 @@ pub fn restore_partition(
                     records: n,
                     full,
                     reason,
+                    confirmed: 0,
                 });
             }
             kafka::ReadEnd::TimedOut => {
@@ -165,11 +214,42 @@ pub fn restore_partition(
                     local = ?from,
                     "the changelog does not hold the offset the local state reflects (recreated?): restoring from its start"
                 );
-                from = None;
-                reason = Some(FullReason::OutOfRange);
+                plan = Plan::Full(FullReason::OutOfRange);
             }
         }
     }
+}
+
+/// How [`restore_partition`] reads.
+enum Plan {
+    /// From the local offset `next`, confirming the tails first.
+    Resume {
+        next: i64,
+        confirming: Confirming,
+        tails: usize,
+    },
+    /// From the start, over a wiped partition.
+    Full(FullReason),
+}
+
+fn warn_full(store: &StateStore, p: i32, why: FullReason) -> Result<(), StateError> {
+    match why {
+        FullReason::Unconfirmed { offset, settled } => warn!(
+            partition = p,
+            reason = why.label(),
+            offset,
+            settled,
+            "the local state of this partition holds a batch the changelog does not show committed (a commit the broker acknowledged and then lost, or one still unsettled): restoring it from the changelog's start"
+        ),
+        _ => warn!(
+            partition = p,
+            reason = why.label(),
+            detail = ?why,
+            local = ?store.changelog_next(p)?,
+            "the local state of this partition is not known to be contiguous with its changelog: restoring it from the changelog's start"
+        ),
+    }
+    Ok(())
 }
 
 /// What [`restore_partition`] did.
@@ -181,6 +261,8 @@ pub struct Restored {
     pub full: bool,
     /// Why it did (None when it resumed).
     pub reason: Option<FullReason>,
+    /// Tails of applied batches confirmed on the changelog before resuming.
+    pub confirmed: usize,
 }
 
 /// What [`rebuild_state`] did.
