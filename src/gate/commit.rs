@@ -503,6 +503,7 @@ impl Session<'_> {
             }
         };
         self.poison.committed(f.first_input.as_ref());
+        hooks::crash_after_commit(!f.invokes.is_empty());
         let t = Instant::now();
         self.store.apply(
             &f.batch,

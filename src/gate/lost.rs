@@ -281,6 +281,7 @@ pub(super) async fn mend(
     if commits.is_empty() {
         return Ok(());
     }
+    crate::hooks::crash_before_mend();
     let started = Instant::now();
     let t = &cfg.topics;
     let mut tries = 0;

@@ -29,6 +29,8 @@ mod operators;
 mod python_client;
 #[cfg(feature = "test-hooks")]
 mod recovery;
+#[cfg(feature = "test-hooks")]
+mod resume;
 mod secured;
 mod stale_disk;
 mod tool_ledger;
