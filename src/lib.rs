@@ -16,9 +16,11 @@
 //! - [`retired`]: the config keys stepgate no longer takes, each refused
 //!   with what it does now.
 //! - [`state`]: the only owner of RocksDB, a cache of the changelog topic: step
-//!   records, deadlines, retention, restore.
+//!   records, deadlines, retention, restore, the changelog followers of
+//!   restores and standby replicas, and what a restart confirms.
 //! - [`gate`]: intents → dedup → `started` committed → invoke, or answers from
 //!   the record; outcomes → answers. One transaction per batch, pipelined.
+//!   Standby replicas of other gates' partitions.
 //! - [`executor`]: the in-process invoker pool that runs the gate's calls.
 //! - [`worker`]: `stepgate worker --pool <name>`: runs a pool's calls
 //!   (published by the gate on the pool's calls topic) where its tools are.

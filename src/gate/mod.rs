@@ -22,7 +22,9 @@ mod linger;
 mod lost;
 mod ownership;
 mod poison;
+mod restore;
 mod session;
+mod standby;
 
 pub use self::core::{GateCore, GateSettings, Input, Out, WrongPartition};
 
@@ -136,6 +138,17 @@ pub async fn run(
 ) -> Result<(), GateError> {
     let mut core = GateCore::new(&config, metrics.clone());
     let (invoker, mut outcomes) = Invoker::new(&config, metrics.clone());
+    let trust = crate::state::Trust::from_delete_retention(
+        kafka::changelog_delete_retention(&config.kafka).await,
+    );
+    standby::start(
+        config.clone(),
+        store.clone(),
+        metrics.clone(),
+        invoker.ownership().watch(),
+        trust,
+        shutdown.clone(),
+    );
     // Outcomes received but not yet committed, carried into the next session.
     let mut carry: Vec<Finished> = Vec::new();
     let mut poison = Poison::default();

@@ -213,6 +213,20 @@ impl Session<'_> {
                 self.ever_assigned = true;
                 self.assigned.extend(ps.iter().copied());
                 self.invoker.ownership().add(ps.iter().copied());
+                // All at once; each is then loaded, resuming from there.
+                let new: BTreeSet<i32> = ps
+                    .iter()
+                    .filter(|p| !self.owned.contains_key(p))
+                    .copied()
+                    .collect();
+                super::restore::restore_assigned(
+                    &self.config.kafka,
+                    self.store,
+                    &new,
+                    self.health,
+                    self.metrics,
+                )
+                .await?;
                 for p in ps {
                     self.ensure_owned(core, consumer, p).await?;
                 }
@@ -334,7 +348,7 @@ impl Session<'_> {
         let store = self.store.clone();
         let cfg = self.config.kafka.clone();
         // Records applied so far, exported while a long restore runs.
-        let so_far = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let so_far = Arc::new(crate::state::Applied::default());
         let mut restoring = tokio::task::spawn_blocking({
             let so_far = so_far.clone();
             move || crate::state::restore_partition(&cfg, &store, p, &trust, &so_far)
@@ -345,7 +359,7 @@ impl Session<'_> {
                 r = &mut restoring => break r??,
                 _ = tokio::time::sleep(Duration::from_secs(1)) => {
                     self.health.beat();
-                    let n = so_far.load(std::sync::atomic::Ordering::Relaxed);
+                    let n = so_far.total();
                     self.metrics.partition_restore_progress(p, n, started.elapsed());
                 }
             }

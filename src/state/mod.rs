@@ -29,10 +29,15 @@
 //! confirmed there ([`confirm`]).
 
 mod confirm;
+mod follow;
 mod record;
 mod restore;
 
 pub use confirm::{Committer, Confirming, Landing, Tail, Verdict, digest};
+pub use follow::{
+    Claims, Event as FollowEvent, Follower, Held, Mode as FollowMode, Owners,
+    Progress as FollowProgress,
+};
 
 pub use record::{
     Evidence, FastEntry, MAX_EVIDENCE_KEPT, MAX_WAITERS, NotWaiting, OperatorEntry, Phase,
@@ -40,7 +45,8 @@ pub use record::{
     check_record_sizes,
 };
 pub use restore::{
-    RebuildError, Rebuilt, RestoreError, Restored, Trust, rebuild_state, restore_partition,
+    Applied, RebuildError, Rebuilt, RestoreError, Restored, Trust, rebuild_state,
+    restore_partition, restore_partitions,
 };
 
 use crate::contract::{StepKey, codec};
@@ -581,43 +587,115 @@ impl StateStore {
         &self,
         records: &[(Vec<u8>, Option<Vec<u8>>)],
     ) -> Result<usize, StateError> {
-        let mut wb = WriteBatch::default();
-        let mut n = 0;
+        let mut staged = Staged::default();
         for (key, value) in records {
-            let Some((tag, state_key)) = key.split_first() else {
-                continue;
-            };
-            // Only what is logged is applied: the indexes are derived from the
-            // step records as they are applied.
-            let Some(cf) = Cf::from_tag(*tag).filter(|c| !c.derived()) else {
-                continue;
-            };
-            if state_key.len() < 4 {
-                continue;
-            }
-            // The changelog's compact record is kept named, as the gate writes
-            // it to RocksDB, so that its reads never expand; one that cannot
-            // be expanded is kept as it came, refused when read.
-            let value = value
-                .as_deref()
-                .map(|v| codec::expand(v).unwrap_or(v.into()));
-            match &value {
-                Some(v) => wb.put_cf(self.cf(cf), state_key, v),
-                None => wb.delete_cf(self.cf(cf), state_key),
-            }
-            if cf == Cf::Steps {
-                self.index_restored(&mut wb, state_key, value.as_deref())?;
-            }
-            n += 1;
+            self.stage(&mut staged, key, value.as_deref())?;
         }
-        self.db.write(wb)?;
+        let n = staged.records;
+        self.write_staged(&mut staged, true)?;
         Ok(n)
+    }
+
+    /// Add one changelog record to `staged` (see [`Staged`]).
+    pub fn stage(
+        &self,
+        staged: &mut Staged,
+        key: &[u8],
+        value: Option<&[u8]>,
+    ) -> Result<(), StateError> {
+        let Some((tag, state_key)) = key.split_first() else {
+            return Ok(());
+        };
+        // Only what is logged is applied: the indexes are derived from the
+        // step records as they are applied.
+        let Some(cf) = Cf::from_tag(*tag).filter(|c| !c.derived()) else {
+            return Ok(());
+        };
+        if state_key.len() < 4 {
+            return Ok(());
+        }
+        // The changelog's compact record is kept named, as the gate writes
+        // it to RocksDB, so that its reads never expand; one that cannot
+        // be expanded is kept as it came, refused when read.
+        let value = value.map(|v| codec::expand(v).unwrap_or(v.into()));
+        match &value {
+            Some(v) => staged.wb.put_cf(self.cf(cf), state_key, v),
+            None => staged.wb.delete_cf(self.cf(cf), state_key),
+        }
+        if cf == Cf::Steps {
+            self.index_restored(staged, state_key, value.as_deref())?;
+        }
+        staged.records += 1;
+        Ok(())
+    }
+
+    /// Write what `staged` holds, and empty it; without RocksDB's WAL when
+    /// `wal` is false (then nothing of it is durable until the memtables are
+    /// flushed: [`StateStore::flush`]).
+    pub fn write_staged(&self, staged: &mut Staged, wal: bool) -> Result<(), StateError> {
+        let wb = std::mem::take(&mut staged.wb);
+        staged.records = 0;
+        if wb.is_empty() {
+            return Ok(());
+        }
+        let mut wo = WriteOptions::default();
+        wo.disable_wal(!wal);
+        self.db.write_opt(wb, &wo)?;
+        Ok(())
+    }
+
+    /// A standby's write: what `staged` holds of `partition`, with the WAL,
+    /// and in the same write the partition marked as reflecting its
+    /// changelog up to `next` (never ahead of its data). Not synced.
+    pub fn write_followed(
+        &self,
+        staged: &mut Staged,
+        partition: i32,
+        next: Option<i64>,
+    ) -> Result<(), StateError> {
+        if let Some(n) = next {
+            staged
+                .wb
+                .put_cf(self.meta(), clog_key(partition), n.to_be_bytes());
+        }
+        self.write_staged(staged, true)
+    }
+
+    /// A standby stood at `partition`'s end at `at_ms` (its tails confirmed):
+    /// the state was in sync with the changelog then. Moves forward only.
+    pub fn mark_in_sync(&self, partition: i32, at_ms: i64) -> Result<(), StateError> {
+        if self.synced_at(partition)?.is_some_and(|s| s >= at_ms) {
+            return Ok(());
+        }
+        let mut wb = WriteBatch::default();
+        wb.put_cf(self.meta(), sync_key(partition), at_ms.to_be_bytes());
+        self.db.write(wb)?;
+        Ok(())
+    }
+
+    /// A reader confirmed `partition`'s tails on the changelog.
+    pub fn tails_confirmed(&self, partition: i32) -> Result<(), StateError> {
+        let mut wb = WriteBatch::default();
+        let (from, to) = tail_range(partition);
+        wb.delete_range_cf(self.meta(), from, to);
+        self.db.write(wb)?;
+        Ok(())
+    }
+
+    /// Flush every memtable to disk (waiting): what was written without the
+    /// WAL is durable from here.
+    pub fn flush(&self) -> Result<(), StateError> {
+        let cfs: Vec<_> = Cf::ALL.iter().map(|c| self.cf(*c)).collect();
+        let mut fo = rocksdb::FlushOptions::default();
+        fo.set_wait(true);
+        self.db.flush_cfs_opt(&cfs, &fo)?;
+        Ok(())
     }
 
     /// The index entries of a restored step record (or of its tombstone).
     fn index_restored(
         &self,
-        wb: &mut WriteBatch,
+        staged: &mut Staged,
         key: &[u8],
         value: Option<&[u8]>,
     ) -> Result<(), StateError> {
@@ -630,16 +708,33 @@ impl StateStore {
                 None
             }
         };
+        let wb = &mut staged.wb;
         if let Some(r) = &r {
             wb.put_cf(self.cf(Cf::Expiry), expiry_key(key, r.expires_at_ms), []);
         }
+        // Over a wiped partition, a key has an index entry only if a record
+        // of this restore put one: the deletes of every other key are skipped.
+        let fresh = staged.fresh.contains(&partition_of(key));
+        let indexed = fresh && staged.indexed.contains(key);
+        let mut any = false;
         match r.as_ref().and_then(|r| deadline_of(r.phase, r.deadline_ms)) {
-            Some(d) => wb.put_cf(self.cf(Cf::Deadlines), key, encode_deadline(d)),
-            None => wb.delete_cf(self.cf(Cf::Deadlines), key),
+            Some(d) => {
+                wb.put_cf(self.cf(Cf::Deadlines), key, encode_deadline(d));
+                any = true;
+            }
+            None if !fresh || indexed => wb.delete_cf(self.cf(Cf::Deadlines), key),
+            None => {}
         }
         match r.and_then(|r| attention_of(r.phase)) {
-            Some(a) => wb.put_cf(self.cf(Cf::Attention), key, [a]),
-            None => wb.delete_cf(self.cf(Cf::Attention), key),
+            Some(a) => {
+                wb.put_cf(self.cf(Cf::Attention), key, [a]);
+                any = true;
+            }
+            None if !fresh || indexed => wb.delete_cf(self.cf(Cf::Attention), key),
+            None => {}
+        }
+        if fresh && any && !indexed {
+            staged.indexed.insert(key.to_vec());
         }
         Ok(())
     }
@@ -662,6 +757,37 @@ impl StateStore {
             }
         }
         self.write_synced(wb)
+    }
+}
+
+/// Changelog records being applied to the local state, in one write batch.
+#[derive(Default)]
+pub struct Staged {
+    wb: WriteBatch,
+    /// Records staged since the last write.
+    pub records: usize,
+    /// Partitions wiped before this restore: none of their keys has index
+    /// entries but those `indexed` holds.
+    fresh: std::collections::HashSet<i32>,
+    indexed: std::collections::HashSet<Vec<u8>>,
+}
+
+impl Staged {
+    /// `partition` was wiped before its records are staged here.
+    pub fn wiped(&mut self, partition: i32) {
+        self.fresh.insert(partition);
+        let p = partition.to_be_bytes();
+        self.indexed.retain(|k| !k.starts_with(&p));
+    }
+
+    /// `partition`'s records are staged over what it holds (a resume).
+    pub fn resumed(&mut self, partition: i32) {
+        self.fresh.remove(&partition);
+    }
+
+    /// Bytes staged (RocksDB's own count).
+    pub fn bytes(&self) -> usize {
+        self.wb.size_in_bytes()
     }
 }
 

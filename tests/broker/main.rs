@@ -33,6 +33,7 @@ mod recovery;
 mod resume;
 mod secured;
 mod stale_disk;
+mod standby;
 mod tool_ledger;
 mod traces;
 mod workers;

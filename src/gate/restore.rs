@@ -1,0 +1,65 @@
+//! The partitions a gate is assigned, restored all at once before each is
+//! loaded (`state::restore_partitions`: one reader per core): after a
+//! rebalance or on a new disk the gate waits for the slowest partition, not
+//! for their sum. Each is then loaded as before (`ownership::ensure_owned`),
+//! its restore resuming from the end reached here.
+
+use crate::config::KafkaConfig;
+use crate::kafka;
+use crate::state::{Applied, StateStore, Trust};
+use crate::telemetry::{Health, Metrics};
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tracing::info;
+
+/// Restore `ps` (those of them not yet owned) in parallel. Progress is
+/// exported every second, and a long restore beats the health check.
+pub(super) async fn restore_assigned(
+    cfg: &KafkaConfig,
+    store: &Arc<StateStore>,
+    ps: &BTreeSet<i32>,
+    health: &Health,
+    metrics: &Metrics,
+) -> Result<(), super::GateError> {
+    if ps.len() < 2 {
+        return Ok(());
+    }
+    let trust = Trust::from_delete_retention(kafka::changelog_delete_retention(cfg).await);
+    let started = Instant::now();
+    for &p in ps {
+        metrics.partition_restoring(p);
+    }
+    let applied = Arc::new(Applied::default());
+    let mut restoring = tokio::task::spawn_blocking({
+        let (cfg, store, ps, applied) = (cfg.clone(), store.clone(), ps.clone(), applied.clone());
+        move || crate::state::restore_partitions(&cfg, &store, &ps, &trust, &applied)
+    });
+    let restored = loop {
+        tokio::select! {
+            r = &mut restoring => break r??,
+            _ = tokio::time::sleep(Duration::from_secs(1)) => {
+                health.beat();
+                for &p in ps {
+                    metrics.partition_restore_progress(p, applied.of(p), started.elapsed());
+                }
+            }
+        }
+    };
+    let records: usize = restored.values().map(|r| r.records).sum();
+    for (p, r) in &restored {
+        if let Some(reason) = r.reason {
+            metrics.full_restore(*p, reason.label());
+        }
+        if r.records > 0 {
+            metrics.restored(*p, r.records, started.elapsed());
+        }
+    }
+    info!(
+        partitions = ?ps,
+        records,
+        ms = started.elapsed().as_millis() as u64,
+        "assigned partitions restored together"
+    );
+    Ok(())
+}
