@@ -39,8 +39,7 @@ pub(super) struct Producers {
 
 impl Producers {
     pub(super) async fn init(k: &crate::config::KafkaConfig) -> Result<Producers, GateError> {
-        let id = format!("{}-gate-{}", k.gate_group, k.instance_id);
-        let id_b = format!("{id}-b");
+        let [id, id_b] = kafka::gate_transactional_ids(k, &k.instance_id);
         let (a, b) = tokio::try_join!(
             kafka::init_txn_producer(k, &id),
             kafka::init_txn_producer(k, &id_b),

@@ -1,8 +1,10 @@
-//! The partitions a gate is assigned, restored all at once before each is
-//! loaded (`state::restore_partitions`: one reader per core): after a
-//! rebalance or on a new disk the gate waits for the slowest partition, not
-//! for their sum. Each is then loaded as before (`ownership::ensure_owned`),
-//! its restore resuming from the end reached here.
+//! The partitions a gate is assigned, taken over before each is loaded: the
+//! producers of a gate that left holding them fenced (`standby::fence_departed`:
+//! its open transaction ends at once), then all of them restored at once
+//! (`state::restore_partitions`: one reader per core) — after a rebalance or
+//! on a new disk the gate waits for the slowest partition, not for their sum.
+//! Each is then loaded as before (`ownership::ensure_owned`), its restore
+//! resuming from the end reached here.
 
 use crate::config::KafkaConfig;
 use crate::kafka;
@@ -13,8 +15,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tracing::info;
 
-/// Restore `ps` (those of them not yet owned) in parallel. Progress is
-/// exported every second, and a long restore beats the health check.
+/// Take over `ps` (those of them not yet owned): fence a departed owner,
+/// then restore them in parallel. Progress is exported every second, and a
+/// long restore beats the health check.
 pub(super) async fn restore_assigned(
     cfg: &KafkaConfig,
     store: &Arc<StateStore>,
@@ -22,6 +25,8 @@ pub(super) async fn restore_assigned(
     health: &Health,
     metrics: &Metrics,
 ) -> Result<(), super::GateError> {
+    super::standby::fence_departed(cfg, ps).await;
+    // One partition: its own restore (`ensure_owned`) is all there is.
     if ps.len() < 2 {
         return Ok(());
     }

@@ -17,6 +17,16 @@
 //! between the others, to a gate already holding them warm. A gate that
 //! joins starts cold (nothing is warmed for it before the rebalance).
 //!
+//! **A dead gate's transaction ended at once.** The same thread keeps the
+//! members of the group it saw lately ([`peers`]). A gate that takes partitions
+//! over from a member that left the group (its session timed out: killed,
+//! frozen, cut off) fences that member's transactional producers before it
+//! loads them ([`fence_departed`]): their open transaction is aborted at
+//! once, instead of blocking the new owner's reads (read_committed, and the
+//! committed offsets) until the transaction timeout. A member is known by
+//! its consumer's `client.id` (`kafka::gate_client_id`), unless
+//! `[kafka.client]` sets one for every client: then the new owner waits.
+//!
 //! **Never in the gate's way.** A standby writes only under a lock on what
 //! the gate owns (the invoker's ownership, which the gate takes a partition
 //! in before it restores it): once the gate holds a partition, no standby
@@ -153,9 +163,126 @@ impl GateOwners {
     }
 }
 
-/// Start this process's standby replicas: a thread following the changelog
-/// of the partitions [`plan`] gives it, until `shutdown` (nothing when
-/// `gate.standby_replicas` is 0).
+/// The members of the group seen stable lately, as this process's standby
+/// thread described it (by gate group, then client id): each with its last
+/// assignment and when it was last seen.
+type Seen = BTreeMap<String, BTreeMap<String, (kafka::Member, Instant)>>;
+static PEERS: std::sync::Mutex<Seen> = std::sync::Mutex::new(BTreeMap::new());
+
+/// How long a member stays in [`peers`] after it was last seen: the group's
+/// new membership may be described (by the standby thread) before the gate
+/// that takes a departed member's partitions over looks, so the last
+/// membership alone would miss it.
+const PEERS_KEPT: Duration = Duration::from_secs(60);
+
+/// The members of `group` seen in a stable membership within
+/// [`PEERS_KEPT`] (empty when none yet).
+pub fn peers(group: &str) -> Vec<kafka::Member> {
+    let p = PEERS.lock().unwrap_or_else(|e| e.into_inner());
+    p.get(group)
+        .map(|m| {
+            m.values()
+                .filter(|(_, at)| at.elapsed() < PEERS_KEPT)
+                .map(|(m, _)| m.clone())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn saw_peers(group: &str, members: &[kafka::Member]) {
+    let mut p = PEERS.lock().unwrap_or_else(|e| e.into_inner());
+    let seen = p.entry(group.to_owned()).or_default();
+    let now = Instant::now();
+    seen.retain(|_, (_, at)| at.elapsed() < PEERS_KEPT);
+    for m in members {
+        seen.insert(m.client_id.clone(), (m.clone(), now));
+    }
+}
+
+/// The instances to fence before loading `taken` (partitions just assigned
+/// here): members of `before` (those seen lately) that held some
+/// of them and are not in `now`, known by their client id, other than this
+/// instance.
+pub fn departed<'a>(
+    before: &'a [kafka::Member],
+    now: &[kafka::Member],
+    intents: &str,
+    taken: &BTreeSet<i32>,
+    me: &str,
+) -> BTreeSet<&'a str> {
+    let present: BTreeSet<&str> = now.iter().map(|m| m.client_id.as_str()).collect();
+    before
+        .iter()
+        .filter(|m| !present.contains(m.client_id.as_str()))
+        .filter(|m| {
+            m.assigned
+                .get(intents)
+                .is_some_and(|ps| !ps.is_disjoint(taken))
+        })
+        .filter_map(|m| kafka::instance_of_client(&m.client_id))
+        .filter(|i| *i != me)
+        .collect()
+}
+
+/// Fence the transactional producers of the members that left the group
+/// holding partitions now assigned here (see the module's text): their open
+/// transactions end at once. Best effort: what cannot be described or
+/// fenced in time is left to the transaction timeout.
+pub async fn fence_departed(cfg: &crate::config::KafkaConfig, taken: &BTreeSet<i32>) {
+    let before = peers(&cfg.gate_group);
+    if before.is_empty() || taken.is_empty() {
+        return;
+    }
+    let now = {
+        let cfg = cfg.clone();
+        tokio::task::spawn_blocking(move || {
+            let consumer =
+                kafka::read_to_end_consumer(&cfg, &format!("{}-standby", cfg.gate_group))?;
+            kafka::group_members(&consumer, &cfg.gate_group, Duration::from_secs(5))
+        })
+        .await
+    };
+    let now = match now {
+        Ok(Ok(Some(now))) => now,
+        other => {
+            info!(result = ?other.map(|r| r.map(|m| m.map(|m| m.len()))), "could not describe the gate group to fence a departed gate's producers: its open transaction ends at its timeout");
+            return;
+        }
+    };
+    let gone = departed(&before, &now, &cfg.topics.intents, taken, &cfg.instance_id);
+    tracing::debug!(before = ?before.iter().map(|m| &m.client_id).collect::<Vec<_>>(), now = ?now.iter().map(|m| &m.client_id).collect::<Vec<_>>(), ?gone, "members before and after the assignment");
+    for instance in gone {
+        let started = Instant::now();
+        let ids = kafka::gate_transactional_ids(cfg, instance);
+        let fenced = futures::future::join_all(ids.iter().map(|id| async move {
+            match tokio::time::timeout(Duration::from_secs(15), kafka::init_txn_producer(cfg, id))
+                .await
+            {
+                Ok(Ok(p)) => {
+                    kafka::close_within("a fencing producer", p, Duration::from_secs(5)).await;
+                    true
+                }
+                Ok(Err(e)) => {
+                    warn!(transactional_id = %id, error = %e, "could not fence a departed gate's producer: its open transaction ends at its timeout");
+                    false
+                }
+                Err(_) => false,
+            }
+        }))
+        .await;
+        info!(
+            instance,
+            fenced = fenced.iter().filter(|f| **f).count(),
+            ms = started.elapsed().as_millis() as u64,
+            "a gate left the group holding partitions assigned here: its producers fenced, its open transaction aborted"
+        );
+    }
+}
+
+/// Start this process's standby thread: it keeps the group's members seen
+/// lately ([`peers`]) and follows the changelog of the partitions
+/// [`plan`] gives this gate (none when `gate.standby_replicas` is 0), until
+/// `shutdown`.
 pub fn start(
     config: Arc<Config>,
     store: Arc<StateStore>,
@@ -164,9 +291,6 @@ pub fn start(
     trust: Trust,
     shutdown: CancellationToken,
 ) {
-    if config.gate.standby_replicas == 0 {
-        return;
-    }
     let owners = Arc::new(GateOwners(owned));
     let spawned = std::thread::Builder::new()
         .name("standby".into())
@@ -248,6 +372,9 @@ fn run(
                     .ok()
                     .flatten()
             });
+            if let Some(m) = &members {
+                saw_peers(&k.gate_group, m);
+            }
             if let (Some(n), Some(members)) = (partitions, members) {
                 let (order, me) = order(&members, &k.topics.intents, &mine);
                 // Not found (this gate owns nothing, or the group moved on
@@ -255,6 +382,8 @@ fn run(
                 if let Some(me) = me {
                     let plans = plan(order.len(), n, replicas);
                     want = plans[me].difference(&mine).copied().collect();
+                } else if replicas == 0 {
+                    want.clear();
                 }
             }
             let now: BTreeSet<i32> = f.partitions().collect();
@@ -391,6 +520,41 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_member_that_left_holding_partitions_taken_here_is_fenced() {
+        let member = |client: &str, ps: &[i32]| kafka::Member {
+            id: format!("{client}-id"),
+            client_id: client.into(),
+            assigned: BTreeMap::from([("i".to_owned(), ps.iter().copied().collect())]),
+        };
+        let before = vec![
+            member("stepgate-gate:a", &[0, 1]),
+            member("stepgate-gate:b", &[2, 3]),
+            member("stepgate-gate:c", &[4, 5]),
+            member("rdkafka", &[6]),
+        ];
+        let now = vec![
+            member("stepgate-gate:b", &[0, 1, 2, 3]),
+            member("stepgate-gate:c", &[4, 5, 6]),
+        ];
+        let taken = BTreeSet::from([0, 1, 6]);
+        // a left holding 0 and 1; the member named rdkafka cannot be told.
+        assert_eq!(
+            departed(&before, &now, "i", &taken, "b"),
+            BTreeSet::from(["a"])
+        );
+        // Restarted with the same instance (in the group again): not fenced.
+        let back = vec![
+            member("stepgate-gate:a", &[]),
+            member("stepgate-gate:b", &[0, 1, 2, 3]),
+        ];
+        assert!(departed(&before, &back, "i", &taken, "b").is_empty());
+        // Partitions not taken here: another gate's business.
+        assert!(departed(&before, &now, "i", &BTreeSet::from([4]), "c").is_empty());
+        // Never itself.
+        assert!(departed(&before, &now, "i", &taken, "a").is_empty());
     }
 
     #[test]

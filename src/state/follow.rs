@@ -172,9 +172,15 @@ impl Follower {
         group: &str,
         owners: Arc<dyn Owners>,
     ) -> Result<Follower, KafkaError> {
-        let mut f = Follower::new(cfg, group, Mode::Standby)?;
-        f.owners = Some(owners);
-        Ok(f)
+        Ok(Follower {
+            consumer: kafka::follow_consumer(cfg, group, 100)?,
+            topic: cfg.topics.changelog.clone(),
+            mode: Mode::Standby,
+            parts: BTreeMap::new(),
+            staged: BTreeMap::new(),
+            pending: 0,
+            owners: Some(owners),
+        })
     }
 
     /// The consumer (for other questions to the brokers).
