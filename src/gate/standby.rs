@@ -30,9 +30,10 @@
 //! **Never in the gate's way.** A standby writes only under a lock on what
 //! the gate owns (the invoker's ownership, which the gate takes a partition
 //! in before it restores it): once the gate holds a partition, no standby
-//! write of it is under way or to come, and the standby drops it. A copy is trusted like any local state: it reflects the
-//! changelog up to its mark, read_committed, and is resumed from only while
-//! in sync more recently than the changelog keeps its tombstones.
+//! write of it is under way or to come, and the standby drops it. A copy is
+//! trusted like any local state: it reflects the changelog up to its mark,
+//! read_committed, and is resumed from only while in sync more recently than
+//! the changelog keeps its tombstones.
 
 use crate::config::Config;
 use crate::executor::Owned;
