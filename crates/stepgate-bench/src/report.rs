@@ -1115,6 +1115,8 @@ pub struct ScaleRow {
     pub state_memory: StateMemory,
     pub state_disk_mib: f64,
     pub problems: Vec<String>,
+    /// Failover at this size (`scale::Failover`), when it ran.
+    pub failover: Option<crate::scale::Failover>,
 }
 
 #[cfg(test)]

@@ -884,9 +884,10 @@ impl World {
                 if next >= 0 && next as usize <= log.len() =>
             {
                 let mut c = crate::state::Confirming::new(&check);
-                for o in c.start(next).max(0) as usize..log.len() {
+                let start = c.start(next).max(0) as usize;
+                for (o, (key, value)) in log.iter().enumerate().skip(start) {
                     if !aborted.contains(&o) {
-                        c.record(o as i64, Some(&log[o].0), log[o].1.as_deref());
+                        c.record(o as i64, Some(key), value.as_deref());
                     }
                 }
                 match c.verdict(log.len() as i64) {
