@@ -131,8 +131,9 @@ pub(crate) fn slow_transaction_end(starts_calls: bool) -> bool {
     )
 }
 
-/// `STEPGATE_TEST_LOSE_COMMIT_MARKER=N`: the N-th transaction that publishes
-/// answers is aborted where it would commit, and reported committed; the
+/// `STEPGATE_TEST_LOSE_COMMIT_MARKER=N`: the N-th transaction that commits
+/// answers (its own, or the offsets of repeats answered at once before it) is
+/// aborted where it would commit, and reported committed; the
 /// session then fails ([`session_lost`]). That is where a broker that lost an
 /// acknowledged transaction's commit marker leaves the gate once the next
 /// session has ended the hanging transaction (by aborting it).

@@ -18,9 +18,12 @@
 //! - [`state`]: the only owner of RocksDB, a cache of the changelog topic: step
 //!   records, deadlines, retention, restore, the changelog followers of
 //!   restores and standby replicas, and what a restart confirms.
-//! - [`gate`]: intents → dedup → `started` committed → invoke, or answers from
-//!   the record; outcomes → answers. One transaction per batch, pipelined.
-//!   Standby replicas of other gates' partitions.
+//! - [`gate`]: intents decided — a new step run (a keyed one's call sent at
+//!   once, another recorded step's once it is committed `started`), a repeat
+//!   answered from its record or waiting on it; outcomes settled and
+//!   answered. One transaction per batch, pipelined; a session composed of
+//!   parts around a decision core free of Kafka. Standby replicas of other
+//!   gates' partitions.
 //! - [`executor`]: the in-process invoker pool that runs the gate's calls.
 //! - [`worker`]: `stepgate worker --pool <name>`: runs a pool's calls
 //!   (published by the gate on the pool's calls topic) where its tools are.
@@ -47,23 +50,13 @@
 //!   only in builds with the `test-hooks` feature.
 //!
 //! ## The path of a message
-//! An agent publishes an intent to `stepgate.intents` (keyed by workflow id).
-//! The gate that owns the partition validates it ([`contract::parse_intent`]); a
-//! bad one goes to `stepgate.dlq` and, when addressable, a `rejected` result. For
-//! a new step it commits the step as `started` (a changelog record, in the
-//! transaction that also commits the intent's offset), then — the commit
-//! returned — applies it to RocksDB and invokes the tool in this process
-//! ([`executor::Invoker`]). The outcome joins the next batch: the step record is
-//! settled and every waiting caller answered on `stepgate.results`, in the
-//! intent's partition, in one more transaction. A known step is answered from its
-//! record, or its caller waits for the outcome. A read (`read_only`/`idempotent`
-//! tool) records nothing: intent in, answer out. An outcome whose partition moved
-//! while the call ran goes to the new owner through `stepgate.progress`. A
-//! started step with no outcome past its tool's deadline is re-run where that is
-//! safe, and `in_doubt` otherwise. A tool declared `pool = "…"` is not invoked
-//! by the gate: its call (Call v1) is published in the transaction that records
-//! it `started`, a [`worker`] of the pool runs it, and the outcome comes back on
-//! `stepgate.progress` (Outcome v1).
+//! Told in docs/design.md "The path of a message". Through the modules: an
+//! intent is parsed by [`contract`] and decided by the [`gate`], which commits
+//! a batch's records, answers and input offsets in one Kafka transaction
+//! ([`kafka`]) and only then applies them to [`state`]; a call runs in the
+//! [`executor`] (through [`tools`]) or on a pool's [`worker`], and its outcome
+//! comes back to the [`gate`], which settles the step and answers its callers
+//! on `stepgate.results`.
 
 pub mod app;
 pub mod audit;

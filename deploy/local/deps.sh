@@ -72,6 +72,17 @@ if [[ "${STEPGATE_NEED_KAFKA:-0}" == 1 ]] && ! python3 -c 'import playwright.syn
     python3 -m pip install -q --break-system-packages playwright
 fi
 
+# The TypeScript client's tests (clients/typescript) need Node.js 20 or newer
+# with npm; Debian bookworm's own nodejs is 18, so it is named, not installed.
+# Its native Kafka module builds with make, a C++ compiler and python3 (above).
+if [[ "${STEPGATE_NEED_KAFKA:-0}" == 1 ]]; then
+  node_major=$(node -p 'process.versions.node.split(".")[0]' 2>/dev/null || echo 0)
+  if ((node_major < 20)) || ! command -v npm >/dev/null 2>&1; then
+    echo "missing: Node.js >= 20 with npm (clients/typescript; found ${node_major:-none})" >&2
+    exit 1
+  fi
+fi
+
 # A Go tool the tests run, installed with `go install` (as root) when missing.
 go=$(command -v go || echo /usr/local/go/bin/go)
 go_install() { # what module@version

@@ -8,6 +8,9 @@
 # Kafka this environment can reach) and are cached per version; what this and
 # deploy/local/cluster.sh share is in deploy/local/kafka-lib.sh.
 #
+# Kafka's StandardAuthorizer is on, open by default (see write_config): ACLs
+# guard only the resources a test grants them on.
+#
 # Two client listeners: PLAINTEXT on KAFKA_PORT, and SASL_SSL (SCRAM-SHA-512
 # over TLS, with a throwaway CA and certificate made in the data dir) on
 # KAFKA_SASL_PORT. `start` prints KAFKA_SASL_SSL_ENV=<file>: that file names
@@ -89,6 +92,14 @@ transaction.state.log.num.partitions=4
 share.coordinator.state.topic.replication.factor=1
 share.coordinator.state.topic.min.isr=1
 group.initial.rebalance.delay.ms=0
+# Kafka's authorizer, so that tests can grant ACLs (tests/broker/acls.rs runs
+# stepgate's principals under docs/deploying.md's table). Plaintext clients
+# (the brokers and controllers themselves, and every other test: ANONYMOUS)
+# and the SASL_SSL listener's user are super users, and a resource no ACL
+# names stays open to everyone: only what a test grants ACLs on is guarded.
+authorizer.class.name=org.apache.kafka.metadata.authorizer.StandardAuthorizer
+super.users=User:ANONYMOUS;User:$SASL_USERNAME
+allow.everyone.if.no.acl.found=true
 $(sasl_ssl_properties)
 EOF
     write_log4j "$LOG4J_CONF"

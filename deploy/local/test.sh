@@ -46,7 +46,7 @@ timed build cargo test --no-run --features test-hooks
 all_tests() {
   local out status=0
   out="$(mktemp)"
-  cargo test --all-targets --features test-hooks 2>&1 | tee "$out" || status=$?
+  cargo test --all-targets --no-fail-fast --features test-hooks 2>&1 | tee "$out" || status=$?
   if ((status != 0)); then
     echo "--- the failures' messages again, without their backtraces ---"
     awk '/panicked at/ { n = 60 }
@@ -59,3 +59,29 @@ all_tests() {
 timed test all_tests
 # And that without the feature the hooks' variables do nothing.
 timed hook_tests cargo test --lib -- hook_tests
+# The TypeScript client (clients/typescript): its dependencies from the npm
+# registry as its lockfile pins them (`npm ci`), then its own tests (node's test
+# runner) against the broker above and the debug stepgate the test step built.
+# @confluentinc/kafka-javascript is a native module whose prebuilt binary comes
+# from outside the npm registry: where that cannot be fetched, it is built from
+# source against the system's OpenSSL, zlib and SASL (CKJS_LINKING=dynamic,
+# about 3 min on 2 cores). The installed node_modules is kept per lockfile in
+# $STEPGATE_NPM_CACHE, so a later run with the same lockfile skips both.
+ts_client() (
+  cd clients/typescript
+  local cache=${STEPGATE_NPM_CACHE:-/var/cache/stepgate/npm} lock kept
+  lock=$(sha256sum package-lock.json | cut -c1-16)
+  kept="$cache/ts-client-$lock"
+  if [[ ! -e node_modules && -d "$kept/node_modules/@confluentinc/kafka-javascript/build/Release" ]]; then
+    echo "node_modules: kept for this lockfile ($kept)"
+    ln -s "$kept/node_modules" node_modules
+  elif [[ ! -d node_modules/@confluentinc/kafka-javascript/build/Release ]]; then
+    CKJS_LINKING=dynamic npm ci --no-audit --no-fund --loglevel=error
+    if mkdir -p "$cache" 2>/dev/null && [[ -w "$cache" ]]; then
+      rm -rf "$kept.tmp" "$kept" && mkdir -p "$kept.tmp" &&
+        cp -a node_modules "$kept.tmp/" && mv "$kept.tmp" "$kept"
+    fi
+  fi
+  npm test
+)
+timed ts_client ts_client

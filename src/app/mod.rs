@@ -92,6 +92,8 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
     // Tool headers (credentials) are read once, here, from the environment or
     // their files; a missing one stops the start, naming tool and header.
     config.resolve_tool_headers(|var| std::env::var(var).ok())?;
+    // So are the pools' keys, which sign their calls and outcomes.
+    config.resolve_pool_keys(None, |var| std::env::var(var).ok())?;
     let claims = claims::claim(&config)?;
     start_claimed(config, claims, shutdown).await
 }

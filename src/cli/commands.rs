@@ -96,6 +96,7 @@ async fn gate(deployment: &Deployment, local: super::Local) -> anyhow::Result<()
     cfg.validate()?;
     crate::telemetry::init_logging(&cfg.log);
     cfg.resolve_tool_headers(|var| std::env::var(var).ok())?;
+    cfg.resolve_pool_keys(None, |var| std::env::var(var).ok())?;
     // Before any Kafka call: a second process on this host sharing this one's
     // instance id, state or address is told so at once.
     let claims = crate::app::claims::claim(&cfg)?;
@@ -109,8 +110,9 @@ async fn gate(deployment: &Deployment, local: super::Local) -> anyhow::Result<()
 async fn worker(deployment: &Deployment, opts: crate::worker::WorkerOptions) -> anyhow::Result<()> {
     let mut cfg = load(deployment)?;
     cfg.validate()?;
-    // The tools' credentials live here, not on the gate.
+    // The tools' credentials live here, not on the gate; the pool's key on both.
     cfg.resolve_tool_headers(|var| std::env::var(var).ok())?;
+    cfg.resolve_pool_keys(Some(&opts.pool), |var| std::env::var(var).ok())?;
     crate::telemetry::init_logging(&cfg.log);
     crate::worker::run(std::sync::Arc::new(cfg), opts, shutdown_on_signals()).await?;
     Ok(())
@@ -407,8 +409,10 @@ async fn rebuild_state(deployment: &Deployment, path: Option<PathBuf>) -> anyhow
 fn check_config(deployment: &Deployment) -> anyhow::Result<()> {
     let mut cfg = load(deployment)?;
     crate::state::check_record_sizes(&cfg)?;
-    // As `run` does: a tool header whose variable or file is missing fails.
+    // As `run` does: a tool header or pool key whose variable or file is
+    // missing (or a key too short) fails.
     cfg.resolve_tool_headers(|var| std::env::var(var).ok())?;
+    cfg.resolve_pool_keys(None, |var| std::env::var(var).ok())?;
     // A configured console is checked as `stepgate console` checks it at
     // start (its tokens and key readable, `mcp_auth` complete, …).
     if console_configured(&cfg.console) {

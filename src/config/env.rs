@@ -4,6 +4,7 @@
 
 use super::ConfigError;
 use super::env_schema::{EnvSchema, Kind};
+use super::table::set_at;
 
 /// `STEPGATE_*` variables that are not config keys: accepted, and left to
 /// whoever reads them — the CLI's own (`env = …` of its arguments in
@@ -30,6 +31,7 @@ pub const NOT_CONFIG_VARIABLES: &[&str] = &[
     "STEPGATE_CACHE",
     "STEPGATE_PEERS_DIR",
     "STEPGATE_CONSOLE_SCREENSHOTS",
+    "STEPGATE_WRITE_REFERENCE",
 ];
 
 /// Prefixes of `STEPGATE_*` variables that are not config keys: the test
@@ -40,22 +42,6 @@ pub const NOT_CONFIG_PREFIXES: &[&str] = &["STEPGATE_TEST_", "STEPGATE_SIM_"];
 /// Whether a `STEPGATE_*` variable is one stepgate's config leaves alone.
 pub fn is_not_config_variable(name: &str) -> bool {
     NOT_CONFIG_VARIABLES.contains(&name) || NOT_CONFIG_PREFIXES.iter().any(|p| name.starts_with(p))
-}
-
-/// Set `path` in `root` to `value`, making the tables on the way.
-fn set_at(root: &mut toml::Table, path: &[String], value: toml::Value) {
-    let (last, parents) = path.split_last().expect("a key path is not empty");
-    let mut table = root;
-    for p in parents {
-        let entry = table
-            .entry(p.clone())
-            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
-        if !entry.is_table() {
-            *entry = toml::Value::Table(toml::Table::new());
-        }
-        table = entry.as_table_mut().expect("made a table above");
-    }
-    table.insert(last.clone(), value);
 }
 
 /// An environment value read as the key's type. An error never quotes a
@@ -156,6 +142,7 @@ pub(super) fn apply_env(
         let nearest = schema
             .known_names(root)
             .into_iter()
+            .chain(NOT_CONFIG_VARIABLES.iter().map(|s| s.to_string()))
             .min_by_key(|k| strsim::levenshtein(k, var))
             .unwrap_or_default();
         let tools = if var.starts_with("STEPGATE_TOOLS_") {

@@ -2,8 +2,7 @@
 //! derived from the typed defaults (a new key is settable with no list to keep).
 
 use super::Config;
-use super::env::NOT_CONFIG_VARIABLES;
-use super::load::merge;
+use super::table::{lookup, merge};
 
 /// How an environment value is read for a key: as the type of the key.
 #[derive(Debug, Clone, PartialEq)]
@@ -85,6 +84,7 @@ jwks_url = ""
 name = ""
 token = "env:X"
 scopes = []
+[pools]
 "#;
 
 /// A tool with every key set (`mcp`, which excludes `url`, is added in
@@ -226,7 +226,7 @@ impl EnvSchema {
         }
     }
 
-    /// Every variable name the config knows, for the nearest-name hint.
+    /// Every variable name the config's keys have, for the nearest-name hint.
     pub(super) fn known_names(&self, root: &toml::Table) -> Vec<String> {
         let mut out: Vec<String> = self
             .leaves
@@ -260,9 +260,46 @@ impl EnvSchema {
                 entries(&self.tool_maps, t, &prefix, &mut out);
             }
         }
-        out.extend(NOT_CONFIG_VARIABLES.iter().map(|s| s.to_string()));
         out
     }
+}
+
+/// Every key the environment sets, with its variable, as the configuration
+/// reference lists them: `("kafka.brokers", "STEPGATE_KAFKA_BROKERS")`; a
+/// tool's key under `<name>`: `("tools.<name>.timeout",
+/// "STEPGATE_TOOLS_<NAME>_TIMEOUT")`; an entry of a name-keyed table under
+/// what names it: `("kafka.client.<property>",
+/// "STEPGATE_KAFKA_CLIENT_<PROPERTY>")`.
+pub fn key_variables() -> Vec<(String, String)> {
+    let schema = EnvSchema::new();
+    let mut out = Vec::new();
+    let mut add = |leaves: &[Leaf], maps: &[MapAt], key: &str, var: &str| {
+        for l in leaves {
+            out.push((
+                format!("{key}{}", l.path.join(".")),
+                format!("{var}{}", l.env),
+            ));
+        }
+        for m in maps {
+            let entry = match m.keys {
+                MapKeys::Property => "property",
+                MapKeys::Header => "header",
+                MapKeys::Lower => "name",
+            };
+            out.push((
+                format!("{key}{}.<{entry}>", m.path.join(".")),
+                format!("{var}{}_<{}>", m.env, entry.to_ascii_uppercase()),
+            ));
+        }
+    };
+    add(&schema.leaves, &schema.maps, "", "STEPGATE_");
+    add(
+        &schema.tool_leaves,
+        &schema.tool_maps,
+        "tools.<name>.",
+        "STEPGATE_TOOLS_<NAME>_",
+    );
+    out
 }
 
 /// The leaves and name-keyed tables under `table`.
@@ -282,6 +319,8 @@ fn collect(
                 Some((MapKeys::Lower, Kind::List(Box::new(Kind::Str))))
             }
             (false, ["console", "roles"]) => Some((MapKeys::Lower, Kind::Str)),
+            // `STEPGATE_POOLS_GPU='{"key": "env:GPU_POOL_KEY"}'`.
+            (false, ["pools"]) => Some((MapKeys::Lower, Kind::Json)),
             (true, ["headers"]) | (false, ["traces", "headers"]) => {
                 Some((MapKeys::Header, Kind::Str))
             }
@@ -303,16 +342,6 @@ fn collect(
             }),
         }
         path.pop();
-    }
-}
-
-fn lookup<'a>(table: &'a toml::Table, path: &[String]) -> Option<&'a toml::Value> {
-    let (first, rest) = path.split_first()?;
-    let v = table.get(first)?;
-    if rest.is_empty() {
-        Some(v)
-    } else {
-        lookup(v.as_table()?, rest)
     }
 }
 

@@ -7,6 +7,10 @@ use crate::redact::redact_client_properties;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
+/// `[kafka]`: the brokers, the gates' consumer group, this process's
+/// identity, the topics, and the properties of every Kafka client stepgate
+/// makes. Every command reads it: `run`, `mcp`, `console`, `call`, the
+/// operator commands.
 #[derive(Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct KafkaConfig {
@@ -26,12 +30,20 @@ pub struct KafkaConfig {
     pub partitions: i32,
     /// Replication factor of the topics that `stepgate topics create` makes.
     pub replication_factor: i32,
-    /// Consumer session timeout.
+    /// Consumer session timeout: a gate that sends no heartbeat for this long
+    /// loses its partitions to the others.
+    ///
+    /// Advanced: a restarted gate takes its partitions back at once (static
+    /// membership), whatever this is; a dead one's wait this long.
     pub session_timeout: Dur,
     /// Transaction timeout (bounds how long a dead process's open transaction can
     /// block read_committed consumers).
+    ///
+    /// Advanced: the broker caps it (`transaction.max.timeout.ms`, 15 minutes
+    /// by default).
     pub transaction_timeout: Dur,
-    /// Any librdkafka property (TLS, SASL, …), applied to every client.
+    /// Any librdkafka property (TLS, SASL, …), applied to every client, except
+    /// those stepgate sets itself (the table below).
     pub client: BTreeMap<String, String>,
 }
 
@@ -141,6 +153,9 @@ pub fn refused_client_property(name: &str) -> Option<&'static str> {
         .map(|(_, why)| *why)
 }
 
+/// `[kafka.topics]`: the names of stepgate's topics. Public ones are read or
+/// written by agents and people's tools; internal ones by stepgate alone.
+/// `stepgate topics create` makes them all.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct TopicsConfig {

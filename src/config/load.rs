@@ -2,6 +2,7 @@
 //! over both (`env.rs`), then the checks serde cannot express.
 
 use super::env::apply_env;
+use super::table::merge;
 use super::{Config, ConfigError, HeaderSource, refused_client_property};
 use std::path::Path;
 
@@ -122,6 +123,7 @@ impl Config {
         for (name, tool) in &self.tools {
             tool.validate(name)?;
         }
+        super::pools::validate(&self.pools, &self.tools)?;
         self.mcp.validate(&self.tools)?;
         self.traces.validate()?;
         self.console.validate()?;
@@ -149,17 +151,6 @@ impl Config {
             }
         }
         Ok(())
-    }
-}
-
-pub(super) fn merge(base: &mut toml::Table, over: toml::Table) {
-    for (k, v) in over {
-        match (base.get_mut(&k), v) {
-            (Some(toml::Value::Table(b)), toml::Value::Table(o)) => merge(b, o),
-            (_, v) => {
-                base.insert(k, v);
-            }
-        }
     }
 }
 

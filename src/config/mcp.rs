@@ -120,7 +120,8 @@ pub struct McpAuthConfig {
     /// a key the issuer withdrew is not accepted for ever by a front that
     /// cannot reach it. At least `jwks_refresh`.
     pub jwks_max_stale: Dur,
-    /// JWS algorithms accepted (asymmetric only: RS*, PS*, ES256, ES384, EdDSA).
+    /// JWS algorithms accepted (asymmetric only: `RS*`, `PS*`, `ES256`,
+    /// `ES384`, `EdDSA`).
     pub algorithms: Vec<String>,
     /// Clock skew allowed on `exp` and `nbf`.
     pub leeway: Dur,

@@ -24,9 +24,15 @@
 //! The files: the sections and their defaults ([`KafkaConfig`] in `kafka.rs`;
 //! `mcp.rs`, `console.rs`, `traces.rs`; `process.rs`: state, gate, executor,
 //! HTTP, logs), the environment overlay (`env.rs`, and `env_schema.rs`: which
-//! key a variable names), this instance's identity (`instance.rs`), and
-//! loading: the file, the overlay, the checks (`load.rs`). A tool's own checks
-//! are beside the tool (`src/tools/validate.rs`).
+//! key a variable names), this instance's identity (`instance.rs`), loading:
+//! the file, the overlay, the checks (`load.rs`), and the TOML-table helpers
+//! the last two share (`table.rs`). A tool's own checks are beside the tool
+//! (`src/tools/validate.rs`).
+//!
+//! `docs/configuration-reference.md` is generated from these types: each
+//! field's doc comment is its description there, a doc paragraph starting
+//! `Advanced:` marks it advanced, and [`key_variables`] gives its variable
+//! (`tests/offline/reference.rs` writes it and fails when it is stale).
 
 mod console;
 mod env;
@@ -35,7 +41,9 @@ mod instance;
 mod kafka;
 mod load;
 mod mcp;
+mod pools;
 mod process;
+mod table;
 mod traces;
 
 use crate::tools::validate::InvalidTool;
@@ -51,11 +59,13 @@ pub use crate::tools::tool::{
 };
 pub use console::{CONSOLE_SCOPE, ConsoleConfig, ConsoleRole, ConsoleToken, PeerNet};
 pub use env::{NOT_CONFIG_PREFIXES, NOT_CONFIG_VARIABLES, is_not_config_variable};
+pub use env_schema::key_variables;
 pub use instance::{default_instance_id, instance_id_from};
 pub use kafka::{KafkaConfig, REFUSED_CLIENT_PROPERTIES, TopicsConfig, refused_client_property};
 pub use mcp::{
     JWT_NAMESPACE_ROOT, MCP_JWT_ALGORITHMS, McpAuthConfig, McpConfig, McpStaticToken, TrustedProxy,
 };
+pub use pools::PoolConfig;
 pub use process::{
     DEFAULT_BLOCK_CACHE_BYTES, ExecutorConfig, GateConfig, HttpConfig, LogConfig, StateConfig,
 };
@@ -115,6 +125,9 @@ pub struct Config {
     pub console: ConsoleConfig,
     /// Tools by name.
     pub tools: BTreeMap<String, ToolConfig>,
+    /// Worker pools by name (`pools.rs`): the key the gates share with each.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub pools: BTreeMap<String, PoolConfig>,
 }
 
 // Redaction: the one place that decides what is a secret. `check-config`
@@ -137,8 +150,24 @@ impl Config {
                 .iter()
                 .map(|(n, t)| (n.clone(), t.redacted()))
                 .collect(),
+            pools: self
+                .pools
+                .iter()
+                .map(|(n, p)| (n.clone(), p.redacted()))
+                .collect(),
             ..self.clone()
         }
+    }
+
+    /// Read the pools' keys (every pool's, or only `only`'s: a worker's), once,
+    /// at start; see `pools.rs`. The error names the pool and the source,
+    /// never the key.
+    pub fn resolve_pool_keys(
+        &mut self,
+        only: Option<&str>,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<(), ConfigError> {
+        pools::resolve_pool_keys(&mut self.pools, only, &env)
     }
 
     /// Sorted tool names.

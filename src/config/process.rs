@@ -8,6 +8,8 @@ use std::path::PathBuf;
 /// The RocksDB block cache when none is configured (`state.block_cache_mib`).
 pub const DEFAULT_BLOCK_CACHE_BYTES: usize = 64 << 20;
 
+/// `[state]`: the gate's local state, a RocksDB that caches what its
+/// partitions' changelog holds, and how long step records answer repeats.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct StateConfig {
@@ -16,6 +18,9 @@ pub struct StateConfig {
     /// How long a step record answers repeats after its last change.
     pub retention: Dur,
     /// How often expired records are purged.
+    ///
+    /// Advanced: a purge only frees space; records past `retention` are never
+    /// used to answer, whenever they are purged.
     pub purge_interval: Dur,
     /// How long operators' decisions (the `commands` topic: resolutions,
     /// approvals, denials) are kept, for the audit; unset: forever. Applied by
@@ -39,6 +44,8 @@ impl Default for StateConfig {
     }
 }
 
+/// `[gate]`: how the gate batches its inputs into transactions, when it
+/// declares a call in doubt, and which intents it accepts.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct GateConfig {
@@ -54,6 +61,9 @@ pub struct GateConfig {
     /// holds. A busy gate's answers wait up to this much longer; an idle
     /// one's never do. `0s` closes every batch as soon as the commit before
     /// it returns.
+    ///
+    /// Advanced: it changes how a busy gate groups its inputs into
+    /// transactions, never what it decides.
     pub busy_batch_age: Dur,
     /// Added to a tool's own deadline before a started call with no outcome is
     /// declared in doubt (or re-run, when re-running is safe).
@@ -65,11 +75,17 @@ pub struct GateConfig {
     /// a step is deduplicated only within one partition, so a retry published
     /// elsewhere could run again. `false` accepts any partition — only for
     /// producers with a partitioner of their own that never changes.
+    ///
+    /// Advanced: with `false`, a producer that ever publishes a workflow's
+    /// steps to two partitions can have a step run twice.
     pub check_partition: bool,
     /// With `check_partition`: an intent found outside its workflow's
     /// partition is re-routed there, in the gate's transaction, and answered in
     /// the partition it reached — whatever partitioner the agent's client used.
     /// `false` refuses it (`wrong_partition`) instead.
+    ///
+    /// Advanced: `false` only when every producer is known to partition as
+    /// stepgate does.
     pub forward_wrong_partition: bool,
     /// `/healthz` fails when the gate's loop has made no progress for this
     /// long (a stuck process is restarted by its orchestrator). Above the
@@ -100,6 +116,8 @@ impl Default for GateConfig {
     }
 }
 
+/// `[executor]`: the invoker, which calls the tools: how many calls run at
+/// once, how many may wait, and how long a stopping process lets them finish.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ExecutorConfig {
@@ -112,8 +130,15 @@ pub struct ExecutorConfig {
     /// Most calls handed to the invoker and not finished (running, or queued
     /// for a slot). At this, the gate pauses reading `intents` until a quarter
     /// has drained: a flood behind a slow tool waits in Kafka, not in memory.
+    ///
+    /// Advanced: it bounds memory, not throughput; keep it well above
+    /// `concurrency`.
     pub max_queued_calls: usize,
-    /// ... and most bytes of their arguments.
+    /// Most bytes of arguments of the calls handed to the invoker and not
+    /// finished; at this, as at `max_queued_calls`, the gate pauses reading
+    /// `intents`.
+    ///
+    /// Advanced: it bounds memory, not throughput.
     pub max_queued_bytes: usize,
 }
 
@@ -128,6 +153,7 @@ impl Default for ExecutorConfig {
     }
 }
 
+/// `[http]`: where the gate serves its metrics and health checks.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct HttpConfig {
@@ -143,6 +169,7 @@ impl Default for HttpConfig {
     }
 }
 
+/// `[log]`: the process's log lines, on standard error.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct LogConfig {

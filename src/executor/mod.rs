@@ -1,7 +1,9 @@
 //! The invoker: runs the tool calls of the steps the gate owns, in this process.
 //!
-//! The gate hands a call over only after the transaction recording the step as
-//! `started` has committed (fast-path reads excepted: they record nothing). Each
+//! The gate hands a call over once it may run: a recorded step's once the
+//! transaction that decided it has committed; a new `keyed` step's and a
+//! fast-path read's as soon as they are decided, their intent's offset held
+//! until they are answered (docs/design.md "The path of a message"). Each
 //! call runs as a task, at most `executor.concurrency` at once per process (and at
 //! most a tool's own `max_concurrency`, enforced by the tool registry); its
 //! outcome goes back to the gate over a channel, which outlives gate sessions, so
@@ -270,6 +272,7 @@ impl Invoker {
                 dispatch: call.dispatch,
                 fast_ref: call.fast_ref,
                 at_ms: chrono::Utc::now().timestamp_millis(),
+                token: call.token,
                 event,
             };
             // The receiver lives as long as the gate; after it, nothing to do.

@@ -1,7 +1,8 @@
-//! What a batch gathers while the one before it commits: its state writes,
-//! input offsets and outcomes.
+//! The open batch: what the gate gathers while the batch before it commits —
+//! its state writes, what the core decided for it, input offsets and
+//! outcomes.
 
-use super::commit::InFlight;
+use super::{Input, Out};
 use crate::executor::Finished;
 use crate::state::Batch;
 use rdkafka::error::KafkaError;
@@ -12,8 +13,12 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 /// What one batch has gathered.
-pub(super) struct Pending {
+pub(super) struct OpenBatch {
+    /// Its state writes, read through to the batch committing below it.
     pub(super) batch: Batch,
+    /// What the core decided that goes with it: records for its transaction,
+    /// calls to start once it has committed.
+    pub(super) outs: Vec<Out>,
     pub(super) inputs: usize,
     /// Per intents partition, the next offset after the last intent consumed.
     pub(super) intents_next: BTreeMap<i32, i64>,
@@ -42,10 +47,11 @@ pub(super) struct Pending {
     pub(super) busy: bool,
 }
 
-impl Pending {
-    pub(super) fn on_top_of(below: Option<Arc<Batch>>) -> Pending {
-        Pending {
+impl OpenBatch {
+    pub(super) fn on_top_of(below: Option<Arc<Batch>>) -> OpenBatch {
+        OpenBatch {
             batch: Batch::on_top_of(below),
+            outs: Vec::new(),
             inputs: 0,
             intents_next: BTreeMap::new(),
             others_next: BTreeMap::new(),
@@ -56,6 +62,20 @@ impl Pending {
             opened: Instant::now(),
             busy: false,
             started_at_once: 0,
+        }
+    }
+
+    /// An input decided in it: its offset is committed with it.
+    pub(super) fn took(&mut self, input: &Input, intents: &str) {
+        if input.topic == intents {
+            self.intents_next.insert(input.partition, input.offset + 1);
+        } else {
+            self.others_next
+                .insert((input.topic.clone(), input.partition), input.offset + 1);
+        }
+        self.inputs += 1;
+        if self.first_input.is_none() {
+            self.first_input = Some((input.topic.clone(), input.partition, input.offset));
         }
     }
 
@@ -74,43 +94,41 @@ impl Pending {
     }
 
     /// Whether all it holds is intents whose calls were started at once (a
-    /// keyed step's, a fast path's): it
-    /// would commit no record and no answer, and no offset past those calls,
-    /// only the mark that they were read. Closing it while they run would
-    /// cost a transaction now and their outcomes another.
-    pub(super) fn only_calls_started(&self, core: &super::GateCore) -> bool {
+    /// keyed step's, a fast path's): it would commit no record and no
+    /// answer, and no offset past those calls, only the mark that they were
+    /// read. Closing it while they run would cost a transaction now and
+    /// their outcomes another.
+    pub(super) fn only_calls_started(&self) -> bool {
         self.started_at_once > 0
             && self.sent_at_once.is_empty()
             && self.others_next.is_empty()
-            && self.writes_nothing(core)
+            && self.writes_nothing()
     }
 
     /// Whether all it would commit is input offsets, its answers having gone
-    /// out at once: nobody waits on that
-    /// commit, so it closes at the next tick rather than at once — one
-    /// transaction per tick for a run of repeats, not one per repeat.
-    pub(super) fn answered_at_once_only(&self, core: &super::GateCore) -> bool {
-        !self.sent_at_once.is_empty() && self.writes_nothing(core)
+    /// out at once: nobody waits on that commit, so it closes at the next
+    /// tick rather than at once — one transaction per tick for a run of
+    /// repeats, not one per repeat.
+    pub(super) fn answered_at_once_only(&self) -> bool {
+        !self.sent_at_once.is_empty() && self.writes_nothing()
     }
 
     /// No state write, outcome, hand-over or record to publish: its
     /// transaction would carry input offsets alone.
-    fn writes_nothing(&self, core: &super::GateCore) -> bool {
+    fn writes_nothing(&self) -> bool {
         self.batch.is_empty()
             && self.outcomes.is_empty()
             && self.orphans.is_empty()
-            && !core.has_outs()
+            && self.outs.is_empty()
     }
 
+    /// Nothing read, written, decided or settled in it: nothing to commit.
     pub(super) fn is_empty(&self) -> bool {
-        self.inputs == 0 && self.batch.is_empty() && self.outcomes.is_empty()
+        self.inputs == 0
+            && self.batch.is_empty()
+            && self.outcomes.is_empty()
+            && self.outs.is_empty()
     }
-}
-
-/// The batch being gathered and the one committing.
-pub(super) struct Batches {
-    pub(super) pending: Pending,
-    pub(super) in_flight: Option<InFlight>,
 }
 
 #[cfg(test)]
@@ -131,6 +149,7 @@ mod tests {
                 dispatch: 1,
                 fast_ref: None,
                 at_ms: 0,
+                token: None,
                 event: ProgressEvent::Finished {
                     outcome: Outcome::Ok {
                         output: serde_json::Value::Null,
@@ -141,8 +160,8 @@ mod tests {
         }
     }
 
-    fn with_inputs(n: usize) -> Pending {
-        let mut p = Pending::on_top_of(None);
+    fn with_inputs(n: usize) -> OpenBatch {
+        let mut p = OpenBatch::on_top_of(None);
         p.inputs = n;
         p
     }

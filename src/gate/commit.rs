@@ -1,17 +1,20 @@
-//! A batch's pipelined transaction: its records and input offsets sent
-//! while the next batch is decided, then applied once committed.
+//! A session's commits: its transactional producers, the batch whose
+//! transaction is in flight (sent while the next batch is decided, then
+//! applied once committed), answers sent at once, the last acknowledged
+//! commits, and group commit's one wait ([`Linger`]).
 
-use super::batch::Pending;
-use super::ownership::applied_metadata;
-use super::poison::Poison;
-use super::session::Session;
-use super::{GateCore, GateError, Out, lost, now_ms, result_record};
-use crate::config::Config;
-use crate::contract::{Call, Progress, codec};
+use super::batch::OpenBatch;
+use super::linger::Linger;
+use super::lost::{self, InputOffset, LastCommits};
+use super::ownership::BatchOffsets;
+use super::records::{BatchRecords, result_record};
+use super::{Env, GateError, Out, now_ms};
+use crate::contract::Call;
 use crate::executor::Finished;
 use crate::hooks;
 use crate::kafka::{self, OutRecord, TxnConsumer};
 use crate::state::Batch;
+use rdkafka::TopicPartitionList;
 use rdkafka::error::KafkaError;
 use rdkafka::producer::FutureProducer;
 use std::collections::{BTreeMap, BTreeSet};
@@ -19,7 +22,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::{Duration, Instant};
 use tokio::task::JoinHandle;
-use tracing::warn;
+use tracing::{info, warn};
 
 /// The gate's transactional producers, used in turn: one batch's commit returns
 /// before the broker has written its transaction markers, and a transactional
@@ -87,7 +90,7 @@ pub(super) struct InFlight {
     pub(super) batch: Arc<Batch>,
     /// Its records and input offsets, kept once it commits (`lost`).
     pub(super) records: Arc<Vec<OutRecord>>,
-    pub(super) input_offsets: Vec<lost::InputOffset>,
+    pub(super) input_offsets: Vec<InputOffset>,
     /// Which of the producers commits it.
     pub(super) slot: usize,
     pub(super) committer: crate::state::Committer,
@@ -147,68 +150,79 @@ impl InFlight {
 /// How long a commit may take before it is logged as slow.
 const SLOW_COMMIT: Duration = Duration::from_secs(10);
 
-/// Resolves when the commit in flight returns; never without one.
-pub(super) async fn wait_commit(
-    f: &mut Option<InFlight>,
-) -> Result<Result<Landed, GateError>, tokio::task::JoinError> {
-    match f {
-        Some(f) => (&mut f.task).await,
-        None => std::future::pending().await,
+/// What a committed batch leaves the session to do: move its offsets, start
+/// its calls — then, if a test hook lost its marker or its producer must be
+/// renewed, end the session.
+pub(super) struct AfterCommit {
+    pub(super) offsets: BTreeMap<i32, (i64, i64)>,
+    pub(super) invokes: Vec<(i32, Call)>,
+    pub(super) published: Vec<(i32, Call, String)>,
+    pub(super) marker_lost: bool,
+    pub(super) renew_producer: bool,
+}
+
+/// A session's commits, one in flight at a time.
+pub(super) struct Commits<'a> {
+    env: Env<'a>,
+    consumer: Arc<TxnConsumer>,
+    producers: Producers,
+    /// The idempotent producer of answers sent outside the transactions
+    /// (repeats of committed outcomes).
+    answers: FutureProducer,
+    in_flight: Option<InFlight>,
+    /// The producers' last acknowledged transactions, checked by the next session.
+    last_commits: &'a mut LastCommits,
+    pub(super) linger: Linger,
+}
+
+impl<'a> Commits<'a> {
+    pub(super) async fn start(
+        env: Env<'a>,
+        consumer: Arc<TxnConsumer>,
+        last_commits: &'a mut LastCommits,
+    ) -> Result<Commits<'a>, GateError> {
+        let k = &env.config.kafka;
+        let producers = Producers::init(k).await?;
+        let answers = kafka::direct_producer_config(k).create()?;
+        Ok(Commits {
+            env,
+            consumer,
+            producers,
+            answers,
+            in_flight: None,
+            last_commits,
+            linger: Linger::default(),
+        })
     }
-}
 
-/// An outcome handed to the owner of its partition.
-pub(super) fn progress_record(topic: &str, partition: i32, p: &Progress) -> OutRecord {
-    OutRecord::for_workflow(
-        topic,
-        partition,
-        &p.step.workflow_id,
-        crate::contract::codec::encode(p),
-    )
-}
-
-/// A pool tool's call as Call v1 on its pool's calls topic (keyed by
-/// workflow id, partitioned by the producer: independently of `intents`), or
-/// None for a tool this process invokes itself. A worker takes it only
-/// before `take_by_ms`, the tool's deadline from now: the gate's deadline for
-/// the step is that plus `in_doubt_grace` (docs/design.md "Worker pools").
-pub(super) fn pool_call_record(
-    config: &Config,
-    partition: i32,
-    call: &Call,
-) -> Option<(String, OutRecord)> {
-    let tool = config.tools.get(&call.step.tool)?;
-    let pool = tool.pool.as_ref()?;
-    let take_by = now_ms() + tool.deadline().as_millis().min(i64::MAX as u128) as i64;
-    let message = crate::contract::PoolCall::new(call, partition, tool.category.as_str(), take_by);
-    let mut record = OutRecord {
-        topic: config.kafka.topics.calls_for(pool),
-        partition: None,
-        key: Some(call.step.workflow_id.as_bytes().to_vec()),
-        payload: Some(message.to_json()),
-        headers: Vec::new(),
-        timestamp_ms: None,
-    };
-    if let Some(tp) = &call.traceparent {
-        record.headers.push((
-            crate::contract::headers::TRACEPARENT.to_owned(),
-            Some(tp.as_bytes().to_vec()),
-        ));
+    pub(super) fn in_flight(&self) -> bool {
+        self.in_flight.is_some()
     }
-    Some((pool.clone(), record))
-}
 
-impl Session<'_> {
+    /// Resolves when the commit in flight returns, with it; never without one.
+    pub(super) async fn returned(&mut self) -> (InFlight, Result<Landed, GateError>) {
+        let Some(f) = &mut self.in_flight else {
+            return std::future::pending().await;
+        };
+        let r = (&mut f.task).await.map_err(GateError::from).and_then(|r| r);
+        let f = self
+            .in_flight
+            .take()
+            .expect("the commit awaited is in flight");
+        (f, r)
+    }
+
+    pub(super) fn log_if_slow(&mut self) {
+        if let Some(f) = self.in_flight.as_mut() {
+            f.log_if_slow();
+        }
+    }
+
     /// Send answers that rest only on committed state at once, through the
     /// session's idempotent producer, in a task the open batch's commit waits
     /// for (docs/design.md "Repeats answered at once").
-    pub(super) fn send_at_once(
-        &self,
-        producer: &FutureProducer,
-        pending: &mut Pending,
-        outs: Vec<Out>,
-    ) {
-        let topic = &self.config.kafka.topics.results;
+    pub(super) fn answer_at_once(&self, open: &mut OpenBatch, outs: Vec<Out>) {
+        let topic = &self.env.config.kafka.topics.results;
         let mut records = Vec::with_capacity(outs.len());
         let mut results = Vec::with_capacity(outs.len());
         for o in outs {
@@ -229,8 +243,8 @@ impl Session<'_> {
                 results.push((result.status, result.deduplicated, since_ms));
             }
         }
-        let (producer, metrics) = (producer.clone(), self.metrics.clone());
-        pending.sent_at_once.push(tokio::spawn(async move {
+        let (producer, metrics) = (self.answers.clone(), self.env.metrics.clone());
+        open.sent_at_once.push(tokio::spawn(async move {
             kafka::send_all(&producer, &records).await?;
             let now = now_ms();
             for (status, deduplicated, since_ms) in results {
@@ -241,277 +255,85 @@ impl Session<'_> {
         }));
     }
 
-    /// Close a batch: produce its messages and changelog records, its input
-    /// offsets, and commit — in a task, while the next batch is decided.
+    /// Send a closed batch — its records, its input offsets — and commit it,
+    /// in a task, while the next batch is decided on top of it (returned).
     pub(super) fn send(
         &mut self,
-        core: &mut GateCore,
-        consumer: &Arc<TxnConsumer>,
-        producer: &mut Producers,
-        mut pending: Pending,
-    ) -> Result<InFlight, GateError> {
+        open: OpenBatch,
+        built: BatchRecords,
+        offsets: BatchOffsets,
+    ) -> Result<Arc<Batch>, GateError> {
         let started = Instant::now();
-        pending.batch.detach();
-        let t = &self.config.kafka.topics;
-        let mut invokes = Vec::new();
-        let mut published = Vec::new();
-        let mut records = Vec::new();
-        let mut results = Vec::new();
-        let mut touched: BTreeSet<i32> = pending.batch.partitions();
-        for o in core.take_outs() {
-            match o {
-                Out::Invoke { partition, call } => {
-                    // A pool tool's call goes out in this transaction, with
-                    // its `started` record: visible to workers once committed.
-                    match pool_call_record(self.config, partition, &call) {
-                        Some((pool, record)) => {
-                            records.push(record);
-                            published.push((partition, call, pool));
-                        }
-                        None => invokes.push((partition, call)),
-                    }
-                }
-                Out::Result {
-                    partition,
-                    result,
-                    traceparent,
-                    since_ms,
-                } => {
-                    touched.insert(partition);
-                    results.push((
-                        result.status.as_str().to_owned(),
-                        result.deduplicated,
-                        since_ms,
-                    ));
-                    records.push(result_record(
-                        &t.results,
-                        partition,
-                        &result,
-                        traceparent.as_deref(),
-                    ));
-                }
-                Out::Approval { partition, event } => records.push(OutRecord::json_for_workflow(
-                    &t.approvals,
-                    partition,
-                    &event.step.workflow_id,
-                    &event,
-                )),
-                Out::Forward {
-                    partition,
-                    key,
-                    payload,
-                    headers,
-                    timestamp_ms,
-                } => records.push(OutRecord {
-                    topic: t.intents.clone(),
-                    partition: Some(partition),
-                    key,
-                    payload,
-                    headers,
-                    timestamp_ms,
-                }),
-                Out::Dlq {
-                    key,
-                    headers,
-                    record,
-                } => records.push(OutRecord {
-                    topic: t.dlq.clone(),
-                    partition: None,
-                    key,
-                    payload: Some(record.to_json()),
-                    headers,
-                    timestamp_ms: None,
-                }),
-            }
-        }
-        for f in &pending.orphans {
-            records.push(progress_record(&t.progress, f.partition, &f.progress));
-        }
-        records.extend(pending.batch.changelog().into_iter().map(|e| OutRecord {
-            topic: t.changelog.clone(),
-            partition: Some(e.partition),
-            key: Some(e.key),
-            // Compact on the changelog; RocksDB keeps the named form, which
-            // the gate reads without expanding.
-            payload: e.value.map(|v| codec::compact(&v).unwrap_or(v)),
-            headers: Vec::new(),
-            timestamp_ms: None,
-        }));
-        // Offsets: every intents partition this batch consumed from or writes
-        // for (so a fenced member's transaction cannot commit), and any whose
-        // committed offset may move now that a fast-path call was answered.
-        let mut offsets = BTreeMap::new();
-        let mut input_offsets = Vec::new();
-        for (p, o) in self.owned.iter_mut() {
-            let (applied, commit) = o.batch_offsets(
-                pending.intents_next.get(p).copied(),
-                core.first_unanswered(*p),
-            );
-            if commit == o.committed && applied == o.applied && !touched.contains(p) {
-                continue;
-            }
-            offsets.insert(*p, (applied, commit));
-            input_offsets.push(lost::InputOffset {
-                topic: t.intents.clone(),
-                partition: *p,
-                offset: commit,
-                metadata: Some(applied_metadata(applied, core.intent_partitions())),
-            });
-        }
-        for ((topic, p), next) in &pending.others_next {
-            input_offsets.push(lost::InputOffset {
+        let t = &self.env.config.kafka.topics;
+        let mut input_offsets = offsets.input_offsets;
+        for ((topic, p), next) in &open.others_next {
+            input_offsets.push(InputOffset {
                 topic: topic.clone(),
                 partition: *p,
                 offset: *next,
                 metadata: None,
             });
         }
-        let tpl = lost::InputOffset::list(&input_offsets)?;
-        let batch = Arc::new(pending.batch);
-        let changelog = t.changelog.clone();
-        let starts_calls = !invokes.is_empty();
-        let answers = !results.is_empty();
-        let records = Arc::new(records);
-        let (slot, producer_now) = producer.next();
-        let committer = producer.committer(slot);
-        let producer = producer_now;
-        let (consumer, sent_records) = (consumer.clone(), records.clone());
-        let limits = kafka::TxnLimits::of(&self.config.kafka);
+        let tpl = InputOffset::list(&input_offsets)?;
+        let records = Arc::new(built.records);
+        let (slot, producer) = self.producers.next();
+        let committer = self.producers.committer(slot);
         let stage = Arc::new(AtomicU8::new(Stage::SENDING));
-        let at = stage.clone();
+        // For the test hooks: whether this transaction commits answers — its
+        // own, or the offsets of repeats answered at once before it.
+        let answers = !built.results.is_empty() || !open.sent_at_once.is_empty();
         hooks::arm_hang_send(answers);
-        let sent_at_once = pending.sent_at_once;
-        let task = tokio::spawn(async move {
-            let records = sent_records;
-            // Answers sent at once first: their intents' offsets are in this
-            // transaction, and none may be committed past a lost answer. They
-            // get the transaction's own bound (a broker gone away).
-            let acked =
-                tokio::time::timeout(limits.send, futures::future::try_join_all(sent_at_once))
-                    .await
-                    .map_err(|_| {
-                        KafkaError::MessageProduction(
-                            rdkafka::types::RDKafkaErrorCode::MessageTimedOut,
-                        )
-                    })??;
-            acked.into_iter().collect::<Result<(), KafkaError>>()?;
-            hooks::delay_commit().await;
-            let t0 = Instant::now();
-            let (mut t1, mut marker_lost) = (t0, false);
-            let done = kafka::transact(&producer, &consumer, &records, tpl, limits, || {
-                at.store(Stage::ENDING, Ordering::Relaxed);
-                t1 = Instant::now();
-                hooks::crash_before_commit();
-                marker_lost = hooks::lose_commit_marker(answers);
-                Ok::<_, GateError>(if marker_lost {
-                    kafka::Ending::Abort
-                } else {
-                    kafka::Ending::Commit
-                })
-            })
-            .await;
-            at.store(Stage::DONE, Ordering::Relaxed);
-            let kafka::Transacted {
-                landed,
-                renew_producer,
-            } = done?;
-            hooks::lose_commit_reply(starts_calls)?;
-            let renew_producer = renew_producer || hooks::slow_transaction_end(starts_calls);
-            tracing::debug!(
-                records = records.len(),
-                send_us = (t1 - t0).as_micros() as u64,
-                commit_us = t1.elapsed().as_micros() as u64,
-                "batch committed"
-            );
-            // Where the changelog records landed: the local state will
-            // reflect each partition's changelog up to its last record there.
-            let mut last: BTreeMap<i32, (i64, usize)> = BTreeMap::new();
-            for (i, (r, &(p, o))) in records.iter().zip(&landed).enumerate() {
-                if r.topic == changelog && last.get(&p).is_none_or(|&(l, _)| o > l) {
-                    last.insert(p, (o, i));
-                }
+        let task = tokio::spawn(
+            Transaction {
+                producer,
+                consumer: self.consumer.clone(),
+                records: records.clone(),
+                offsets: tpl,
+                limits: kafka::TxnLimits::of(&self.env.config.kafka),
+                stage: stage.clone(),
+                sent_at_once: open.sent_at_once,
+                answers,
+                starts_calls: !built.invokes.is_empty(),
+                changelog: t.changelog.clone(),
             }
-            let tails = last
-                .into_iter()
-                .map(|(p, (o, i))| {
-                    let r = &records[i];
-                    let tail = crate::state::Tail::of(o, r.key.as_deref(), r.payload.as_deref());
-                    (p, tail)
-                })
-                .collect();
-            Ok::<_, GateError>(Landed {
-                changelog: tails,
-                landed,
-                marker_lost,
-                renew_producer,
-            })
-        });
-        Ok(InFlight {
+            .run(),
+        );
+        let batch = Arc::new(open.batch);
+        self.in_flight = Some(InFlight {
             task,
-            batch,
+            batch: batch.clone(),
             records,
             input_offsets,
             slot,
             committer,
-            invokes,
-            published,
-            results,
-            outcomes: pending.outcomes,
-            offsets,
+            invokes: built.invokes,
+            published: built.published,
+            results: built.results,
+            outcomes: open.outcomes,
+            offsets: offsets.offsets,
             started,
-            first_input: pending.first_input,
+            first_input: open.first_input,
             stage,
             logged: None,
-        })
+        });
+        Ok(batch)
     }
 
-    /// Wait for a batch's commit and act on it.
-    pub(super) async fn land(
-        &mut self,
-        core: &mut GateCore,
-        mut f: InFlight,
-    ) -> Result<(), GateError> {
-        let r = (&mut f.task).await;
-        self.landed(core, f, r.map_err(GateError::from).and_then(|r| r))
-    }
-
-    /// A batch's commit returned: on success apply it to the local state, move
-    /// the offsets and start its calls; on failure keep its outcomes for the next
-    /// session, which re-reads its inputs.
-    pub(super) fn landed(
-        &mut self,
-        core: &mut GateCore,
-        f: InFlight,
-        r: Result<Landed, GateError>,
-    ) -> Result<(), GateError> {
-        let landed = match r {
-            Ok(l) => l,
-            Err(e) => {
-                self.backlog.extend(f.outcomes);
-                core.commit_unknown(f.invokes);
-                // Published or not with their records, nothing more to do:
-                // workers see them only if that commit landed after all.
-                for (p, call, _) in &f.published {
-                    core.published(*p, call);
-                }
-                if let (Some(code), Some(first)) = (e.refused_record(), f.first_input) {
-                    warn!(topic = %first.0, partition = first.1, offset = first.2, code, "Kafka refused a record of a batch: the next batches take one input each, and an input whose records are refused {} times is set aside", Poison::SET_ASIDE_AFTER);
-                    self.poison.refused(first, &e);
-                }
-                return Err(e);
-            }
-        };
-        self.poison.committed(f.first_input.as_ref());
+    /// A batch committed: apply it to the local state, keep it as the
+    /// producer's last commit, and count its answers; what it leaves the
+    /// session to do.
+    pub(super) fn landed(&mut self, f: InFlight, landed: Landed) -> Result<AfterCommit, GateError> {
+        let (store, metrics) = (self.env.store, self.env.metrics);
         hooks::crash_after_commit(!f.invokes.is_empty());
         let t = Instant::now();
-        self.store.apply(
+        store.apply(
             &f.batch,
             &crate::state::Landing {
                 committer: f.committer,
                 tails: landed.changelog,
             },
         )?;
-        self.metrics.state_written(t.elapsed());
+        metrics.state_written(t.elapsed());
         self.last_commits.record(
             f.slot,
             lost::Committed {
@@ -521,36 +343,183 @@ impl Session<'_> {
                 at: Instant::now(),
             },
         );
-        for (p, (applied, committed)) in f.offsets {
-            if let Some(o) = self.owned.get_mut(&p) {
-                o.applied = applied;
-                o.committed = committed;
-            }
-        }
         self.linger.landed(f.invokes.len(), f.started.elapsed());
-        for (p, call) in f.invokes {
-            core.invoked(p, &call);
-            self.invoker.start(p, call);
-        }
-        for (p, call, pool) in &f.published {
-            core.published(*p, call);
-            self.metrics.pool_call(pool, &call.step);
-        }
         let now = now_ms();
         for (status, deduplicated, since_ms) in &f.results {
             let latency = since_ms.map(|t| Duration::from_millis((now - t).max(0) as u64));
-            self.metrics
-                .result_published(status, *deduplicated, latency);
+            metrics.result_published(status, *deduplicated, latency);
         }
-        self.metrics.committed(f.started.elapsed());
-        if landed.marker_lost {
-            return Err(hooks::session_lost().into());
+        metrics.committed(f.started.elapsed());
+        Ok(AfterCommit {
+            offsets: f.offsets,
+            invokes: f.invokes,
+            published: f.published,
+            marker_lost: landed.marker_lost,
+            renew_producer: landed.renew_producer,
+        })
+    }
+
+    /// At a session's first assignment, before its first committed-offset
+    /// lookup: end what a broker crash may have left hanging for this gate's
+    /// transactional ids (see `kafka::end_hanging_transactions`), then write
+    /// again what a broker lost of this process's last commits in the
+    /// partitions `owned` (`lost::mend`). `layout` counts the partitions of
+    /// the topics the gate writes; `p` is one of `owned`.
+    pub(super) async fn recover(
+        &mut self,
+        layout: &kafka::Layout,
+        p: i32,
+        owned: &BTreeSet<i32>,
+    ) -> Result<(), GateError> {
+        let (config, t) = (self.env.config, &self.env.config.kafka.topics);
+        // The topics this gate writes: all but intents and commands.
+        let written: Vec<(String, i32)> = [
+            (&t.results, layout.results),
+            (&t.dlq, layout.dlq),
+            (&t.progress, layout.progress),
+            (&t.changelog, layout.changelog),
+            (&t.approvals, layout.approvals),
+        ]
+        .into_iter()
+        .flat_map(|(name, n)| (0..n as i32).map(move |q| (name.clone(), q)))
+        .collect();
+        let started = Instant::now();
+        let limits = kafka::TxnLimits::of(&config.kafka);
+        let ends = self.producers.all.iter().map(|pr| {
+            kafka::end_hanging_transactions(pr, &self.consumer, &written, (&t.intents, p), limits)
+        });
+        let mut renew = false;
+        for r in futures::future::join_all(ends).await {
+            match r {
+                Ok(r) => renew |= r,
+                // Not fatal: if something did hang, the offset lookup
+                // waits, and a new session tries again.
+                Err(e) => {
+                    warn!(error = %e, "could not end hanging transactions of this gate's producers")
+                }
+            }
         }
-        // Committed and honoured above; the session's producers are then
-        // replaced (a new session's, with a new epoch) before another begins.
-        if landed.renew_producer {
+        if renew {
             return Err(GateError::SlowTransactionEnd);
         }
-        Ok(())
+        info!(
+            partitions = written.len(),
+            ms = started.elapsed().as_millis() as u64,
+            "ended any transaction a broker crash left hanging for this gate's producers"
+        );
+        lost::mend(
+            &config.kafka,
+            config.state.retention.0,
+            self.last_commits,
+            &self.producers.all[0],
+            &self.consumer,
+            owned,
+            self.env.metrics,
+        )
+        .await
+    }
+
+    /// Close the session's producers, each within `limit` and off the async
+    /// threads (the future outlives the session).
+    pub(super) fn close(self, limit: Duration) -> impl Future<Output = ()> + 'static {
+        let (producers, answers) = (self.producers, self.answers);
+        async move {
+            kafka::close_within("the gate's producers", producers, limit).await;
+            kafka::close_within("the gate's answers producer", answers, limit).await;
+        }
+    }
+}
+
+/// One batch's transaction, run as a task.
+struct Transaction {
+    producer: FutureProducer,
+    consumer: Arc<TxnConsumer>,
+    records: Arc<Vec<OutRecord>>,
+    offsets: TopicPartitionList,
+    limits: kafka::TxnLimits,
+    stage: Arc<AtomicU8>,
+    /// The open batch's answers sent at once.
+    sent_at_once: Vec<JoinHandle<Result<(), KafkaError>>>,
+    /// Whether it carries answers, and starts calls (for the test hooks).
+    answers: bool,
+    starts_calls: bool,
+    changelog: String,
+}
+
+impl Transaction {
+    async fn run(self) -> Result<Landed, GateError> {
+        let Transaction {
+            producer,
+            consumer,
+            records,
+            offsets,
+            limits,
+            stage,
+            sent_at_once,
+            answers,
+            starts_calls,
+            changelog,
+        } = self;
+        // Answers sent at once first: their intents' offsets are in this
+        // transaction, and none may be committed past a lost answer. They
+        // get the transaction's own bound (a broker gone away).
+        let acked = tokio::time::timeout(limits.send, futures::future::try_join_all(sent_at_once))
+            .await
+            .map_err(|_| {
+                KafkaError::MessageProduction(rdkafka::types::RDKafkaErrorCode::MessageTimedOut)
+            })??;
+        acked.into_iter().collect::<Result<(), KafkaError>>()?;
+        hooks::delay_commit().await;
+        let t0 = Instant::now();
+        let (mut t1, mut marker_lost) = (t0, false);
+        let done = kafka::transact(&producer, &consumer, &records, offsets, limits, || {
+            stage.store(Stage::ENDING, Ordering::Relaxed);
+            t1 = Instant::now();
+            hooks::crash_before_commit();
+            marker_lost = hooks::lose_commit_marker(answers);
+            Ok::<_, GateError>(if marker_lost {
+                kafka::Ending::Abort
+            } else {
+                kafka::Ending::Commit
+            })
+        })
+        .await;
+        stage.store(Stage::DONE, Ordering::Relaxed);
+        let kafka::Transacted {
+            landed,
+            renew_producer,
+        } = done?;
+        hooks::lose_commit_reply(starts_calls)?;
+        let renew_producer = renew_producer || hooks::slow_transaction_end(starts_calls);
+        tracing::debug!(
+            records = records.len(),
+            send_us = (t1 - t0).as_micros() as u64,
+            commit_us = t1.elapsed().as_micros() as u64,
+            "batch committed"
+        );
+        // Where the changelog records landed: the local state will
+        // reflect each partition's changelog up to its last record there.
+        let mut last: BTreeMap<i32, (i64, usize)> = BTreeMap::new();
+        for (i, (r, &(p, o))) in records.iter().zip(&landed).enumerate() {
+            if r.topic == changelog && last.get(&p).is_none_or(|&(l, _)| o > l) {
+                last.insert(p, (o, i));
+            }
+        }
+        let tails = last
+            .into_iter()
+            .map(|(p, (o, i))| {
+                let r = &records[i];
+                (
+                    p,
+                    crate::state::Tail::of(o, r.key.as_deref(), r.payload.as_deref()),
+                )
+            })
+            .collect();
+        Ok(Landed {
+            changelog: tails,
+            landed,
+            marker_lost,
+            renew_producer,
+        })
     }
 }

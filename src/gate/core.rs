@@ -6,7 +6,7 @@ use crate::config::Config;
 use crate::contract::{ApprovalEvent, Call, DlqRecord, Progress, Status, StepKey, ToolResult};
 pub use crate::kafka::Input;
 use crate::state::{
-    Batch, FastEntry, Indexed, Phase, StateError, StateStore, StepRecord, WorkflowEnd,
+    Batch, FastEntry, Indexed, Phase, StateError, StateStore, StepRecord, Tokens, WorkflowEnd,
 };
 use crate::telemetry::Metrics;
 use crate::tools::ToolConfig;
@@ -18,12 +18,21 @@ use std::sync::Arc;
 use std::time::Duration;
 use timers::Purged;
 
-/// A message the gate wants produced (in the same transaction as its state), or
-/// a call to start once that transaction has committed.
+/// What the core decided, in the order it decided it: a message to produce, or
+/// a call to start — each [`When`] it takes effect, relative to the commit of
+/// the batch that decided it. The session drains them after each input
+/// ([`GateCore::take_outs`]): what goes `Now` it does at once, the rest it
+/// keeps with the open batch.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Out {
-    /// Invoke a started step's tool, after the batch's commit.
-    Invoke { partition: i32, call: Call },
+    /// Invoke a started step's tool: after the batch's commit, or at once (a
+    /// fast path's call, a first-read keyed step's, one whose commit had
+    /// landed after all).
+    Invoke {
+        partition: i32,
+        call: Call,
+        when: When,
+    },
     /// A final answer to an agent, in the intent's partition.
     Result {
         partition: i32,
@@ -31,6 +40,10 @@ pub enum Out {
         traceparent: Option<String>,
         /// When the answered intent was published, for the answer-latency metric.
         since_ms: Option<i64>,
+        /// `Now`: it rests only on committed state (a repeat of a committed
+        /// `ok` or `error` outcome), and is sent before its batch commits
+        /// (docs/design.md "Repeats answered at once").
+        when: When,
     },
     /// To the operators' approvals topic, in the step's partition.
     Approval {
@@ -53,6 +66,27 @@ pub enum Out {
         headers: Vec<(String, Option<Vec<u8>>)>,
         record: DlqRecord,
     },
+}
+
+/// When an [`Out`] takes effect: "before or after the commit" is one axis.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum When {
+    /// With the batch that decided it: a record in its transaction, a call
+    /// started once it has committed.
+    WithBatch,
+    /// Before that batch commits: a call started at once, an answer sent at
+    /// once outside the transaction (the batch's commit waits for its
+    /// acknowledgement).
+    Now,
+}
+
+impl Out {
+    pub fn when(&self) -> When {
+        match self {
+            Out::Invoke { when, .. } | Out::Result { when, .. } => *when,
+            Out::Approval { .. } | Out::Forward { .. } | Out::Dlq { .. } => When::WithBatch,
+        }
+    }
 }
 
 /// Settings the gate's decisions depend on: sizes, times, and how an intent
@@ -102,13 +136,8 @@ pub struct GateCore {
     metrics: Arc<Metrics>,
     /// (deadline ms, partition, step): started steps to check.
     due: BTreeSet<(i64, i32, StepKey)>,
+    /// What it decided since the session last took it ([`Out`]).
     outs: Vec<Out>,
-    /// Answers resting only on committed state (repeats of a committed `ok`
-    /// or `error` outcome), which the session sends before their batch
-    /// commits (docs/design.md "Repeats answered at once").
-    at_once: Vec<Out>,
-    /// Fast-path calls to start at once (they record nothing first).
-    immediate: Vec<(i32, Call)>,
     /// Fast-path calls awaiting their answer, by (partition, intent offset).
     /// Memory only: the intent's offset is not committed past them, so a
     /// restart re-reads and re-runs them.
@@ -123,10 +152,6 @@ pub struct GateCore {
     /// Steps of re-runnable tools whose call runs before anything is written
     /// (recorded once settled); lent to each input's `Apply`.
     deferred: Deferred,
-    /// Per partition, the first intent offset not yet applied to the committed
-    /// state; intents below it are re-read only to re-run fast-path calls
-    /// and deferred steps (which have no record until settled).
-    applied: HashMap<i32, i64>,
     /// Calls of a batch whose commit reported an error: it may have committed
     /// all the same (a lost reply). Kept across sessions; when the partition is
     /// loaded again, a step whose record is `started` with the same dispatch
@@ -140,6 +165,11 @@ pub struct GateCore {
     /// The process is stopping: a call handed back not invoked is left for
     /// the next owner (due at once) instead of being started here.
     stopping: bool,
+    /// Where each dispatch's token comes from (`StepRecord::tokens`).
+    tokens: Tokens,
+    /// Each pool's key (`[pools.<name>] key`, resolved at start): a worker's
+    /// Outcome v1 counts only when signed with its tool's pool's key.
+    pool_keys: HashMap<String, Vec<u8>>,
 }
 
 /// What one input is applied to: the committed state, the batch its writes
@@ -157,6 +187,10 @@ struct Apply<'a> {
     /// first, and kept there while their call runs.
     deferred: &'a mut Deferred,
     now_ms: i64,
+    /// An intent's partition's applied mark (the session's, kept with the
+    /// group's committed offset): the first intent offset no committed batch
+    /// decided. None for other inputs.
+    applied: Option<i64>,
     /// The step [`Apply::step`] last read from the batch, and its index
     /// fields then: a handler reads a step, then writes it, and the write
     /// need not read it again. Only `Apply`'s own writes change a step's
@@ -166,6 +200,13 @@ struct Apply<'a> {
 }
 
 impl<'a> Apply<'a> {
+    /// Whether an intent at `offset` is read again below the applied mark: a
+    /// batch that committed decided it (re-read because the committed offset
+    /// was held at an unanswered call before it).
+    fn replayed(&self, offset: i64) -> bool {
+        self.applied.is_some_and(|a| offset < a)
+    }
+
     /// A step's record as the batch sees it (a deferred step's, in memory).
     fn step(&self, p: i32, step: &StepKey) -> Result<Option<StepRecord>, StateError> {
         if let Some(r) = self.deferred.get(p, step) {
@@ -304,17 +345,19 @@ fn at(ms: i64) -> DateTime<Utc> {
 /// The inputs in: each builds its `Apply` once and hands it to the handler
 /// of its kind (`core/intent.rs`, `command.rs`, `outcome.rs`, `timers.rs`).
 /// Reads and writes go to `store` through `batch`; messages and calls to
-/// [`GateCore::take_outs`] and [`GateCore::take_immediate`].
+/// [`GateCore::take_outs`].
 impl GateCore {
-    /// An intent from an agent.
+    /// An intent from an agent; `applied` is its partition's applied mark
+    /// (intents below it were decided by a batch that committed).
     pub fn on_intent(
         &mut self,
         store: &StateStore,
         batch: &mut Batch,
         input: &Input,
+        applied: i64,
         now_ms: i64,
     ) -> Result<(), StateError> {
-        self.with_apply(store, batch, now_ms, |core, ax| {
+        self.with_apply(store, batch, now_ms, Some(applied), |core, ax| {
             core.apply_intent(ax, input)
         })
     }
@@ -327,7 +370,7 @@ impl GateCore {
         input: &Input,
         now_ms: i64,
     ) -> Result<(), StateError> {
-        self.with_apply(store, batch, now_ms, |core, ax| {
+        self.with_apply(store, batch, now_ms, None, |core, ax| {
             core.apply_command(ax, input)
         })
     }
@@ -341,7 +384,7 @@ impl GateCore {
         input: &Input,
         now_ms: i64,
     ) -> Result<(), StateError> {
-        self.with_apply(store, batch, now_ms, |core, ax| {
+        self.with_apply(store, batch, now_ms, None, |core, ax| {
             core.apply_progress(ax, input)
         })
     }
@@ -355,7 +398,7 @@ impl GateCore {
         progress: Progress,
         now_ms: i64,
     ) -> Result<(), StateError> {
-        self.with_apply(store, batch, now_ms, |core, ax| {
+        self.with_apply(store, batch, now_ms, None, |core, ax| {
             core.apply_outcome(ax, p, progress)
         })
     }
@@ -367,7 +410,9 @@ impl GateCore {
         batch: &mut Batch,
         now_ms: i64,
     ) -> Result<(), StateError> {
-        self.with_apply(store, batch, now_ms, |core, ax| core.apply_deadlines(ax))
+        self.with_apply(store, batch, now_ms, None, |core, ax| {
+            core.apply_deadlines(ax)
+        })
     }
 
     /// Remove up to `limit` expired records of each partition.
@@ -379,7 +424,7 @@ impl GateCore {
         now_ms: i64,
         limit: usize,
     ) -> Result<Purged, StateError> {
-        self.with_apply(store, batch, now_ms, |core, ax| {
+        self.with_apply(store, batch, now_ms, None, |core, ax| {
             core.apply_purge(ax, partitions, limit)
         })
     }
@@ -391,6 +436,7 @@ impl GateCore {
         store: &StateStore,
         batch: &mut Batch,
         now_ms: i64,
+        applied: Option<i64>,
         handler: impl FnOnce(&mut Self, &mut Apply<'_>) -> R,
     ) -> R {
         let mut deferred = std::mem::take(&mut self.deferred);
@@ -401,6 +447,7 @@ impl GateCore {
                 batch,
                 deferred: &mut deferred,
                 now_ms,
+                applied,
                 last_read: RefCell::new(None),
             },
         );
@@ -426,40 +473,31 @@ impl GateCore {
             metrics,
             due: BTreeSet::new(),
             outs: Vec::new(),
-            at_once: Vec::new(),
-            immediate: Vec::new(),
             fast: BTreeMap::new(),
             running: HashMap::new(),
             deferred: Deferred::default(),
             awaiting_commit: HashMap::new(),
-            applied: HashMap::new(),
             unsure: Vec::new(),
             held: HashMap::new(),
             stopping: false,
+            tokens: Tokens::from_os(),
+            pool_keys: config
+                .pools
+                .iter()
+                .filter_map(|(name, p)| Some((name.clone(), p.key_bytes()?.to_vec())))
+                .collect(),
         }
     }
 
-    /// Messages decided since the last call.
+    /// Dispatch tokens from a fixed seed: a simulation replays exactly.
+    #[cfg(test)]
+    pub(crate) fn seed_tokens(&mut self, seed: u64) {
+        self.tokens = Tokens::seeded(seed);
+    }
+
+    /// What it decided since the last call, in order ([`Out`]).
     pub fn take_outs(&mut self) -> Vec<Out> {
-        let mut outs = std::mem::take(&mut self.outs);
-        outs.append(&mut self.at_once);
-        outs
-    }
-
-    /// The answers decided since the last call that are sent before their
-    /// batch commits (repeats of committed outcomes); any not taken go out
-    /// with the batch ([`GateCore::take_outs`]).
-    pub fn take_at_once(&mut self) -> Vec<Out> {
-        std::mem::take(&mut self.at_once)
-    }
-
-    pub fn has_outs(&self) -> bool {
-        !self.outs.is_empty() || !self.at_once.is_empty()
-    }
-
-    /// Fast-path calls decided since the last call, to start now.
-    pub fn take_immediate(&mut self) -> Vec<(i32, Call)> {
-        std::mem::take(&mut self.immediate)
+        std::mem::take(&mut self.outs)
     }
 
     /// The lowest intent offset of `partition` whose fast-path answer is still
@@ -511,29 +549,23 @@ impl GateCore {
         self.awaiting_commit.clear();
         self.due.clear();
         self.outs.clear();
-        self.at_once.clear();
-        self.immediate.clear();
         self.fast.clear();
         self.deferred.clear();
-        self.applied.clear();
         self.held.clear();
     }
 
-    /// Load a partition's pending deadlines after it was assigned and restored;
-    /// `applied` is the first intent offset its committed state does not reflect.
+    /// Load a partition's pending deadlines after it was assigned and restored.
     /// Its deadlines wait `in_doubt_grace` from `now_ms`, while the outcomes
     /// waiting on `progress` are read.
     pub fn load_partition(
         &mut self,
         store: &StateStore,
         partition: i32,
-        applied: i64,
         now_ms: i64,
     ) -> Result<(), StateError> {
         for (step, d) in store.deadlines(partition)? {
             self.due.insert((d, partition, step));
         }
-        self.applied.insert(partition, applied);
         self.held.insert(
             partition,
             Hold {
@@ -549,13 +581,20 @@ impl GateCore {
             let Some(record) = store.step(p, &call.step)? else {
                 continue;
             };
+            // The very call's record committed (its token's, not a record
+            // decided again since with the same dispatch number).
             let committed_not_run = record.phase == Phase::Started
                 && record.dispatch == call.dispatch
+                && record.token_matches(call.dispatch, call.token.as_deref())
                 && !self.running.contains_key(&(p, call.step.clone()));
             if committed_not_run {
                 tracing::info!(step = %call.step, "its commit was reported failed but had landed: invoking it now");
                 self.invoked(p, &call);
-                self.immediate.push((p, call));
+                self.outs.push(Out::Invoke {
+                    partition: p,
+                    call,
+                    when: When::Now,
+                });
             }
         }
         Ok(())
@@ -598,7 +637,6 @@ impl GateCore {
         self.due.retain(|(_, p, _)| *p != partition);
         self.fast.retain(|(p, _), _| *p != partition);
         self.deferred.drop_partition(partition);
-        self.applied.remove(&partition);
         self.held.remove(&partition);
     }
 
@@ -633,6 +671,14 @@ impl GateCore {
 
     pub fn set_intent_partitions(&mut self, n: i32) {
         self.intent_partitions = Some(n);
+    }
+
+    /// How long a tool's call may take before its step's deadline.
+    fn tool_deadline(&self, tool: &str) -> Duration {
+        self.tools
+            .get(tool)
+            .map(ToolConfig::deadline)
+            .unwrap_or(Duration::from_secs(30))
     }
 }
 

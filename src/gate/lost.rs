@@ -24,7 +24,7 @@
 //! so nothing is written (as when the read-back times out).
 
 use super::GateError;
-use super::ownership::parse_applied;
+use super::mark::AppliedMark;
 use crate::config::KafkaConfig;
 use crate::kafka::{self, OutRecord, TxnConsumer};
 use crate::telemetry::Metrics;
@@ -130,7 +130,7 @@ struct Seen {
 
 /// Where the group stands in an input partition: its offset, and the first
 /// offset not yet applied (the applied mark an intents offset's metadata
-/// carries, [`applied_metadata`](super::ownership::applied_metadata); the
+/// carries, [`AppliedMark`]; the
 /// offset itself without one). Ordered by offset, then mark.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 struct Position {
@@ -140,7 +140,7 @@ struct Position {
 
 impl Position {
     fn of(offset: i64, metadata: Option<&str>) -> Position {
-        let applied = metadata.and_then(|m| parse_applied(m).0);
+        let applied = metadata.and_then(|m| AppliedMark::parse(m).applied);
         Position {
             offset,
             applied: applied.map_or(offset, |a| a.max(offset)),
@@ -283,43 +283,13 @@ pub(super) async fn mend(
     }
     crate::hooks::crash_before_mend();
     let started = Instant::now();
-    let t = &cfg.topics;
-    let mut tries = 0;
-    let rewrite = loop {
-        tries += 1;
-        let seen = match read_back(cfg, &commits, consumer, owned).await {
-            Ok(Some(seen)) => seen,
-            Ok(None) => {
-                warn!(
-                    limit_s = READ_BACK_LIMIT.as_secs(),
-                    "could not read back this gate's last commits in time: not checked for what a broker may have lost of them"
-                );
-                return Ok(());
-            }
-            Err(e) => {
-                last.put_back(commits);
-                return Err(e);
-            }
-        };
-        let rewrite = plan(&commits, &seen, owned, &t.changelog);
-        if rewrite.unknown.is_empty() {
-            break rewrite;
+    let rewrite = match settled_plan(cfg, &commits, consumer, owned).await {
+        Ok(Some(rewrite)) => rewrite,
+        Ok(None) => return Ok(()),
+        Err(e) => {
+            last.put_back(commits);
+            return Err(e);
         }
-        // Another producer's transaction is open below records of ours:
-        // whether they are there cannot be told until it ends.
-        if tries >= READ_BACK_TRIES {
-            warn!(
-                partitions = ?rewrite.unknown,
-                tries,
-                "reading back this gate's last commits stopped each time at another producer's open transaction, below records of ours: not checked for what a broker may have lost of them (nothing written again)"
-            );
-            return Ok(());
-        }
-        info!(
-            partitions = ?rewrite.unknown,
-            "reading back this gate's last commits stopped at another producer's open transaction, below records of ours: reading again"
-        );
-        tokio::time::sleep(READ_BACK_PAUSE * tries).await;
     };
     for (topic, partition) in &rewrite.overtaken {
         warn!(
@@ -372,6 +342,47 @@ pub(super) async fn mend(
     }
 }
 
+/// What to write again, once no record of ours is hidden behind another
+/// producer's open transaction: None when the read-back does not settle in
+/// time (nothing is written then).
+async fn settled_plan(
+    cfg: &KafkaConfig,
+    commits: &[Committed],
+    consumer: &Arc<TxnConsumer>,
+    owned: &BTreeSet<i32>,
+) -> Result<Option<Rewrite>, GateError> {
+    let mut tries = 0;
+    loop {
+        tries += 1;
+        let Some(seen) = read_back(cfg, commits, consumer, owned).await? else {
+            warn!(
+                limit_s = READ_BACK_LIMIT.as_secs(),
+                "could not read back this gate's last commits in time: not checked for what a broker may have lost of them"
+            );
+            return Ok(None);
+        };
+        let rewrite = plan(commits, &seen, owned, &cfg.topics.changelog);
+        if rewrite.unknown.is_empty() {
+            return Ok(Some(rewrite));
+        }
+        // Another producer's transaction is open below records of ours:
+        // whether they are there cannot be told until it ends.
+        if tries >= READ_BACK_TRIES {
+            warn!(
+                partitions = ?rewrite.unknown,
+                tries,
+                "reading back this gate's last commits stopped each time at another producer's open transaction, below records of ours: not checked for what a broker may have lost of them (nothing written again)"
+            );
+            return Ok(None);
+        }
+        info!(
+            partitions = ?rewrite.unknown,
+            "reading back this gate's last commits stopped at another producer's open transaction, below records of ours: reading again"
+        );
+        tokio::time::sleep(READ_BACK_PAUSE * tries).await;
+    }
+}
+
 async fn read_back(
     cfg: &KafkaConfig,
     commits: &[Committed],
@@ -401,68 +412,31 @@ async fn read_back(
         let mut records = BTreeMap::new();
         let mut stable = BTreeMap::new();
         for (topic, starts) in &by_topic {
-            let Some(mut seen) = kafka::visible_offsets(&cfg, &group, topic, starts, deadline)?
-            else {
+            let read = ReadBack {
+                cfg: &cfg,
+                group: &group,
+                topic,
+                deadline,
+            };
+            let Some(seen) = read.topic(starts, &ours)? else {
                 return Ok(None);
             };
-            // Records of ours the read did not see are lost, or past where it
-            // stopped: another producer's transaction still open below them.
-            // Those partitions are read again after their last stable offset
-            // is taken: below it, every record was settled when the read began.
-            let missing: BTreeSet<i32> = seen
-                .iter()
-                .filter(|(p, visible)| {
-                    ours.get(&(topic.clone(), **p))
-                        .is_some_and(|o| !o.is_subset(visible))
-                })
-                .map(|(p, _)| *p)
-                .collect();
-            let mut ends: BTreeMap<i32, i64> = seen.keys().map(|&p| (p, i64::MAX)).collect();
-            if !missing.is_empty() {
-                let Some(lso) = stable_offsets(&cfg, &group, topic, &missing, deadline)? else {
-                    return Ok(None);
-                };
-                let again: BTreeMap<i32, i64> = starts
-                    .iter()
-                    .filter(|(p, _)| missing.contains(p))
-                    .map(|(p, o)| (*p, *o))
-                    .collect();
-                let Some(read) = kafka::visible_offsets(&cfg, &group, topic, &again, deadline)?
-                else {
-                    return Ok(None);
-                };
-                seen.extend(read);
-                ends.extend(lso);
-            }
-            records.extend(seen.into_iter().map(|(p, s)| ((topic.clone(), p), s)));
-            stable.extend(ends.into_iter().map(|(p, e)| ((topic.clone(), p), e)));
+            records.extend(
+                seen.visible
+                    .into_iter()
+                    .map(|(p, s)| ((topic.clone(), p), s)),
+            );
+            stable.extend(
+                seen.stable
+                    .into_iter()
+                    .map(|(p, e)| ((topic.clone(), p), e)),
+            );
         }
         // Without the group's offsets nothing is written: records written
         // again with their offsets left behind would be decided again.
-        let mut offsets = BTreeMap::new();
-        while tpl.count() > 0 {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Ok(None);
-            }
-            match consumer.committed_offsets(tpl.clone(), left.min(Duration::from_secs(10))) {
-                Ok(c) => {
-                    for e in c.elements() {
-                        if let Offset::Offset(o) = e.offset() {
-                            offsets.insert(
-                                (e.topic().to_owned(), e.partition()),
-                                Position::of(o, Some(e.metadata())),
-                            );
-                        }
-                    }
-                    break;
-                }
-                Err(e) => {
-                    warn!(error = %e, "could not look up the group's committed offsets (retrying)");
-                    std::thread::sleep(Duration::from_millis(500));
-                }
-            }
-        }
+        let Some(offsets) = group_offsets(&consumer, tpl, deadline) else {
+            return Ok(None);
+        };
         Ok::<_, KafkaError>(Some(Seen {
             records,
             stable,
@@ -471,6 +445,104 @@ async fn read_back(
     })
     .await??;
     Ok(seen)
+}
+
+/// What a reader sees of one topic: per partition, the offsets of the
+/// records visible, and its last stable offset where it matters.
+struct TopicSeen {
+    visible: BTreeMap<i32, BTreeSet<i64>>,
+    stable: BTreeMap<i32, i64>,
+}
+
+/// One topic's read-back, until `deadline`. Blocking.
+struct ReadBack<'a> {
+    cfg: &'a KafkaConfig,
+    group: &'a str,
+    topic: &'a str,
+    deadline: Instant,
+}
+
+impl ReadBack<'_> {
+    /// The offsets a read_committed reader sees from `starts` (per partition)
+    /// to the end, and each partition's last stable offset where it matters
+    /// (`i64::MAX` elsewhere); None if the deadline passed first.
+    fn topic(
+        &self,
+        starts: &BTreeMap<i32, i64>,
+        ours: &BTreeMap<(String, i32), BTreeSet<i64>>,
+    ) -> Result<Option<TopicSeen>, KafkaError> {
+        let (cfg, group, topic, deadline) = (self.cfg, self.group, self.topic, self.deadline);
+        let Some(mut seen) = kafka::visible_offsets(cfg, group, topic, starts, deadline)? else {
+            return Ok(None);
+        };
+        // Records of ours the read did not see are lost, or past where it
+        // stopped: another producer's transaction still open below them.
+        // Those partitions are read again after their last stable offset
+        // is taken: below it, every record was settled when the read began.
+        let missing: BTreeSet<i32> = seen
+            .iter()
+            .filter(|(p, visible)| {
+                ours.get(&(topic.to_owned(), **p))
+                    .is_some_and(|o| !o.is_subset(visible))
+            })
+            .map(|(p, _)| *p)
+            .collect();
+        let mut ends: BTreeMap<i32, i64> = seen.keys().map(|&p| (p, i64::MAX)).collect();
+        if !missing.is_empty() {
+            let Some(lso) = stable_offsets(cfg, group, topic, &missing, deadline)? else {
+                return Ok(None);
+            };
+            let again: BTreeMap<i32, i64> = starts
+                .iter()
+                .filter(|(p, _)| missing.contains(p))
+                .map(|(p, o)| (*p, *o))
+                .collect();
+            let Some(read) = kafka::visible_offsets(cfg, group, topic, &again, deadline)? else {
+                return Ok(None);
+            };
+            seen.extend(read);
+            ends.extend(lso);
+        }
+        Ok(Some(TopicSeen {
+            visible: seen,
+            stable: ends,
+        }))
+    }
+}
+
+/// The group's committed offsets of `tpl`'s partitions, each with the
+/// applied mark its metadata carries; None if `deadline` passed first.
+/// Blocking.
+fn group_offsets(
+    consumer: &TxnConsumer,
+    tpl: TopicPartitionList,
+    deadline: Instant,
+) -> Option<BTreeMap<(String, i32), Position>> {
+    let mut offsets = BTreeMap::new();
+    while tpl.count() > 0 {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return None;
+        }
+        match consumer.committed_offsets(tpl.clone(), left.min(Duration::from_secs(10))) {
+            Ok(c) => {
+                for e in c.elements() {
+                    if let Offset::Offset(o) = e.offset() {
+                        offsets.insert(
+                            (e.topic().to_owned(), e.partition()),
+                            Position::of(o, Some(e.metadata())),
+                        );
+                    }
+                }
+                break;
+            }
+            Err(e) => {
+                warn!(error = %e, "could not look up the group's committed offsets (retrying)");
+                std::thread::sleep(Duration::from_millis(500));
+            }
+        }
+    }
+    Some(offsets)
 }
 
 /// Each of `partitions`' last stable offset, as a read_committed reader's

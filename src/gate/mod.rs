@@ -1,17 +1,27 @@
 //! The gate: a consumer group over `intents`, operators' `commands` and the
 //! `progress` of calls whose partition moved; the owner of a partition invokes
-//! its tools ([`crate::executor::Invoker`]).
+//! its tools ([`crate::executor::Invoker`]). The path a message takes through
+//! it is told in docs/design.md "The path of a message".
 //!
-//! One pass per step. A batch's decisions ([`GateCore`]) — step records, answers,
-//! input offsets — are committed in one Kafka transaction, the step records as
-//! changelog records; only after it commits are they applied to RocksDB (a cache
-//! of the changelog) and the batch's calls started. So a new recorded step costs
-//! two commits: `started` with the intent's offset, then the outcome with the
-//! answer. While one batch commits, the next is decided; it is closed when that
-//! commit returns (or at `gate.max_batch` inputs), so at low load an answer waits
-//! for about one commit; under load it fills first (`gate.busy_batch_age`:
-//! fewer transactions). If a commit fails, the batch after it is dropped and the
-//! session restarts from what Kafka committed.
+//! Its parts: [`GateCore`] decides, free of Kafka (`core.rs`, a file per
+//! input kind in `core/`); a session (`session.rs`) reads inputs into the
+//! open batch (`batch.rs`), takes the core's decisions, and drives parts that
+//! do not know it — its commits (`commit.rs`: the transactional producers,
+//! the batch in flight, group commit's wait in `linger.rs`), the partitions
+//! it owns with their applied marks (`ownership.rs`, `mark.rs`),
+//! backpressure (`backpressure.rs`) and its clocks (`timers.rs`). A batch's
+//! records are built in `records.rs`; inputs that keep failing are set aside
+//! (`poison.rs`); what a broker lost of an acknowledged commit is written
+//! again (`lost.rs`). Partitions newly assigned are taken over together
+//! (`restore.rs`), and copies of other gates' partitions are kept warm
+//! (`standby.rs`). This file runs sessions, one after another.
+//!
+//! One transaction per batch, pipelined: while one batch commits, the next is
+//! decided; it closes when that commit returns (or at `gate.max_batch`
+//! inputs), so at low load an answer waits for about one commit; under load
+//! it fills first (`gate.busy_batch_age`: fewer transactions). Only once a
+//! batch has committed is it applied to RocksDB. If a commit fails, the batch
+//! after it is dropped and the session restarts from what Kafka committed.
 
 mod backpressure;
 mod batch;
@@ -20,30 +30,52 @@ mod core;
 mod gauges;
 mod linger;
 mod lost;
+mod mark;
 mod ownership;
 mod poison;
+mod records;
 mod restore;
 mod session;
 mod standby;
+mod timers;
 
-pub use self::core::{GateCore, GateSettings, Input, Out, WrongPartition};
+pub use self::core::{GateCore, GateSettings, Input, Out, When, WrongPartition};
 
 use crate::config::Config;
-use crate::contract::ToolResult;
 use crate::executor::{Finished, Invoker};
-use crate::kafka::{self, OutRecord};
+use crate::kafka;
 use crate::state::{StateError, StateStore};
 use crate::telemetry::{Health, Metrics};
-use linger::Linger;
 use poison::Poison;
 use rdkafka::error::KafkaError;
 use session::Session;
-use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use thiserror::Error;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info};
+
+/// What a session borrows from its process, which outlives it.
+#[derive(Clone, Copy)]
+struct Env<'a> {
+    config: &'a Config,
+    store: &'a Arc<StateStore>,
+    metrics: &'a Arc<Metrics>,
+    health: &'a Health,
+    invoker: &'a Invoker,
+}
+
+/// What a session leaves to the next one.
+#[derive(Default)]
+struct Carry {
+    /// Outcomes received but not yet committed.
+    outcomes: Vec<Finished>,
+    /// Inputs that keep failing, counted across sessions.
+    poison: Poison,
+    /// The producers' last acknowledged transactions, checked by the next
+    /// session for what a broker lost of them.
+    last_commits: lost::LastCommits,
+}
 
 #[derive(Debug, Error)]
 pub enum GateError {
@@ -138,53 +170,34 @@ pub async fn run(
 ) -> Result<(), GateError> {
     let mut core = GateCore::new(&config, metrics.clone());
     let (invoker, mut outcomes) = Invoker::new(&config, metrics.clone());
-    let trust = crate::state::Trust::from_delete_retention(
-        kafka::changelog_delete_retention(&config.kafka).await,
-    );
-    standby::start(
-        config.clone(),
-        store.clone(),
-        metrics.clone(),
-        invoker.ownership().watch(),
-        trust,
-        shutdown.clone(),
-    );
-    // Outcomes received but not yet committed, carried into the next session.
-    let mut carry: Vec<Finished> = Vec::new();
-    let mut poison = Poison::default();
-    let mut last_commits = lost::LastCommits::default();
+    // Off the gate's way: reading the changelog's retention may take a while.
+    tokio::spawn({
+        let (config, store, metrics) = (config.clone(), store.clone(), metrics.clone());
+        let (owned, shutdown) = (invoker.ownership().watch(), shutdown.clone());
+        async move {
+            let trust = crate::state::Trust::from_delete_retention(
+                kafka::changelog_delete_retention(&config.kafka).await,
+            );
+            standby::start(config, store, metrics, owned, trust, shutdown);
+        }
+    });
+    let env = Env {
+        config: &config,
+        store: &store,
+        metrics: &metrics,
+        health: &health,
+        invoker: &invoker,
+    };
+    let mut carry = Carry::default();
     let mut backoff = RESTART_BACKOFF;
     loop {
         health.beat();
         let began = Instant::now();
-        let mut session = Session {
-            config: &config,
-            store: &store,
-            metrics: &metrics,
-            health: &health,
-            invoker: &invoker,
-            owned: HashMap::new(),
-            assigned: BTreeSet::new(),
-            ever_assigned: false,
-            backlog: std::mem::take(&mut carry),
-            progress_ends: HashMap::new(),
-            linger: Linger::default(),
-            poison: &mut poison,
-            last_commits: &mut last_commits,
-            paused: BTreeSet::new(),
-            held_since: None,
-            trust: None,
-        };
-        let result = session.run(&mut core, &mut outcomes, &shutdown).await;
-        if !session.paused.is_empty() {
-            // The consumer (and its pause) is gone with the session.
-            metrics.intents_paused(false);
-        }
+        let result = Session::run(env, &mut core, &mut carry, &mut outcomes, &shutdown).await;
         // Its partitions may go to another gate now: calls still queued here
         // are handed back not invoked (settled by the next session or owner).
         invoker.ownership().clear();
         metrics.partitions_released();
-        carry.append(&mut session.backlog);
         health.set_gate_ready(false);
         core.reset();
         match result {
@@ -223,23 +236,6 @@ pub async fn run(
 const RESTART_BACKOFF: Duration = Duration::from_millis(250);
 
 const STABLE_SESSION: Duration = Duration::from_secs(60);
-
-/// A Result v1 record: keyed by workflow id, in the intent's partition number.
-pub fn result_record(
-    topic: &str,
-    partition: i32,
-    result: &ToolResult,
-    traceparent: Option<&str>,
-) -> OutRecord {
-    let mut r = OutRecord::for_workflow(topic, partition, &result.workflow_id, result.to_json());
-    if let Some(tp) = traceparent {
-        r.headers.push((
-            crate::contract::headers::TRACEPARENT.to_owned(),
-            Some(tp.as_bytes().to_vec()),
-        ));
-    }
-    r
-}
 
 fn now_ms() -> i64 {
     chrono::Utc::now().timestamp_millis()

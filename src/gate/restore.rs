@@ -7,7 +7,6 @@
 //! resuming from the end reached here.
 
 use crate::config::KafkaConfig;
-use crate::kafka;
 use crate::state::{Applied, StateStore, Trust};
 use crate::telemetry::{Health, Metrics};
 use std::collections::BTreeSet;
@@ -22,6 +21,7 @@ pub(super) async fn restore_assigned(
     cfg: &KafkaConfig,
     store: &Arc<StateStore>,
     ps: &BTreeSet<i32>,
+    trust: Trust,
     health: &Health,
     metrics: &Metrics,
 ) -> Result<(), super::GateError> {
@@ -30,7 +30,6 @@ pub(super) async fn restore_assigned(
     if ps.len() < 2 {
         return Ok(());
     }
-    let trust = Trust::from_delete_retention(kafka::changelog_delete_retention(cfg).await);
     let started = Instant::now();
     for &p in ps {
         metrics.partition_restoring(p);

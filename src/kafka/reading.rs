@@ -1,14 +1,16 @@
 //! Reading: consumers that read a topic to its end (restore, audit, replay),
-//! and records read, owned.
+//! a group's committed offset, and records read, owned.
 
-use super::{base_config, bound_prefetch};
+use super::{TxnConsumer, base_config, blocking, bound_prefetch};
 use crate::config::KafkaConfig;
 use rdkafka::ClientConfig;
 use rdkafka::client::ClientContext;
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
 use rdkafka::error::KafkaError;
 use rdkafka::message::BorrowedMessage;
+use rdkafka::types::RDKafkaErrorCode;
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// The context of consumers that read partitions to their end (restore, audit,
@@ -225,6 +227,57 @@ pub fn visible_offsets(
     })?;
     drop(consumer);
     Ok((end == ReadEnd::Reached).then_some(seen))
+}
+
+/// How long one ask for a group's committed offset may take.
+const COMMITTED_ASK: Duration = Duration::from_secs(10);
+
+/// The group's committed offset of one partition of `topic`, and its
+/// metadata: 0 (no metadata) when nothing is committed yet — with
+/// `auto.offset.reset=earliest` that also covers a log whose start moved.
+/// (Not a watermark query: those were seen to time out for minutes after a
+/// broker restart.) A read_committed member's lookup waits while a
+/// transaction of the group is unsettled, which after a broker restart can
+/// take a while: a lookup that times out is made again in place, so the
+/// member keeps its place in the group, for up to `patience` (`waiting` is
+/// told each time, with how long it has been asking).
+pub async fn committed_offset(
+    consumer: &Arc<TxnConsumer>,
+    topic: &str,
+    partition: i32,
+    patience: Duration,
+    mut waiting: impl FnMut(&KafkaError, Duration),
+) -> Result<(i64, String), KafkaError> {
+    let asking = Instant::now();
+    loop {
+        let (c, topic) = (consumer.clone(), topic.to_owned());
+        let fetched = blocking(move || {
+            let mut tpl = rdkafka::TopicPartitionList::new();
+            tpl.add_partition(&topic, partition);
+            let committed = c.committed_offsets(tpl, COMMITTED_ASK)?;
+            let e = committed.find_partition(&topic, partition);
+            let offset = e
+                .as_ref()
+                .and_then(|e| e.offset().to_raw())
+                .filter(|o| *o >= 0)
+                .unwrap_or(0);
+            let meta = e.map(|e| e.metadata().to_owned()).unwrap_or_default();
+            drop(committed);
+            Ok::<_, KafkaError>((offset, meta))
+        })
+        .await;
+        match fetched {
+            Ok(v) => return Ok(v),
+            Err(e)
+                if e.rdkafka_error_code() == Some(RDKafkaErrorCode::OperationTimedOut)
+                    && asking.elapsed() < patience =>
+            {
+                waiting(&e, asking.elapsed());
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Err(e) => return Err(e),
+        }
+    }
 }
 
 /// A record read from Kafka, owned.

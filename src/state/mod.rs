@@ -40,9 +40,9 @@ pub use follow::{
 };
 
 pub use record::{
-    Evidence, FastEntry, MAX_EVIDENCE_KEPT, MAX_WAITERS, NotWaiting, OperatorEntry, Phase,
-    REPHRASED_BUDGET_BYTES, RephrasedCall, StepRecord, WAITERS_BUDGET_BYTES, Waiter, WorkflowEnd,
-    check_record_sizes,
+    DispatchToken, Evidence, FastEntry, MAX_EVIDENCE_KEPT, MAX_TOKENS_KEPT, MAX_WAITERS,
+    NotWaiting, OperatorEntry, Phase, REPHRASED_BUDGET_BYTES, RephrasedCall, StepRecord, Tokens,
+    WAITERS_BUDGET_BYTES, Waiter, WorkflowEnd, check_record_sizes, token_digest,
 };
 pub use restore::{
     Applied, RebuildError, Rebuilt, RestoreError, Restored, Trust, rebuild_state,

@@ -277,6 +277,77 @@ pub struct StepRecord {
     /// step is left [`Phase::Unreached`], asked again by its next call.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub unseen_reader: bool,
+    /// The digests of the step's newest dispatches' tokens (at most
+    /// [`MAX_TOKENS_KEPT`]): a report on `progress` counts for a dispatch only
+    /// with that dispatch's token, which only the call's holder has (this
+    /// gate's invoker, or the pool worker that read its Call v1). The digest,
+    /// not the token: who reads the changelog cannot make one.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tokens: Vec<DispatchToken>,
+}
+
+/// A dispatch's token as its step's record keeps it (see [`StepRecord::tokens`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DispatchToken {
+    pub dispatch: u32,
+    /// [`token_digest`] of the token.
+    pub digest: String,
+}
+
+/// At most this many dispatches' token digests are kept per step (the
+/// newest): a report of an older dispatch cannot be checked and counts for
+/// nothing, so that dispatch stays one that may have run.
+pub const MAX_TOKENS_KEPT: usize = 16;
+
+/// The digest of a dispatch's token, as a step record keeps it: the first
+/// 128 bits of SHA-256 over a label and the token, in hex.
+pub fn token_digest(token: &str) -> String {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    h.update(b"stepgate-dispatch-token-v1\n");
+    h.update(token.as_bytes());
+    crate::contract::hex(&h.finalize()[..16])
+}
+
+/// Where dispatch tokens come from: 128 bits each, SHA-256 of a 256-bit seed
+/// and a counter. The seed is the OS's randomness ([`Tokens::from_os`]); a
+/// fixed one ([`Tokens::seeded`]) makes a simulation replay exactly.
+pub struct Tokens {
+    seed: [u8; 32],
+    counter: u64,
+}
+
+impl Tokens {
+    pub fn from_os() -> Tokens {
+        let mut seed = [0u8; 32];
+        getrandom::fill(&mut seed).expect("the OS's randomness is readable");
+        Tokens { seed, counter: 0 }
+    }
+
+    pub fn seeded(seed: u64) -> Tokens {
+        let mut s = [0u8; 32];
+        s[..8].copy_from_slice(&seed.to_be_bytes());
+        Tokens {
+            seed: s,
+            counter: 0,
+        }
+    }
+
+    /// A new token: 32 lowercase hex characters.
+    pub fn next_token(&mut self) -> String {
+        use sha2::{Digest, Sha256};
+        self.counter += 1;
+        let mut h = Sha256::new();
+        h.update(self.seed);
+        h.update(self.counter.to_be_bytes());
+        crate::contract::hex(&h.finalize()[..16])
+    }
+}
+
+impl std::fmt::Debug for Tokens {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Tokens(..)")
+    }
 }
 
 /// An outcome that did not settle its step, in brief.
@@ -352,7 +423,34 @@ impl StepRecord {
             partition,
             reply_partition: None,
             unseen_reader: false,
+            tokens: Vec::new(),
         }
+    }
+
+    /// Keep the digest of `dispatch`'s token (the newest
+    /// [`MAX_TOKENS_KEPT`] are kept).
+    pub fn remember_token(&mut self, dispatch: u32, token: &str) {
+        self.tokens.retain(|t| t.dispatch != dispatch);
+        self.tokens.push(DispatchToken {
+            dispatch,
+            digest: token_digest(token),
+        });
+        if let Some(over) = self.tokens.len().checked_sub(MAX_TOKENS_KEPT) {
+            self.tokens.drain(..over);
+        }
+    }
+
+    /// Whether `token` is `dispatch`'s. A missing token, or a dispatch whose
+    /// digest is not kept, is no match. (The digests are compared plainly:
+    /// matching one takes a preimage of SHA-256, not timing.)
+    pub fn token_matches(&self, dispatch: u32, token: Option<&str>) -> bool {
+        let Some(token) = token else {
+            return false;
+        };
+        let digest = token_digest(token);
+        self.tokens
+            .iter()
+            .any(|t| t.dispatch == dispatch && t.digest == digest)
     }
 
     /// Count a repeat, keeping its arguments when the model rephrased them.

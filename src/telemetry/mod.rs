@@ -40,6 +40,8 @@ pub struct Metrics {
     reforwarded: IntCounterVec,
     pool_calls: IntCounterVec,
     pool_unclaimed: IntCounterVec,
+    progress_refused: IntCounterVec,
+    worker_calls_refused: IntCounterVec,
     late_outcomes: IntCounterVec,
     not_invoked: IntCounterVec,
     identity_conflicts: IntCounterVec,
@@ -302,7 +304,7 @@ impl Metrics {
         let intents_received = counter_vec(
             &r,
             "stepgate_intents_received_total",
-            "Intents read from the intents topic, valid or not, by the tool they name (unknown when the intent names no configured tool or cannot be read).",
+            "Intents read from the intents topic, valid or not, by the tool they name (unknown when the intent names no configured tool or cannot be read); each counted once, by the gate that decides it (an intent re-routed to its workflow's partition there).",
             &["tool"],
         );
         let effectful_calls = counter_vec(
@@ -399,6 +401,18 @@ impl Metrics {
                 "stepgate_pool_unclaimed_total",
                 "Pool calls no worker took before their deadline (answered `no_worker`): the pool has no live worker, or too few.",
                 &["pool", "tool"],
+            ),
+            progress_refused: counter_vec(
+                &r,
+                "stepgate_progress_refused_total",
+                "Records of `progress` that settle nothing, dead-lettered: reason is unreadable, signature (a worker's outcome not signed with its tool's pool key), not_pool_tool, not_invoked (a worker saying not_invoked), pool_handover (a gate's hand-over for a pool tool) or token (not its dispatch's token). Any but a rare token after a rebalance means someone writes `progress` who should not.",
+                &["reason"],
+            ),
+            worker_calls_refused: counter_vec(
+                &r,
+                "stepgate_worker_calls_refused_total",
+                "Records of a pool's calls topic a worker did not run: reason is signature (not signed with the pool's key: not written by a gate) or unreadable.",
+                &["pool", "reason"],
             ),
             late_outcomes: counter_vec(
                 &r,
@@ -659,6 +673,25 @@ impl Metrics {
         warn!(step = %step, pool, "no worker of the pool took the call before its deadline: answered no_worker (nothing was invoked)");
         self.pool_unclaimed
             .with_label_values(&[pool, self.tool_label(&step.tool)])
+            .inc();
+    }
+
+    /// A record of `progress` refused (its log line is its DLQ copy's).
+    pub fn progress_refused(&self, reason: &str) {
+        self.progress_refused.with_label_values(&[reason]).inc();
+    }
+
+    /// A record of a pool's calls topic its worker did not run.
+    pub fn worker_call_refused(&self, pool: &str, reason: &str, partition: i32, offset: i64) {
+        warn!(
+            pool,
+            reason,
+            partition,
+            offset,
+            "a record of the pool's calls topic was not run: not a Call v1 signed with the pool's key (only gates write it); its offset is committed past"
+        );
+        self.worker_calls_refused
+            .with_label_values(&[pool, reason])
             .inc();
     }
 

@@ -416,6 +416,7 @@ mod tests {
             fast_ref: None,
             traceparent: tp,
             call_id: None,
+            token: None,
         };
         let at = ("intents", 0, 0);
         let sampled = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";

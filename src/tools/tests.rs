@@ -68,6 +68,7 @@ fn call() -> Call {
         fast_ref: None,
         traceparent: Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into()),
         call_id: Some("call-1".into()),
+        token: None,
     }
 }
 
@@ -957,6 +958,9 @@ async fn an_mcp_tool_url_with_credentials_never_reaches_an_error_text() {
     assert!(!t.contains("access_token"), "{t}");
 }
 
+/// The `[pools.gpu]` every config naming the pool `gpu` has.
+const GPU_POOL: &str = "[pools.gpu]\nkey = \"a-test-pool-key-of-at-least-32-bytes\"\n";
+
 /// A pool tool (docs/design.md "Worker pools"): no address and no credentials
 /// on the gate, always recorded; its config round-trips through the TOML the
 /// tests and operators write.
@@ -964,7 +968,7 @@ async fn an_mcp_tool_url_with_credentials_never_reaches_an_error_text() {
 fn a_pool_tool_has_no_address_no_headers_and_always_a_step_log() {
     let read = |extra: &str| {
         Config::from_toml_str(
-            &format!("[kafka]\nbrokers = \"h:1\"\n[tools.render]\n{extra}\n"),
+            &format!("[kafka]\nbrokers = \"h:1\"\n{GPU_POOL}[tools.render]\n{extra}\n"),
             Vec::new(),
         )
         .map_err(|e| e.to_string())
@@ -989,8 +993,10 @@ fn a_pool_tool_has_no_address_no_headers_and_always_a_step_log() {
     let e = read("category = \"keyed\"\npool = \"a b\"").unwrap_err();
     assert!(e.contains("not a pool name"), "{e}");
     let e = Config::from_toml_str(
-        "[kafka]\nbrokers = \"h:1\"\n[kafka.topics]\npool_calls = \"calls\"\n\
-         [tools.render]\ncategory = \"keyed\"\npool = \"gpu\"\n",
+        &format!(
+            "[kafka]\nbrokers = \"h:1\"\n[kafka.topics]\npool_calls = \"calls\"\n{GPU_POOL}\
+             [tools.render]\ncategory = \"keyed\"\npool = \"gpu\"\n"
+        ),
         Vec::new(),
     )
     .and_then(|c| c.validate().map(|_| c))

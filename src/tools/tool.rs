@@ -66,31 +66,39 @@ impl Policy {
     }
 }
 
-/// MCP-style tool annotations. Without an explicit `category`, they choose one:
+/// `[tools.<name>.annotations]`: MCP tool annotations, given to the agents
+/// that list the tool through `stepgate mcp`. Without an explicit `category`, they choose one:
 /// `readOnlyHint` → `read_only`; else `idempotentHint` → `idempotent`; else
 /// `unkeyed` (an effect with no known provider key). `keyed` is never inferred:
 /// it needs a provider key, so it is declared.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ToolAnnotations {
+    /// The tool only reads: `read_only` when the tool has no `category`.
     #[serde(
         rename = "readOnlyHint",
         default,
         skip_serializing_if = "Option::is_none"
     )]
     pub read_only: Option<bool>,
+    /// A second call with the same arguments has no further effect:
+    /// `idempotent` when the tool has no `category` and is not read-only.
     #[serde(
         rename = "idempotentHint",
         default,
         skip_serializing_if = "Option::is_none"
     )]
     pub idempotent: Option<bool>,
+    /// The tool may destroy or overwrite data: a hint for agents, which
+    /// chooses no category (without `category`, such a tool is `unkeyed`).
     #[serde(
         rename = "destructiveHint",
         default,
         skip_serializing_if = "Option::is_none"
     )]
     pub destructive: Option<bool>,
+    /// The tool reaches beyond a closed domain (the web, other parties): a
+    /// hint for agents, which chooses no category.
     #[serde(
         rename = "openWorldHint",
         default,
@@ -111,12 +119,19 @@ impl ToolAnnotations {
     }
 }
 
+/// `[tools.<name>]`: one tool. Its category says how a call may be retried;
+/// its `url`, `mcp` or `pool` says where it runs; the rest, how it is called.
+/// A tool is declared in the file; the environment sets the keys of the tools
+/// the file declares. See docs/tools.md for the protocol.
 #[derive(Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, try_from = "RawToolConfig")]
 pub struct ToolConfig {
     /// How the tool may be retried; from `annotations` when not given.
     pub category: Category,
-    /// For `unkeyed` tools: in doubt (default), approval, or last step.
+    /// What an `unkeyed` tool does about the risk of running twice:
+    /// `in_doubt` (unset: this), `approval` (a person approves each call
+    /// before it runs) or `last_step` (the call ends its workflow). Only for
+    /// `unkeyed` tools.
     pub policy: Policy,
     /// `http://…` or `https://…` endpoint receiving `POST` with the arguments
     /// or, for a tool served over MCP (`mcp = "…"` in the config), the MCP
@@ -141,7 +156,8 @@ pub struct ToolConfig {
     /// object when not given).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub input_schema: Option<serde_json::Map<String, serde_json::Value>>,
-    /// Per-request timeout.
+    /// How long one try may take: connecting, sending and reading the
+    /// answer. With `max_concurrency`, it starts when the try has a slot.
     pub timeout: Dur,
     /// Extra tries after a failure where retrying is allowed.
     pub retries: u32,
@@ -354,8 +370,13 @@ struct RawToolConfig {
     category: Option<Category>,
     #[serde(default)]
     policy: Option<Policy>,
+    /// The `http://…` or `https://…` endpoint that receives each call's
+    /// arguments as a `POST`. A tool has one of `url`, `mcp` and `pool`.
     #[serde(default)]
     url: Option<String>,
+    /// The Streamable HTTP endpoint of an MCP server that serves the tool,
+    /// instead of `url`: its calls are MCP `tools/call` requests, and the
+    /// step's key goes in `_meta.idempotency_key` (see `mcp_tool`).
     #[serde(default)]
     mcp: Option<String>,
     #[serde(default)]

@@ -17,10 +17,23 @@
 //! partition, where its owner settles it once. The tools are invoked by
 //! [`crate::tools::ToolRegistry`] (HTTP and MCP, as the gate's own invoker
 //! does), with the URLs, headers and secrets of this process's config only.
+//!
+//! Trust: a worker runs only calls signed with its pool's key
+//! (`[pools.<name>] key`, shared with the gates; `contract::sign`), so a
+//! record on the calls topic not written by a gate is never run — it is
+//! logged, counted (`stepgate_worker_calls_refused_total`) and its offset
+//! committed past, so it cannot wedge the partition. Each Outcome v1 is
+//! signed with the same key and echoes the call's `token`: the gate takes a
+//! report only from a holder of that dispatch's call. With `http.listen` set,
+//! the worker serves `/metrics` there (`/healthz` always ok, `/readyz` once
+//! consuming).
 
 use crate::config::Config;
+use crate::contract::headers::SIGNATURE;
+use crate::contract::sign::{Signed, sign, verify};
 use crate::contract::{PoolCall, Progress, ProgressEvent};
 use crate::kafka::{self, KafkaSetupError};
+use crate::telemetry::{Health, Metrics};
 use crate::tools::ToolRegistry;
 use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
 use rdkafka::ClientContext;
@@ -60,6 +73,10 @@ pub enum WorkerError {
         "`--rate {0}`: give `<tool>=<calls per second>` for a tool of this worker's config, at least 1"
     )]
     Rate(String),
+    #[error(
+        "pool `{0}` has no key: give the worker's config `[pools.{0}] key = \"env:<VARIABLE>\"`, the key the gates sign the pool's calls with, and start it with that variable set"
+    )]
+    PoolKey(String),
 }
 
 /// What `stepgate worker` is told on its command line.
@@ -98,6 +115,16 @@ pub async fn run(
     if config.tools.is_empty() {
         return Err(WorkerError::NoTools);
     }
+    // Resolved at start (`Config::resolve_pool_keys`): without it nothing
+    // could be verified, nor signed.
+    let Some(key) = config
+        .pools
+        .get(&opts.pool)
+        .and_then(crate::config::PoolConfig::key_bytes)
+        .map(<[u8]>::to_vec)
+    else {
+        return Err(WorkerError::PoolKey(opts.pool));
+    };
     let mut rates = HashMap::new();
     for r in &opts.rates {
         let per_second = r
@@ -122,16 +149,23 @@ pub async fn run(
     consumer.subscribe(&[&topic])?;
     let producer: FutureProducer = kafka::direct_producer_config(k).create()?;
     let concurrency = opts.concurrency.max(1);
+    let metrics = Arc::new(Metrics::with_tools(config.tool_names()));
+    let health = Arc::new(Health::new(Duration::MAX));
+    serve_metrics(&config, &metrics, &health, &shutdown).await;
     let worker = Arc::new(Worker {
         tools: ToolRegistry::new(&config.tools, concurrency),
         consumer: consumer.clone(),
         producer,
         progress: k.topics.progress.clone(),
         topic: topic.clone(),
+        pool: opts.pool.clone(),
+        key,
+        metrics,
         rates,
         owned,
     });
     info!(pool = %opts.pool, %topic, %group, tools = ?config.tools.keys().collect::<Vec<_>>(), concurrency, "worker consuming");
+    health.set_gate_ready(true);
     let slots = Arc::new(Semaphore::new(concurrency));
     loop {
         let slot = tokio::select! {
@@ -157,11 +191,20 @@ pub async fn run(
         let Some(epoch) = worker.owned().epochs.get(&partition).copied() else {
             continue;
         };
+        // Headers read as `kafka::to_input` does: a name that is not UTF-8
+        // (anyone who can write the topic can send one) never panics.
+        let input = kafka::to_input(&msg);
+        let signature = input
+            .headers
+            .into_iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(SIGNATURE))
+            .and_then(|(_, v)| v);
         let taken = Taken {
             partition,
             epoch,
-            offset: msg.offset(),
-            payload: msg.payload().unwrap_or_default().to_vec(),
+            offset: input.offset,
+            payload: input.payload.unwrap_or_default(),
+            signature,
         };
         let w = worker.clone();
         tokio::spawn(async move {
@@ -186,6 +229,33 @@ pub async fn run(
     Ok(())
 }
 
+/// `/metrics` at `http.listen`, when set; a port already taken (a gate on
+/// the same host, say) only loses the endpoint, never the worker.
+async fn serve_metrics(
+    config: &Config,
+    metrics: &Arc<Metrics>,
+    health: &Arc<Health>,
+    shutdown: &CancellationToken,
+) {
+    if config.http.listen.is_empty() {
+        return;
+    }
+    let served = match config.http.listen.parse::<std::net::SocketAddr>() {
+        Ok(addr) => std::net::TcpListener::bind(addr)
+            .and_then(|l| {
+                crate::telemetry::serve(l, metrics.clone(), health.clone(), shutdown.clone())
+            })
+            .map_err(|e| e.to_string()),
+        Err(e) => Err(format!("{e}")),
+    };
+    match served {
+        Ok(addr) => info!(%addr, "serving /metrics"),
+        Err(error) => {
+            warn!(listen = %config.http.listen, %error, "cannot serve /metrics (set `http.listen` to a free address, or empty): going on without it")
+        }
+    }
+}
+
 /// A call as read from the calls topic.
 struct Taken {
     partition: i32,
@@ -193,6 +263,8 @@ struct Taken {
     epoch: u64,
     offset: i64,
     payload: Vec<u8>,
+    /// Its `stepgate-signature` header.
+    signature: Option<Vec<u8>>,
 }
 
 struct Worker {
@@ -201,6 +273,10 @@ struct Worker {
     producer: FutureProducer,
     progress: String,
     topic: String,
+    pool: String,
+    /// The pool's key: calls are run only signed with it; outcomes are signed.
+    key: Vec<u8>,
+    metrics: Arc<Metrics>,
     /// `--rate`: per tool, the calls it may start per second.
     rates: HashMap<String, DefaultDirectRateLimiter>,
     owned: Arc<Mutex<Owned>>,
@@ -276,11 +352,25 @@ impl Worker {
             epoch,
             offset,
             payload,
+            signature,
         } = taken;
+        // Only a gate holds the key: anything else on the topic is never run
+        // (and committed past, so it cannot hold the partition up).
+        let signed = signature
+            .as_deref()
+            .is_some_and(|s| verify(&self.key, Signed::Call, &payload, s));
+        if !signed {
+            self.metrics
+                .worker_call_refused(&self.pool, "signature", partition, offset);
+            let _ = self.commit(partition, epoch, offset).await;
+            return;
+        }
         let call: PoolCall = match serde_json::from_slice(&payload) {
             Ok(c) => c,
             Err(e) => {
                 warn!(partition, offset, error = %e, "an unreadable call on the calls topic: skipped");
+                self.metrics
+                    .worker_call_refused(&self.pool, "unreadable", partition, offset);
                 let _ = self.commit(partition, epoch, offset).await;
                 return;
             }
@@ -327,26 +417,34 @@ impl Worker {
     }
 
     /// Outcome v1 to the step's owner: `progress`, in the step's partition,
-    /// acknowledged by the brokers before this returns.
+    /// with the call's token and signed with the pool's key, acknowledged by
+    /// the brokers before this returns.
     async fn report(&self, call: &PoolCall, event: ProgressEvent) -> Result<(), KafkaError> {
         let progress = Progress {
             step: call.step.clone(),
             dispatch: call.dispatch,
             fast_ref: None,
             at_ms: chrono::Utc::now().timestamp_millis(),
+            token: Some(call.token.clone()),
             event,
         };
         let payload = serde_json::to_vec(&progress).expect("a progress record serialises");
-        let mut record = FutureRecord::to(&self.progress)
-            .partition(call.partition)
-            .key(call.step.workflow_id.as_bytes())
-            .payload(&payload);
+        let signature = sign(&self.key, Signed::Outcome, &payload);
+        let mut headers = OwnedHeaders::new().insert(Header {
+            key: SIGNATURE,
+            value: Some(signature.as_bytes()),
+        });
         if let Some(tp) = &call.traceparent {
-            record = record.headers(OwnedHeaders::new().insert(Header {
+            headers = headers.insert(Header {
                 key: crate::contract::headers::TRACEPARENT,
                 value: Some(tp.as_bytes()),
-            }));
+            });
         }
+        let record = FutureRecord::to(&self.progress)
+            .partition(call.partition)
+            .key(call.step.workflow_id.as_bytes())
+            .payload(&payload)
+            .headers(headers);
         self.producer
             .send(record, Duration::from_secs(30))
             .await

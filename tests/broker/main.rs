@@ -7,6 +7,7 @@
 
 mod common;
 
+mod acls;
 mod broker_restart;
 mod client;
 mod cluster_faults;
@@ -27,6 +28,7 @@ mod one_pass;
 mod operations;
 mod operators;
 mod python_client;
+mod readme;
 #[cfg(feature = "test-hooks")]
 mod recovery;
 #[cfg(feature = "test-hooks")]
@@ -36,4 +38,5 @@ mod stale_disk;
 mod standby;
 mod tool_ledger;
 mod traces;
+mod trust;
 mod workers;

@@ -772,16 +772,21 @@ async fn a_transaction_whose_send_never_returns_is_aborted_and_its_outcome_settl
 }
 
 /// The test hook lost a commit (`STEPGATE_TEST_LOSE_COMMIT_MARKER`), and
-/// the next session wrote its records again.
-fn assert_lost_commit_written_again(s: &Stack) {
+/// the next session wrote its records again (waited for: an answer sent at
+/// once, before its transaction, reaches its caller before the loss).
+async fn assert_lost_commit_written_again(s: &Stack) {
     s.assert_logged(
         "a transaction is aborted and reported committed",
         "the hook fired",
     );
-    s.assert_logged(
-        "lost its commit marker: writing its records again",
-        "the lost answer was written again",
-    );
+    let written = "lost its commit marker: writing its records again";
+    eventually(
+        Duration::from_secs(60),
+        "the lost commit written again",
+        || s.log().contains(written),
+    )
+    .await;
+    s.assert_logged(written, "the lost answer was written again");
 }
 
 /// A transaction the broker acknowledged and then lost — a commit marker lost
@@ -802,7 +807,7 @@ async fn a_commit_the_broker_acknowledged_and_lost_is_written_again() {
         .await;
     assert_eq!(r.status, Status::Ok, "{r:?}\n{}", s.log_tail(40));
     assert!(!r.deduplicated, "the first answer, not a repeat's: {r:?}");
-    assert_lost_commit_written_again(&s);
+    assert_lost_commit_written_again(&s).await;
     let m = s.metrics().await;
     assert!(
         !m.contains("stepgate_lost_commit_records_rewritten_total 0"),
@@ -861,7 +866,7 @@ async fn a_lost_commit_that_moved_only_the_applied_mark_is_written_again_with_it
         .await;
     assert!(repeat.deduplicated, "{repeat:?}");
     same_but_call_id(&first, &repeat);
-    assert_lost_commit_written_again(&s);
+    assert_lost_commit_written_again(&s).await;
     // Read in order: once a later step of the partition is answered, the
     // repeat's intent has been read again and a second answer would show.
     let a1 = agent.answer("a1", Duration::from_secs(30)).await;

@@ -87,7 +87,7 @@ timeout = "5s"
 
 /// `stepgate worker --pool gpu`, logging to `worker-<name>.log`; killed -9
 /// when dropped. `name` is its static group member id.
-fn spawn_worker(s: &Stack, config: &PathBuf, name: &str) -> Killed {
+pub(crate) fn spawn_worker(s: &Stack, config: &PathBuf, name: &str) -> Killed {
     spawn_worker_with(s, config, name, &[])
 }
 
@@ -111,7 +111,7 @@ fn spawn_worker_with(s: &Stack, config: &PathBuf, name: &str, args: &[&str]) -> 
     )
 }
 
-fn worker_log(s: &Stack, name: &str) -> String {
+pub(crate) fn worker_log(s: &Stack, name: &str) -> String {
     std::fs::read_to_string(s.dir.path().join(format!("worker-{name}.log"))).unwrap_or_default()
 }
 

@@ -79,3 +79,38 @@ fn every_link_between_the_readme_and_docs_resolves() {
     assert!(broken.is_empty(), "broken links:\n{}", broken.join("\n"));
     assert!(to_docs >= 5, "the README links docs/ ({to_docs} links)");
 }
+
+/// The README is a newcomer's ten minutes: at most 300 lines, and the present
+/// tense of what stepgate does — no run ids, commit hashes or dates (history
+/// lives in `benches/` and the issues' notes).
+#[test]
+fn the_readme_keeps_to_its_budget() {
+    let text = std::fs::read_to_string(root().join("README.md")).unwrap();
+    let lines = text.lines().count();
+    assert!(
+        lines <= 300,
+        "README.md has {lines} lines: the budget is 300"
+    );
+    let words: Vec<&str> = text
+        .split(|c: char| !c.is_ascii_alphanumeric() && c != '-')
+        .filter(|w| !w.is_empty())
+        .collect();
+    let hex = |w: &str| w.len() >= 7 && w.len() <= 40 && w.chars().all(|c| c.is_ascii_hexdigit());
+    for w in &words {
+        let run_id = ["sgb", "sgc", "sgs"].iter().any(|p| {
+            w.strip_prefix(p)
+                .is_some_and(|rest| rest.len() >= 5 && hex(&format!("{rest}00")))
+        });
+        assert!(!run_id, "README.md names a run id: {w}");
+        let commit = hex(w)
+            && w.chars().any(|c| c.is_ascii_digit())
+            && w.chars().any(|c| c.is_ascii_alphabetic());
+        assert!(!commit, "README.md names a commit hash: {w}");
+        let date = w.len() == 10
+            && w.as_bytes()[4] == b'-'
+            && w.as_bytes()[7] == b'-'
+            && w[..4].chars().all(|c| c.is_ascii_digit())
+            && w.starts_with("20");
+        assert!(!date, "README.md names a date: {w}");
+    }
+}

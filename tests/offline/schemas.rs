@@ -78,6 +78,7 @@ fn schema_and_parser_agree_on_intents() {
         json!({"workflow_id": "w", "step_index": 1, "tool": "send_email"}),
         json!({"workflow_id": "w", "step_index": 1, "tool": "send_email", "arguments": {}, "attempt": 1.5}),
         json!({"workflow_id": "w", "step_index": 1, "tool": "send_email", "arguments": {}, "call_id": 3}),
+        json!({"workflow_id": "w", "step_index": 1, "tool": "send_email", "arguments": {}, "call_id": "a\u{1b}[2J"}),
         json!({"workflow_id": "w", "step_index": 1, "tool": "send_email", "arguments": {}, "metadata": "x"}),
         json!({"workflow_id": "w".repeat(256), "step_index": 1, "tool": "send_email", "arguments": {}}),
     ];
@@ -162,12 +163,13 @@ fn all_reasons() -> Vec<RejectionReason> {
         Unprocessable,
         WrongPartition,
         Expired,
+        RefusedProgress,
     ];
     for r in &all {
         match r {
             Oversized | MalformedJson | NotAnObject | MissingField | WrongType | InvalidValue
             | UnknownTool | WorkflowEnded | BadCommand | StaleCommand | IdentityConflict
-            | TooDeep | Unprocessable | WrongPartition | Expired => {}
+            | TooDeep | Unprocessable | WrongPartition | Expired | RefusedProgress => {}
         }
     }
     all
@@ -230,6 +232,7 @@ fn internal_records_validate() {
         dispatch: 1,
         fast_ref: None,
         at_ms: 1,
+        token: Some("5f1d3a0b9c8e7f6a5b4c3d2e1f0a9b8c".into()),
         event: ProgressEvent::Started,
     };
     assert_valid(&p, &serde_json::to_value(&started).unwrap());
@@ -350,6 +353,7 @@ fn worker_pool_messages_match_their_schemas() {
         fast_ref: None,
         traceparent: None,
         call_id: Some("call_1".into()),
+        token: Some("5f1d3a0b9c8e7f6a5b4c3d2e1f0a9b8c".into()),
     };
     let published = PoolCall::new(&call, 3, "unkeyed", 1_764_763_200_000);
     let v = serde_json::to_value(&published).unwrap();
@@ -362,8 +366,14 @@ fn worker_pool_messages_match_their_schemas() {
         assert_valid(&c, &ex);
         serde_json::from_value::<PoolCall>(ex).expect("the example parses as a PoolCall");
     }
-    // A call without its key or its partition is not a call.
-    for field in ["idempotency_key", "partition", "take_by_ms", "dispatch"] {
+    // A call without its key, its partition or its token is not a call.
+    for field in [
+        "idempotency_key",
+        "partition",
+        "take_by_ms",
+        "dispatch",
+        "token",
+    ] {
         let mut bad = v.clone();
         bad.as_object_mut().unwrap().remove(field);
         assert!(!c.is_valid(&bad), "valid without {field}");
@@ -375,6 +385,7 @@ fn worker_pool_messages_match_their_schemas() {
         dispatch: 2,
         fast_ref: None,
         at_ms: 5,
+        token: Some("5f1d3a0b9c8e7f6a5b4c3d2e1f0a9b8c".into()),
         event: ProgressEvent::Started,
     };
     assert_valid(&o, &serde_json::to_value(&started).unwrap());
@@ -414,8 +425,14 @@ fn worker_pool_messages_match_their_schemas() {
     // `not_invoked` is the gates' own, not a worker's.
     let not_invoked = Progress {
         event: ProgressEvent::NotInvoked,
-        ..started
+        ..started.clone()
     };
     assert!(!o.is_valid(&serde_json::to_value(&not_invoked).unwrap()));
+    // An outcome echoes its call's token.
+    let tokenless = Progress {
+        token: None,
+        ..started
+    };
+    assert!(!o.is_valid(&serde_json::to_value(&tokenless).unwrap()));
     assert!(!o.is_valid(&json!({"step": {"workflow_id": "w", "step_index": 0, "tool": "t", "attempt": 0}, "dispatch": 1, "at_ms": 1, "event": "finished", "outcome": {"status": "ok"}})));
 }

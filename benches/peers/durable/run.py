@@ -5,7 +5,8 @@ once with its TypeScript SDK on Node, `restate-ts`, each with its own
 restate-server) and DBOS Transact on PostgreSQL (a workflow per tool call, the
 step key as its workflow id). Each calls the same HTTP no-op tool (tool.py),
 which counts raw invocations and deduplicates by key. `--systems` picks which
-run (default: all four).
+run (default: all five; `stepgate-ts` is stepgate through its TypeScript
+client, the sequential mode only).
 
 Measured for each engine, the same way (an agent calling over loopback HTTP):
   - sequential: one call at a time, nothing else running — N new steps, then N
@@ -331,6 +332,9 @@ retries = 0
         subprocess.run([binary, "topics", "create", "--config", self.config], check=True,
                        stdout=subprocess.DEVNULL)
         self.start_runner()
+        self.connect(peers, brokers, prefix)
+
+    def connect(self, peers, brokers, prefix):
         sys.path.insert(0, peers["stepgate_client"])
         from stepgate_client import Client  # the package from clients/python
         self.client = Client(brokers, intents=f"{prefix}.intents", results=f"{prefix}.results")
@@ -364,6 +368,36 @@ retries = 0
     def stop(self):
         kill9(self.gate)
         self.client.close()
+
+
+class StepgateTs(Stepgate):
+    """The same `stepgate run`, called through stepgate's TypeScript client
+    (clients/typescript, over Kafka) by one Node process, stepgate_ts.mjs, that
+    times each call itself: the sequential mode only."""
+    name = "stepgate (TypeScript client)"
+
+    def connect(self, peers, brokers, prefix):
+        self.node, self.ts_client = peers["node"], peers["stepgate_ts_client"]
+        self.brokers, self.prefix = brokers, prefix
+
+    def sequential(self, n):
+        args = {"client": self.ts_client, "brokers": self.brokers, "intents": f"{self.prefix}.intents",
+                "results": f"{self.prefix}.results", "tool": "keyed", "n": n}
+        done = subprocess.run([self.node, os.path.join(HERE, "stepgate_ts.mjs"), json.dumps(args)],
+                              stdout=subprocess.PIPE, stderr=open(os.path.join(self.work, "stepgate-ts.log"), "a"),
+                              text=True, timeout=300 + 2 * n)
+        check(done.returncode == 0, f"{self.name}: stepgate_ts.mjs exited {done.returncode} (see stepgate-ts.log)")
+        got = json.loads(done.stdout or '{"new_ms": [], "repeat_ms": [], "firsts": [], "repeats": []}')
+        check(len(got["firsts"]) == n and len(got["repeats"]) == n, f"{self.name}: {len(got['firsts'])} of {n} calls")
+        for i, (first, again) in enumerate(zip(got["firsts"], got["repeats"])):
+            check(self.same_answer(again, first), f"{self.name}: a repeat of step {i} got {again}, first {first}")
+        new, rep = got["new_ms"], got["repeat_ms"]
+        return {"new_p50": pct(new, .5), "new_p90": pct(new, .9), "new_p99": pct(new, .99),
+                "repeat_p50": pct(rep, .5), "repeat_p90": pct(rep, .9), "repeat_p99": pct(rep, .99),
+                "keys": [f"step {i}" for i in range(len(new))]}
+
+    def stop(self):
+        kill9(self.gate)
 
 
 def sequential(system, n):
@@ -462,8 +496,8 @@ def cut_off(system, tool, tool_kind):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--systems", default="restate,restate-ts,dbos,stepgate",
-                    help="comma-separated, of restate, restate-ts, dbos, stepgate")
+    ap.add_argument("--systems", default="restate,restate-ts,dbos,stepgate,stepgate-ts",
+                    help="comma-separated, of restate, restate-ts, dbos, stepgate, stepgate-ts")
     ap.add_argument("--sequential", type=int, default=200)
     ap.add_argument("--paced-rate", type=int, default=1000)
     ap.add_argument("--paced-seconds", type=int, default=10)
@@ -496,24 +530,31 @@ def main():
                 system = Restate(sub, tool, peers)
             elif name == "restate-ts":
                 system = RestateTs(sub, tool, peers)
+            elif name == "stepgate-ts":
+                system = StepgateTs(sub, tool, peers, a.stepgate_bin, a.brokers)
             else:
                 system = Stepgate(sub, tool, peers, a.stepgate_bin, a.brokers)
             r = {"name": system.name}
             try:
                 # One Python caller, one call at a time, for all of them (stepgate
-                # through its Python client); loads: the engines here, stepgate's
-                # from stepgate-bench (its Python client makes one call at a time).
+                # through its Python client; through its TypeScript client, one Node
+                # caller); loads: the engines here, stepgate's from stepgate-bench
+                # (its Python client makes one call at a time).
                 tool.reset()
-                r["sequential"] = sequential(system, a.sequential)
+                if isinstance(system, StepgateTs):
+                    r["sequential"] = system.sequential(a.sequential)
+                else:
+                    r["sequential"] = sequential(system, a.sequential)
                 stats = tool.stats()
                 check(all(n == 1 for n in stats["invocations"].values())
                       and len(stats["invocations"]) == a.sequential,
                       f"{system.name}: sequential invocations {len(stats['invocations'])} keys")
                 r["sequential"].pop("keys")
-                if name != "stepgate":
+                if name not in ("stepgate", "stepgate-ts"):
                     r["paced"] = load(system, a.paced_rate * a.paced_seconds, 256, a.paced_rate)
                     r["flood"] = load(system, a.flood, a.inflight)
-                r["cut_off"] = [cut_off(system, tool, kind) for kind in ("keyed", "unkeyed")]
+                if name != "stepgate-ts":
+                    r["cut_off"] = [cut_off(system, tool, kind) for kind in ("keyed", "unkeyed")]
             finally:
                 system.stop()
             out["systems"][name] = r

@@ -5,7 +5,8 @@
 # the Restate server (npm's @restatedev/restate-server, a prebuilt binary), and
 # the TypeScript-SDK Restate service (restate_ts/: its package.json and
 # service.mjs are copied to $dir/restate_ts and its dependencies installed there,
-# not in the repo).
+# not in the repo), and stepgate's TypeScript client (clients/typescript, built
+# in place).
 # Prints the directory it installed into (peers.json there names the pieces).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -41,10 +42,18 @@ if ! cmp -s "$here/restate_ts/package.json" "$ts/package.json" \
   (cd "$ts" && npm install --silent --no-audit --no-fund >&2) || { rm -f "$ts/package.json"; exit 1; }
 fi
 cp "$here/restate_ts/service.mjs" "$ts/service.mjs"  # beside its node_modules
+# stepgate's TypeScript client, built in its checkout as deploy/local/test.sh
+# builds it (its lockfile's dependencies; the native Kafka client from source
+# where its prebuilt binary cannot be fetched).
+tsc="$repo/clients/typescript"
+if [[ ! -d "$tsc/node_modules/@confluentinc/kafka-javascript/build/Release" ]]; then
+  (cd "$tsc" && CKJS_LINKING=dynamic npm ci --no-audit --no-fund --loglevel=error >&2)
+fi
+(cd "$tsc" && npm run --silent build >&2)
 server="$(find "$dir/node/node_modules/@restatedev" -path '*/bin/restate-server' -type f | head -1)"
 cat > "$dir/peers.json" <<JSON
 {"python": "$dir/venv/bin/python", "restate_server": "$server",
  "node": "$node", "restate_ts_service": "$ts/service.mjs",
- "stepgate_client": "$repo/clients/python"}
+ "stepgate_client": "$repo/clients/python", "stepgate_ts_client": "$tsc"}
 JSON
 echo "$dir"

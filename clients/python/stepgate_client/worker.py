@@ -7,9 +7,11 @@ group with no state of its own — take the calls, run them and publish Outcome
 v1 records on `progress` (docs/design.md, "Worker pools"; schemas/call.v1.json
 and schemas/outcome.v1.json).
 
+    import os
     from stepgate_client.worker import Worker, ToolRefused
 
-    worker = Worker("127.0.0.1:9092", pool="billing")
+    worker = Worker("127.0.0.1:9092", pool="billing",
+                    key=os.environ["BILLING_POOL_KEY"])
 
     @worker.tool("render_invoice", category="unkeyed")
     def render_invoice(order: str, call) -> dict:
@@ -39,6 +41,14 @@ The guarantee, as the protocol has it:
 - A call not taken by its `take_by_ms` is left alone (the gate answers it
   `no_worker`).
 
+Trust: `key` is the pool's key, the one the gates' config gives
+`[pools.<pool>] key` (at least 32 bytes). A call is run only when its
+`stepgate-signature` header verifies under it (only gates hold the key: a
+record anyone else wrote on the calls topic is logged, counted in
+`calls_refused` and committed past, never run); every outcome is signed with
+it and echoes the call's `token`, without which the gate settles nothing.
+`signature()` is the scheme (schemas/call.v1.json, docs/tools.md).
+
 One worker runs one call at a time; run more workers (up to the calls topic's
 partition count) for more at once. The call's offset is committed synchronously
 on the thread that polled it, before the next poll: a rebalance's revocation
@@ -50,6 +60,8 @@ two workers never both take an `unkeyed` call.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import inspect
 import json
 import logging
@@ -57,13 +69,25 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Union
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer
 
 log = logging.getLogger("stepgate_client.worker")
 
 CATEGORIES = ("read_only", "idempotent", "keyed", "unkeyed")
+
+SIGNATURE_HEADER = "stepgate-signature"
+MIN_KEY_BYTES = 32
+_LABELS = {"call": b"stepgate-call-v1\n", "outcome": b"stepgate-outcome-v1\n"}
+
+
+def signature(key: bytes, kind: str, value: bytes) -> str:
+    """The `stepgate-signature` of a record's value: HMAC-SHA256 under the
+    pool's key over a label for `kind` ("call": a Call v1, signed by the gate;
+    "outcome": an Outcome v1, signed by the worker), a newline, and the value
+    exactly as sent; 64 lowercase hex characters."""
+    return hmac.new(key, _LABELS[kind] + value, hashlib.sha256).hexdigest()
 
 
 class ToolRefused(Exception):
@@ -102,6 +126,8 @@ class WorkerCall:
     take_by_ms: int
     call_id: Optional[str] = None
     traceparent: Optional[str] = None
+    # The dispatch's token, echoed in each outcome (the gate checks it).
+    token: str = ""
 
     @staticmethod
     def parse(value: bytes) -> "WorkerCall":
@@ -113,11 +139,13 @@ class WorkerCall:
             raise ValueError(f"unknown category {c['category']!r}")
         if not isinstance(c["arguments"], dict):
             raise ValueError("arguments is not an object")
+        if not isinstance(c["token"], str) or not c["token"]:
+            raise ValueError("token is not a string")
         return WorkerCall(step=step, dispatch=int(c["dispatch"]), partition=int(c["partition"]),
                           category=c["category"], arguments=c["arguments"],
                           idempotency_key=str(c["idempotency_key"]),
                           take_by_ms=int(c["take_by_ms"]), call_id=c.get("call_id"),
-                          traceparent=c.get("traceparent"))
+                          traceparent=c.get("traceparent"), token=c["token"])
 
 
 @dataclass
@@ -140,6 +168,7 @@ class Worker:
         brokers: str,
         pool: str,
         *,
+        key: Union[str, bytes],
         topics_prefix: str = "stepgate",
         gate_group: str = "stepgate-gate",
         calls_topic: Optional[str] = None,
@@ -147,12 +176,20 @@ class Worker:
         group: Optional[str] = None,
         config: Optional[Dict[str, Any]] = None,
     ) -> None:
-        """`brokers`, and the names the gate's config uses: its
-        `kafka.topics.pool_calls` with `{pool}` replaced (default
-        `<topics_prefix>.calls.<pool>`), `kafka.topics.progress` (default
-        `<topics_prefix>.progress`) and `kafka.gate_group` (the workers' group
-        is `<gate_group>.pool.<pool>`). `config`: more librdkafka properties
-        for both clients (TLS, SASL)."""
+        """`brokers`; `key`, the pool's key (the gates' `[pools.<pool>] key`,
+        at least 32 bytes; a `str` is taken as its UTF-8 bytes); and the names
+        the gate's config uses: its `kafka.topics.pool_calls` with `{pool}`
+        replaced (default `<topics_prefix>.calls.<pool>`),
+        `kafka.topics.progress` (default `<topics_prefix>.progress`) and
+        `kafka.gate_group` (the workers' group is `<gate_group>.pool.<pool>`).
+        Set `topics_prefix` and `gate_group` whenever the gate's config
+        changes them, or the worker reads a topic no gate writes. `config`:
+        more librdkafka properties for both clients (TLS, SASL)."""
+        self._key = key.encode() if isinstance(key, str) else bytes(key)
+        if len(self._key) < MIN_KEY_BYTES:
+            raise ValueError(
+                f"the key of pool {pool!r} is {len(self._key)} bytes: give the pool's key, the "
+                f"gates' `[pools.{pool}] key`, of at least {MIN_KEY_BYTES} bytes")
         self.pool = pool
         self.calls_topic = calls_topic or f"{topics_prefix}.calls.{pool}"
         self.progress_topic = progress_topic or f"{topics_prefix}.progress"
@@ -162,6 +199,8 @@ class Worker:
         self._stop = threading.Event()
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self.calls_run = 0
+        # Records of the calls topic not run: not signed with the pool's key.
+        self.calls_refused = 0
 
     def tool(self, name: str, *, category: str = "keyed") -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """Register a function as the pool's tool `name`. `category` must be the
@@ -200,6 +239,9 @@ class Worker:
         producer = Producer({**self._common, "enable.idempotence": True, "linger.ms": 0})
         self._loop = asyncio.new_event_loop()
         consumer.subscribe([self.calls_topic])
+        log.info("worker of pool %s consuming %s as group %s (outcomes to %s), tools: %s",
+                 self.pool, self.calls_topic, self.group, self.progress_topic,
+                 ", ".join(sorted(self._tools)))
         try:
             while not self._stop.is_set():
                 msg = consumer.poll(0.2)
@@ -217,8 +259,19 @@ class Worker:
 
     # One call, in the order the protocol asks for.
     def _handle(self, consumer: Consumer, producer: Producer, msg: Message) -> None:
+        value = msg.value() or b""
+        sent = dict(msg.headers() or []).get(SIGNATURE_HEADER) or b""
+        if not hmac.compare_digest(sent, signature(self._key, "call", value).encode()):
+            # Only gates hold the key: never run, and committed past so that
+            # it cannot hold the partition up.
+            self.calls_refused += 1
+            log.warning("a record of %s[%d]@%d is not a call signed with pool %s's key "
+                        "(not written by a gate): not run (%d refused so far)", msg.topic(),
+                        msg.partition(), msg.offset(), self.pool, self.calls_refused)
+            consumer.commit(message=msg, asynchronous=False)
+            return
         try:
-            call = WorkerCall.parse(msg.value() or b"")
+            call = WorkerCall.parse(value)
         except (ValueError, KeyError, TypeError) as e:
             # Not a Call v1 this worker can read: nothing to answer it with.
             log.error("unreadable call at %s[%d]@%d: %s", msg.topic(), msg.partition(),
@@ -289,12 +342,14 @@ class Worker:
     def _publish(self, producer: Producer, call: WorkerCall, event: str,
                  outcome: Optional[Dict[str, Any]]) -> None:
         record: Dict[str, Any] = {"step": call.step.as_dict(), "dispatch": call.dispatch,
-                                  "at_ms": _now_ms(), "event": event}
+                                  "at_ms": _now_ms(), "token": call.token, "event": event}
         if outcome is not None:
             record["outcome"] = outcome
+        value = json.dumps(record).encode()
+        headers = [(SIGNATURE_HEADER, signature(self._key, "outcome", value).encode())]
         failed: list = []
         producer.produce(self.progress_topic, key=call.step.workflow_id.encode(),
-                         value=json.dumps(record).encode(), partition=call.partition,
+                         value=value, partition=call.partition, headers=headers,
                          on_delivery=lambda err, _m: failed.append(err) if err else None)
         # Acknowledged before the next move: `started` before the tool is
         # called, the outcome before the call's offset is committed.

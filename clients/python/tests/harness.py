@@ -219,6 +219,9 @@ class Stack:
                              if line.startswith("pool =")})
         if self.pools:
             topics += f'\npool_calls = "{self.prefix}.calls.{{pool}}"'
+        # Each pool's key, shared with its workers (`Worker(key=...)`).
+        self.pool_key = f"pytest-pool-key-{uuid.uuid4().hex}"
+        pools = "".join(f'\n[pools.{p}]\nkey = "{self.pool_key}"\n' for p in self.pools)
         tables = "".join(
             f'\n[tools.{n}]\ncategory = "{c}"\n'
             + ("" if "pool =" in "".join(more) else f'url = "{self.tools.base}/{n}"\n')
@@ -246,7 +249,7 @@ listen = "{self.http}"
 
 [log]
 level = "info,rdkafka=warn"
-{tables}""")
+{tables}{pools}""")
         if results_partitions is not None and results_partitions != intents_partitions:
             self._create_topic(self.results, results_partitions)
         out = self._stepgate("topics", "create")

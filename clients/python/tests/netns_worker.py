@@ -16,7 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from stepgate_client.worker import Worker
 
-brokers, pool, prefix, tool_port, log_path = sys.argv[1:6]
+brokers, pool, prefix, tool_port, log_path, key = sys.argv[1:7]
 answers: dict = {}
 lock = threading.Lock()
 
@@ -43,7 +43,7 @@ class Tool(BaseHTTPRequestHandler):
 server = ThreadingHTTPServer(("127.0.0.1", int(tool_port)), Tool)
 threading.Thread(target=server.serve_forever, daemon=True).start()
 
-worker = Worker(brokers, pool, topics_prefix=prefix, gate_group=f"{prefix}-gate",
+worker = Worker(brokers, pool, key=key, topics_prefix=prefix, gate_group=f"{prefix}-gate",
                 config={"session.timeout.ms": 6000, "heartbeat.interval.ms": 1000})
 
 

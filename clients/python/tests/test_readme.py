@@ -1,5 +1,5 @@
-"""The quick starts of README.md's Python section and clients/python/README.md
-run as written, against a running stepgate: only the broker's topics (the
+"""The quick starts of README.md's Python section, docs/agents.md's Python
+client and clients/python/README.md run as written, against a running stepgate: only the broker's topics (the
 stack's own) and the workflow id (this test's own) are swapped in."""
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ def first_python_block(path, after: str) -> str:
 @pytest.mark.parametrize("readme,after", [
     ("clients/python/README.md", "# stepgate-client"),
     ("README.md", "**Python** — the client in"),
+    ("docs/agents.md", "pip install ./clients/python"),
 ])
 def test_the_quick_start_runs_as_written(stack, wf, readme, after, capsys):
     code = first_python_block(REPO / readme, after)

@@ -21,6 +21,7 @@ from confluent_kafka import Consumer, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from harness import brokers, wait_for
+from stepgate_client.worker import Worker, signature
 
 HERE = Path(__file__).resolve().parent
 PROGRESS_PARTITIONS = 4
@@ -34,6 +35,8 @@ class Pool:
         self.pool = "p"
         self.calls = f"{self.prefix}.calls.{self.pool}"
         self.progress = f"{self.prefix}.progress"
+        # The pool's key: the tests sign calls with it, as a gate does.
+        self.key = f"pytest-pool-key-{uuid.uuid4().hex}"
         self.dir = tempfile.TemporaryDirectory(prefix="stepgate-worker-")
         self.log = Path(self.dir.name) / "invocations.jsonl"
         self.log.touch()
@@ -53,20 +56,32 @@ class Pool:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             [str(HERE), os.environ.get("PYTHONPATH", "")])}
         p = subprocess.Popen([sys.executable, str(HERE / "worker_proc.py"), brokers(),
-                              self.pool, self.prefix, str(self.log)],
+                              self.pool, self.prefix, str(self.log), self.key],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
         assert p.stdout.readline().strip() == "READY"
         self.procs.append(p)
         return p
 
     def call(self, tool: str, category: str, args: dict, *, step: int = 0,
-             take_within: float = 120.0, dispatch: int = 1) -> dict:
+             take_within: float = 120.0, dispatch: int = 1,
+             key: "str | None" = "pool", on: "int | None" = None) -> dict:
+        """Publish a Call v1, signed as a gate does with the pool's key (`key`:
+        "pool"), with another key, or not at all (None); to partition `on` of
+        the calls topic, or by its key."""
         c = {"step": {"workflow_id": f"wf-{uuid.uuid4().hex[:8]}", "step_index": step,
                       "tool": tool, "attempt": 0},
              "dispatch": dispatch, "partition": 1, "category": category, "arguments": args,
              "idempotency_key": f"sg1-{uuid.uuid4().hex}",
-             "take_by_ms": int((time.time() + take_within) * 1000), "call_id": "c1"}
-        self.producer.produce(self.calls, key=c["step"]["workflow_id"], value=json.dumps(c))
+             "take_by_ms": int((time.time() + take_within) * 1000), "call_id": "c1",
+             "token": uuid.uuid4().hex}
+        value = json.dumps(c).encode()
+        headers = []
+        if key is not None:
+            k = self.key if key == "pool" else key
+            headers = [("stepgate-signature", signature(k.encode(), "call", value).encode())]
+        where = {} if on is None else {"partition": on}
+        self.producer.produce(self.calls, key=c["step"]["workflow_id"], value=value,
+                              headers=headers, **where)
         assert self.producer.flush(30) == 0
         return c
 
@@ -77,6 +92,10 @@ class Pool:
                 return self.outcomes
             if m.error():
                 continue
+            # The gate takes an outcome only signed with the pool's key.
+            sent = dict(m.headers() or []).get("stepgate-signature")
+            assert sent == signature(self.key.encode(), "outcome", m.value()).encode(), \
+                f"an outcome not signed with the pool's key: {m.value()!r}"
             self.outcomes.append((m.partition(), json.loads(m.value())))
 
     def events(self, call: dict) -> list:
@@ -114,12 +133,41 @@ def pool():
     p.close()
 
 
+def test_the_signature_is_the_one_rust_computes():
+    # The vector of crates/stepgate-client/src/contract/sign.rs and docs/tools.md.
+    key = b"0123456789abcdef0123456789abcdef"
+    value = (b'{"step":{"workflow_id":"order-7781","step_index":3,"tool":"render_invoice",'
+             b'"attempt":0},"dispatch":1,"token":"5f1d3a0b9c8e7f6a5b4c3d2e1f0a9b8c"}')
+    assert signature(key, "call", value) == \
+        "643949ffd1e8884f9730ef1ce5f53d9c3eb81e6fde1e7c2d6413218ce77d3d6d"
+    assert signature(key, "outcome", value) == \
+        "73d676881e0d7c09187e616e0458698db0d48bca7295f482d6c60b036f44c7b5"
+
+
+def test_a_worker_needs_its_pool_s_key():
+    with pytest.raises(ValueError, match="at least 32 bytes"):
+        Worker(brokers(), "p", key="short")
+
+
+def test_a_call_not_signed_with_the_pool_s_key_is_never_run(pool):
+    pool.start_worker()
+    unsigned = pool.call("echo_unkeyed", "unkeyed", {"forged": "unsigned"}, key=None, on=0)
+    other = pool.call("echo_unkeyed", "unkeyed", {"forged": "other key"},
+                      key=f"another-pools-key-{uuid.uuid4().hex}", on=0)
+    real = pool.call("echo_unkeyed", "unkeyed", {"forged": False}, on=0)
+    pool.finished(real)  # read after the two others, in their partition
+    assert [i["args"] for i in pool.invocations()] == [{"forged": False}]
+    assert pool.events(unsigned) == [] and pool.events(other) == []
+
+
 def test_a_call_is_started_then_finished_on_its_partition(pool):
     pool.start_worker()
     call = pool.call("echo_unkeyed", "unkeyed", {"title": "Printer on fire"})
     out = pool.finished(call)
     assert out["outcome"] == {"status": "ok", "output": {"echo": {"title": "Printer on fire"}}}
     assert out["dispatch"] == 1
+    # Each outcome echoes the call's token (and is signed: `read_outcomes`).
+    assert {o["token"] for _, o in pool.events(call)} == {call["token"]}
     events = pool.events(call)
     # `started` first, both on the partition the call names.
     assert [o["event"] for _, o in events] == ["started", "finished"]

@@ -70,7 +70,7 @@ def test_a_tool_only_the_worker_can_reach_is_served_once_per_step(wf):
             [str(HERE), os.environ.get("PYTHONPATH", "")])}
         procs.append(_start(netns + [sys.executable, str(HERE / "netns_worker.py"),
                                      f"127.0.0.1:{port}", "edge", stack.prefix, str(tool_port),
-                                     str(log)], env=env))
+                                     str(log), stack.pool_key], env=env))
 
         # The gate's side cannot reach the tool: nothing listens on its port here.
         with pytest.raises(ConnectionRefusedError):

@@ -1,4 +1,4 @@
-"""A pool worker process for test_worker.py: `python worker_proc.py BROKERS POOL PREFIX LOG`.
+"""A pool worker process for test_worker.py: `python worker_proc.py BROKERS POOL PREFIX LOG KEY`.
 
 Its tools append each invocation (tool, idempotency key, arguments) to LOG, a
 JSON-lines file, before doing anything else — the raw count of invocations.
@@ -14,9 +14,9 @@ import threading
 
 from stepgate_client.worker import ToolRefused, Worker
 
-brokers, pool, prefix, log_path = sys.argv[1:5]
+brokers, pool, prefix, log_path, key = sys.argv[1:6]
 # A short session, so a killed worker's partitions move on within seconds.
-worker = Worker(brokers, pool, topics_prefix=prefix, gate_group=f"{prefix}-gate",
+worker = Worker(brokers, pool, key=key, topics_prefix=prefix, gate_group=f"{prefix}-gate",
                 config={"session.timeout.ms": 6000, "heartbeat.interval.ms": 1000})
 lock = threading.Lock()
 

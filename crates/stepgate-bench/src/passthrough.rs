@@ -567,6 +567,7 @@ impl Hop {
                         fast_ref: None,
                         traceparent: None,
                         call_id: intent.call_id,
+                        token: None,
                     };
                     let tools = tools.clone();
                     inflight.spawn(async move {

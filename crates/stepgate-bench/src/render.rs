@@ -399,13 +399,18 @@ impl Run<'_> {
                 commits: sg_seq.and_then(|s| s.commits_per_new),
             });
         }
-        if let Some(s) = self.engine_seq("stepgate") {
-            out.push(Line {
-                name: "stepgate through its Python client".into(),
-                new: Some((s.new_p50, s.new_p99)),
-                repeat: Some(s.repeat_p50),
-                ..Line::default()
-            });
+        for (key, name) in [
+            ("stepgate", "stepgate through its Python client"),
+            ("stepgate-ts", "stepgate through its TypeScript client"),
+        ] {
+            if let Some(s) = self.engine_seq(key) {
+                out.push(Line {
+                    name: name.into(),
+                    new: Some((s.new_p50, s.new_p99)),
+                    repeat: Some(s.repeat_p50),
+                    ..Line::default()
+                });
+            }
         }
         for (key, name) in ENGINES {
             let Some(e) = self.engine(key) else { continue };
@@ -804,6 +809,11 @@ impl Run<'_> {
         one.push_str(
             "; p50 and p99 from publish to answer. The bench's agent (Rust, over Kafka) calls stepgate's first row and Kafka Streams; one Python caller calls the engines over HTTP and stepgate's second row through its Python client.",
         );
+        if self.engine_seq("stepgate-ts").is_some() {
+            one.push_str(
+                " One Node caller calls stepgate's TypeScript-client row through that client, over Kafka, and times each call there.",
+            );
+        }
         if let Some(e) = engines {
             let _ = write!(
                 one,
@@ -1005,6 +1015,8 @@ mod tests {
             "{page}"
         );
         assert!(!page.contains("Restate, TypeScript SDK |"), "{page}");
+        assert!(!page.contains("its TypeScript client |"), "{page}");
+        assert!(!page.contains("One Node caller"), "{page}");
     }
 
     #[test]

@@ -8,7 +8,7 @@
 //! a step published after the kill), once with a standby copy of them
 //! (`gate.standby_replicas`, the default 1) and once without (`0`).
 
-use crate::report::{Row, ScaleRow, StateMemory};
+use crate::report::{Failover, Row, ScaleRow, StateMemory};
 use crate::systems::{self, GroupWatch, Proc, StepgateSetup};
 use crate::workload::{self, Agent, Deliveries, Expect, Kind, Rng, Spec, TOOL};
 use crate::{Bench, ScaleOpts};
@@ -215,26 +215,6 @@ async fn one(bench: &Bench, opts: &ScaleOpts, n: usize) -> anyhow::Result<ScaleR
         problems: check.problems,
         failover,
     })
-}
-
-/// Failover at this size (see the module's text).
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct Failover {
-    /// `kafka.session_timeout`: how long a killed gate's partitions stay
-    /// assigned to it.
-    pub session_timeout_s: f64,
-    /// `kill -9`, then start → /readyz on the same disk.
-    pub restart_ready_s: f64,
-    /// Partitions that restart restored from the changelog's start.
-    pub restart_full_restores: f64,
-    /// kill -9 of one of two gates → the first answer on its partitions to a
-    /// step published after the kill, the other gate holding standby copies.
-    pub standby_resumed_s: Option<f64>,
-    /// The same without standby replicas.
-    pub cold_resumed_s: Option<f64>,
-    /// Records the heir restored when it took over, with and without.
-    pub standby_restored_records: f64,
-    pub cold_restored_records: f64,
 }
 
 async fn failover(

@@ -1,14 +1,18 @@
-//! An intent: a new step recorded and started (or answered at once), a
-//! repeat answered from its record or attached to the call in flight.
+//! An intent: classified first ([`IntentCase`]), then handled by its case's
+//! one handler — refused, re-routed to its partition, run on the fast path, a
+//! new step begun, run again, or a repeat answered from its record or
+//! attached to the call in flight.
 
 use super::deferred::RUN_BEFORE_REREAD;
-use super::{Apply, GateCore, Out, at, ms};
+use super::{Apply, GateCore, Out, When, WrongPartition, at, ms};
+use crate::contract::headers::{FORWARDED_FROM, REPLY_PARTITION};
 use crate::contract::{
-    Address, ApprovalEvent, ApprovalKind, Call, Intent, Rejection, RejectionReason, Texts,
+    Address, ApprovalEvent, ApprovalKind, Call, Intent, Rejection, RejectionReason, StepKey, Texts,
     parse_intent,
 };
 use crate::kafka::Input;
 use crate::state::{FastEntry, NotWaiting, Phase, StateError, StepRecord, Waiter, WorkflowEnd};
+use crate::telemetry::Decision;
 use crate::tools::ToolConfig;
 use std::time::Duration;
 
@@ -20,6 +24,51 @@ use std::time::Duration;
 /// larger step is recorded `started` first, refused before its call.
 pub(super) const DEFER_MAX_INTENT_BYTES: usize = 4 * 1024;
 
+/// What an intent is, decided before anything is done with it. (Built once
+/// per intent and matched at once: boxing its large case would cost an
+/// allocation per intent for nothing.)
+#[allow(clippy::large_enum_variant)]
+enum IntentCase {
+    /// Read again below the applied mark, and decided by a batch that
+    /// committed (or refused when first read): nothing to do.
+    Replayed,
+    /// Refused before its step is looked at: unreadable or invalid (its tool
+    /// unknown then), or outside its workflow's partition and not re-routed.
+    Refused {
+        rejection: Rejection,
+        tool: Option<String>,
+    },
+    /// Outside its workflow's partition: re-routed to `owner`.
+    Forward { owner: i32, tool: String },
+    /// A step of this partition, decided under its decision's span.
+    Step(Intent, StepCase),
+}
+
+/// What an intent of this partition is to its step; each case has one handler.
+enum StepCase {
+    /// Takes no new call: no record and older than the retention, or its
+    /// workflow ended by a `last_step` tool.
+    Closed(Rejection),
+    /// A tool that records nothing (`read_only`/`idempotent`): run at once.
+    Fast,
+    /// A new step: recorded once settled (`deferred`), else `started` first
+    /// or held for a person.
+    New { deferred: bool },
+    /// Another call than the one recorded (by the tool's identity arguments):
+    /// not a retry, not run, not given the recorded answer.
+    Conflict {
+        record: StepRecord,
+        fields: Vec<(String, String, String)>,
+    },
+    /// An operator confirmed the last run did not happen, or a keyed tool
+    /// could not be reached: run now (with the same key).
+    Rerun(StepRecord),
+    /// A repeat of a settled step: answered from its record.
+    Settled(StepRecord),
+    /// A repeat of a step in flight: waits for its outcome.
+    Waiting(StepRecord),
+}
+
 impl GateCore {
     /// An intent from an agent.
     pub(super) fn apply_intent(
@@ -27,80 +76,50 @@ impl GateCore {
         ax: &mut Apply<'_>,
         input: &Input,
     ) -> Result<(), StateError> {
+        // Below the applied mark, the committed state already reflects this
+        // intent (re-read because a call before it was unanswered): only
+        // calls that record nothing until settled are run again.
+        let replayed = ax.replayed(input.offset);
+        let case = self.classify(ax, input, replayed)?;
+        if !replayed {
+            self.count(&case);
+        }
+        match case {
+            IntentCase::Replayed => Ok(()),
+            IntentCase::Refused { rejection, .. } => {
+                self.reject(input, rejection, ax.now_ms);
+                Ok(())
+            }
+            IntentCase::Forward { owner, .. } => {
+                self.forward(input, owner);
+                Ok(())
+            }
+            IntentCase::Step(intent, case) => self.decide_step(ax, input, intent, case, replayed),
+        }
+    }
+
+    /// Which case an intent is (reading its step's record, never writing).
+    fn classify(
+        &self,
+        ax: &Apply<'_>,
+        input: &Input,
+        replayed: bool,
+    ) -> Result<IntentCase, StateError> {
         let p = input.partition;
-        // Below the watermark, the committed state already reflects this intent
-        // (re-read because a fast-path call before it was unanswered): only
-        // fast-path calls, which record nothing, are run again.
-        let replayed = self.applied.get(&p).is_some_and(|a| input.offset < *a);
-        // A re-routed intent was counted where it was published.
-        let counted = !replayed && !input.forwarded();
-        let reply = input.reply_partition(self.intent_partitions);
         let payload = input.payload.as_deref().unwrap_or_default();
         let intent = match parse_intent(payload, self.settings.max_intent_bytes, &self.tool_names) {
             Ok(i) => i,
-            Err(_) if replayed => return Ok(()),
+            Err(_) if replayed => return Ok(IntentCase::Replayed),
             Err(rejection) => {
-                if counted {
-                    self.metrics.intent_received(None);
-                }
-                self.reject(input, rejection, ax.now_ms);
-                return Ok(());
+                return Ok(IntentCase::Refused {
+                    rejection,
+                    tool: None,
+                });
             }
         };
-        if counted {
-            self.metrics.intent_received(Some(&intent.tool));
-        }
         // A step is deduplicated within its workflow's partition only.
-        if self.settings.wrong_partition != super::WrongPartition::Accept
-            && let Some(n) = self.intent_partitions
-            && let owner = crate::contract::partition_for(&intent.workflow_id, n)
-            && owner != p
-        {
-            if replayed {
-                return Ok(());
-            }
-            // Re-routed to the owner in this batch's transaction (with this
-            // input's offset: once), deduplicated there, answered here. Never
-            // twice: a re-routed copy found outside its partition too (the
-            // partition count changed in between) is refused.
-            if self.settings.wrong_partition == super::WrongPartition::Forward && !input.forwarded()
-            {
-                self.metrics.intent_forwarded(&intent.tool);
-                let mut headers: Vec<_> = input
-                    .headers
-                    .iter()
-                    .filter(|(k, _)| {
-                        !k.eq_ignore_ascii_case(crate::contract::headers::REPLY_PARTITION)
-                    })
-                    .cloned()
-                    .collect();
-                headers.push((
-                    crate::contract::headers::REPLY_PARTITION.to_owned(),
-                    Some(p.to_string().into_bytes()),
-                ));
-                headers.push((
-                    crate::contract::headers::FORWARDED_FROM.to_owned(),
-                    Some(format!("{p}:{}", input.offset).into_bytes()),
-                ));
-                self.outs.push(Out::Forward {
-                    partition: owner,
-                    key: input.key.clone(),
-                    payload: input.payload.clone(),
-                    headers,
-                    timestamp_ms: input.timestamp_ms,
-                });
-                return Ok(());
-            }
-            let rejection = Rejection {
-                reason: RejectionReason::WrongPartition,
-                message: Texts::wrong_partition(&intent.tool, &intent.workflow_id, p, owner),
-                address: Some(Address {
-                    step: intent.step_key(),
-                    call_id: intent.call_id,
-                }),
-            };
-            self.reject(input, rejection, ax.now_ms);
-            return Ok(());
+        if let Some(owner) = self.owner_elsewhere(&intent, p) {
+            return Ok(self.elsewhere(input, intent, owner, replayed));
         }
         let tool = &self.tools[&intent.tool];
         let step = intent.step_key();
@@ -112,8 +131,167 @@ impl GateCore {
         // its batch, so a re-read of that intent finds it.)
         let deferrable = self.defers(tool, payload.len());
         if replayed && tool.recorded() && (!deferrable || ax.recorded(p, &step)?) {
-            return Ok(());
+            return Ok(IntentCase::Replayed);
         }
+        let existing = if tool.recorded() {
+            ax.step(p, &step)?
+        } else {
+            None
+        };
+        if existing.is_none() {
+            if let Some(rejection) = self.expired(input, &step, ax.now_ms) {
+                return Ok(IntentCase::Step(intent, StepCase::Closed(rejection)));
+            }
+            // A workflow ended by a `last_step` tool takes no new steps
+            // (repeats of its recorded steps are still answered).
+            if let Some(end) = ax.workflow_end(p, &step.workflow_id)?
+                && end.step != step
+            {
+                // A deferred step's record is written when a step ending its
+                // workflow begins: re-read with none, it was refused then.
+                if replayed {
+                    return Ok(IntentCase::Replayed);
+                }
+                let rejection = workflow_ended(&intent, &end);
+                return Ok(IntentCase::Step(intent, StepCase::Closed(rejection)));
+            }
+        }
+        let case = match existing {
+            _ if !tool.recorded() => StepCase::Fast,
+            None => StepCase::New {
+                deferred: deferrable,
+            },
+            Some(record) => {
+                let fields: Vec<(String, String, String)> = tool
+                    .identity_conflict(&record.arguments, &intent.arguments)
+                    .into_iter()
+                    .map(|(f, recorded, sent)| (f, recorded.to_string(), sent.to_string()))
+                    .collect();
+                if !fields.is_empty() {
+                    StepCase::Conflict { record, fields }
+                } else if record.phase.runs_again() {
+                    StepCase::Rerun(record)
+                } else if record.result.is_some() && !record.phase.in_flight() {
+                    StepCase::Settled(record)
+                } else {
+                    StepCase::Waiting(record)
+                }
+            }
+        };
+        Ok(IntentCase::Step(intent, case))
+    }
+
+    /// Counted once, where it is decided: an intent re-routed to its
+    /// workflow's partition is counted there, not where it was published.
+    /// Whether a copy says it was re-routed (`stepgate-forwarded-from`, a
+    /// header any writer of the topic can set) changes neither its count nor
+    /// its decision: it decides only that a copy found outside its partition
+    /// is not re-routed again.
+    fn count(&self, case: &IntentCase) {
+        match case {
+            IntentCase::Replayed => {}
+            // Counted as received by the owner, which decides it.
+            IntentCase::Forward { tool, .. } => self.metrics.intent_forwarded(tool),
+            IntentCase::Refused { tool, .. } => self.metrics.intent_received(tool.as_deref()),
+            IntentCase::Step(intent, _) => self.metrics.intent_received(Some(&intent.tool)),
+        }
+    }
+
+    /// The partition an intent's workflow lives in, when the gate checks it
+    /// (`gate.check_partition`) and it is not `p`.
+    fn owner_elsewhere(&self, intent: &Intent, p: i32) -> Option<i32> {
+        if self.settings.wrong_partition == WrongPartition::Accept {
+            return None;
+        }
+        let owner = crate::contract::partition_for(&intent.workflow_id, self.intent_partitions?);
+        (owner != p).then_some(owner)
+    }
+
+    /// An intent outside its workflow's partition: re-routed to the owner in
+    /// this batch's transaction (with this input's offset: once),
+    /// deduplicated there, answered here. Never twice: a re-routed copy found
+    /// outside its partition too (the partition count changed in between) is
+    /// refused.
+    fn elsewhere(&self, input: &Input, intent: Intent, owner: i32, replayed: bool) -> IntentCase {
+        if replayed {
+            return IntentCase::Replayed;
+        }
+        if self.settings.wrong_partition == WrongPartition::Forward && !input.forwarded() {
+            return IntentCase::Forward {
+                owner,
+                tool: intent.tool,
+            };
+        }
+        let p = input.partition;
+        let rejection = Rejection {
+            reason: RejectionReason::WrongPartition,
+            message: Texts::wrong_partition(&intent.tool, &intent.workflow_id, p, owner),
+            address: Some(Address {
+                step: intent.step_key(),
+                call_id: intent.call_id,
+            }),
+        };
+        IntentCase::Refused {
+            rejection,
+            tool: Some(intent.tool),
+        }
+    }
+
+    /// Older than the retention with no record: perhaps a re-read (lost group
+    /// offsets) of a call whose record was purged. Not run, and not answered:
+    /// its call_id may have had its answer long ago. (Re-read, it may be a
+    /// deferred step whose gate was down past the retention: dead-lettered as
+    /// on a first read, not answered.)
+    fn expired(&self, input: &Input, step: &StepKey, now_ms: i64) -> Option<Rejection> {
+        let ts = input.timestamp_ms?;
+        if now_ms.saturating_sub(ts) <= ms(self.settings.retention) {
+            return None;
+        }
+        let age = Duration::from_millis(now_ms.saturating_sub(ts).max(0) as u64);
+        Some(Rejection {
+            reason: RejectionReason::Expired,
+            message: Texts::expired(&step.tool, &step.workflow_id, age),
+            address: None,
+        })
+    }
+
+    /// The intent re-routed to its workflow's partition, `owner`, with its
+    /// key, value, timestamp and headers, and the headers naming where it came
+    /// from and where it is answered.
+    fn forward(&mut self, input: &Input, owner: i32) {
+        let p = input.partition;
+        let mut headers: Vec<_> = input
+            .headers
+            .iter()
+            .filter(|(k, _)| !k.eq_ignore_ascii_case(REPLY_PARTITION))
+            .cloned()
+            .collect();
+        headers.push((REPLY_PARTITION.to_owned(), Some(p.to_string().into_bytes())));
+        headers.push((
+            FORWARDED_FROM.to_owned(),
+            Some(format!("{p}:{}", input.offset).into_bytes()),
+        ));
+        self.outs.push(Out::Forward {
+            partition: owner,
+            key: input.key.clone(),
+            payload: input.payload.clone(),
+            headers,
+            timestamp_ms: input.timestamp_ms,
+        });
+    }
+
+    /// A case of this partition's step, under the intent's span and its
+    /// decision's (the parent of the calls it starts; nothing unless traces
+    /// are configured).
+    fn decide_step(
+        &mut self,
+        ax: &mut Apply<'_>,
+        input: &Input,
+        intent: Intent,
+        case: StepCase,
+        replayed: bool,
+    ) -> Result<(), StateError> {
+        let step = intent.step_key();
         let traceparent = input.traceparent();
         let _span = tracing::info_span!(
             "intent",
@@ -122,200 +300,204 @@ impl GateCore {
             traceparent = traceparent.as_deref().unwrap_or("")
         )
         .entered();
-        // The decision's span (under the intent's traceparent), and the parent
-        // of the calls it starts; nothing unless traces are configured.
         let mut decision = self.metrics.traces().decision(
             &step,
             intent.call_id.as_deref(),
             traceparent.as_deref(),
-            (input.topic.as_str(), p, input.offset),
+            (input.topic.as_str(), input.partition, input.offset),
         );
-        let tool = tool.clone();
-        let existing = if tool.recorded() {
-            ax.step(p, &step)?
-        } else {
-            None
-        };
-        // Older than the retention with no record: perhaps a re-read (lost
-        // group offsets) of a call whose record was purged. Not run, and not
-        // answered: its call_id may have had its answer long ago.
-        if existing.is_none()
-            && let Some(ts) = input.timestamp_ms
-            && ax.now_ms.saturating_sub(ts) > ms(self.settings.retention)
-        {
-            // (Re-read, it may be a deferred step whose gate was down past
-            // the retention: dead-lettered as on a first read, not answered.)
-            let age = Duration::from_millis(ax.now_ms.saturating_sub(ts).max(0) as u64);
-            let rejection = Rejection {
-                reason: RejectionReason::Expired,
-                message: Texts::expired(&step.tool, &step.workflow_id, age),
-                address: None,
-            };
-            decision.rejected(rejection.reason.as_str(), &rejection.message);
-            self.reject(input, rejection, ax.now_ms);
-            return Ok(());
-        }
-        // A workflow ended by a `last_step` tool takes no new steps (repeats of
-        // its recorded steps are still answered).
-        if existing.is_none()
-            && let Some(end) = ax.workflow_end(p, &step.workflow_id)?
-            && end.step != step
-        {
-            // A deferred step's record is written when a step ending its
-            // workflow begins: re-read with none, it was refused then.
-            if replayed {
-                return Ok(());
-            }
-            let message = Texts::workflow_ended(
-                &step.tool,
-                &step.workflow_id,
-                end.step.step_index,
-                &end.step.tool,
-            );
-            let rejection = Rejection {
-                reason: RejectionReason::WorkflowEnded,
-                message,
-                address: Some(Address {
-                    step,
-                    call_id: intent.call_id,
-                }),
-            };
-            decision.rejected(rejection.reason.as_str(), &rejection.message);
-            self.reject(input, rejection, ax.now_ms);
-            return Ok(());
-        }
-        if !tool.recorded() {
-            // Intent in, answer out: nothing durable in between.
-            decision.decided("fast_path");
-            let entry = FastEntry {
-                step: step.clone(),
-                call_id: intent.call_id.clone(),
-                arguments: intent.arguments.clone(),
-                traceparent: traceparent.clone(),
-                dispatch: 1,
-                deadline_ms: 0,
-                intent_ts_ms: input.timestamp_ms,
-                reply_partition: reply,
-            };
-            self.fast.insert((p, input.offset), entry);
-            self.metrics.fast_path_call(&step);
-            self.immediate.push((
-                p,
-                Call {
-                    step,
-                    arguments: intent.arguments,
-                    dispatch: 1,
-                    fast_ref: Some(input.offset),
-                    traceparent: decision.traceparent().or(traceparent),
-                    call_id: intent.call_id,
-                },
-            ));
-            return Ok(());
-        }
-        // Another call than the one recorded (by the tool's identity
-        // arguments): not a retry. Not run, not given the recorded answer.
-        let conflict: Vec<(String, String, String)> = existing
-            .as_ref()
-            .map(|r| tool.identity_conflict(&r.arguments, &intent.arguments))
-            .unwrap_or_default()
-            .into_iter()
-            .map(|(f, recorded, sent)| (f, recorded.to_string(), sent.to_string()))
-            .collect();
         // The dedup rate's denominator: every call decided as this step (new,
         // re-run or repeat); not an identity conflict, which is another call.
-        if conflict.is_empty() {
+        if let StepCase::New { .. }
+        | StepCase::Rerun(_)
+        | StepCase::Settled(_)
+        | StepCase::Waiting(_) = case
+        {
             self.metrics.effectful_call(&step);
         }
-        let new_step = if tool.awaits_approval() {
+        match case {
+            StepCase::Closed(rejection) => {
+                decision.rejected(rejection.reason.as_str(), &rejection.message);
+                self.reject(input, rejection, ax.now_ms);
+                Ok(())
+            }
+            StepCase::Fast => {
+                self.run_fast(input, intent, decision);
+                Ok(())
+            }
+            StepCase::New { deferred } => {
+                self.begin_new(ax, input, intent, deferred, replayed, decision)
+            }
+            StepCase::Conflict { record, fields } => {
+                self.refuse_conflict(ax, input, intent, &record, &fields, decision);
+                Ok(())
+            }
+            StepCase::Rerun(record) => {
+                decision.decided("rerun");
+                let tool = self.tools[&intent.tool].clone();
+                let parent = decision.traceparent();
+                self.begin_step(ax, input, &tool, intent, Some(record), parent)
+            }
+            StepCase::Settled(record) => self.answer_repeat(ax, input, intent, record, decision),
+            StepCase::Waiting(record) => self.wait_repeat(ax, input, intent, record, decision),
+        }
+    }
+
+    /// Intent in, answer out: nothing durable in between. The call starts at
+    /// once, and the intent's offset is held until it is answered.
+    fn run_fast(&mut self, input: &Input, intent: Intent, mut decision: Decision) {
+        decision.decided("fast_path");
+        let p = input.partition;
+        let step = intent.step_key();
+        let traceparent = input.traceparent();
+        let entry = FastEntry {
+            step: step.clone(),
+            call_id: intent.call_id.clone(),
+            arguments: intent.arguments.clone(),
+            traceparent: traceparent.clone(),
+            dispatch: 1,
+            deadline_ms: 0,
+            intent_ts_ms: input.timestamp_ms,
+            reply_partition: input.reply_partition(self.intent_partitions),
+        };
+        self.fast.insert((p, input.offset), entry);
+        self.metrics.fast_path_call(&step);
+        let call = Call {
+            step,
+            arguments: intent.arguments,
+            dispatch: 1,
+            fast_ref: Some(input.offset),
+            traceparent: decision.traceparent().or(traceparent),
+            call_id: intent.call_id,
+            token: None,
+        };
+        self.outs.push(Out::Invoke {
+            partition: p,
+            call,
+            when: When::Now,
+        });
+    }
+
+    /// A new step: recorded once settled, or `started` first, or held for a
+    /// person.
+    fn begin_new(
+        &mut self,
+        ax: &mut Apply<'_>,
+        input: &Input,
+        intent: Intent,
+        deferred: bool,
+        replayed: bool,
+        mut decision: Decision,
+    ) -> Result<(), StateError> {
+        let tool = self.tools[&intent.tool].clone();
+        decision.decided(if tool.awaits_approval() {
             "awaiting_approval"
         } else {
             "new_step"
+        });
+        let parent = decision.traceparent();
+        if deferred {
+            self.begin_deferred(ax, input, &tool, intent, replayed, parent);
+            Ok(())
+        } else {
+            self.begin_step(ax, input, &tool, intent, None, parent)
+        }
+    }
+
+    /// Another call than the recorded one: refused. A deferred step's record
+    /// is written now, so a re-read of this intent finds it.
+    fn refuse_conflict(
+        &mut self,
+        ax: &mut Apply<'_>,
+        input: &Input,
+        intent: Intent,
+        record: &StepRecord,
+        fields: &[(String, String, String)],
+        mut decision: Decision,
+    ) {
+        ax.write_deferred(input.partition, &record.step);
+        let step = intent.step_key();
+        self.metrics.identity_conflict(&step);
+        let rejection = Rejection {
+            reason: RejectionReason::IdentityConflict,
+            message: Texts::identity_conflict(&step.tool, fields),
+            address: Some(Address {
+                step,
+                call_id: intent.call_id,
+            }),
         };
-        match existing {
-            None => {
-                decision.decided(new_step);
-                let parent = decision.traceparent();
-                if deferrable {
-                    self.begin_deferred(ax, input, &tool, intent, replayed, parent);
-                } else {
-                    self.begin_step(ax, input, &tool, intent, None, parent)?
-                }
+        decision.rejected(rejection.reason.as_str(), &rejection.message);
+        self.reject(input, rejection, ax.now_ms);
+    }
+
+    /// A repeat of a settled step, answered from its record: at once when
+    /// that answer rests only on committed state, else with the batch.
+    fn answer_repeat(
+        &mut self,
+        ax: &mut Apply<'_>,
+        input: &Input,
+        intent: Intent,
+        mut record: StepRecord,
+        mut decision: Decision,
+    ) -> Result<(), StateError> {
+        let p = input.partition;
+        let rephrased = record.note_repeat(intent.call_id.clone(), &intent.arguments, ax.now_ms);
+        decision.repeat(false, rephrased, record.call_id.as_deref());
+        self.metrics.repeat(&record.step, false, rephrased);
+        if let Some(first) = &record.result {
+            let when = if ax.committed_final(p, &record.step, first)? {
+                When::Now
+            } else {
+                When::WithBatch
+            };
+            self.outs.push(Out::Result {
+                partition: input.reply_partition(self.intent_partitions),
+                result: first.for_repeat(intent.call_id),
+                traceparent: input.traceparent(),
+                since_ms: input.timestamp_ms,
+                when,
+            });
+        }
+        // A verbatim repeat of a settled step changes nothing worth a
+        // changelog record (metrics and the audit count it); a rephrased one
+        // is kept for the audit.
+        if !rephrased {
+            return Ok(());
+        }
+        keep_repeat(ax, p, &record)
+    }
+
+    /// A repeat of a step in flight: kept as a waiter on its record,
+    /// answered with its outcome.
+    fn wait_repeat(
+        &mut self,
+        ax: &mut Apply<'_>,
+        input: &Input,
+        intent: Intent,
+        mut record: StepRecord,
+        mut decision: Decision,
+    ) -> Result<(), StateError> {
+        let p = input.partition;
+        let rephrased = record.note_repeat(intent.call_id.clone(), &intent.arguments, ax.now_ms);
+        decision.repeat(true, rephrased, record.call_id.as_deref());
+        self.metrics.repeat(&record.step, true, rephrased);
+        let reply = input.reply_partition(self.intent_partitions);
+        let waiter = Waiter {
+            call_id: intent.call_id,
+            intent_ts_ms: input.timestamp_ms,
+            traceparent: input.traceparent(),
+            reply_partition: Some(reply).filter(|r| *r != p),
+        };
+        if let Err(why) = record.add_waiter(waiter) {
+            if why == NotWaiting::OverBudget {
+                tracing::warn!(step = %record.step, "a repeat of an in-flight step is not kept waiting: the step has too many waiting callers (it is answered from the record when asked again)");
             }
-            Some(record) if !conflict.is_empty() => {
-                ax.write_deferred(p, &record.step);
-                self.metrics.identity_conflict(&step);
-                let rejection = Rejection {
-                    reason: RejectionReason::IdentityConflict,
-                    message: Texts::identity_conflict(&step.tool, &conflict),
-                    address: Some(Address {
-                        step,
-                        call_id: intent.call_id,
-                    }),
-                };
-                decision.rejected(rejection.reason.as_str(), &rejection.message);
-                self.reject(input, rejection, ax.now_ms);
-            }
-            // An operator confirmed the last run did not happen, or a keyed
-            // tool could not be reached: run it now (with the same key).
-            Some(record) if record.phase.runs_again() => {
-                decision.decided("rerun");
-                let parent = decision.traceparent();
-                self.begin_step(ax, input, &tool, intent, Some(record), parent)?
-            }
-            Some(mut record) => {
-                let rephrased =
-                    record.note_repeat(intent.call_id.clone(), &intent.arguments, ax.now_ms);
-                let in_flight = record.result.is_none() || record.phase.in_flight();
-                decision.repeat(in_flight, rephrased, record.call_id.as_deref());
-                match (&record.result, record.phase.in_flight()) {
-                    (Some(first), false) => {
-                        let at_once = ax.committed_final(p, &step, first)?;
-                        let answer = Out::Result {
-                            partition: reply,
-                            result: first.for_repeat(intent.call_id),
-                            traceparent,
-                            since_ms: input.timestamp_ms,
-                        };
-                        self.metrics.repeat(&step, false, rephrased);
-                        if at_once {
-                            self.at_once.push(answer);
-                        } else {
-                            self.outs.push(answer);
-                        }
-                        // A verbatim repeat of a settled step changes nothing
-                        // worth a changelog record (metrics and the audit count
-                        // it); a rephrased one is kept for the audit.
-                        if !rephrased {
-                            return Ok(());
-                        }
-                    }
-                    _ => {
-                        self.metrics.repeat(&step, true, rephrased);
-                        let waiter = Waiter {
-                            call_id: intent.call_id,
-                            intent_ts_ms: input.timestamp_ms,
-                            traceparent,
-                            reply_partition: Some(reply).filter(|r| *r != p),
-                        };
-                        if let Err(why) = record.add_waiter(waiter) {
-                            if why == NotWaiting::OverBudget {
-                                tracing::warn!(step = %step, "a repeat of an in-flight step is not kept waiting: the step has too many waiting callers (it is answered from the record when asked again)");
-                            }
-                            self.metrics.repeat_not_waiting(why.as_str());
-                            if !rephrased {
-                                return Ok(());
-                            }
-                        }
-                    }
-                }
-                // A waiter, or a rephrased copy, of a deferred step is kept
-                // durably: its record is written now (from here on the step
-                // is recorded `started`, as a large intent's is).
-                ax.write_deferred(p, &step);
-                ax.put_step(p, &record)?;
+            self.metrics.repeat_not_waiting(why.as_str());
+            if !rephrased {
+                return Ok(());
             }
         }
-        Ok(())
+        keep_repeat(ax, p, &record)
     }
 
     /// Record a step as `started` (its call starts once that is committed) — or,
@@ -365,6 +547,8 @@ impl GateCore {
             record.operator_log = prev.operator_log;
             record.evidence = prev.evidence;
             record.settled_through = prev.settled_through;
+            // Earlier runs' reports still count as theirs (evidence).
+            record.tokens = prev.tokens;
             if prev.phase == Phase::Unreached {
                 // Asked again with the key: the runs that may have reached
                 // the tool are still unaccounted for.
@@ -492,7 +676,11 @@ impl GateCore {
         if early {
             let call = self.mark_started(p, &mut record, ax.now_ms, parent);
             self.invoked(p, &call);
-            self.immediate.push((p, call));
+            self.outs.push(Out::Invoke {
+                partition: p,
+                call,
+                when: When::Now,
+            });
         } else {
             self.start(p, &mut record, ax.now_ms, parent);
         }
@@ -513,7 +701,11 @@ impl GateCore {
         let call = self.mark_started(partition, record, now_ms, parent);
         self.awaiting_commit
             .insert((partition, record.step.clone()), record.dispatch);
-        self.outs.push(Out::Invoke { partition, call });
+        self.outs.push(Out::Invoke {
+            partition,
+            call,
+            when: When::WithBatch,
+        });
     }
 
     /// [`GateCore::start`]'s record and deadline; the call, for the caller to
@@ -534,6 +726,9 @@ impl GateCore {
         }
         record.deadline_ms = Some(deadline);
         self.due.insert((deadline, partition, record.step.clone()));
+        // The dispatch's token: its reports on `progress` count only with it.
+        let token = self.tokens.next_token();
+        record.remember_token(record.dispatch, &token);
         Call {
             step: record.step.clone(),
             arguments: record.arguments.clone(),
@@ -541,6 +736,32 @@ impl GateCore {
             fast_ref: None,
             traceparent: parent.or_else(|| record.traceparent.clone()),
             call_id: record.call_id.clone(),
+            token: Some(token),
         }
+    }
+}
+
+/// A waiter, or a rephrased copy, of a step: its record written with it — a
+/// deferred step's now durably, `started` (from here on the step is recorded
+/// as a large intent's is).
+fn keep_repeat(ax: &mut Apply<'_>, p: i32, record: &StepRecord) -> Result<(), StateError> {
+    ax.write_deferred(p, &record.step);
+    ax.put_step(p, record)
+}
+
+/// The refusal of a step in a workflow a `last_step` tool ended.
+fn workflow_ended(intent: &Intent, end: &WorkflowEnd) -> Rejection {
+    Rejection {
+        reason: RejectionReason::WorkflowEnded,
+        message: Texts::workflow_ended(
+            &intent.tool,
+            &intent.workflow_id,
+            end.step.step_index,
+            &end.step.tool,
+        ),
+        address: Some(Address {
+            step: intent.step_key(),
+            call_id: intent.call_id.clone(),
+        }),
     }
 }

@@ -1,16 +1,26 @@
 //! An outcome: from this gate's invoker, or handed over on `progress` (a
 //! call whose partition moved, a pool worker's); the step settled and its
 //! callers answered, or the outcome kept as evidence.
+//!
+//! Anyone who may write `progress` (every gate, every pool's workers) could
+//! otherwise settle any step, so a record of it counts only when it proves
+//! where it comes from ([`GateCore::refusal`]): a worker's Outcome v1 (JSON)
+//! signed with the key of its tool's pool, for a pool tool, `started` or
+//! `finished`; a gate's hand-over (codec) for a tool no pool runs; and either
+//! with its dispatch's token (`StepRecord::tokens`), which only the call's
+//! holder has. Anything else is refused: logged, counted
+//! (`stepgate_progress_refused_total{reason}`), dead-lettered — never
+//! settling, never evidence, never closing an open dispatch.
 
-use super::{Apply, GateCore, Out, at, ms};
+use super::{Apply, GateCore, Out, When, at, ms};
+use crate::contract::sign::{Signed, verify};
 use crate::contract::{
     Call, ErrorBody, Outcome, Progress, ProgressEvent, Rejection, RejectionReason, Texts,
-    ToolResult,
+    ToolResult, headers,
 };
 use crate::kafka::Input;
 use crate::state::{Evidence, MAX_EVIDENCE_KEPT, Phase, StateError, StepRecord};
-use crate::tools::{Category, ToolConfig};
-use std::time::Duration;
+use crate::tools::Category;
 
 /// Error kinds that say the tool did not perform the action.
 pub(super) const NOT_PERFORMED_KINDS: &[&str] = &[
@@ -27,6 +37,62 @@ const UNSENT_KINDS: &[&str] = &["tool_unreachable", "tool_redirected"];
 /// The error kind of a keyed step left [`Phase::Unreached`]: this run could
 /// not reach the tool, another may have; the step's next call asks again.
 pub(crate) const UNREACHED_KIND: &str = "tool_unreachable_unconfirmed";
+
+/// Why a record of `progress` was refused: the `reason` label of
+/// `stepgate_progress_refused_total` and the check named in its DLQ copy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProgressRefused {
+    /// Neither a gate's hand-over nor an Outcome v1.
+    Unreadable,
+    /// A worker's record (JSON) without the signature of its tool's pool's key.
+    Signature,
+    /// A worker's record for a tool no pool runs (or no configured tool).
+    NotPoolTool,
+    /// A worker's record saying `not_invoked`: only a gate's hand-over says so.
+    NotInvoked,
+    /// A gate's hand-over for a pool tool, whose calls no gate invokes.
+    PoolHandover,
+    /// Without its dispatch's token (forged, or of an earlier reading of a
+    /// step whose record was made again: its token was never kept).
+    Token,
+}
+
+impl ProgressRefused {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ProgressRefused::Unreadable => "unreadable",
+            ProgressRefused::Signature => "signature",
+            ProgressRefused::NotPoolTool => "not_pool_tool",
+            ProgressRefused::NotInvoked => "not_invoked",
+            ProgressRefused::PoolHandover => "pool_handover",
+            ProgressRefused::Token => "token",
+        }
+    }
+
+    /// What the dead-letter copy says, for an operator.
+    fn explain(self) -> &'static str {
+        match self {
+            ProgressRefused::Unreadable => {
+                "neither a gate's hand-over nor a worker's Outcome v1 (JSON)"
+            }
+            ProgressRefused::Signature => {
+                "a worker's Outcome v1 without a valid `stepgate-signature` under the key of its tool's pool (`[pools.<name>] key`): a writer without the key, a worker of another pool, or a worker whose key differs from the gates'"
+            }
+            ProgressRefused::NotPoolTool => {
+                "a worker's Outcome v1 for a tool no worker pool runs: workers report only on their pool's calls"
+            }
+            ProgressRefused::NotInvoked => {
+                "a worker's Outcome v1 saying `not_invoked`: only a gate's own hand-over may say a call was never invoked"
+            }
+            ProgressRefused::PoolHandover => {
+                "a gate's hand-over for a pool tool: a pool tool's calls run on its workers, never in a gate"
+            }
+            ProgressRefused::Token => {
+                "without its dispatch's token: not written by the holder of that dispatch's call (or of an earlier reading of a re-read step, whose token was never kept)"
+            }
+        }
+    }
+}
 
 impl GateCore {
     /// A record of `progress`: the outcome of a call whose partition moved
@@ -47,15 +113,16 @@ impl GateCore {
         let progress = match Progress::decode(payload) {
             Ok(pr) => pr,
             Err(e) => {
-                // Only stepgate writes this topic; keep the evidence and go on.
-                let rejection = Rejection::new(
-                    RejectionReason::MalformedJson,
-                    format!("unreadable progress record: {e}"),
-                );
-                self.reject(input, rejection, ax.now_ms);
+                let why = format!("{}: {e}", ProgressRefused::Unreadable.explain());
+                self.refuse_progress(input, None, ProgressRefused::Unreadable, &why, ax.now_ms);
                 return Ok(());
             }
         };
+        if let Some(refused) = self.refusal(input, &progress) {
+            let why = refused.explain();
+            self.refuse_progress(input, Some(&progress), refused, why, ax.now_ms);
+            return Ok(());
+        }
         // Fast-path outcomes are never handed over: their intent is re-read.
         if progress.fast_ref.is_some() {
             return Ok(());
@@ -65,6 +132,17 @@ impl GateCore {
         // of a run of another reading, whatever its number — evidence (an
         // outcome it had), never this run's end, and it closes no run.
         if let Some(mut record) = ax.deferred_step(input.partition, &progress.step) {
+            if !record.token_matches(progress.dispatch, progress.token.as_deref()) {
+                let refused = ProgressRefused::Token;
+                self.refuse_progress(
+                    input,
+                    Some(&progress),
+                    refused,
+                    refused.explain(),
+                    ax.now_ms,
+                );
+                return Ok(());
+            }
             if let ProgressEvent::Finished { outcome } = progress.event {
                 self.keep_evidence(
                     &mut record,
@@ -77,7 +155,81 @@ impl GateCore {
             }
             return Ok(());
         }
+        // Only the holder of the dispatch's call has its token. (A step with
+        // no record has nothing to settle: each handler says so.)
+        if let Some(record) = ax.step(input.partition, &progress.step)?
+            && !record.token_matches(progress.dispatch, progress.token.as_deref())
+        {
+            let refused = ProgressRefused::Token;
+            self.refuse_progress(
+                input,
+                Some(&progress),
+                refused,
+                refused.explain(),
+                ax.now_ms,
+            );
+            return Ok(());
+        }
         self.apply_outcome(ax, input.partition, progress)
+    }
+
+    /// Whether a decoded record of `progress` is refused before its step is
+    /// read: who may write it, for which tool, saying what.
+    fn refusal(&self, input: &Input, progress: &Progress) -> Option<ProgressRefused> {
+        let pool = self
+            .tools
+            .get(&progress.step.tool)
+            .and_then(|t| t.pool.as_deref());
+        let from_worker = input.payload.as_deref().and_then(<[u8]>::first) == Some(&b'{');
+        if !from_worker {
+            return pool.is_some().then_some(ProgressRefused::PoolHandover);
+        }
+        let Some(pool) = pool else {
+            return Some(ProgressRefused::NotPoolTool);
+        };
+        let signature = input
+            .headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(headers::SIGNATURE))
+            .and_then(|(_, v)| v.as_deref());
+        let signed = match (self.pool_keys.get(pool), signature) {
+            (Some(key), Some(sig)) => verify(
+                key,
+                Signed::Outcome,
+                input.payload.as_deref().unwrap_or_default(),
+                sig,
+            ),
+            _ => false,
+        };
+        if !signed {
+            return Some(ProgressRefused::Signature);
+        }
+        if progress.event == ProgressEvent::NotInvoked {
+            return Some(ProgressRefused::NotInvoked);
+        }
+        None
+    }
+
+    /// A record of `progress` that counts for nothing: logged and counted
+    /// (never its payload), and copied to the DLQ with why.
+    fn refuse_progress(
+        &mut self,
+        input: &Input,
+        progress: Option<&Progress>,
+        refused: ProgressRefused,
+        why: &str,
+        now_ms: i64,
+    ) {
+        self.metrics.progress_refused(refused.as_str());
+        let of = progress.map_or_else(String::new, |p| {
+            format!(" of {} dispatch {}", p.step, p.dispatch)
+        });
+        // One log line (`reject`'s), naming the step and the check.
+        let rejection = Rejection::new(
+            RejectionReason::RefusedProgress,
+            format!("progress record{of} refused ({}): {why}", refused.as_str()),
+        );
+        self.reject(input, rejection, now_ms);
     }
 
     /// An invocation's outcome, for a partition this gate owns: answer a
@@ -107,6 +259,7 @@ impl GateCore {
                     result,
                     traceparent: entry.traceparent,
                     since_ms: entry.intent_ts_ms,
+                    when: When::WithBatch,
                 });
             }
             return Ok(());
@@ -196,17 +349,19 @@ impl GateCore {
                 && let Some(entry) = self.fast.get_mut(&(p, fast_ref))
             {
                 entry.dispatch += 1;
-                self.immediate.push((
-                    p,
-                    Call {
+                self.outs.push(Out::Invoke {
+                    partition: p,
+                    call: Call {
                         step: entry.step.clone(),
                         arguments: entry.arguments.clone(),
                         dispatch: entry.dispatch,
                         fast_ref: Some(fast_ref),
                         traceparent: entry.traceparent.clone(),
                         call_id: entry.call_id.clone(),
+                        token: None,
                     },
-                ));
+                    when: When::Now,
+                });
             }
             return Ok(());
         }
@@ -348,13 +503,6 @@ impl GateCore {
         }
     }
 
-    pub(super) fn tool_deadline(&self, tool: &str) -> Duration {
-        self.tools
-            .get(tool)
-            .map(ToolConfig::deadline)
-            .unwrap_or(Duration::from_secs(30))
-    }
-
     /// Store an outcome, leaving the step in `phase`, and answer the first
     /// caller and every waiting repeat.
     pub(super) fn settle(
@@ -381,6 +529,7 @@ impl GateCore {
                 result: result.clone(),
                 traceparent: record.traceparent.clone(),
                 since_ms: record.intent_ts_ms,
+                when: When::WithBatch,
             });
         }
         for w in record.waiters.drain(..) {
@@ -389,6 +538,7 @@ impl GateCore {
                 result: result.for_repeat(w.call_id),
                 traceparent: w.traceparent,
                 since_ms: w.intent_ts_ms,
+                when: When::WithBatch,
             });
         }
         record.result = Some(result);

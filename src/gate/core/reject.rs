@@ -1,7 +1,7 @@
 //! Bad input: rejected with a model-readable answer where someone waits, and
 //! a dead-letter copy.
 
-use super::{GateCore, Out, at};
+use super::{GateCore, Out, When, at};
 use crate::contract::{
     Address, DlqRecord, ErrorBody, Rejection, RejectionReason, Status, Texts, ToolResult,
     parse_intent,
@@ -64,6 +64,7 @@ impl GateCore {
                 },
                 traceparent: input.traceparent(),
                 since_ms: input.timestamp_ms,
+                when: When::WithBatch,
             });
         }
         self.outs.push(Out::Dlq {

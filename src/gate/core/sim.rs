@@ -26,7 +26,15 @@
 //!   other than `ok` never settles a re-dispatched step;
 //! - when the contract carries them: a "not invoked" hand-over re-dispatches at
 //!   once and is never answered `in_doubt`; an operator command bound to a
-//!   dispatch never applies to another.
+//!   dispatch never applies to another;
+//! - a forger who writes `progress` (a worker's JSON, a gate's hand-over
+//!   without the dispatch's token: "not invoked", or a made-up outcome, for
+//!   a random step) changes no step record.
+//!
+//! Hand-overs travel as the gate writes them (codec-encoded, with their
+//! call's token); each process's tokens come from the seed. A hand-over of an
+//! earlier reading of a re-read (deferred) step carries a token its new
+//! record never had: refused, it changes nothing (counted).
 //!
 //! Runs:
 //! - `cargo test --lib gate::core::sim` — the short run (200 seeds × 300 steps);
@@ -260,6 +268,10 @@ struct Proc {
     stopping: bool,
     owned: BTreeSet<i32>,
     pos: BTreeMap<(Topic, i32), i64>,
+    /// Per intents partition owned, its applied mark (as the gate's
+    /// `Ownership` keeps it: from the committed offset's metadata at the
+    /// partition's load, moved by each batch that commits).
+    applied: BTreeMap<i32, i64>,
     /// Per partition newly loaded, where its `progress` ended then: its
     /// deadlines wait until it is read that far.
     progress_end: BTreeMap<i32, i64>,
@@ -314,8 +326,14 @@ struct Counts {
     /// Outcomes of a deferred step whose record was lost with its process's
     /// memory (its intent re-read later).
     outcomes_before_reread: u64,
-    /// Reports on `progress` that reached a deferred step (evidence only).
+    /// Reports on `progress` that reached a deferred step (refused: of
+    /// another reading).
     handed_to_deferred: u64,
+    /// Hand-overs of an earlier reading of a re-read step, refused by the
+    /// step's newer record (its token was never kept).
+    earlier_reading: u64,
+    /// Forged reports on `progress`, refused.
+    forged: u64,
     /// Intents of deferred steps decided again (re-read below the mark).
     reread: u64,
     not_invoked: u64,
@@ -345,6 +363,8 @@ impl Counts {
         self.stale_outcomes += o.stale_outcomes;
         self.outcomes_before_reread += o.outcomes_before_reread;
         self.handed_to_deferred += o.handed_to_deferred;
+        self.earlier_reading += o.earlier_reading;
+        self.forged += o.forged;
         self.reread += o.reread;
         self.not_invoked += o.not_invoked;
         self.answers += o.answers;
@@ -448,6 +468,8 @@ struct World {
     model: Model,
     support: Support,
     knobs: Knobs,
+    /// Payloads of forged reports published on `progress`.
+    forged: BTreeSet<Vec<u8>>,
     /// Batches may stay open or committing past the tools' deadlines.
     slow_commits: bool,
     trace_cap: usize,
@@ -456,15 +478,23 @@ struct World {
     workflows: Vec<(String, i32)>,
 }
 
-fn new_proc(name: char, store: StateStore, config: &Config) -> Proc {
+/// A gate core whose dispatch tokens come from `seed`.
+fn seeded_core(config: &Config, seed: u64) -> GateCore {
+    let mut core = GateCore::new(config, Arc::new(Metrics::new()));
+    core.seed_tokens(seed);
+    core
+}
+
+fn new_proc(name: char, store: StateStore, config: &Config, seed: u64) -> Proc {
     Proc {
         name,
         store,
-        core: GateCore::new(config, Arc::new(Metrics::new())),
+        core: seeded_core(config, seed),
         alive: true,
         stopping: false,
         owned: BTreeSet::new(),
         pos: BTreeMap::new(),
+        applied: BTreeMap::new(),
         progress_end: BTreeMap::new(),
         open: Pending::default(),
         committing: None,
@@ -512,8 +542,14 @@ fn holds(record: &StepRecord, outcome: &Outcome) -> bool {
     json_contains(&hay, &needle)
 }
 
-fn progress_of(step: &StepKey, dispatch: u32, now: i64, event: Value) -> Progress {
-    let mut v = json!({"step": step, "dispatch": dispatch, "at_ms": now});
+fn progress_of(
+    step: &StepKey,
+    dispatch: u32,
+    token: Option<&str>,
+    now: i64,
+    event: Value,
+) -> Progress {
+    let mut v = json!({"step": step, "dispatch": dispatch, "at_ms": now, "token": token});
     if let (Value::Object(m), Value::Object(e)) = (&mut v, event) {
         m.extend(e);
     }
@@ -551,7 +587,10 @@ impl World {
             }
         }
         let [a, b] = stores;
-        let procs = vec![new_proc('A', a, &config), new_proc('B', b, &config)];
+        let procs = vec![
+            new_proc('A', a, &config, seed.wrapping_mul(2)),
+            new_proc('B', b, &config, seed.wrapping_mul(2) + 1),
+        ];
         let workflows = (0..WORKFLOWS)
             .map(|i| {
                 let wf = format!("wf-{i}");
@@ -583,6 +622,7 @@ impl World {
             outbox: Vec::new(),
             model: Model::default(),
             support: Support::probe(),
+            forged: BTreeSet::new(),
             counts: Counts::default(),
             trace: std::collections::VecDeque::new(),
             workflows,
@@ -634,6 +674,7 @@ impl World {
             (Event::Rebalance, k.rebalance),
             (Event::Crash, k.crash),
             (Event::SessionLost, k.session_lost),
+            (Event::Forge, 2),
         ];
         let total: u64 = weights.iter().map(|(_, w)| w).sum();
         let mut roll = self.rng.below(total);
@@ -690,7 +731,43 @@ impl World {
                 Ok(())
             }
             Event::SessionLost => self.restart_session(x),
+            Event::Forge => {
+                self.forge();
+                Ok(())
+            }
         }
+    }
+
+    /// Someone who may write `progress` (a worker of another pool, say) and
+    /// holds no call: reports on a random recorded step, as a worker's JSON
+    /// or as a gate's hand-over with a made-up token.
+    fn forge(&mut self) {
+        let steps: Vec<StepRecord> = self.model.records.values().cloned().collect();
+        if steps.is_empty() {
+            return;
+        }
+        let r = &steps[self.rng.index(steps.len())];
+        let dispatch = r.dispatch.saturating_sub(self.rng.below(2) as u32).max(1);
+        let event = if self.rng.chance(50) {
+            json!({"event": "not_invoked"})
+        } else {
+            json!({"event": "finished", "outcome": {"status": "ok", "output": {"forged": true}}})
+        };
+        let token = (self.rng.chance(50)).then(|| format!("{:032x}", self.rng.next()));
+        let progress = progress_of(&r.step, dispatch, token.as_deref(), self.now, event);
+        let payload = if self.rng.chance(50) {
+            serde_json::to_vec(&progress).expect("a progress record serialises")
+        } else {
+            crate::contract::codec::encode(&progress)
+        };
+        self.note(format!(
+            "forger: {} #{dispatch} {} → p{}",
+            r.step,
+            describe(&progress),
+            r.partition
+        ));
+        self.forged.insert(payload.clone());
+        self.kafka.publish(Topic::Progress, r.partition, payload);
     }
 
     // --- agents -----------------------------------------------------------
@@ -797,32 +874,41 @@ impl World {
 
     /// Take the core's decisions into the process's open batch.
     fn collect(&mut self, x: usize) -> Check {
+        let outs = self.procs[x].core.take_outs();
+        let (now, with_batch): (Vec<Out>, Vec<Out>) =
+            outs.into_iter().partition(|o| o.when() == When::Now);
+        let mut calls = Vec::new();
         // Answers sent at once are published now, whatever becomes of the batch.
-        for o in self.procs[x].core.take_at_once() {
-            if let Out::Result {
-                partition, result, ..
-            } = o
-            {
-                let step = step_of(&result);
-                let pr = &self.procs[x];
-                let dispatch = pr
-                    .store
-                    .step(partition, &step)
-                    .map_err(state_err)?
-                    .map(|r| r.dispatch);
-                self.note(format!(
-                    "{}: answers {:?} of {step} at once",
-                    pr.name, result.call_id
-                ));
-                self.observe(&Ev::Answer {
-                    result,
-                    dispatch,
-                    at_once: true,
-                })?;
+        for o in now {
+            match o {
+                Out::Result {
+                    partition, result, ..
+                } => {
+                    let step = step_of(&result);
+                    let pr = &self.procs[x];
+                    let dispatch = pr
+                        .store
+                        .step(partition, &step)
+                        .map_err(state_err)?
+                        .map(|r| r.dispatch);
+                    self.note(format!(
+                        "{}: answers {:?} of {step} at once",
+                        pr.name, result.call_id
+                    ));
+                    self.observe(&Ev::Answer {
+                        result,
+                        dispatch,
+                        at_once: true,
+                    })?;
+                }
+                Out::Invoke {
+                    partition, call, ..
+                } => calls.push((partition, call)),
+                Out::Approval { .. } | Out::Dlq { .. } | Out::Forward { .. } => {}
             }
         }
         let pr = &mut self.procs[x];
-        for o in pr.core.take_outs() {
+        for o in with_batch {
             match o {
                 Out::Result {
                     partition, result, ..
@@ -840,16 +926,18 @@ impl World {
                         at_once: false,
                     });
                 }
-                Out::Invoke { partition, call } => pr.open.evs.push(Ev::Invoke(partition, call)),
+                Out::Invoke {
+                    partition, call, ..
+                } => pr.open.evs.push(Ev::Invoke(partition, call)),
                 Out::Approval { .. } | Out::Dlq { .. } | Out::Forward { .. } => {}
             }
         }
-        // Calls started at once: those whose commit was reported failed and
-        // had landed (found at a partition's load), already marked running.
-        let immediate = self.procs[x].core.take_immediate();
-        for (p, call) in immediate {
+        // Calls started at once: a first-read keyed step's, and those whose
+        // commit was reported failed and had landed (found at a partition's
+        // load), already marked running.
+        for (p, call) in calls {
             self.note(format!(
-                "{}: invokes {} #{} (its commit had landed)",
+                "{}: invokes {} #{} at once",
                 self.procs[x].name, call.step, call.dispatch
             ));
             self.queue(x, p, call);
@@ -956,8 +1044,9 @@ impl World {
             .copied()
             .unwrap_or(0)
             .max(self.kafka.committed(Topic::Intents, p));
+        pr.applied.insert(p, applied);
         pr.core
-            .load_partition(&pr.store, p, applied, self.now)
+            .load_partition(&pr.store, p, self.now)
             .map_err(state_err)?;
         for t in Topic::ALL {
             pr.pos.insert((t, p), self.kafka.committed(t, p));
@@ -1015,6 +1104,7 @@ impl World {
         let pr = &mut self.procs[x];
         pr.owned.remove(&p);
         pr.core.drop_partition(p);
+        pr.applied.remove(&p);
         for t in Topic::ALL {
             pr.pos.remove(&(t, p));
         }
@@ -1060,6 +1150,7 @@ impl World {
             pr.backlog.extend(s.outcomes);
         }
         pr.pos.clear();
+        pr.applied.clear();
         // The invoker is told the session ended: calls still queued are not
         // invoked, and come back as such.
         let mut queued = Vec::new();
@@ -1141,6 +1232,7 @@ impl World {
         pr.open = Pending::default();
         pr.backlog.clear();
         pr.pos.clear();
+        pr.applied.clear();
         pr.progress_end.clear();
         for p in std::mem::take(&mut pr.owned) {
             self.owner.remove(&p);
@@ -1166,8 +1258,9 @@ impl World {
             return;
         }
         self.note(format!("{}: restarts", self.procs[x].name));
+        let seed = self.rng.next();
         let pr = &mut self.procs[x];
-        pr.core = GateCore::new(&self.config, Arc::new(Metrics::new()));
+        pr.core = seeded_core(&self.config, seed);
         pr.session = next_session();
         pr.alive = true;
         pr.stopping = false;
@@ -1219,14 +1312,15 @@ impl World {
                     self.counts.reread += 1;
                 }
                 let pr = &mut self.procs[x];
+                let applied = pr.applied.get(&p).copied().unwrap_or(0);
                 pr.core
-                    .on_intent(&pr.store, &mut pr.open.batch, &input, now)
+                    .on_intent(&pr.store, &mut pr.open.batch, &input, applied, now)
                     .map_err(state_err)?;
             }
             Topic::Commands => self.on_command(x, &input, &payload)?,
             Topic::Progress => {
-                let progress: Progress =
-                    serde_json::from_slice(&payload).map_err(|e| e.to_string())?;
+                let progress = Progress::decode(&payload).map_err(|e| e.to_string())?;
+                let forged = self.forged.contains(&payload);
                 self.note(format!(
                     "{}: reads progress p{p}@{offset}: {} #{} {}",
                     self.procs[x].name,
@@ -1245,7 +1339,35 @@ impl World {
                 pr.core
                     .on_progress(&pr.store, &mut pr.open.batch, &input, now)
                     .map_err(state_err)?;
-                if deferred {
+                let refused_token = before.as_ref().is_some_and(|b| {
+                    !b.token_matches(progress.dispatch, progress.token.as_deref())
+                });
+                // Only a re-read (deferred) step's record is made again.
+                let earlier_reading = refused_token && progress.step.tool == "charge";
+                if forged || earlier_reading {
+                    let after = pr
+                        .core
+                        .step_view(&pr.store, &pr.open.batch, p, &progress.step)
+                        .map_err(state_err)?;
+                    if after != before {
+                        return Err(format!(
+                            "a refused report on progress ({}) changed the record of {} #{}: {before:?} → {after:?}",
+                            if forged {
+                                "forged"
+                            } else {
+                                "of another reading"
+                            },
+                            progress.step,
+                            progress.dispatch
+                        ));
+                    }
+                }
+                if forged {
+                    self.counts.forged += 1;
+                } else if earlier_reading && !deferred {
+                    self.counts.outcomes += 1;
+                    self.counts.earlier_reading += 1;
+                } else if deferred {
                     self.counts.outcomes += 1;
                     self.counts.handed_to_deferred += 1;
                 } else {
@@ -1434,7 +1556,7 @@ impl World {
             return;
         }
         let mut o = std::mem::take(&mut pr.open);
-        // As `gate::commit`: every intent read is decided (applied); the
+        // As `Ownership::batch_offsets`: every intent read is decided (applied); the
         // committed offset stops at the first deferred step not settled.
         let mut applied = BTreeMap::new();
         for &p in &pr.owned {
@@ -1511,7 +1633,8 @@ impl World {
             *c = (*c).max(a);
         }
         for f in &s.handover {
-            let payload = serde_json::to_vec(&f.progress).map_err(|e| e.to_string())?;
+            // As a gate writes it (`records::progress_record`).
+            let payload = crate::contract::codec::encode(&f.progress);
             self.kafka.publish(Topic::Progress, f.p, payload);
         }
         for ev in &s.evs {
@@ -1571,6 +1694,11 @@ impl World {
                 };
                 pr.store.apply(&s.batch, &landing).map_err(state_err)?;
                 pr.open.batch.detach();
+                for (&p, &a) in &s.applied {
+                    if let Some(mark) = pr.applied.get_mut(&p) {
+                        *mark = (*mark).max(a);
+                    }
+                }
                 for (p, call) in invokes {
                     self.procs[x].core.invoked(p, &call);
                     self.queue(x, p, call);
@@ -1723,6 +1851,7 @@ impl World {
         let progress = progress_of(
             &job.call.step,
             job.call.dispatch,
+            job.call.token.as_deref(),
             self.now,
             json!({"event": "not_invoked"}),
         );
@@ -1875,6 +2004,7 @@ impl World {
         let progress = progress_of(
             &job.call.step,
             job.call.dispatch,
+            job.call.token.as_deref(),
             self.now,
             json!({"event": "finished", "outcome": outcome}),
         );
@@ -2034,6 +2164,7 @@ enum Event {
     Rebalance,
     Crash,
     SessionLost,
+    Forge,
 }
 
 /// How often each fault comes, drawn once per seed (as FoundationDB's
@@ -2195,7 +2326,7 @@ fn the_gate_keeps_the_contract_under_random_schedules() {
     let keep_going = std::env::var_os("STEPGATE_SIM_KEEP_GOING").is_some();
     let (counts, failure) = run_seeds(seeds.iter().copied(), steps, keep_going);
     let summary = format!(
-        "gate simulation: {} seeds × {steps} steps ({} steps in all) in {:.1?}: {} intents, {} invocations, {} outcomes ({} of an older dispatch, {} not invoked, {} before their deferred step's intent was re-read, {} handed over to a deferred step), {} intents re-read below the applied mark, {} answers ({} at once), {} operator commands, {} crashes, {} rebalances, {} failed commits, {} commits acknowledged and lost; {} restores resumed from the local offset, {} started over for a batch not on the changelog; contract carries not_invoked: {}, command run: {}",
+        "gate simulation: {} seeds × {steps} steps ({} steps in all) in {:.1?}: {} intents, {} invocations, {} outcomes ({} of an older dispatch, {} not invoked, {} before their deferred step's intent was re-read, {} handed over to a deferred step, {} of an earlier reading refused), {} forged reports refused, {} intents re-read below the applied mark, {} answers ({} at once), {} operator commands, {} crashes, {} rebalances, {} failed commits, {} commits acknowledged and lost; {} restores resumed from the local offset, {} started over for a batch not on the changelog; contract carries not_invoked: {}, command run: {}",
         counts.seeds,
         counts.steps,
         started.elapsed(),
@@ -2206,6 +2337,8 @@ fn the_gate_keeps_the_contract_under_random_schedules() {
         counts.not_invoked,
         counts.outcomes_before_reread,
         counts.handed_to_deferred,
+        counts.earlier_reading,
+        counts.forged,
         counts.reread,
         counts.answers,
         counts.at_once,

@@ -1,8 +1,10 @@
 //! The gate's decisions over real RocksDB, without Kafka.
 use super::timers::Purged;
 use super::*;
+use crate::contract::headers::SIGNATURE;
+use crate::contract::sign::{Signed, sign};
 use crate::contract::{
-    Action, Command, ErrorBody, Outcome, Progress, ProgressEvent, RejectionReason, Status,
+    Action, Command, ErrorBody, Outcome, Progress, ProgressEvent, RejectionReason, Status, codec,
 };
 use crate::state::Batch;
 use serde_json::json;
@@ -41,13 +43,20 @@ category = "unkeyed"
 pool = "gpu"
 timeout = "2s"
 retries = 0
+[pools.gpu]
+key = "the-gpu-pool-key-of-thirty-two-bytes"
 "#;
+
+/// `[pools.gpu] key` above: what the pool's workers sign with.
+const GPU_KEY: &[u8] = b"the-gpu-pool-key-of-thirty-two-bytes";
 
 struct Fixture {
     _dir: tempfile::TempDir,
     store: StateStore,
     core: GateCore,
     offset: i64,
+    /// Partition 0's applied mark, as the session's `Ownership` keeps it.
+    applied: i64,
 }
 
 impl Fixture {
@@ -74,6 +83,7 @@ impl Fixture {
             store,
             _dir: dir,
             offset: 0,
+            applied: 0,
         }
     }
 
@@ -87,17 +97,9 @@ impl Fixture {
         self.core.awaiting_commit.clear();
     }
 
-    /// The decisions since the last call, fast-path calls (started at once)
-    /// included as invocations.
+    /// The decisions since the last call (calls started at once included).
     fn outs(&mut self) -> Vec<Out> {
-        let mut outs = self.core.take_outs();
-        outs.extend(
-            self.core
-                .take_immediate()
-                .into_iter()
-                .map(|(partition, call)| Out::Invoke { partition, call }),
-        );
-        outs
+        self.core.take_outs()
     }
 
     /// A step's record as the gate sees it (a deferred one's, in memory).
@@ -125,14 +127,34 @@ impl Fixture {
         let input = self.input("intents", v.to_string().into_bytes());
         let mut b = Batch::default();
         self.core
-            .on_intent(&self.store, &mut b, &input, now)
+            .on_intent(&self.store, &mut b, &input, self.applied, now)
             .unwrap();
         self.commit(b);
         self.outs()
     }
 
+    /// A record of `progress` as its writer sends it: a pool tool's as its
+    /// worker (JSON, signed with the pool's key), another's as a gate's
+    /// hand-over.
     fn progress(&mut self, p: Progress, now: i64) -> Vec<Out> {
-        let input = self.input("progress", serde_json::to_vec(&p).unwrap());
+        if p.step.tool.starts_with("gpu_") {
+            let json = serde_json::to_vec(&p).unwrap();
+            let signature = sign(GPU_KEY, Signed::Outcome, &json);
+            self.progress_raw(json, vec![(SIGNATURE.into(), Some(signature.into()))], now)
+        } else {
+            self.progress_raw(codec::encode(&p), vec![], now)
+        }
+    }
+
+    /// A record of `progress` exactly as given.
+    fn progress_raw(
+        &mut self,
+        payload: Vec<u8>,
+        headers: Vec<(String, Option<Vec<u8>>)>,
+        now: i64,
+    ) -> Vec<Out> {
+        let mut input = self.input("progress", payload);
+        input.headers = headers;
         let mut b = Batch::default();
         self.core
             .on_progress(&self.store, &mut b, &input, now)
@@ -174,6 +196,20 @@ fn call_of(outs: &[Out]) -> Call {
         .expect("a call was started")
 }
 
+/// The calls started at once, not after a commit.
+fn calls_now(outs: &[Out]) -> Vec<(i32, Call)> {
+    outs.iter()
+        .filter_map(|o| match o {
+            Out::Invoke {
+                partition,
+                call,
+                when: When::Now,
+            } => Some((*partition, call.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
 fn results(outs: &[Out]) -> Vec<ToolResult> {
     outs.iter()
         .filter_map(|o| match o {
@@ -189,6 +225,7 @@ fn finished(call: &Call, outcome: Outcome) -> Progress {
         dispatch: call.dispatch,
         fast_ref: call.fast_ref,
         at_ms: 0,
+        token: call.token.clone(),
         event: ProgressEvent::Finished { outcome },
     }
 }
@@ -264,8 +301,10 @@ fn at_once_and_rest(
     v: serde_json::Value,
 ) -> (Vec<Out>, Vec<Out>) {
     let input = f.input("intents", v.to_string().into_bytes());
-    f.core.on_intent(&f.store, batch, &input, 5000).unwrap();
-    (f.core.take_at_once(), f.outs())
+    f.core
+        .on_intent(&f.store, batch, &input, f.applied, 5000)
+        .unwrap();
+    f.outs().into_iter().partition(|o| o.when() == When::Now)
 }
 
 #[test]
@@ -494,7 +533,7 @@ fn while_stopping_a_call_not_invoked_is_left_due_at_once_for_the_next_owner() {
     // The next owner (a new core over the same state) runs it, never in doubt.
     let config = Config::from_toml_str(CONFIG, Vec::new()).unwrap();
     f.core = GateCore::new(&config, Arc::new(Metrics::new()));
-    f.core.load_partition(&f.store, 0, 0, 600).unwrap();
+    f.core.load_partition(&f.store, 0, 600).unwrap();
     f.core.progress_read(0);
     assert!(f.tick(1000).is_empty(), "held for the grace period");
     let outs = f.tick(1700);
@@ -514,7 +553,7 @@ fn deadlines_of_a_partition_taken_over_wait_until_progress_is_read() {
         0,
     ));
     f.core.reset();
-    f.core.load_partition(&f.store, 0, 0, 10_000).unwrap();
+    f.core.load_partition(&f.store, 0, 10_000).unwrap();
     assert!(
         f.tick(60_000).is_empty(),
         "progress not read yet: long past the grace, still held"
@@ -532,7 +571,7 @@ fn deadlines_survive_a_restart() {
     ));
     f.core.reset();
     assert!(f.tick(10_000).is_empty(), "nothing loaded yet");
-    f.core.load_partition(&f.store, 0, 0, 10_000).unwrap();
+    f.core.load_partition(&f.store, 0, 10_000).unwrap();
     f.core.progress_read(0);
     assert!(
         f.tick(10_999).is_empty(),
@@ -551,7 +590,7 @@ fn after_a_long_restore_an_outcome_waiting_on_progress_settles_its_step() {
     // Taken over long after its deadline (a long restore): its deadline is
     // past, but the old owner's outcome waits on `progress`.
     f.core.reset();
-    f.core.load_partition(&f.store, 0, 0, 60_000).unwrap();
+    f.core.load_partition(&f.store, 0, 60_000).unwrap();
     assert!(f.tick(60_100).is_empty(), "held while progress is read");
     let r = results(&f.progress(finished(&call, Outcome::Ok { output: json!(1) }), 60_200));
     assert_eq!(r.len(), 1);
@@ -600,7 +639,8 @@ fn intents_re_read_below_the_applied_mark_only_rerun_reads() {
     // A restart: the committed offset stayed at the unanswered read, the
     // applied mark is past both intents.
     f.core.reset();
-    f.core.load_partition(&f.store, 0, f.offset + 1, 0).unwrap();
+    f.core.load_partition(&f.store, 0, 0).unwrap();
+    f.applied = f.offset + 1;
     f.offset = read.fast_ref.unwrap() - 1;
     let outs = f.intent(q, 20);
     assert_eq!(
@@ -630,7 +670,9 @@ fn bad_input_goes_to_the_dlq_and_addressable_input_gets_rejected() {
     let mut f = Fixture::new();
     let input = f.input("intents", b"{oops".to_vec());
     let mut b = Batch::default();
-    f.core.on_intent(&f.store, &mut b, &input, 0).unwrap();
+    f.core
+        .on_intent(&f.store, &mut b, &input, f.applied, 0)
+        .unwrap();
     let outs = f.core.take_outs();
     assert_eq!(outs.len(), 1);
     assert!(matches!(&outs[0], Out::Dlq { record, .. } if record.payload == "{oops"));
@@ -746,7 +788,9 @@ fn an_intent_older_than_the_retention_without_a_record_is_not_run() {
     );
     input.timestamp_ms = Some(now - hour - 1);
     let mut b = Batch::default();
-    f.core.on_intent(&f.store, &mut b, &input, now).unwrap();
+    f.core
+        .on_intent(&f.store, &mut b, &input, f.applied, now)
+        .unwrap();
     f.commit(b);
     let outs = f.outs();
     assert_eq!(outs.len(), 1, "{outs:?}");
@@ -760,7 +804,7 @@ fn an_intent_older_than_the_retention_without_a_record_is_not_run() {
     old_repeat.timestamp_ms = Some(now - hour - 1);
     let mut b = Batch::default();
     f.core
-        .on_intent(&f.store, &mut b, &old_repeat, now)
+        .on_intent(&f.store, &mut b, &old_repeat, f.applied, now)
         .unwrap();
     f.commit(b);
     let r = results(&f.outs());
@@ -774,7 +818,9 @@ fn an_intent_older_than_the_retention_without_a_record_is_not_run() {
     );
     fresh.timestamp_ms = Some(now - hour);
     let mut b = Batch::default();
-    f.core.on_intent(&f.store, &mut b, &fresh, now).unwrap();
+    f.core
+        .on_intent(&f.store, &mut b, &fresh, f.applied, now)
+        .unwrap();
     f.commit(b);
     assert!(f.outs().iter().any(|o| matches!(o, Out::Invoke { .. })));
 }
@@ -797,8 +843,8 @@ fn a_call_whose_commit_was_reported_failed_runs_when_its_record_says_committed()
     };
     f.core.commit_unknown([(0, call.clone()), (0, other)]);
     f.core.reset();
-    f.core.load_partition(&f.store, 0, 0, 100).unwrap();
-    let started = f.core.take_immediate();
+    f.core.load_partition(&f.store, 0, 100).unwrap();
+    let started = calls_now(&f.outs());
     assert_eq!(
         started,
         vec![(0, call.clone())],
@@ -876,7 +922,9 @@ fn a_commit_slower_than_the_deadline_never_turns_its_call_into_doubt() {
     let wire = json!({"workflow_id": "wf", "step_index": 2, "tool": "wire", "arguments": {}, "call_id": "c1"});
     let input = f.input("intents", wire.to_string().into_bytes());
     let mut b = Batch::default();
-    f.core.on_intent(&f.store, &mut b, &input, 0).unwrap();
+    f.core
+        .on_intent(&f.store, &mut b, &input, f.applied, 0)
+        .unwrap();
     let call = call_of(&f.core.take_outs());
     // The batch is still committing at the deadline: more time, no answer.
     let mut later = Batch::default();
@@ -907,7 +955,9 @@ fn input_at(
 
 fn feed(f: &mut Fixture, input: &Input, now: i64) -> Vec<Out> {
     let mut b = Batch::default();
-    f.core.on_intent(&f.store, &mut b, input, now).unwrap();
+    f.core
+        .on_intent(&f.store, &mut b, input, f.applied, now)
+        .unwrap();
     f.commit(b);
     f.outs()
 }
@@ -1175,7 +1225,7 @@ fn a_repeat_counts_toward_its_tools_dedup_rate_and_a_fast_path_read_does_not() {
     );
     let input = f.input("intents", b"{broken".to_vec());
     f.core
-        .on_intent(&f.store, &mut Batch::default(), &input, 70)
+        .on_intent(&f.store, &mut Batch::default(), &input, f.applied, 70)
         .unwrap();
     let out = metrics.render();
     for line in [
@@ -1275,7 +1325,8 @@ fn reread(f: &mut Fixture, input: &Input, now: i64) -> Vec<Out> {
 /// its applied mark at `applied`, its progress read.
 fn restart_session(f: &mut Fixture, applied: i64, now: i64) {
     f.core.reset();
-    f.core.load_partition(&f.store, 0, applied, now).unwrap();
+    f.core.load_partition(&f.store, 0, now).unwrap();
+    f.applied = applied;
     f.core.progress_read(0);
 }
 
@@ -1285,7 +1336,9 @@ fn restart_session(f: &mut Fixture, applied: i64, now: i64) {
 fn reread_from(f: &mut Fixture, input: &Input, applied: i64, now: i64) -> Vec<Out> {
     restart_session(f, applied, now);
     let mut b = Batch::default();
-    f.core.on_intent(&f.store, &mut b, input, now).unwrap();
+    f.core
+        .on_intent(&f.store, &mut b, input, f.applied, now)
+        .unwrap();
     f.commit(b);
     f.outs()
 }
@@ -1295,7 +1348,9 @@ fn a_keyed_step_writes_one_record_settled_and_holds_its_offset_until_then() {
     let mut f = Fixture::new();
     let input = f.input("intents", email("c1", "x").to_string().into_bytes());
     let mut b = Batch::default();
-    f.core.on_intent(&f.store, &mut b, &input, 0).unwrap();
+    f.core
+        .on_intent(&f.store, &mut b, &input, f.applied, 0)
+        .unwrap();
     assert!(
         b.changelog().is_empty(),
         "nothing is written before the call: {:?}",
@@ -1326,8 +1381,7 @@ fn a_keyed_step_writes_one_record_settled_and_holds_its_offset_until_then() {
     );
 }
 
-/// `gate.invoke_before_commit` (the default): a keyed step read for the
-/// first time is sent at once, and when its outcome is in before its batch
+/// A keyed step read for the first time is sent at once, and when its outcome is in before its batch
 /// closes, the decision, the settled record, the answer and the offset are
 /// one transaction — one commit a new step.
 #[test]
@@ -1335,19 +1389,20 @@ fn a_first_read_keyed_call_is_sent_before_its_batch_commits_and_settles_in_it() 
     let mut f = Fixture::new();
     let input = f.input("intents", email("c1", "x").to_string().into_bytes());
     let mut b = Batch::default();
-    f.core.on_intent(&f.store, &mut b, &input, 0).unwrap();
-    let now: Vec<Call> = f
-        .core
-        .take_immediate()
-        .into_iter()
-        .map(|(_, c)| c)
-        .collect();
+    f.core
+        .on_intent(&f.store, &mut b, &input, f.applied, 0)
+        .unwrap();
+    let outs = f.outs();
+    let now: Vec<Call> = calls_now(&outs).into_iter().map(|(_, c)| c).collect();
     assert_eq!(now.len(), 1, "sent at once");
     assert!(
-        !f.core
-            .take_outs()
-            .iter()
-            .any(|o| matches!(o, Out::Invoke { .. })),
+        !outs.iter().any(|o| matches!(
+            o,
+            Out::Invoke {
+                when: When::WithBatch,
+                ..
+            }
+        )),
         "nothing waits for the commit"
     );
     let call = &now[0];
@@ -1418,7 +1473,7 @@ fn a_keyed_call_that_never_reached_its_tool_is_asked_again_by_its_next_call() {
 
     let mut f = Fixture::started_first();
     let outs = f.intent(email("c1", "x"), 0);
-    assert!(f.core.take_immediate().is_empty());
+    assert!(calls_now(&outs).is_empty());
     let call = call_of(&outs);
     assert!(!f.record(&call.step).unseen_reader);
     let r = results(&f.outcome(&call, unreachable(), 500)).remove(0);
@@ -1435,7 +1490,9 @@ fn a_keyed_step_read_again_while_its_early_call_runs_is_numbered_above_it() {
     let mut f = Fixture::new();
     let input = f.input("intents", email("c1", "x").to_string().into_bytes());
     let mut b = Batch::default();
-    f.core.on_intent(&f.store, &mut b, &input, 0).unwrap();
+    f.core
+        .on_intent(&f.store, &mut b, &input, f.applied, 0)
+        .unwrap();
     let first = call_of(&f.outs());
     // The batch never committed; the session starts over.
     let again = call_of(&reread_from(&mut f, &input, input.offset, 20));
@@ -1466,7 +1523,9 @@ fn a_hand_back_of_a_reused_run_number_never_turns_unreachable_into_not_performed
     let mut f = Fixture::new();
     let input = f.input("intents", email("c1", "x").to_string().into_bytes());
     let mut b = Batch::default();
-    f.core.on_intent(&f.store, &mut b, &input, 0).unwrap();
+    f.core
+        .on_intent(&f.store, &mut b, &input, f.applied, 0)
+        .unwrap();
     let first = call_of(&f.outs());
     assert_eq!(first.dispatch, 1);
     // The session starts over before that batch commits; the call's `ok`
@@ -1478,7 +1537,9 @@ fn a_hand_back_of_a_reused_run_number_never_turns_unreachable_into_not_performed
     assert!(results(&f.outcome(&first, ok, 20)).is_empty());
     // Read again as new: run 1 again, sent at once; this batch commits.
     let mut b = Batch::default();
-    f.core.on_intent(&f.store, &mut b, &input, 30).unwrap();
+    f.core
+        .on_intent(&f.store, &mut b, &input, f.applied, 30)
+        .unwrap();
     f.commit(b);
     let second = call_of(&f.outs());
     assert_eq!(second.dispatch, 1, "numbered as the first run");
@@ -1507,7 +1568,9 @@ fn a_re_read_keyed_intent_runs_again_with_its_key_and_never_says_not_performed()
     let mut f = Fixture::new();
     let input = f.input("intents", email("c1", "x").to_string().into_bytes());
     let mut b = Batch::default();
-    f.core.on_intent(&f.store, &mut b, &input, 0).unwrap();
+    f.core
+        .on_intent(&f.store, &mut b, &input, f.applied, 0)
+        .unwrap();
     f.commit(b);
     let first = call_of(&f.outs());
     // The process crashes while the call runs: nothing was written. Its
@@ -1532,7 +1595,9 @@ fn a_re_read_keyed_step_settles_with_its_ok_and_a_fresh_one_says_not_performed()
     let mut f = Fixture::new();
     let input = f.input("intents", email("c1", "x").to_string().into_bytes());
     let mut b = Batch::default();
-    f.core.on_intent(&f.store, &mut b, &input, 0).unwrap();
+    f.core
+        .on_intent(&f.store, &mut b, &input, f.applied, 0)
+        .unwrap();
     f.commit(b);
     let again = call_of(&reread(&mut f, &input, 100));
     let rs = results(&f.outcome(
@@ -1560,23 +1625,28 @@ fn a_repeat_re_read_after_its_step_settled_is_not_answered_twice() {
     let mut f = Fixture::new();
     let first = f.input("intents", email("c1", "x").to_string().into_bytes());
     let mut b = Batch::default();
-    f.core.on_intent(&f.store, &mut b, &first, 0).unwrap();
+    f.core
+        .on_intent(&f.store, &mut b, &first, f.applied, 0)
+        .unwrap();
     f.commit(b);
     let call = call_of(&f.outs());
     let repeat = f.input("intents", email("c2", "x again").to_string().into_bytes());
     let mut b = Batch::default();
-    f.core.on_intent(&f.store, &mut b, &repeat, 10).unwrap();
+    f.core
+        .on_intent(&f.store, &mut b, &repeat, f.applied, 10)
+        .unwrap();
     f.commit(b);
     let rs = results(&f.outcome(&call, Outcome::Ok { output: json!(1) }, 20));
     assert_eq!(rs.len(), 2, "the caller and the waiting repeat");
     // Both re-read (the committed offset lagged): both were answered.
     f.core.reset();
-    f.core
-        .load_partition(&f.store, 0, repeat.offset + 1, 30)
-        .unwrap();
+    f.core.load_partition(&f.store, 0, 30).unwrap();
+    f.applied = repeat.offset + 1;
     let mut b = Batch::default();
     for input in [&first, &repeat] {
-        f.core.on_intent(&f.store, &mut b, input, 30).unwrap();
+        f.core
+            .on_intent(&f.store, &mut b, input, f.applied, 30)
+            .unwrap();
     }
     assert!(b.changelog().is_empty());
     let outs = f.outs();
@@ -1602,10 +1672,24 @@ fn a_report_handed_over_to_a_deferred_step_is_evidence_only() {
     let mut f = Fixture::new();
     let input = f.input("intents", email("c1", "x").to_string().into_bytes());
     let mut b = Batch::default();
-    f.core.on_intent(&f.store, &mut b, &input, 0).unwrap();
+    f.core
+        .on_intent(&f.store, &mut b, &input, f.applied, 0)
+        .unwrap();
     f.commit(b);
     let mine = call_of(&reread(&mut f, &input, 100));
     assert_eq!(mine.dispatch, 2);
+    // An earlier reading's run 2 had a token of its own, which this
+    // reading's record never kept: refused, not even evidence.
+    let earlier = Call {
+        token: Some("0".repeat(32)),
+        ..mine.clone()
+    };
+    let outs = f.progress(finished(&earlier, refused()), 150);
+    assert!(
+        results(&outs).is_empty() && refused_progress(&outs) == 1,
+        "{outs:?}"
+    );
+    assert!(f.record(&mine.step).evidence.is_empty());
     let outs = f.progress(not_invoked(&mine), 200);
     assert!(outs.is_empty(), "not re-run, not answered: {outs:?}");
     let outs = f.progress(finished(&mine, refused()), 300);
@@ -1617,4 +1701,178 @@ fn a_report_handed_over_to_a_deferred_step_is_evidence_only() {
     // This reading's own run settles it.
     let rs = results(&f.outcome(&mine, Outcome::Ok { output: json!(1) }, 400));
     assert_eq!((rs.len(), rs[0].status), (1, Status::Ok));
+}
+
+/// How many records of `progress` the decisions dead-lettered as refused.
+fn refused_progress(outs: &[Out]) -> usize {
+    outs.iter()
+        .filter(|o| {
+            matches!(o, Out::Dlq { record, .. } if record.reason == RejectionReason::RefusedProgress)
+        })
+        .count()
+}
+
+fn refused_count(f: &Fixture, reason: &str) -> String {
+    let line = format!(r#"stepgate_progress_refused_total{{reason="{reason}"}} "#);
+    let out = f.core.metrics.render();
+    out.lines()
+        .find(|l| l.starts_with(&line))
+        .map_or("0".into(), |l| l[line.len()..].to_owned())
+}
+
+fn wire_call(call_id: &str) -> serde_json::Value {
+    json!({"workflow_id": "wf", "step_index": 2, "tool": "wire", "arguments": {}, "call_id": call_id})
+}
+
+/// Security review, finding 1: whoever may write `progress` (every pool's
+/// workers) sent a "not invoked" for the current run of a running unkeyed
+/// step, and the gate ran it a second time, answering one clean `ok`. Only
+/// a gate's hand-over with the run's token may say so now.
+#[test]
+fn a_forged_not_invoked_never_runs_an_unkeyed_step_again() {
+    let mut f = Fixture::new();
+    let call = call_of(&f.intent(wire_call("c1"), 0));
+    let before = f.record(&call.step);
+    // As a gate's hand-over, without the run's token, or with another's.
+    for token in [None, Some("f".repeat(32))] {
+        let forged = Progress {
+            token,
+            ..not_invoked(&call)
+        };
+        let outs = f.progress(forged, 500);
+        assert!(
+            !outs.iter().any(|o| matches!(o, Out::Invoke { .. })),
+            "never run again: {outs:?}"
+        );
+        assert_eq!(refused_progress(&outs), 1, "{outs:?}");
+    }
+    // As a worker's JSON (unsigned, or signed with a pool's key): a wire is
+    // no pool tool, and no worker says "not invoked".
+    let json = serde_json::to_vec(&not_invoked(&call)).unwrap();
+    let signature = sign(GPU_KEY, Signed::Outcome, &json);
+    for headers in [
+        vec![],
+        vec![(SIGNATURE.to_owned(), Some(signature.into_bytes()))],
+    ] {
+        let outs = f.progress_raw(json.clone(), headers, 600);
+        assert_eq!(refused_progress(&outs), 1, "{outs:?}");
+        assert!(!outs.iter().any(|o| matches!(o, Out::Invoke { .. })));
+    }
+    assert_eq!(f.record(&call.step), before, "the record is untouched");
+    assert_eq!(refused_count(&f, "token"), "2");
+    assert_eq!(refused_count(&f, "not_pool_tool"), "2");
+    // The run's own outcome is the one answer.
+    let rs = results(&f.outcome(
+        &call,
+        Outcome::Ok {
+            output: json!("paid"),
+        },
+        900,
+    ));
+    assert_eq!((rs.len(), rs[0].status), (1, Status::Ok));
+}
+
+/// A forged "not performed" of an older run must not close that run: while
+/// it is open, a later run's "not performed" is in doubt.
+#[test]
+fn a_forged_report_of_an_older_run_neither_closes_it_nor_counts_as_evidence() {
+    let mut f = Fixture::started_first();
+    let first = call_of(&f.intent(email("c1", "x"), 0));
+    let second = call_of(&f.tick(3001));
+    assert_eq!(second.dispatch, 2);
+    for forged in [not_invoked(&first), finished(&first, refused())] {
+        let forged = Progress {
+            token: Some("1".repeat(32)),
+            ..forged
+        };
+        assert_eq!(refused_progress(&f.progress(forged, 3100)), 1);
+    }
+    let rec = f.record(&first.step);
+    assert_eq!(
+        rec.open_dispatches,
+        vec![1, 2],
+        "run 1 is still unaccounted for"
+    );
+    assert!(rec.evidence.is_empty(), "{rec:?}");
+    let r = results(&f.progress(finished(&second, refused()), 3500)).remove(0);
+    assert_eq!(r.status, Status::InDoubt, "{r:?}");
+}
+
+/// A worker's report counts only signed with its tool's pool's key and with
+/// its run's token; a gate's hand-over never counts for a pool tool.
+#[test]
+fn a_pool_step_takes_only_its_worker_s_signed_report_with_the_run_s_token() {
+    let mut f = Fixture::new();
+    let call = call_of(&f.intent(pool_call("gpu_wire", 1, "p1"), 1000));
+    assert!(call.token.is_some(), "the call carries its run's token");
+    let fake = Outcome::Ok {
+        output: json!({"paid": true, "ref": "FAKE"}),
+    };
+    let json = serde_json::to_vec(&finished(&call, fake.clone())).unwrap();
+    let sig = |key: &[u8], v: &[u8]| {
+        vec![(
+            SIGNATURE.to_owned(),
+            Some(sign(key, Signed::Outcome, v).into_bytes()),
+        )]
+    };
+    // Unsigned; signed with another key; signed as a call, not an outcome.
+    let as_call = sign(GPU_KEY, Signed::Call, &json).into_bytes();
+    for headers in [
+        vec![],
+        sig(b"another-pool-s-key-of-thirty-two-bytes", &json),
+        vec![(SIGNATURE.to_owned(), Some(as_call))],
+    ] {
+        let outs = f.progress_raw(json.clone(), headers, 1100);
+        assert!(results(&outs).is_empty(), "{outs:?}");
+        assert_eq!(refused_progress(&outs), 1);
+    }
+    // Signed, without the run's token (a worker that never read this call).
+    let tokenless = serde_json::to_vec(&Progress {
+        token: None,
+        ..finished(&call, fake.clone())
+    })
+    .unwrap();
+    let outs = f.progress_raw(tokenless.clone(), sig(GPU_KEY, &tokenless), 1200);
+    assert!(results(&outs).is_empty() && refused_progress(&outs) == 1);
+    // A gate's hand-over for a pool tool, even with the token.
+    let outs = f.progress_raw(codec::encode(&finished(&call, fake)), vec![], 1300);
+    assert!(results(&outs).is_empty() && refused_progress(&outs) == 1);
+    // `started` with another's token claims nothing: no worker took it.
+    let outs = f.progress(
+        Progress {
+            token: Some("2".repeat(32)),
+            ..taken(&call)
+        },
+        1400,
+    );
+    assert_eq!(refused_progress(&outs), 1);
+    assert_eq!(f.record(&call.step).taken, None);
+    for (reason, n) in [("signature", "3"), ("token", "2"), ("pool_handover", "1")] {
+        assert_eq!(refused_count(&f, reason), n, "{reason}");
+    }
+    // The worker's own report settles it.
+    let real = Outcome::Ok {
+        output: json!({"paid": true, "ref": "r-1"}),
+    };
+    assert!(f.progress(taken(&call), 1500).is_empty());
+    let rs = results(&f.progress(finished(&call, real), 1600));
+    assert_eq!(rs.len(), 1);
+    assert_eq!(rs[0].output, Some(json!({"paid": true, "ref": "r-1"})));
+}
+
+#[test]
+fn a_dispatch_s_token_is_kept_as_a_digest_across_reruns() {
+    let mut f = Fixture::started_first();
+    let first = call_of(&f.intent(email("c1", "x"), 0));
+    let second = call_of(&f.tick(3001));
+    let rec = f.record(&first.step);
+    let (t1, t2) = (first.token.clone().unwrap(), second.token.clone().unwrap());
+    assert_ne!(t1, t2, "a token per run");
+    assert!(rec.token_matches(1, Some(&t1)) && rec.token_matches(2, Some(&t2)));
+    assert!(!rec.token_matches(2, Some(&t1)), "a run's token is its own");
+    let stored = serde_json::to_string(&rec).unwrap();
+    assert!(
+        !stored.contains(&t1) && !stored.contains(&t2),
+        "never the token itself"
+    );
 }

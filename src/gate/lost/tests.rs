@@ -258,7 +258,7 @@ fn an_offset_whose_applied_mark_moved_alone_is_written_again() {
         topic: "intents".to_owned(),
         partition: 0,
         offset: o,
-        metadata: Some(crate::gate::ownership::applied_metadata(a, Some(4))),
+        metadata: Some(crate::gate::mark::AppliedMark::encode(a, Some(4))),
     };
     let lost = Committed {
         records: Arc::new(Vec::new()),
@@ -271,7 +271,7 @@ fn an_offset_whose_applied_mark_moved_alone_is_written_again() {
         stable: BTreeMap::new(),
         offsets: [(("intents".to_owned(), 0), Position::of(o, Some(meta)))].into(),
     };
-    let mark = |a: i64| crate::gate::ownership::applied_metadata(a, Some(4));
+    let mark = |a: i64| crate::gate::mark::AppliedMark::encode(a, Some(4));
     let r = plan(
         std::slice::from_ref(&lost),
         &group_at(5, &mark(7)),

@@ -414,6 +414,39 @@ impl Default for StackOptions {
     }
 }
 
+/// The key of pool `pool` in the deployment of `prefix` (in its config
+/// file, where its gates and workers read it).
+pub fn pool_key(prefix: &str, pool: &str) -> String {
+    format!("{prefix}-{pool}-pool-key-0123456789abcdef")
+}
+
+/// `tables` (a test's `[tools.x]` tables) with a `[pools.<name>]` and its
+/// key for each pool a tool names that they do not give themselves.
+pub fn with_pool_keys(tables: &str, prefix: &str) -> String {
+    let parsed: toml::Table = toml::from_str(tables).expect("the test's tool tables are TOML");
+    let pools: std::collections::BTreeSet<String> = parsed
+        .get("tools")
+        .and_then(toml::Value::as_table)
+        .into_iter()
+        .flatten()
+        .filter_map(|(_, t)| t.get("pool")?.as_str().map(str::to_owned))
+        .filter(|p| {
+            !parsed
+                .get("pools")
+                .and_then(toml::Value::as_table)
+                .is_some_and(|ps| ps.contains_key(p))
+        })
+        .collect();
+    let mut out = tables.to_owned();
+    for p in pools {
+        out.push_str(&format!(
+            "\n[pools.{p}]\nkey = \"{}\"\n",
+            pool_key(prefix, &p)
+        ));
+    }
+    out
+}
+
 /// Write a config where a `stepgate` command reads it.
 pub fn write_config(cfg: &Config, path: &std::path::Path) {
     std::fs::write(path, toml::to_string(cfg).expect("a config serialises")).unwrap();
@@ -514,8 +547,10 @@ impl Stack {
             config.tools.insert((*name).to_owned(), tool);
         }
         let tables = opts.tool_tables.replace("{tools}", &tools.base);
-        let more = Config::from_toml_str(&tables, Vec::new()).expect("the test's tool tables");
+        let more = Config::from_toml_str(&with_pool_keys(&tables, &prefix), Vec::new())
+            .expect("the test's tool tables");
         config.tools.extend(more.tools);
+        config.pools.extend(more.pools);
         (opts.configure)(&mut config);
         config.validate().expect("the test's config is valid");
         let config_path = dir.path().join("stepgate.toml");
@@ -1110,10 +1145,10 @@ pub struct Secured {
     pub untrusted_ca: String,
 }
 
-/// [`Secured`] from `KAFKA_SASL_SSL_ENV`, else from the data dir that
-/// `deploy/local/kafka.sh` uses for the port of [`brokers`].
-pub fn secured() -> Secured {
-    let path = std::env::var("KAFKA_SASL_SSL_ENV").unwrap_or_else(|_| {
+/// The file naming the SASL_SSL listener's coordinates: `KAFKA_SASL_SSL_ENV`,
+/// else where `deploy/local/kafka.sh` writes it for the port of [`brokers`].
+pub fn secured_env_path() -> String {
+    std::env::var("KAFKA_SASL_SSL_ENV").unwrap_or_else(|_| {
         let cache = std::env::var("STEPGATE_CACHE").unwrap_or_else(|_| {
             format!(
                 "{}/.cache/stepgate",
@@ -1123,7 +1158,13 @@ pub fn secured() -> Secured {
         let b = brokers();
         let port = b.rsplit(':').next().unwrap_or("9092").to_owned();
         format!("{cache}/kafka-run-{port}/sasl_ssl.env")
-    });
+    })
+}
+
+/// [`Secured`] from `KAFKA_SASL_SSL_ENV`, else from the data dir that
+/// `deploy/local/kafka.sh` uses for the port of [`brokers`].
+pub fn secured() -> Secured {
+    let path = secured_env_path();
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| {
         panic!(
             "no SASL_SSL listener's coordinates at {path} ({e}): start the test broker with `deploy/local/kafka.sh start` (a broker started by an older kafka.sh has no SASL_SSL listener: `kafka.sh stop --wipe` first), or set KAFKA_SASL_SSL_ENV"

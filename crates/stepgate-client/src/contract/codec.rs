@@ -85,6 +85,9 @@ pub const FIELD_NAMES: &[&str] = &[
     "reason",
     "from",
     "why",
+    // Dispatch tokens (`state::DispatchToken`).
+    "tokens",
+    "digest",
 ];
 
 #[derive(Debug, Error)]

@@ -3,14 +3,16 @@
 //! Nothing outside this module builds or parses these JSON shapes by hand.
 //! Public messages: [`Intent`] (v1, from agents), [`ToolResult`] (v1, to agents),
 //! [`DlqRecord`]; for pool workers, [`PoolCall`] (Call v1) in and [`Progress`]
-//! (as Outcome v1: `started` / `finished`) out. Internal: [`Progress`]
-//! (outcomes handed between gates); [`Call`] (in-process, gate → invoker).
+//! (as Outcome v1: `started` / `finished`) out, each signed with the pool's
+//! key ([`sign`]). Internal: [`Progress`] (outcomes handed between gates);
+//! [`Call`] (in-process, gate → invoker).
 //! Partition ownership: [`partition_for`], the one canonical partitioner.
 
 mod arguments;
 pub mod codec;
 mod operator;
 mod partition;
+pub mod sign;
 mod texts;
 mod validate;
 
@@ -44,11 +46,19 @@ pub mod headers {
     pub const TRACEPARENT: &str = "traceparent";
     /// On an intent the gate re-routed to its workflow's partition: the
     /// partition the agent published it to, where its answer is written.
-    /// Written by the gate only.
+    /// Written by the gate when it re-routes an intent. Nothing proves who
+    /// wrote it (agents write the same topic): it only says where the
+    /// intent's own answer goes, and whether a copy found outside its
+    /// workflow's partition may be re-routed again (never).
     pub const REPLY_PARTITION: &str = "stepgate-reply-partition";
     /// On a re-routed intent: `<partition>:<offset>` of the record the agent
-    /// published (for audits).
+    /// published. Like [`REPLY_PARTITION`], a claim, not a proof: an audit
+    /// takes a copy as re-routed only when the record it names holds the same
+    /// key and value, and the gate counts and decides the copy like any intent.
     pub const FORWARDED_FROM: &str = "stepgate-forwarded-from";
+    /// On a Call v1 and an Outcome v1: the record's signature under its
+    /// pool's key ([`super::sign`]).
+    pub const SIGNATURE: &str = "stepgate-signature";
 
     /// Whether `tp` is a W3C `traceparent` worth carrying: version `00` exactly as
     /// `00-<32 hex>-<16 hex>-<2 hex>` (lowercase), or a later version (not `ff`)
@@ -271,6 +281,11 @@ pub struct Call {
     /// caller's), for the tool call's trace.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub call_id: Option<String>,
+    /// This dispatch's token (recorded steps; none on the fast path): its
+    /// outcome handed over on `progress` carries it back, and only an outcome
+    /// with its dispatch's token settles the step (`state::DispatchToken`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token: Option<String>,
 }
 
 /// Call v1 (public, `schemas/call.v1.json`): a call of a pool tool, published
@@ -297,6 +312,9 @@ pub struct PoolCall {
     pub call_id: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub traceparent: Option<String>,
+    /// The dispatch's token: the worker copies it into each Outcome v1 of
+    /// this call; an outcome without it settles nothing.
+    pub token: String,
 }
 
 impl PoolCall {
@@ -313,6 +331,7 @@ impl PoolCall {
             take_by_ms,
             call_id: call.call_id.clone(),
             traceparent: call.traceparent.clone(),
+            token: call.token.clone().unwrap_or_default(),
         }
     }
 
@@ -325,6 +344,7 @@ impl PoolCall {
             fast_ref: None,
             traceparent: self.traceparent.clone(),
             call_id: self.call_id.clone(),
+            token: Some(self.token.clone()),
         }
     }
 
@@ -343,6 +363,10 @@ pub struct Progress {
     pub fast_ref: Option<i64>,
     /// Milliseconds since the epoch, clock of the process that ran the call.
     pub at_ms: i64,
+    /// The call's token ([`Call::token`], Call v1 `token`), echoed: the
+    /// step's owner takes a report from `progress` only with its dispatch's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token: Option<String>,
     #[serde(flatten)]
     pub event: ProgressEvent,
 }

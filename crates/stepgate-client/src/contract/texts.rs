@@ -13,6 +13,17 @@ impl Texts {
         )
     }
 
+    /// An object of the intent (`place`: "`arguments`", "`metadata`" or "the
+    /// intent") has a key twice; `pointer` is where (a JSON Pointer, quoted).
+    pub fn duplicate_key(tool: &str, place: &str, pointer: &str) -> String {
+        format!(
+            "This call to `{tool}` was rejected before execution, so nothing was performed: \
+             {place} has the key at {pointer} more than once, and a tool and the person \
+             approving the call could each read a different one of its values. Send each key \
+             once and call the tool again."
+        )
+    }
+
     /// The intent names a tool that is not configured.
     pub fn unknown_tool(tool: &str, available: &[String]) -> String {
         let list = if available.is_empty() {

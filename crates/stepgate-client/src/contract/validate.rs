@@ -3,11 +3,13 @@
 use super::{
     Arguments, Intent, MAX_TOOL_NAME_CHARS, MAX_WORKFLOW_ID_BYTES, StepKey, Texts, text_deeper_than,
 };
-use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 use serde_json::{Map, Value};
-use std::collections::HashMap;
+use std::borrow::Cow;
+use std::cell::RefCell;
+use std::collections::HashSet;
 
 /// Why an input was refused (the `reason` of a DLQ record, the `error.kind` of a
 /// `rejected` result).
@@ -41,6 +43,10 @@ pub enum RejectionReason {
     /// Older than the state retention and its step has no record: it may be a
     /// re-read (group offsets lost) of a call whose record was purged.
     Expired,
+    /// A record of `progress` that does not prove where it comes from (a
+    /// worker's without its pool's signature, one without its dispatch's
+    /// token, …): it settles nothing.
+    RefusedProgress,
 }
 
 impl RejectionReason {
@@ -61,6 +67,7 @@ impl RejectionReason {
             RejectionReason::Unprocessable => "unprocessable",
             RejectionReason::WrongPartition => "wrong_partition",
             RejectionReason::Expired => "expired",
+            RejectionReason::RefusedProgress => "refused_progress",
         }
     }
 }
@@ -92,50 +99,235 @@ impl Rejection {
     }
 }
 
-/// Any JSON value, read whole and dropped. Unlike `IgnoredAny`, which skips
-/// a number's digits, every number is parsed: one beyond a double's range
-/// (`1e400`) is refused with its intent, where the gate, a tool's body with
-/// its idempotency key set inside, or the console would otherwise each read
-/// the arguments as a tree and fail on it.
-struct Parses;
+/// Any JSON value, read whole and dropped, refusing an object with a key
+/// twice. Unlike `IgnoredAny`, which skips a number's digits, every number is
+/// parsed: one beyond a double's range (`1e400`) is refused with its intent,
+/// where the gate, a tool's body with its idempotency key set inside, or the
+/// console would otherwise each read the arguments as a tree and fail on it.
+/// A duplicate key is refused because readers disagree on it: the console
+/// (serde_json) shows the last value, a tool's parser may take the first, and
+/// the approver would approve what does not run. Where the duplicate is goes
+/// to `duplicate` (a JSON Pointer) and the parse stops.
+#[derive(Clone, Copy)]
+struct Parses<'a> {
+    at: Option<&'a PathStep<'a>>,
+    duplicate: &'a RefCell<Option<String>>,
+}
 
-impl<'de> Deserialize<'de> for Parses {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        d.deserialize_any(Parses)
+/// One step of the path from the checked value's root: a key or an index,
+/// and the step above it (a list on the stack: nothing is allocated for a
+/// path unless a duplicate is found).
+struct PathStep<'a> {
+    step: KeyOrIndex<'a>,
+    up: Option<&'a PathStep<'a>>,
+}
+
+enum KeyOrIndex<'a> {
+    Key(&'a str),
+    Index(usize),
+}
+
+impl<'a> Parses<'a> {
+    fn below<'b>(&self, at: &'b PathStep<'b>) -> Parses<'b>
+    where
+        'a: 'b,
+    {
+        Parses {
+            at: Some(at),
+            duplicate: self.duplicate,
+        }
+    }
+
+    /// The JSON Pointer (RFC 6901) of `key` under this value.
+    fn pointer_to(&self, key: &str) -> String {
+        let escape = |s: &str| s.replace('~', "~0").replace('/', "~1");
+        let mut parts = vec![escape(key)];
+        let mut at = self.at;
+        while let Some(s) = at {
+            parts.push(match s.step {
+                KeyOrIndex::Key(k) => escape(k),
+                KeyOrIndex::Index(i) => i.to_string(),
+            });
+            at = s.up;
+        }
+        parts.reverse();
+        format!("/{}", parts.join("/"))
     }
 }
 
-impl<'de> Visitor<'de> for Parses {
-    type Value = Parses;
+impl<'de> DeserializeSeed<'de> for Parses<'_> {
+    type Value = ();
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+/// A map key, borrowed from the input when it has no escapes.
+struct Key;
+
+impl<'de> DeserializeSeed<'de> for Key {
+    type Value = Cow<'de, str>;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_str(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Key {
+    type Value = Cow<'de, str>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("an object key")
+    }
+    fn visit_borrowed_str<E: de::Error>(self, s: &'de str) -> Result<Self::Value, E> {
+        Ok(Cow::Borrowed(s))
+    }
+    fn visit_str<E: de::Error>(self, s: &str) -> Result<Self::Value, E> {
+        Ok(Cow::Owned(s.to_owned()))
+    }
+    fn visit_string<E: de::Error>(self, s: String) -> Result<Self::Value, E> {
+        Ok(Cow::Owned(s))
+    }
+}
+
+/// The keys an object has shown so far: a list while it is short, a set
+/// beyond.
+#[derive(Default)]
+struct Seen<'de> {
+    few: Vec<Cow<'de, str>>,
+    many: HashSet<Cow<'de, str>>,
+}
+
+impl<'de> Seen<'de> {
+    /// Whether `key` was new.
+    fn insert(&mut self, key: Cow<'de, str>) -> bool {
+        const FEW: usize = 16;
+        if self.many.is_empty() {
+            if self.few.contains(&key) {
+                return false;
+            }
+            if self.few.len() < FEW {
+                self.few.push(key);
+                return true;
+            }
+            self.many.extend(self.few.drain(..));
+        }
+        self.many.insert(key)
+    }
+}
+
+impl<'de> Visitor<'de> for Parses<'_> {
+    type Value = ();
 
     fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
         f.write_str("any JSON value")
     }
-    fn visit_bool<E: de::Error>(self, _: bool) -> Result<Parses, E> {
-        Ok(Parses)
+    fn visit_bool<E: de::Error>(self, _: bool) -> Result<(), E> {
+        Ok(())
     }
-    fn visit_i64<E: de::Error>(self, _: i64) -> Result<Parses, E> {
-        Ok(Parses)
+    fn visit_i64<E: de::Error>(self, _: i64) -> Result<(), E> {
+        Ok(())
     }
-    fn visit_u64<E: de::Error>(self, _: u64) -> Result<Parses, E> {
-        Ok(Parses)
+    fn visit_u64<E: de::Error>(self, _: u64) -> Result<(), E> {
+        Ok(())
     }
-    fn visit_f64<E: de::Error>(self, _: f64) -> Result<Parses, E> {
-        Ok(Parses)
+    fn visit_f64<E: de::Error>(self, _: f64) -> Result<(), E> {
+        Ok(())
     }
-    fn visit_str<E: de::Error>(self, _: &str) -> Result<Parses, E> {
-        Ok(Parses)
+    fn visit_str<E: de::Error>(self, _: &str) -> Result<(), E> {
+        Ok(())
     }
-    fn visit_unit<E: de::Error>(self) -> Result<Parses, E> {
-        Ok(Parses)
+    fn visit_unit<E: de::Error>(self) -> Result<(), E> {
+        Ok(())
     }
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Parses, A::Error> {
-        while seq.next_element::<Parses>()?.is_some() {}
-        Ok(Parses)
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        let mut i = 0;
+        loop {
+            let at = PathStep {
+                step: KeyOrIndex::Index(i),
+                up: self.at,
+            };
+            if seq.next_element_seed(self.below(&at))?.is_none() {
+                return Ok(());
+            }
+            i += 1;
+        }
     }
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Parses, A::Error> {
-        while map.next_entry::<IgnoredAny, Parses>()?.is_some() {}
-        Ok(Parses)
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        let mut seen = Seen::default();
+        while let Some(key) = map.next_key_seed(Key)? {
+            let at = PathStep {
+                step: KeyOrIndex::Key(&key),
+                up: self.at,
+            };
+            map.next_value_seed(self.below(&at))?;
+            if !seen.insert(key.clone()) {
+                *self.duplicate.borrow_mut() = Some(self.pointer_to(&key));
+                return Err(de::Error::custom("an object has a key twice"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Why [`check_json`] refused a value's text.
+enum JsonProblem {
+    /// A key twice in one object, at this JSON Pointer.
+    Duplicate(String),
+    /// Not valid JSON, or a number beyond a double's range.
+    Invalid(serde_json::Error),
+}
+
+/// Read a JSON text whole, refusing a key twice in any object.
+fn check_json(text: &str) -> Result<(), JsonProblem> {
+    let duplicate = RefCell::new(None);
+    let mut de = serde_json::Deserializer::from_str(text);
+    let parsed = Parses {
+        at: None,
+        duplicate: &duplicate,
+    }
+    .deserialize(&mut de)
+    .and_then(|()| de.end());
+    match (parsed, duplicate.into_inner()) {
+        (Ok(()), _) => Ok(()),
+        (Err(_), Some(pointer)) => Err(JsonProblem::Duplicate(pointer)),
+        (Err(e), None) => Err(JsonProblem::Invalid(e)),
+    }
+}
+
+/// The top level of an intent, each field's value as its raw text, in order;
+/// and the first field that came twice (its first value is kept).
+struct Fields<'a> {
+    fields: Vec<(String, &'a RawValue)>,
+    twice: Option<String>,
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for Fields<'a> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Fields<'de>;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Fields<'de>, A::Error> {
+                let mut out = Fields {
+                    fields: Vec::new(),
+                    twice: None,
+                };
+                while let Some(name) = map.next_key::<String>()? {
+                    let value: &'de RawValue = map.next_value()?;
+                    if out.fields.iter().any(|(n, _)| *n == name) {
+                        out.twice.get_or_insert(name);
+                    } else {
+                        out.fields.push((name, value));
+                    }
+                }
+                Ok(out)
+            }
+        }
+        d.deserialize_map(V)
     }
 }
 
@@ -173,7 +365,7 @@ pub fn parse_intent(
     }
     // The top level is read field by field, each as its raw text: `arguments`
     // stays text (see [`Arguments`]), the other fields are small and parsed.
-    let fields: HashMap<String, &RawValue> = match serde_json::from_slice(bytes) {
+    let Fields { fields, twice } = match serde_json::from_slice(bytes) {
         Ok(f) => f,
         Err(_) => {
             return Err(match serde_json::from_slice::<Value>(bytes) {
@@ -193,10 +385,14 @@ pub fn parse_intent(
     };
     let mut obj = Map::new();
     let mut raw_arguments = None;
+    let mut raw_metadata = None;
     for (name, raw) in fields {
         if name == "arguments" {
             raw_arguments = Some(raw);
             continue;
+        }
+        if name == "metadata" {
+            raw_metadata = Some(raw);
         }
         // Valid JSON already; what can still fail is a number out of range.
         let value = serde_json::from_str(raw.get()).map_err(|e| {
@@ -219,6 +415,14 @@ pub fn parse_intent(
         message: Texts::rejected_field(&tool_label, &problem),
         address: address.clone(),
     };
+    let duplicate = |place: &str, pointer: &str| Rejection {
+        reason: RejectionReason::InvalidValue,
+        message: Texts::duplicate_key(&tool_label, place, &quoted(pointer)),
+        address: address.clone(),
+    };
+    if let Some(name) = twice {
+        return Err(duplicate("the intent", &format!("/{name}")));
+    }
 
     let workflow_id = match obj.get("workflow_id") {
         None | Some(Value::Null) => {
@@ -282,23 +486,30 @@ pub fn parse_intent(
             ));
         }
         Some(text) if text.starts_with('{') => {
-            // Checked whole (numbers in range), without building the tree;
-            // too deep, it is refused below as such, with no parse.
+            // Checked whole (numbers in range, each key once), without
+            // building the tree; too deep, it is refused below as such, with
+            // no parse.
             let too_deep = text_deeper_than(text, MAX_NESTING_DEPTH);
-            if !too_deep && let Err(e) = serde_json::from_str::<Parses>(text) {
-                return Err(if e.to_string().starts_with("number out of range") {
-                    reject(
-                        RejectionReason::InvalidValue,
-                        format!(
-                            "a number in `arguments` is beyond what JSON readers hold (a 64-bit float, at most about 1.8e308; {e}): send it as a string, or a smaller number"
-                        ),
-                    )
-                } else {
-                    Rejection::new(
-                        RejectionReason::MalformedJson,
-                        format!("the intent is not valid JSON: {e}"),
-                    )
-                });
+            match if too_deep { Ok(()) } else { check_json(text) } {
+                Ok(()) => {}
+                Err(JsonProblem::Duplicate(pointer)) => {
+                    return Err(duplicate("`arguments`", &pointer));
+                }
+                Err(JsonProblem::Invalid(e)) => {
+                    return Err(if e.to_string().starts_with("number out of range") {
+                        reject(
+                            RejectionReason::InvalidValue,
+                            format!(
+                                "a number in `arguments` is beyond what JSON readers hold (a 64-bit float, at most about 1.8e308; {e}): send it as a string, or a smaller number"
+                            ),
+                        )
+                    } else {
+                        Rejection::new(
+                            RejectionReason::MalformedJson,
+                            format!("the intent is not valid JSON: {e}"),
+                        )
+                    });
+                }
             }
             (Arguments::from_checked(text), too_deep)
         }
@@ -318,6 +529,12 @@ pub fn parse_intent(
     };
     let call_id = match obj.get("call_id") {
         None | Some(Value::Null) => None,
+        Some(Value::String(s)) if s.chars().any(char::is_control) => {
+            return Err(reject(
+                RejectionReason::InvalidValue,
+                "`call_id` must not contain control characters (it is echoed in answers, logs and audits): use letters, digits and punctuation".into(),
+            ));
+        }
         Some(Value::String(s)) => Some(s.clone()),
         Some(other) => {
             return Err(reject(
@@ -328,7 +545,16 @@ pub fn parse_intent(
     };
     let metadata = match obj.get("metadata") {
         None | Some(Value::Null) => None,
-        Some(Value::Object(m)) => Some(m.clone()),
+        Some(Value::Object(m)) => {
+            // Parsed already (last value wins): its text says whether a key
+            // came twice.
+            if let Some(Err(JsonProblem::Duplicate(pointer))) =
+                raw_metadata.map(|r| check_json(r.get()))
+            {
+                return Err(duplicate("`metadata`", &pointer));
+            }
+            Some(m.clone())
+        }
         Some(other) => {
             return Err(reject(
                 RejectionReason::WrongType,
@@ -369,6 +595,12 @@ pub fn parse_intent(
         call_id,
         metadata,
     })
+}
+
+/// A JSON Pointer as a JSON string: quoted, control characters escaped (it
+/// is read by a model, and may hold any key an agent sent).
+fn quoted(pointer: &str) -> String {
+    serde_json::to_string(pointer).unwrap_or_else(|_| "\"?\"".into())
 }
 
 fn required_u64(obj: &Map<String, Value>, field: &str) -> Result<u64, (RejectionReason, String)> {
@@ -505,6 +737,80 @@ mod tests {
         .unwrap();
         assert_eq!(i.step_key().to_string(), "w#3/send_email@1");
         assert_eq!(i.call_id.as_deref(), Some("c"));
+    }
+
+    fn raw(text: &str) -> Result<Intent, Rejection> {
+        parse_intent(text.as_bytes(), 1 << 20, &tools())
+    }
+
+    #[test]
+    fn a_key_twice_anywhere_is_refused_naming_where() {
+        let head = r#""workflow_id":"w","step_index":0,"tool":"send_email","call_id":"c1""#;
+        for (text, place, pointer) in [
+            (
+                format!(r#"{{{head},"arguments":{{"to":"attacker","amount":1,"to":"alice"}}}}"#),
+                "`arguments`",
+                r#""/to""#,
+            ),
+            (
+                format!(r#"{{{head},"arguments":{{"a":[{{"x":1}},{{"y/z":1,"y/z":2}}]}}}}"#),
+                "`arguments`",
+                r#""/a/1/y~1z""#,
+            ),
+            // An escaped key is the same key.
+            (
+                format!(r#"{{{head},"arguments":{{"k":1,"k":2}}}}"#),
+                "`arguments`",
+                r#""/k""#,
+            ),
+            (
+                format!(r#"{{{head},"arguments":{{}},"metadata":{{"m":{{"n":1,"n":2}}}}}}"#),
+                "`metadata`",
+                r#""/m/n""#,
+            ),
+            (
+                format!(r#"{{{head},"arguments":{{}},"tool":"search"}}"#),
+                "the intent",
+                r#""/tool""#,
+            ),
+        ] {
+            let r = raw(&text).unwrap_err();
+            assert_eq!(r.reason, RejectionReason::InvalidValue, "{text}");
+            assert!(r.message.contains(place), "{text}: {}", r.message);
+            assert!(r.message.contains(pointer), "{text}: {}", r.message);
+            assert!(r.message.contains("Send each key once"), "{}", r.message);
+            // Still answered: the agent waiting for c1 learns why.
+            assert_eq!(r.address.unwrap().call_id.as_deref(), Some("c1"));
+        }
+        // Many keys (past the short list) and the same key in sibling
+        // objects are fine; so is a key in an object nested in itself.
+        let many: Vec<String> = (0..40).map(|i| format!(r#""k{i}":{i}"#)).collect();
+        let ok = format!(
+            r#"{{{head},"arguments":{{{},"o":{{"k0":1,"o":{{"k0":2}}}},"p":[{{"k0":1}},{{"k0":1}}]}}}}"#,
+            many.join(",")
+        );
+        raw(&ok).expect("no key twice in one object");
+        let dup_late = format!(r#"{{{head},"arguments":{{{},"k39":0}}}}"#, many.join(","));
+        assert!(raw(&dup_late).unwrap_err().message.contains(r#""/k39""#));
+    }
+
+    #[test]
+    fn a_call_id_with_control_characters_is_refused() {
+        let r = parse(
+            json!({"workflow_id": "w", "step_index": 0, "tool": "search",
+            "arguments": {}, "call_id": "c\u{1b}[2J"}),
+        )
+        .unwrap_err();
+        assert_eq!(r.reason, RejectionReason::InvalidValue);
+        assert!(
+            r.message
+                .contains("`call_id` must not contain control characters")
+        );
+        parse(
+            json!({"workflow_id": "w", "step_index": 0, "tool": "search",
+            "arguments": {}, "call_id": "call_ABC-1.2:é"}),
+        )
+        .expect("printable");
     }
 
     #[test]
