@@ -76,7 +76,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // An empty store: nothing local to trust or not.
     let trust = stepgate::state::Trust::from_delete_retention(None);
     let applied = tokio::task::block_in_place(|| {
-        let progress = std::sync::atomic::AtomicUsize::new(0);
+        let progress = stepgate::state::Applied::default();
         stepgate::state::restore_partition(&kafka, &fresh, 0, &trust, &progress)
     })?
     .records;

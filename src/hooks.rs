@@ -89,6 +89,24 @@ pub(crate) fn crash_before_commit() {
     HOOK.abort_at("before the transaction commits");
 }
 
+/// `STEPGATE_TEST_CRASH_AFTER_COMMIT=N`: the process aborts when the N-th
+/// transaction that starts calls has committed, before its batch is applied
+/// to the local state.
+pub(crate) fn crash_after_commit(starts_calls: bool) {
+    static HOOK: Nth = Nth::new("STEPGATE_TEST_CRASH_AFTER_COMMIT");
+    if starts_calls {
+        HOOK.abort_at("after the transaction committed, before it is applied");
+    }
+}
+
+/// `STEPGATE_TEST_CRASH_BEFORE_MEND=N`: the process aborts when the N-th
+/// session is about to read back what a broker may have lost of the
+/// process's last commits (`gate::lost`): a crash before the mend.
+pub(crate) fn crash_before_mend() {
+    static HOOK: Nth = Nth::new("STEPGATE_TEST_CRASH_BEFORE_MEND");
+    HOOK.abort_at("before reading back the last commits");
+}
+
 /// `STEPGATE_TEST_LOSE_COMMIT_REPLY=N`: the N-th transaction that starts
 /// calls commits, and is then reported failed, as when the commit's reply is
 /// lost.

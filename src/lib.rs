@@ -16,12 +16,14 @@
 //! - [`retired`]: the config keys stepgate no longer takes, each refused
 //!   with what it does now.
 //! - [`state`]: the only owner of RocksDB, a cache of the changelog topic: step
-//!   records, deadlines, retention, restore.
+//!   records, deadlines, retention, restore, the changelog followers of
+//!   restores and standby replicas, and what a restart confirms.
 //! - [`gate`]: intents decided — a new step run (a keyed one's call sent at
 //!   once, another recorded step's once it is committed `started`), a repeat
 //!   answered from its record or waiting on it; outcomes settled and
 //!   answered. One transaction per batch, pipelined; a session composed of
-//!   parts around a decision core free of Kafka.
+//!   parts around a decision core free of Kafka. Standby replicas of other
+//!   gates' partitions.
 //! - [`executor`]: the in-process invoker pool that runs the gate's calls.
 //! - [`worker`]: `stepgate worker --pool <name>`: runs a pool's calls
 //!   (published by the gate on the pool's calls topic) where its tools are.

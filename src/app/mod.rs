@@ -143,13 +143,13 @@ pub async fn start_claimed(
         let path = config.state.path.clone();
         let cache = config.state.block_cache_mib.max(1) << 20;
         // A gate runs on the state from here: if the last one did not stop
-        // gracefully, no partition's local state is trusted (each is restored
-        // from its changelog's start when assigned; docs/guarantees.md).
+        // gracefully, the batches it applied last are confirmed against the
+        // changelog when each partition is next read (docs/guarantees.md).
         let store = tokio::task::spawn_blocking(move || {
             let store = StateStore::open_with_cache(&path, cache)?;
             if store.begin_gate()? {
                 tracing::warn!(
-                    "the last gate process on this state did not stop cleanly: each partition's local state will be restored from its changelog's start"
+                    "the last gate process on this state did not stop cleanly: the batches it applied last are checked against the changelog when each partition is next read (a partition holding one the changelog does not is restored from the changelog's start)"
                 );
             }
             Ok::<_, StateError>(store)

@@ -91,6 +91,14 @@ pub struct GateConfig {
     /// long (a stuck process is restarted by its orchestrator). Above the
     /// longest legitimate wait: a commit retried through a broker outage.
     pub stall_timeout: Dur,
+    /// How many other gates of the group keep a warm, read-only copy of each
+    /// partition (following its changelog), placed where the group's range
+    /// assignment moves the partition when a gate leaves: a gate taking a
+    /// partition over then reads only the tail of its changelog, not all of
+    /// it. Each copy costs its gate the partition's disk and the reading of
+    /// its changelog. `0`: none (a takeover restores from the changelog's
+    /// start); a one-gate group keeps none whatever this says.
+    pub standby_replicas: usize,
 }
 
 impl Default for GateConfig {
@@ -103,6 +111,7 @@ impl Default for GateConfig {
             check_partition: true,
             forward_wrong_partition: true,
             stall_timeout: dur("5m"),
+            standby_replicas: 1,
         }
     }
 }

@@ -1,8 +1,8 @@
 //! The gates' hold on each partition and its restore, read from their
 //! `/metrics` (`console.gates`): the console cannot see a gate's RocksDB, but
 //! each gate exports per partition whether it owns it, whether its state is
-//! restored, and its restore's records and duration (the
-//! `stepgate_partition_*` gauges). Scraped every few seconds into the cache;
+//! restored, its restore's records and duration, and whether it keeps a
+//! standby copy and how far behind (the `stepgate_partition_*` gauges). Scraped every few seconds into the cache;
 //! nothing else is kept.
 
 use super::Shared;
@@ -40,6 +40,10 @@ pub struct GatePartition {
     pub restore_records: u64,
     /// How long its current restore has run, or its last one took.
     pub restore_took: Duration,
+    /// It keeps a standby copy of the partition (`gate.standby_replicas`).
+    pub standby: bool,
+    /// How far that copy is behind the changelog's end (records).
+    pub standby_lag: u64,
 }
 
 /// A gate's last scrape.
@@ -90,6 +94,8 @@ pub struct PartitionRestore {
     pub state: RestoreState,
     /// The last restore's records and duration (once ready).
     pub last_restore: Option<(u64, Duration)>,
+    /// The gates keeping a standby copy of it, each with its lag (records).
+    pub standbys: Vec<(String, u64)>,
 }
 
 /// The `stepgate_partition_*` gauges of a gate's `/metrics` text, by partition.
@@ -123,6 +129,8 @@ pub fn parse(text: &str) -> Result<BTreeMap<i32, GatePartition>, ScrapeError> {
             "stepgate_partition_restore_seconds" => {
                 |e, v| e.restore_took = Duration::from_secs_f64(v)
             }
+            "stepgate_partition_standby" => |e, v| e.standby = v >= 1.0,
+            "stepgate_partition_standby_lag_records" => |e, v| e.standby_lag = v as u64,
             _ => continue,
         };
         set(out.entry(p).or_default(), v);
@@ -189,6 +197,16 @@ pub fn derive(partitions: &[i32], gates: &[GateView]) -> Vec<PartitionRestore> {
                 owners: claims.iter().map(|(n, _)| (*n).to_owned()).collect(),
                 state,
                 last_restore,
+                standbys: gates
+                    .iter()
+                    .filter_map(|g| match &g.scrape {
+                        Some(GateScrape::Reached(ps)) => ps
+                            .get(&p)
+                            .filter(|s| s.standby && !s.owned)
+                            .map(|s| (g.name.clone(), s.standby_lag)),
+                        _ => None,
+                    })
+                    .collect(),
             }
         })
         .collect()
@@ -334,11 +352,15 @@ mod tests {
             let m = crate::telemetry::Metrics::new();
             m.partition_restoring(3);
             m.partition_ready(3, 7, Duration::from_millis(100));
+            m.standby(0, Some(12));
             m.render()
         };
         let b = reached("http://b:9464", &b_text);
         let rows = derive(&[0, 1, 2, 3], &[a.clone(), b.clone()]);
         assert_eq!(rows[0].owners, ["http://a:9464"]);
+        // b keeps a copy of a's partition 0, 12 records behind.
+        assert_eq!(rows[0].standbys, [("http://b:9464".to_owned(), 12)]);
+        assert!(rows[1].standbys.is_empty());
         assert!(matches!(
             rows[0].state,
             RestoreState::Ready { since_ms: Some(_) }
@@ -408,7 +430,8 @@ mod tests {
                 took: Duration::from_secs(1)
             }
         );
-        // A partition only a gate names (the lag not read yet) has its row.
+        // A partition only a gate names (the lag not read yet) has its row;
+        // a standby copy is not a claim.
         let rows = derive(&[], &[b]);
         assert_eq!(rows.len(), 1);
         assert_eq!(rows[0].partition, 3);

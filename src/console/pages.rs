@@ -826,7 +826,7 @@ pub fn overview(
         table.partitions {
             thead { tr {
                 th.n { "partition" } th.n { "end" } th.n { "committed" } th.n { "lag" }
-                @if restore.is_some() { th { "owner" } th { "state" } th { "last restore" } }
+                @if restore.is_some() { th { "owner" } th { "state" } th { "last restore" } th { "standby" } }
             } }
             tbody {
                 @for p in &partitions {
@@ -859,8 +859,15 @@ pub fn overview(
                                             None => { "–" },
                                         }
                                     }
+                                    td.mono title="gates keeping a warm copy (gate.standby_replicas), each with how many records it is behind" {
+                                        @for (i, (g, lag)) in r.standbys.iter().enumerate() {
+                                            @if i > 0 { ", " }
+                                            (g) " (lag " (lag) ")"
+                                        }
+                                        @if r.standbys.is_empty() { "–" }
+                                    }
                                 },
-                                None => { td { "–" } td { "–" } td { "–" } },
+                                None => { td { "–" } td { "–" } td { "–" } td { "–" } },
                             }
                         }
                     }

@@ -105,6 +105,13 @@ impl Ownership {
             .send_if_modified(|o| !std::mem::replace(&mut o.stopping, true));
     }
 
+    /// A view of what the gate owns, for its standby replicas
+    /// (`gate::standby`): a [`watch::Receiver::borrow`] held blocks the
+    /// gate's changes until it is dropped.
+    pub fn watch(&self) -> watch::Receiver<Owned> {
+        self.0.subscribe()
+    }
+
     /// The epoch in which `partition` is owned now, if it is.
     fn epoch(&self, partition: i32) -> Option<u64> {
         self.0.borrow().partitions.get(&partition).copied()

@@ -35,19 +35,23 @@ use tracing::{info, warn};
 pub(super) struct Producers {
     pub(super) all: [FutureProducer; 2],
     pub(super) turn: usize,
+    /// Numbers these producers within the process: the local state keeps each
+    /// one's last applied batch unconfirmed (`state::Committer`).
+    pub(super) session: u64,
 }
 
 impl Producers {
     pub(super) async fn init(k: &crate::config::KafkaConfig) -> Result<Producers, GateError> {
-        let id = format!("{}-gate-{}", k.gate_group, k.instance_id);
-        let id_b = format!("{id}-b");
+        let [id, id_b] = kafka::gate_transactional_ids(k, &k.instance_id);
         let (a, b) = tokio::try_join!(
             kafka::init_txn_producer(k, &id),
             kafka::init_txn_producer(k, &id_b),
         )?;
+        static SESSIONS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         Ok(Producers {
             all: [a, b],
             turn: 0,
+            session: SESSIONS.fetch_add(1, Ordering::Relaxed),
         })
     }
 
@@ -56,12 +60,21 @@ impl Producers {
         self.turn = (self.turn + 1) % self.all.len();
         (self.turn, self.all[self.turn].clone())
     }
+
+    /// Which of them commits as `slot` (`state::Committer`).
+    pub(super) fn committer(&self, slot: usize) -> crate::state::Committer {
+        crate::state::Committer {
+            session: self.session,
+            slot,
+        }
+    }
 }
 
 /// What a batch's commit task reports once the broker acknowledged it.
 pub(super) struct Landed {
-    /// Per partition, the changelog offset after its last record.
-    pub(super) changelog_next: BTreeMap<i32, i64>,
+    /// Per partition, its last changelog record (where the local state will
+    /// reflect the changelog up to, and what a restart confirms).
+    pub(super) changelog: BTreeMap<i32, crate::state::Tail>,
     /// Where each record landed (partition, offset), in order.
     pub(super) landed: Vec<(i32, i64)>,
     /// A test hook aborted it instead (see `hooks::lose_commit_marker`).
@@ -80,6 +93,7 @@ pub(super) struct InFlight {
     pub(super) input_offsets: Vec<InputOffset>,
     /// Which of the producers commits it.
     pub(super) slot: usize,
+    pub(super) committer: crate::state::Committer,
     pub(super) invokes: Vec<(i32, Call)>,
     /// Calls of pool tools published in it (for their pools' workers).
     pub(super) published: Vec<(i32, Call, String)>,
@@ -263,6 +277,7 @@ impl<'a> Commits<'a> {
         let tpl = InputOffset::list(&input_offsets)?;
         let records = Arc::new(built.records);
         let (slot, producer) = self.producers.next();
+        let committer = self.producers.committer(slot);
         let stage = Arc::new(AtomicU8::new(Stage::SENDING));
         // For the test hooks: whether this transaction commits answers — its
         // own, or the offsets of repeats answered at once before it.
@@ -290,6 +305,7 @@ impl<'a> Commits<'a> {
             records,
             input_offsets,
             slot,
+            committer,
             invokes: built.invokes,
             published: built.published,
             results: built.results,
@@ -308,8 +324,15 @@ impl<'a> Commits<'a> {
     /// session to do.
     pub(super) fn landed(&mut self, f: InFlight, landed: Landed) -> Result<AfterCommit, GateError> {
         let (store, metrics) = (self.env.store, self.env.metrics);
+        hooks::crash_after_commit(!f.invokes.is_empty());
         let t = Instant::now();
-        store.apply(&f.batch, &landed.changelog_next)?;
+        store.apply(
+            &f.batch,
+            &crate::state::Landing {
+                committer: f.committer,
+                tails: landed.changelog,
+            },
+        )?;
         metrics.state_written(t.elapsed());
         self.last_commits.record(
             f.slot,
@@ -475,16 +498,25 @@ impl Transaction {
             "batch committed"
         );
         // Where the changelog records landed: the local state will
-        // reflect each partition's changelog up to there.
-        let mut next = BTreeMap::new();
-        for (r, &(p, o)) in records.iter().zip(&landed) {
-            if r.topic == changelog {
-                let n = next.entry(p).or_insert(o + 1);
-                *n = (*n).max(o + 1);
+        // reflect each partition's changelog up to its last record there.
+        let mut last: BTreeMap<i32, (i64, usize)> = BTreeMap::new();
+        for (i, (r, &(p, o))) in records.iter().zip(&landed).enumerate() {
+            if r.topic == changelog && last.get(&p).is_none_or(|&(l, _)| o > l) {
+                last.insert(p, (o, i));
             }
         }
+        let tails = last
+            .into_iter()
+            .map(|(p, (o, i))| {
+                let r = &records[i];
+                (
+                    p,
+                    crate::state::Tail::of(o, r.key.as_deref(), r.payload.as_deref()),
+                )
+            })
+            .collect();
         Ok(Landed {
-            changelog_next: next,
+            changelog: tails,
             landed,
             marker_lost,
             renew_producer,

@@ -281,6 +281,7 @@ pub(super) async fn mend(
     if commits.is_empty() {
         return Ok(());
     }
+    crate::hooks::crash_before_mend();
     let started = Instant::now();
     let rewrite = match settled_plan(cfg, &commits, consumer, owned).await {
         Ok(Some(rewrite)) => rewrite,

@@ -12,7 +12,9 @@
 //! backpressure (`backpressure.rs`) and its clocks (`timers.rs`). A batch's
 //! records are built in `records.rs`; inputs that keep failing are set aside
 //! (`poison.rs`); what a broker lost of an acknowledged commit is written
-//! again (`lost.rs`). This file runs sessions, one after another.
+//! again (`lost.rs`). Partitions newly assigned are taken over together
+//! (`restore.rs`), and copies of other gates' partitions are kept warm
+//! (`standby.rs`). This file runs sessions, one after another.
 //!
 //! One transaction per batch, pipelined: while one batch commits, the next is
 //! decided; it closes when that commit returns (or at `gate.max_batch`
@@ -32,7 +34,9 @@ mod mark;
 mod ownership;
 mod poison;
 mod records;
+mod restore;
 mod session;
+mod standby;
 mod timers;
 
 pub use self::core::{GateCore, GateSettings, Input, Out, When, WrongPartition};
@@ -166,6 +170,17 @@ pub async fn run(
 ) -> Result<(), GateError> {
     let mut core = GateCore::new(&config, metrics.clone());
     let (invoker, mut outcomes) = Invoker::new(&config, metrics.clone());
+    // Off the gate's way: reading the changelog's retention may take a while.
+    tokio::spawn({
+        let (config, store, metrics) = (config.clone(), store.clone(), metrics.clone());
+        let (owned, shutdown) = (invoker.ownership().watch(), shutdown.clone());
+        async move {
+            let trust = crate::state::Trust::from_delete_retention(
+                kafka::changelog_delete_retention(&config.kafka).await,
+            );
+            standby::start(config, store, metrics, owned, trust, shutdown);
+        }
+    });
     let env = Env {
         config: &config,
         store: &store,

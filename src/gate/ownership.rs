@@ -10,7 +10,6 @@ use crate::state::Trust;
 use rdkafka::consumer::Consumer;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 use tracing::{info, warn};
 
@@ -217,7 +216,7 @@ impl Ownership {
     }
 
     /// How old a partition's local state may be and still be resumed from.
-    async fn trust(&mut self, env: Env<'_>) -> Trust {
+    pub(super) async fn trust(&mut self, env: Env<'_>) -> Trust {
         if let Some(t) = self.trust {
             return t;
         }
@@ -345,7 +344,7 @@ async fn restore_state(
 ) -> Result<crate::state::Restored, GateError> {
     let (store, cfg) = (env.store.clone(), env.config.kafka.clone());
     let started = Instant::now();
-    let so_far = Arc::new(AtomicUsize::new(0));
+    let so_far = Arc::new(crate::state::Applied::default());
     let mut restoring = tokio::task::spawn_blocking({
         let so_far = so_far.clone();
         move || crate::state::restore_partition(&cfg, &store, p, &trust, &so_far)
@@ -355,7 +354,7 @@ async fn restore_state(
             r = &mut restoring => return Ok(r??),
             _ = tokio::time::sleep(Duration::from_secs(1)) => {
                 env.health.beat();
-                let n = so_far.load(Ordering::Relaxed);
+                let n = so_far.total();
                 env.metrics.partition_restore_progress(p, n, started.elapsed());
             }
         }

@@ -361,6 +361,22 @@ impl<'a> Session<'a> {
             self.commits.recover(n, p, &ps).await?;
         }
         self.ownership.assign(self.env, &ps);
+        // All at once (`restore.rs`); each is then loaded, resuming from there.
+        let new: BTreeSet<i32> = ps
+            .iter()
+            .filter(|p| !self.ownership.owns(**p))
+            .copied()
+            .collect();
+        let trust = self.ownership.trust(self.env).await;
+        super::restore::restore_assigned(
+            &self.env.config.kafka,
+            self.env.store,
+            &new,
+            trust,
+            self.env.health,
+            self.env.metrics,
+        )
+        .await?;
         for p in ps {
             self.ensure_owned(p).await?;
         }

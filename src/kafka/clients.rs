@@ -66,7 +66,34 @@ pub fn txn_consumer_config(cfg: &KafkaConfig, group: &str, instance: &str) -> Cl
         .set("fetch.wait.max.ms", "50");
     let mut c = with_overrides(c, cfg);
     bound_prefetch(&mut c);
+    // Named after its instance (unless `[kafka.client]` names every client):
+    // another gate that takes its partitions after it died can tell which
+    // transactional producers to fence (`gate::standby`).
+    if c.get("client.id").is_none() {
+        c.set("client.id", gate_client_id(&cfg.instance_id));
+    }
     c
+}
+
+/// The `client.id` of a gate's consumer: its instance, after a prefix.
+pub fn gate_client_id(instance_id: &str) -> String {
+    format!("{GATE_CLIENT_PREFIX}{instance_id}")
+}
+
+/// The instance a gate consumer's `client.id` names ([`gate_client_id`]).
+pub fn instance_of_client(client_id: &str) -> Option<&str> {
+    client_id
+        .strip_prefix(GATE_CLIENT_PREFIX)
+        .filter(|i| !i.is_empty())
+}
+
+const GATE_CLIENT_PREFIX: &str = "stepgate-gate:";
+
+/// The transactional ids of a gate instance's two producers.
+pub fn gate_transactional_ids(cfg: &KafkaConfig, instance_id: &str) -> [String; 2] {
+    let id = format!("{}-gate-{}", cfg.gate_group, instance_id);
+    let b = format!("{id}-b");
+    [id, b]
 }
 
 /// The consumer of a pool's worker (docs/design.md "Worker pools"): one group

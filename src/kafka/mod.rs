@@ -1,5 +1,6 @@
 //! Kafka plumbing, by chore: client configs ([`clients`]), the gate
-//! consumer's rebalance context ([`context`]), record size limits
+//! consumer's rebalance context ([`context`]), the group's members and
+//! their assignments ([`group`]), record size limits
 //! ([`limits`]), reading topics to their end ([`reading`]), creating and
 //! checking topics ([`topics`]), and transactions ([`txn`]). Everything is
 //! re-exported here: callers say `kafka::<item>`.
@@ -9,6 +10,7 @@ use thiserror::Error;
 
 mod clients;
 mod context;
+mod group;
 mod limits;
 mod reading;
 mod topics;
@@ -16,6 +18,7 @@ mod txn;
 
 pub use clients::*;
 pub use context::*;
+pub use group::*;
 pub use limits::*;
 pub use reading::*;
 pub use topics::*;

@@ -52,6 +52,19 @@ pub fn resume_consumer(cfg: &KafkaConfig, group: &str) -> Result<ReadToEndConsum
     reader_config(cfg, group, "error").create_with_context(ReadToEnd)
 }
 
+/// A [`resume_consumer`] that follows partitions for good (a standby
+/// replica): at their end, a fetch waits `wait_ms` for new records (a short
+/// wait ends reads to the end sooner; a follower needs no such hurry).
+pub fn follow_consumer(
+    cfg: &KafkaConfig,
+    group: &str,
+    wait_ms: u32,
+) -> Result<ReadToEndConsumer, KafkaError> {
+    let mut c = reader_config(cfg, group, "error");
+    c.set("fetch.wait.max.ms", wait_ms.to_string());
+    c.create_with_context(ReadToEnd)
+}
+
 fn reader_config(cfg: &KafkaConfig, group: &str, reset: &str) -> ClientConfig {
     let mut c = base_config(cfg);
     c.set("group.id", group)
@@ -59,6 +72,12 @@ fn reader_config(cfg: &KafkaConfig, group: &str, reset: &str) -> ClientConfig {
         .set("enable.partition.eof", "true")
         .set("isolation.level", "read_committed")
         .set("auto.offset.reset", reset);
+    // At a partition's end a fetch waits this long for records before the
+    // end is reported (librdkafka's default, 500 ms, is added to every
+    // restore and read-back).
+    if c.get("fetch.wait.max.ms").is_none() {
+        c.set("fetch.wait.max.ms", "10");
+    }
     bound_prefetch(&mut c);
     c
 }
@@ -126,6 +145,22 @@ pub fn read_to_end<E>(
         }
     }
     Ok(ReadEnd::Reached)
+}
+
+/// Where a reader stands in a partition: the next offset it would return
+/// (past markers and aborted records it skipped); None when unknown.
+pub fn position_of<C: ConsumerContext>(
+    consumer: &BaseConsumer<C>,
+    topic: &str,
+    partition: i32,
+) -> Option<i64> {
+    let tpl = consumer.position().ok()?;
+    let at = tpl
+        .find_partition(topic, partition)
+        .and_then(|e| e.offset().to_raw())
+        .filter(|o| *o >= 0);
+    drop(tpl);
+    at
 }
 
 /// Replay `partitions` of `topic` to their end as of now (read_committed),

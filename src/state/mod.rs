@@ -5,9 +5,10 @@
 //! - `deadlines`: started steps awaiting an outcome → their deadline;
 //! - `expiry`: `(partition, expires_at, step)` index for retention purges;
 //! - `workflows`: workflows ended by a `last_step` tool;
-//! - `meta`: per partition, the next changelog offset the local state reflects
-//!   and when it was last known in sync with the changelog; whether a gate
-//!   process runs on the state (see [`StateStore::begin_gate`]).
+//! - `meta`: per partition, the next changelog offset the local state reflects,
+//!   when it was last known in sync with the changelog, and the tails of the
+//!   applied batches not yet confirmed on the changelog ([`confirm`]); whether
+//!   a gate process runs on the state (see [`StateStore::begin_gate`]).
 //!
 //! Every key starts with the input partition (4 bytes, big endian), so a
 //! partition's state can be listed and restored on its own.
@@ -23,11 +24,20 @@
 //! **A stale cache is never trusted** ([`StateStore::resume_point`]): the offset
 //! is resumed from only while the state is younger than the changelog's
 //! `delete.retention.ms` (past it, compaction may have removed tombstones the
-//! state never read), and not after an unclean shutdown (the state may hold a
-//! batch whose commit marker the broker lost, which Kafka then aborted).
+//! state never read), and only once the batches it may hold that the changelog
+//! does not (a commit marker the broker lost, which Kafka then aborted) are
+//! confirmed there ([`confirm`]).
 
+mod confirm;
+mod follow;
 mod record;
 mod restore;
+
+pub use confirm::{Committer, Confirming, Landing, Tail, Verdict, digest};
+pub use follow::{
+    Claims, Event as FollowEvent, Follower, Held, Mode as FollowMode, Owners,
+    Progress as FollowProgress,
+};
 
 pub use record::{
     DispatchToken, Evidence, FastEntry, Hold, MAX_EVIDENCE_KEPT, MAX_LOOKUPS_KEPT, MAX_TOKENS_KEPT,
@@ -36,7 +46,8 @@ pub use record::{
     check_record_sizes, token_digest,
 };
 pub use restore::{
-    RebuildError, Rebuilt, RestoreError, Restored, Trust, rebuild_state, restore_partition,
+    Applied, RebuildError, Rebuilt, RestoreError, Restored, Trust, rebuild_state,
+    restore_partition, restore_partitions,
 };
 
 use crate::contract::{StepKey, codec};
@@ -44,7 +55,7 @@ use rocksdb::{
     ColumnFamilyDescriptor, DB, Direction, IteratorMode, Options, WriteBatch, WriteOptions,
 };
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::path::Path;
 use std::time::Duration;
 use thiserror::Error;
@@ -126,6 +137,8 @@ type Raw = (Vec<u8>, Vec<u8>);
 /// The RocksDB-backed state of one gate process.
 pub struct StateStore {
     db: DB,
+    /// The current session's producers' last applied batches (their tails).
+    live: std::sync::Mutex<confirm::Live>,
 }
 
 impl StateStore {
@@ -174,7 +187,10 @@ impl StateStore {
             .map(|c| ColumnFamilyDescriptor::new(c.name(), cf_opts(*c != Cf::Expiry)))
             .chain([ColumnFamilyDescriptor::new(META, cf_opts(true))]);
         let db = DB::open_cf_descriptors(&opts, path, cfs)?;
-        Ok(StateStore { db })
+        Ok(StateStore {
+            db,
+            live: Default::default(),
+        })
     }
 
     fn cf(&self, cf: Cf) -> &rocksdb::ColumnFamily {
@@ -230,9 +246,10 @@ impl StateStore {
     /// so a state last in sync less than that ago (less a margin:
     /// [`Trust::max_age`]) cannot have missed one; an older one can (a step it
     /// holds `started` may have been settled and purged elsewhere since). A
-    /// state of unknown age (an unclean shutdown) is not
-    /// resumed from either. Whether the offset is still in the log is checked
-    /// by the read itself (an out-of-range position starts over).
+    /// state of unknown age (left by an older version after an unclean stop)
+    /// is not resumed from either. Whether the offset is still in the log is
+    /// checked by the read itself (an out-of-range position starts over), and
+    /// so are the tails the resume must confirm ([`Resume::From::check`]).
     pub fn resume_point(
         &self,
         partition: i32,
@@ -252,33 +269,55 @@ impl StateStore {
                 max_age: trust.max_age,
             }));
         }
-        Ok(Resume::From(next))
+        Ok(Resume::From {
+            next,
+            check: self.unconfirmed(partition)?,
+        })
     }
 
-    /// A gate process starts on this state. If the last one did not stop
-    /// gracefully ([`StateStore::end_gate`] never ran: killed, crashed, power
-    /// lost), no partition's local state is trusted: it may hold a batch whose
-    /// commit the broker acknowledged and then lost (its transaction later
-    /// aborted), which only that process could have written again
-    /// (`gate::lost`). Each partition's sync time is dropped, so its next
-    /// restore — in this process or a later one — starts from the changelog's
-    /// start. Returns whether the last stop was unclean. Synced.
+    /// The tails of the batches applied to `partition` that are not yet
+    /// confirmed on its changelog, oldest first ([`confirm`]).
+    pub fn unconfirmed(&self, partition: i32) -> Result<Vec<Tail>, StateError> {
+        let mut out = Vec::new();
+        for (k, v) in self.meta_prefix(&tail_prefix(partition))? {
+            let (Some(o), Ok(d)) = (
+                k.get(k.len().saturating_sub(8)..)
+                    .and_then(|b| b.try_into().ok())
+                    .map(i64::from_be_bytes),
+                <[u8; 8]>::try_from(v.as_slice()),
+            ) else {
+                return Err(StateError::Corrupt {
+                    cf: META,
+                    source: codec::DecodeError::Length {
+                        len: v.len(),
+                        expected: 8,
+                    },
+                });
+            };
+            out.push(Tail {
+                offset: o,
+                digest: u64::from_be_bytes(d),
+            });
+        }
+        Ok(out)
+    }
+
+    /// A gate process starts on this state; returns whether the last one did
+    /// not stop gracefully ([`StateStore::end_gate`] never ran: killed,
+    /// crashed, power lost). Nothing is discarded for it: the batches such a
+    /// process may have left that the changelog does not hold are known by
+    /// their tails, and each partition's next reader confirms them
+    /// ([`confirm`]). Synced.
     pub fn begin_gate(&self) -> Result<bool, StateError> {
         let unclean = self.db.get_cf(self.meta(), RUNNING)?.is_some();
         let mut wb = WriteBatch::default();
-        if unclean {
-            for (key, _) in self.meta_prefix(SYNC_PREFIX)? {
-                wb.delete_cf(self.meta(), key);
-            }
-        }
         wb.put_cf(self.meta(), RUNNING, now_ms().to_be_bytes());
         self.write_synced(wb)?;
         Ok(unclean)
     }
 
     /// The gate process stopped gracefully: every batch it applied had
-    /// committed, and none it committed is missing. Synced (with every
-    /// unsynced write before it).
+    /// committed. Synced (with every unsynced write before it).
     pub fn end_gate(&self) -> Result<(), StateError> {
         let mut wb = WriteBatch::default();
         wb.delete_cf(self.meta(), RUNNING);
@@ -301,13 +340,12 @@ impl StateStore {
     }
 
     /// Apply a committed batch (not synced: a crash loses at most what the
-    /// changelog holds and the next assignment replays). `changelog_next` gives,
-    /// per partition, the changelog offset the batch brings the state to.
-    pub fn apply(
-        &self,
-        batch: &Batch,
-        changelog_next: &BTreeMap<i32, i64>,
-    ) -> Result<(), StateError> {
+    /// changelog holds and the next assignment replays). `landing` gives, per
+    /// partition, the batch's last changelog record there: the state reflects
+    /// the changelog up to it, and keeps it as a tail to confirm until its
+    /// producer's next batch is applied ([`confirm`]) — in this same write, so
+    /// no crash leaves the batch without its tails.
+    pub fn apply(&self, batch: &Batch, landing: &Landing) -> Result<(), StateError> {
         let mut wb = WriteBatch::default();
         for ((cf, key), value) in &batch.writes {
             match value {
@@ -317,11 +355,18 @@ impl StateStore {
         }
         // The batch committed, so this process owned its partitions (its
         // transaction was fenced by the group's generation): what it applied
-        // is all the changelog holds up to `next`.
+        // is all the changelog holds up to its tail there.
         let now = now_ms();
-        for (p, next) in changelog_next {
-            wb.put_cf(self.meta(), clog_key(*p), next.to_be_bytes());
+        for (p, t) in &landing.tails {
+            wb.put_cf(self.meta(), clog_key(*p), (t.offset + 1).to_be_bytes());
             wb.put_cf(self.meta(), sync_key(*p), now.to_be_bytes());
+            wb.put_cf(self.meta(), tail_key(*p, t.offset), t.digest.to_be_bytes());
+        }
+        let mut live = self.live.lock().unwrap_or_else(|e| e.into_inner());
+        for (p, o) in live.replace(landing) {
+            if landing.tails.get(&p).is_none_or(|t| t.offset != o) {
+                wb.delete_cf(self.meta(), tail_key(p, o));
+            }
         }
         self.db.write(wb)?;
         Ok(())
@@ -517,7 +562,24 @@ impl StateStore {
         }
         wb.delete_cf(self.meta(), clog_key(partition));
         wb.delete_cf(self.meta(), sync_key(partition));
+        let (from, to) = tail_range(partition);
+        wb.delete_range_cf(self.meta(), from, to);
         self.write_synced(wb)
+    }
+
+    /// What the local state holds of `partition` that the changelog carries
+    /// (step records and workflow ends, not the derived indexes), keyed as
+    /// on the changelog: for checks that the state equals its changelog.
+    #[cfg(test)]
+    pub(crate) fn logged_records(&self, partition: i32) -> Result<Vec<Raw>, StateError> {
+        let mut out = Vec::new();
+        for cf in Cf::ALL.into_iter().filter(|c| !c.derived()) {
+            for (k, v) in self.scan_prefix(cf, &partition.to_be_bytes())? {
+                out.push(([&[cf.tag()][..], &k].concat(), v));
+            }
+        }
+        out.sort();
+        Ok(out)
     }
 
     /// Apply changelog records in order (later ones win); returns how many were
@@ -526,43 +588,115 @@ impl StateStore {
         &self,
         records: &[(Vec<u8>, Option<Vec<u8>>)],
     ) -> Result<usize, StateError> {
-        let mut wb = WriteBatch::default();
-        let mut n = 0;
+        let mut staged = Staged::default();
         for (key, value) in records {
-            let Some((tag, state_key)) = key.split_first() else {
-                continue;
-            };
-            // Only what is logged is applied: the indexes are derived from the
-            // step records as they are applied.
-            let Some(cf) = Cf::from_tag(*tag).filter(|c| !c.derived()) else {
-                continue;
-            };
-            if state_key.len() < 4 {
-                continue;
-            }
-            // The changelog's compact record is kept named, as the gate writes
-            // it to RocksDB, so that its reads never expand; one that cannot
-            // be expanded is kept as it came, refused when read.
-            let value = value
-                .as_deref()
-                .map(|v| codec::expand(v).unwrap_or(v.into()));
-            match &value {
-                Some(v) => wb.put_cf(self.cf(cf), state_key, v),
-                None => wb.delete_cf(self.cf(cf), state_key),
-            }
-            if cf == Cf::Steps {
-                self.index_restored(&mut wb, state_key, value.as_deref())?;
-            }
-            n += 1;
+            self.stage(&mut staged, key, value.as_deref())?;
         }
-        self.db.write(wb)?;
+        let n = staged.records;
+        self.write_staged(&mut staged, true)?;
         Ok(n)
+    }
+
+    /// Add one changelog record to `staged` (see [`Staged`]).
+    pub fn stage(
+        &self,
+        staged: &mut Staged,
+        key: &[u8],
+        value: Option<&[u8]>,
+    ) -> Result<(), StateError> {
+        let Some((tag, state_key)) = key.split_first() else {
+            return Ok(());
+        };
+        // Only what is logged is applied: the indexes are derived from the
+        // step records as they are applied.
+        let Some(cf) = Cf::from_tag(*tag).filter(|c| !c.derived()) else {
+            return Ok(());
+        };
+        if state_key.len() < 4 {
+            return Ok(());
+        }
+        // The changelog's compact record is kept named, as the gate writes
+        // it to RocksDB, so that its reads never expand; one that cannot
+        // be expanded is kept as it came, refused when read.
+        let value = value.map(|v| codec::expand(v).unwrap_or(v.into()));
+        match &value {
+            Some(v) => staged.wb.put_cf(self.cf(cf), state_key, v),
+            None => staged.wb.delete_cf(self.cf(cf), state_key),
+        }
+        if cf == Cf::Steps {
+            self.index_restored(staged, state_key, value.as_deref())?;
+        }
+        staged.records += 1;
+        Ok(())
+    }
+
+    /// Write what `staged` holds, and empty it; without RocksDB's WAL when
+    /// `wal` is false (then nothing of it is durable until the memtables are
+    /// flushed: [`StateStore::flush`]).
+    pub fn write_staged(&self, staged: &mut Staged, wal: bool) -> Result<(), StateError> {
+        let wb = std::mem::take(&mut staged.wb);
+        staged.records = 0;
+        if wb.is_empty() {
+            return Ok(());
+        }
+        let mut wo = WriteOptions::default();
+        wo.disable_wal(!wal);
+        self.db.write_opt(wb, &wo)?;
+        Ok(())
+    }
+
+    /// A standby's write: what `staged` holds of `partition`, with the WAL,
+    /// and in the same write the partition marked as reflecting its
+    /// changelog up to `next` (never ahead of its data). Not synced.
+    pub fn write_followed(
+        &self,
+        staged: &mut Staged,
+        partition: i32,
+        next: Option<i64>,
+    ) -> Result<(), StateError> {
+        if let Some(n) = next {
+            staged
+                .wb
+                .put_cf(self.meta(), clog_key(partition), n.to_be_bytes());
+        }
+        self.write_staged(staged, true)
+    }
+
+    /// A standby stood at `partition`'s end at `at_ms` (its tails confirmed):
+    /// the state was in sync with the changelog then. Moves forward only.
+    pub fn mark_in_sync(&self, partition: i32, at_ms: i64) -> Result<(), StateError> {
+        if self.synced_at(partition)?.is_some_and(|s| s >= at_ms) {
+            return Ok(());
+        }
+        let mut wb = WriteBatch::default();
+        wb.put_cf(self.meta(), sync_key(partition), at_ms.to_be_bytes());
+        self.db.write(wb)?;
+        Ok(())
+    }
+
+    /// A reader confirmed `partition`'s tails on the changelog.
+    pub fn tails_confirmed(&self, partition: i32) -> Result<(), StateError> {
+        let mut wb = WriteBatch::default();
+        let (from, to) = tail_range(partition);
+        wb.delete_range_cf(self.meta(), from, to);
+        self.db.write(wb)?;
+        Ok(())
+    }
+
+    /// Flush every memtable to disk (waiting): what was written without the
+    /// WAL is durable from here.
+    pub fn flush(&self) -> Result<(), StateError> {
+        let cfs: Vec<_> = Cf::ALL.iter().map(|c| self.cf(*c)).collect();
+        let mut fo = rocksdb::FlushOptions::default();
+        fo.set_wait(true);
+        self.db.flush_cfs_opt(&cfs, &fo)?;
+        Ok(())
     }
 
     /// The index entries of a restored step record (or of its tombstone).
     fn index_restored(
         &self,
-        wb: &mut WriteBatch,
+        staged: &mut Staged,
         key: &[u8],
         value: Option<&[u8]>,
     ) -> Result<(), StateError> {
@@ -575,25 +709,44 @@ impl StateStore {
                 None
             }
         };
+        let wb = &mut staged.wb;
         if let Some(r) = &r {
             wb.put_cf(self.cf(Cf::Expiry), expiry_key(key, r.expires_at_ms), []);
         }
+        // Over a wiped partition, a key has an index entry only if a record
+        // of this restore put one: the deletes of every other key are skipped.
+        let fresh = staged.fresh.contains(&partition_of(key));
+        let indexed = fresh && staged.indexed.contains(key);
+        let mut any = false;
         match r.as_ref().and_then(|r| deadline_of(r.phase, r.deadline_ms)) {
-            Some(d) => wb.put_cf(self.cf(Cf::Deadlines), key, encode_deadline(d)),
-            None => wb.delete_cf(self.cf(Cf::Deadlines), key),
+            Some(d) => {
+                wb.put_cf(self.cf(Cf::Deadlines), key, encode_deadline(d));
+                any = true;
+            }
+            None if !fresh || indexed => wb.delete_cf(self.cf(Cf::Deadlines), key),
+            None => {}
         }
         match r.and_then(|r| attention_of(r.phase)) {
-            Some(a) => wb.put_cf(self.cf(Cf::Attention), key, [a]),
-            None => wb.delete_cf(self.cf(Cf::Attention), key),
+            Some(a) => {
+                wb.put_cf(self.cf(Cf::Attention), key, [a]);
+                any = true;
+            }
+            None if !fresh || indexed => wb.delete_cf(self.cf(Cf::Attention), key),
+            None => {}
+        }
+        if fresh && any && !indexed {
+            staged.indexed.insert(key.to_vec());
         }
         Ok(())
     }
 
     /// Mark a restored partition as reflecting its changelog up to `next`,
-    /// in sync with it now (synced: the restore's unsynced writes become
-    /// durable with it).
+    /// in sync with it now, its tails confirmed (synced: the restore's
+    /// unsynced writes become durable with it).
     pub fn finish_restore(&self, partition: i32, next: Option<i64>) -> Result<(), StateError> {
         let mut wb = WriteBatch::default();
+        let (from, to) = tail_range(partition);
+        wb.delete_range_cf(self.meta(), from, to);
         match next {
             Some(n) => {
                 wb.put_cf(self.meta(), clog_key(partition), n.to_be_bytes());
@@ -605,6 +758,37 @@ impl StateStore {
             }
         }
         self.write_synced(wb)
+    }
+}
+
+/// Changelog records being applied to the local state, in one write batch.
+#[derive(Default)]
+pub struct Staged {
+    wb: WriteBatch,
+    /// Records staged since the last write.
+    pub records: usize,
+    /// Partitions wiped before this restore: none of their keys has index
+    /// entries but those `indexed` holds.
+    fresh: std::collections::HashSet<i32>,
+    indexed: std::collections::HashSet<Vec<u8>>,
+}
+
+impl Staged {
+    /// `partition` was wiped before its records are staged here.
+    pub fn wiped(&mut self, partition: i32) {
+        self.fresh.insert(partition);
+        let p = partition.to_be_bytes();
+        self.indexed.retain(|k| !k.starts_with(&p));
+    }
+
+    /// `partition`'s records are staged over what it holds (a resume).
+    pub fn resumed(&mut self, partition: i32) {
+        self.fresh.remove(&partition);
+    }
+
+    /// Bytes staged (RocksDB's own count).
+    pub fn bytes(&self) -> usize {
+        self.wb.size_in_bytes()
     }
 }
 
@@ -962,6 +1146,23 @@ fn clog_key(partition: i32) -> Vec<u8> {
 
 const SYNC_PREFIX: &[u8] = b"sync/";
 
+/// `tail/<partition><offset>` → digest: an applied batch's last changelog
+/// record in the partition, not yet confirmed there ([`confirm`]).
+fn tail_prefix(partition: i32) -> Vec<u8> {
+    [b"tail/".as_slice(), &partition.to_be_bytes()].concat()
+}
+
+fn tail_key(partition: i32, offset: i64) -> Vec<u8> {
+    [tail_prefix(partition).as_slice(), &offset.to_be_bytes()].concat()
+}
+
+/// Every tail key of `partition`: `[from, to)`.
+fn tail_range(partition: i32) -> (Vec<u8>, Vec<u8>) {
+    let mut to = tail_prefix(partition);
+    to.push(0xff);
+    (tail_prefix(partition), to)
+}
+
 fn sync_key(partition: i32) -> Vec<u8> {
     [SYNC_PREFIX, &partition.to_be_bytes()].concat()
 }
@@ -971,10 +1172,12 @@ fn now_ms() -> i64 {
 }
 
 /// Whether a partition's restore resumes from its local offset ([`StateStore::resume_point`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Resume {
-    /// From this changelog offset: the local state is contiguous with it.
-    From(i64),
+    /// From changelog offset `next`: the local state is contiguous with the
+    /// changelog, once the reader has confirmed each of `check`, the tails of
+    /// the applied batches not yet confirmed there (oldest first).
+    From { next: i64, check: Vec<Tail> },
     /// From the changelog's start, over a wiped partition.
     Full(FullReason),
 }
@@ -992,6 +1195,10 @@ pub enum FullReason {
     /// The changelog does not hold the local offset (recreated, or its start
     /// moved past it).
     OutOfRange,
+    /// The local state holds a batch the changelog does not show committed
+    /// at `offset`: a commit the broker acknowledged and then lost (aborted
+    /// since), or one it cannot tell yet (a transaction still open below it).
+    Unconfirmed { offset: i64, settled: bool },
 }
 
 impl FullReason {
@@ -1002,6 +1209,8 @@ impl FullReason {
             FullReason::UnknownAge => "unknown_age",
             FullReason::Stale { .. } => "stale",
             FullReason::OutOfRange => "out_of_range",
+            FullReason::Unconfirmed { settled: true, .. } => "batch_not_on_changelog",
+            FullReason::Unconfirmed { settled: false, .. } => "batch_not_settled",
         }
     }
 }

@@ -4,18 +4,13 @@
 //! per partition (`meta`), from which a restore resumes — only while the state
 //! is known contiguous with the changelog ([`StateStore::resume_point`]).
 
-use super::{FullReason, Resume, StateError, StateStore};
+use super::{FollowMode, Follower, FullReason, StateError, StateStore};
 use crate::config::KafkaConfig;
 use crate::kafka;
-use rdkafka::consumer::Consumer;
 use rdkafka::error::KafkaError;
-use rdkafka::message::Message;
-use rdkafka::{Offset, TopicPartitionList};
-use std::collections::BTreeSet;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 use thiserror::Error;
-use tracing::warn;
 
 #[derive(Debug, Error)]
 pub enum RestoreError {
@@ -25,6 +20,8 @@ pub enum RestoreError {
     State(#[from] StateError),
     #[error("restoring partition {partition} from the changelog did not finish within {limit:?}")]
     Timeout { partition: i32, limit: Duration },
+    #[error("a restore's reader thread panicked")]
+    Panicked,
 }
 
 /// How long a restore may take before the session gives up and retries.
@@ -57,118 +54,146 @@ impl Trust {
     }
 }
 
-/// Bring a partition's local state up to its changelog's end (read_committed:
-/// only committed batches), from the offset the state last reflected — or
-/// from the start, over a wiped partition, when that is unknown, too old to
-/// be contiguous with the changelog, or not in the changelog (see
-/// [`StateStore::resume_point`]). Blocking. `applied` is kept at the records
-/// applied so far, for a caller watching a long restore.
+/// Records applied so far by a running restore, per partition: for a caller
+/// watching a long one.
+#[derive(Debug, Default)]
+pub struct Applied(std::sync::Mutex<BTreeMap<i32, usize>>);
+
+impl Applied {
+    fn set(&self, p: i32, n: usize) {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(p, n);
+    }
+
+    /// Records applied to `p` so far.
+    pub fn of(&self, p: i32) -> usize {
+        let m = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        m.get(&p).copied().unwrap_or(0)
+    }
+
+    /// Records applied so far, every partition.
+    pub fn total(&self) -> usize {
+        let m = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        m.values().sum()
+    }
+}
+
+/// Bring a partition's local state up to its changelog's end: see
+/// [`restore_partitions`]. Blocking.
 pub fn restore_partition(
     cfg: &KafkaConfig,
     store: &StateStore,
     p: i32,
     trust: &Trust,
-    applied: &AtomicUsize,
+    applied: &Applied,
 ) -> Result<Restored, RestoreError> {
+    let mut done = restore_partitions(cfg, store, &BTreeSet::from([p]), trust, applied)?;
+    Ok(done
+        .remove(&p)
+        .expect("every partition asked for is restored"))
+}
+
+/// Most readers a restore runs at once (each a consumer and a thread that
+/// applies what it reads).
+const MAX_READERS: usize = 4;
+
+/// Bring partitions' local state up to their changelog's end (read_committed:
+/// only committed batches), each from the offset its state last reflected —
+/// or from the start, over a wiped partition, when that is unknown, too old
+/// to be contiguous with the changelog, not in the changelog, or when the
+/// state holds a batch the changelog does not (see
+/// [`StateStore::resume_point`] and [`super::confirm`]). The partitions are
+/// read in parallel, by one reader per core (at most [`MAX_READERS`]), each
+/// reading its share with one consumer; records go in without RocksDB's WAL,
+/// flushed before each partition is marked restored. Blocking.
+pub fn restore_partitions(
+    cfg: &KafkaConfig,
+    store: &StateStore,
+    ps: &BTreeSet<i32>,
+    trust: &Trust,
+    applied: &Applied,
+) -> Result<BTreeMap<i32, Restored>, RestoreError> {
+    let readers = std::thread::available_parallelism()
+        .map_or(1, usize::from)
+        .clamp(1, MAX_READERS)
+        .min(ps.len().max(1));
+    if readers <= 1 {
+        return restore_with_one_reader(cfg, store, ps, trust, applied);
+    }
+    let mut shares = vec![BTreeSet::new(); readers];
+    for (i, p) in ps.iter().enumerate() {
+        shares[i % readers].insert(*p);
+    }
+    std::thread::scope(|scope| {
+        let running: Vec<_> = shares
+            .iter()
+            .map(|share| {
+                scope.spawn(move || restore_with_one_reader(cfg, store, share, trust, applied))
+            })
+            .collect();
+        let mut done = BTreeMap::new();
+        for r in running {
+            done.extend(r.join().map_err(|_| RestoreError::Panicked)??);
+        }
+        Ok(done)
+    })
+}
+
+fn restore_with_one_reader(
+    cfg: &KafkaConfig,
+    store: &StateStore,
+    ps: &BTreeSet<i32>,
+    trust: &Trust,
+    applied: &Applied,
+) -> Result<BTreeMap<i32, Restored>, RestoreError> {
     let group = format!("{}-restore", cfg.gate_group);
     let deadline = Instant::now() + RESTORE_LIMIT;
-    let now_ms = chrono::Utc::now().timestamp_millis();
-    let (mut from, mut reason) = match store.resume_point(p, now_ms, trust)? {
-        Resume::From(next) => (Some(next), None),
-        Resume::Full(why) => {
-            if why != FullReason::NoLocalState {
-                warn!(
-                    partition = p,
-                    reason = why.label(),
-                    detail = ?why,
-                    local = ?store.changelog_next(p)?,
-                    "the local state of this partition is not known to be contiguous with its changelog: restoring it from the changelog's start"
-                );
-            }
-            (None, Some(why))
-        }
-    };
+    let mut f = Follower::new(cfg, &group, FollowMode::Restore)?;
+    for &p in ps {
+        f.start(store, p, trust)?;
+    }
+    let mut done = BTreeMap::new();
     loop {
-        let full = from.is_none();
-        if full {
-            store.wipe_partition(p)?;
-        }
-        applied.store(0, Ordering::Relaxed);
-        // Resuming, a position past the changelog's end means the changelog
-        // was recreated: what we hold is from another topic.
-        let consumer = match from {
-            Some(_) => kafka::resume_consumer(cfg, &group)?,
-            None => kafka::read_to_end_consumer(cfg, &group)?,
-        };
-        // From the start: at the log's first offset, asked for explicitly (a
-        // logical "beginning" cost about a second per partition here), and
-        // not read at all when the log holds nothing, not even an open
-        // transaction's records.
-        let start = match from {
-            Some(o) => o,
-            None => {
-                let (low, high) =
-                    consumer.fetch_watermarks(&cfg.topics.changelog, p, Duration::from_secs(30))?;
-                if low >= high {
-                    store.finish_restore(p, Some(high.max(0)))?;
-                    return Ok(Restored {
-                        records: 0,
-                        full,
-                        reason,
-                    });
-                }
-                low
-            }
-        };
-        let mut tpl = TopicPartitionList::new();
-        tpl.add_partition_offset(&cfg.topics.changelog, p, Offset::Offset(start))?;
-        consumer.assign(&tpl)?;
-        drop(tpl);
-        let mut buf = Vec::with_capacity(10_000);
-        let mut n = 0;
-        let mut next = start;
-        let end = kafka::read_to_end(&consumer, BTreeSet::from([p]), Some(deadline), |m| {
-            next = next.max(m.offset() + 1);
-            if let Some(k) = m.key() {
-                buf.push((k.to_vec(), m.payload().map(<[u8]>::to_vec)));
-            }
-            if buf.len() >= 10_000 {
-                n += store.apply_changelog(&buf)?;
-                applied.store(n, Ordering::Relaxed);
-                buf.clear();
-            }
-            Ok::<_, StateError>(())
-        })?;
-        drop(consumer);
-        match end {
-            kafka::ReadEnd::Reached => {
-                n += store.apply_changelog(&buf)?;
-                applied.store(n, Ordering::Relaxed);
-                store.finish_restore(p, Some(next))?;
-                return Ok(Restored {
-                    records: n,
-                    full,
-                    reason,
-                });
-            }
-            kafka::ReadEnd::TimedOut => {
-                return Err(RestoreError::Timeout {
-                    partition: p,
-                    limit: RESTORE_LIMIT,
-                });
-            }
-            // Only a resume reads with an out-of-range error: once from the
-            // start, the loop ends.
-            kafka::ReadEnd::OutOfRange => {
-                warn!(
-                    partition = p,
-                    local = ?from,
-                    "the changelog does not hold the offset the local state reflects (recreated?): restoring from its start"
+        let ready: Vec<i32> = f
+            .partitions()
+            .filter(|p| f.progress(*p).is_some_and(|g| g.caught_up))
+            .collect();
+        if !ready.is_empty() {
+            f.finish(store, &ready)?;
+            for p in ready {
+                let g = f.progress(p).expect("a partition being read");
+                f.stop(store, p)?;
+                done.insert(
+                    p,
+                    Restored {
+                        records: g.records,
+                        full: g.full.is_some(),
+                        reason: g.full,
+                        confirmed: if g.full.is_some() { 0 } else { g.confirmed },
+                    },
                 );
-                from = None;
-                reason = Some(FullReason::OutOfRange);
             }
         }
+        for p in f.partitions() {
+            if let Some(g) = f.progress(p) {
+                applied.set(p, g.records);
+            }
+        }
+        for (p, r) in &done {
+            applied.set(*p, r.records);
+        }
+        if done.len() == ps.len() {
+            return Ok(done);
+        }
+        if Instant::now() > deadline {
+            return Err(RestoreError::Timeout {
+                partition: f.partitions().next().unwrap_or(-1),
+                limit: RESTORE_LIMIT,
+            });
+        }
+        f.poll(store, Duration::from_millis(500))?;
     }
 }
 
@@ -181,6 +206,8 @@ pub struct Restored {
     pub full: bool,
     /// Why it did (None when it resumed).
     pub reason: Option<FullReason>,
+    /// Tails of applied batches confirmed on the changelog before resuming.
+    pub confirmed: usize,
 }
 
 /// What [`rebuild_state`] did.
@@ -229,7 +256,7 @@ pub fn rebuild_state(
             &store,
             p,
             &Trust::from_delete_retention(None),
-            &AtomicUsize::new(0),
+            &Applied::default(),
         )?
         .records;
         records += n;

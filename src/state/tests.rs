@@ -27,8 +27,31 @@ fn record(i: u64, phase: Phase, expires: i64) -> StepRecord {
     }
 }
 
-fn at(p: i32, next: i64) -> BTreeMap<i32, i64> {
-    BTreeMap::from([(p, next)])
+/// A batch that landed in partition `p` with its last changelog record at
+/// `next - 1`, committed by session 0's first producer.
+fn at(p: i32, next: i64) -> Landing {
+    landing(0, 0, &[(p, next - 1)])
+}
+
+/// A batch committed by `slot` of `session`, its last changelog record in
+/// each partition at the given offset.
+fn landing(session: u64, slot: usize, tails: &[(i32, i64)]) -> Landing {
+    Landing {
+        committer: Committer { session, slot },
+        tails: tails.iter().map(|&(p, o)| (p, tail(o))).collect(),
+    }
+}
+
+/// The tail of a record at `o` whose key is its offset.
+fn tail(o: i64) -> Tail {
+    Tail::of(o, Some(&o.to_be_bytes()), Some(b"v"))
+}
+
+fn from(next: i64, check: &[i64]) -> Resume {
+    Resume::From {
+        next,
+        check: check.iter().map(|&o| tail(o)).collect(),
+    }
 }
 
 #[test]
@@ -530,10 +553,10 @@ fn a_local_state_is_resumed_from_only_while_younger_than_the_tombstones() {
     s.apply(&b, &at(1, 7)).unwrap();
     let synced = s.synced_at(1).unwrap().expect("a committed batch sets it");
     assert!((synced - now).abs() < 60_000, "{synced} vs {now}");
-    assert_eq!(s.resume_point(1, now, &trust).unwrap(), Resume::From(7));
+    assert_eq!(s.resume_point(1, now, &trust).unwrap(), from(7, &[6]));
     assert_eq!(
         s.resume_point(1, synced + 3_599_000, &trust).unwrap(),
-        Resume::From(7)
+        from(7, &[6])
     );
     // Past the changelog's delete.retention.ms (less the margin): a tombstone
     // written after the offset may be gone.
@@ -550,9 +573,10 @@ fn a_local_state_is_resumed_from_only_while_younger_than_the_tombstones() {
     assert!(later >= synced);
     assert_eq!(
         s.resume_point(1, later + 1000, &trust).unwrap(),
-        Resume::From(9)
+        from(9, &[])
     );
-    // Without its sync time (removed after an unclean shutdown): its age is unknown.
+    // Without its sync time (an older version removed it after an unclean
+    // shutdown): its age is unknown.
     let mut wb = WriteBatch::default();
     wb.delete_cf(s.meta(), sync_key(1));
     s.db.write(wb).unwrap();
@@ -581,60 +605,95 @@ fn the_margin_under_delete_retention_leaves_small_retentions_untrusted() {
 }
 
 #[test]
-fn after_an_unclean_stop_no_partition_is_resumed_from() {
+fn after_an_unclean_stop_each_partition_resumes_once_its_last_batches_are_confirmed() {
     let dir = tempfile::tempdir().unwrap();
     let trust = Trust {
         max_age: Duration::from_secs(3600),
     };
     let now = || chrono::Utc::now().timestamp_millis();
+    let put = |s: &StateStore, p: i32, i: u64, l: &Landing| {
+        let mut b = Batch::default();
+        b.put_step(s, p, &record(i, Phase::Started, i64::MAX))
+            .unwrap();
+        s.apply(&b, l).unwrap();
+    };
     {
         let s = StateStore::open(dir.path()).unwrap();
         assert!(!s.begin_gate().unwrap(), "a new state");
-        let mut b = Batch::default();
-        b.put_step(&s, 0, &record(1, Phase::Started, i64::MAX))
-            .unwrap();
-        b.put_step(&s, 5, &record(2, Phase::Started, i64::MAX))
-            .unwrap();
-        s.apply(&b, &BTreeMap::from([(0, 3), (5, 4)])).unwrap();
-        s.end_gate().unwrap();
-    }
-    {
-        // Stopped gracefully: trusted.
-        let s = StateStore::open(dir.path()).unwrap();
-        assert!(!s.begin_gate().unwrap());
-        assert_eq!(s.resume_point(0, now(), &trust).unwrap(), Resume::From(3));
-        assert_eq!(s.resume_point(5, now(), &trust).unwrap(), Resume::From(4));
+        // A session's two producers take turns.
+        put(&s, 0, 1, &landing(7, 0, &[(0, 2), (5, 3)]));
+        put(&s, 0, 2, &landing(7, 1, &[(0, 5)]));
+        // Producer 0's next batch: its last one (0@2, 5@3) is settled.
+        put(&s, 0, 3, &landing(7, 0, &[(0, 8)]));
+        assert_eq!(s.unconfirmed(5).unwrap(), vec![]);
+        assert_eq!(s.unconfirmed(0).unwrap(), vec![tail(5), tail(8)]);
         // ... and then killed (no end_gate).
     }
     {
         let s = StateStore::open(dir.path()).unwrap();
         assert!(s.begin_gate().unwrap(), "the last stop was unclean");
-        for p in [0, 5] {
-            assert_eq!(
-                s.resume_point(p, now(), &trust).unwrap(),
-                Resume::Full(FullReason::UnknownAge)
-            );
-        }
-        // Partition 0 restored in this process is trusted from then on;
-        // partition 5 never was, and stays untrusted after a graceful stop.
-        s.wipe_partition(0).unwrap();
-        s.finish_restore(0, Some(3)).unwrap();
-        assert_eq!(s.resume_point(0, now(), &trust).unwrap(), Resume::From(3));
+        // Nothing is dropped: each partition resumes from its offset once
+        // the last batch of each producer is confirmed on its changelog.
+        assert_eq!(s.resume_point(0, now(), &trust).unwrap(), from(9, &[5, 8]));
+        assert_eq!(s.resume_point(5, now(), &trust).unwrap(), from(4, &[]));
+        // A new session's producers settle nothing of the old ones: those
+        // tails wait for a reader of the changelog.
+        put(&s, 5, 4, &landing(8, 0, &[(5, 10)]));
+        put(&s, 5, 5, &landing(8, 0, &[(5, 12)]));
+        assert_eq!(s.unconfirmed(0).unwrap(), vec![tail(5), tail(8)]);
+        assert_eq!(s.unconfirmed(5).unwrap(), vec![tail(12)]);
+        // A restore that confirmed them clears them; a wipe too.
+        s.finish_restore(0, Some(9)).unwrap();
+        assert_eq!(s.resume_point(0, now(), &trust).unwrap(), from(9, &[]));
+        s.wipe_partition(5).unwrap();
+        assert_eq!(s.unconfirmed(5).unwrap(), vec![]);
         s.end_gate().unwrap();
     }
-    let s = StateStore::open(dir.path()).unwrap();
-    assert!(!s.begin_gate().unwrap());
-    assert_eq!(s.resume_point(0, now(), &trust).unwrap(), Resume::From(3));
-    assert_eq!(
-        s.resume_point(5, now(), &trust).unwrap(),
-        Resume::Full(FullReason::UnknownAge)
-    );
+    {
+        let s = StateStore::open(dir.path()).unwrap();
+        assert!(!s.begin_gate().unwrap(), "stopped gracefully");
+        assert_eq!(s.resume_point(0, now(), &trust).unwrap(), from(9, &[]));
+    }
 }
 
-/// A compact changelog (`state.compact_changelog`) restores the same records
-/// and indexes as a named one, every field name of a step record has a number
-/// (a field added without one still works, written out in full), and a step
-/// record takes less than half the bytes.
+#[test]
+fn a_tail_is_confirmed_only_by_its_own_record_at_its_offset() {
+    let (a, b) = (tail(5), tail(9));
+    let key = |o: i64| o.to_be_bytes();
+    let seen = |c: &mut Confirming, o: i64| c.record(o, Some(&key(o)), Some(b"v"));
+    // Both seen, with their digests.
+    let mut c = Confirming::new(&[a, b]);
+    assert_eq!(c.start(20), 5);
+    for o in [5, 6, 9, 10] {
+        seen(&mut c, o);
+    }
+    assert_eq!(c.verdict(11), Verdict::Confirmed);
+    assert!(!c.pending());
+    // 5 skipped (aborted: a read_committed reader never returns it).
+    let mut c = Confirming::new(&[a, b]);
+    seen(&mut c, 6);
+    assert_eq!(c.verdict(11), Verdict::Refuted { offset: 5 });
+    // Another record at 9 (the log lost ours and reused the offset).
+    let mut c = Confirming::new(&[a, b]);
+    seen(&mut c, 5);
+    c.record(9, Some(&key(9)), Some(b"other"));
+    assert_eq!(c.verdict(11), Verdict::Refuted { offset: 9 });
+    // A tombstone is not the value.
+    let mut c = Confirming::new(&[b]);
+    c.record(9, Some(&key(9)), None);
+    assert_eq!(c.verdict(11), Verdict::Refuted { offset: 9 });
+    // The read ended past 9 without it: aborted.
+    let mut c = Confirming::new(&[a, b]);
+    seen(&mut c, 5);
+    assert!(c.pending());
+    assert_eq!(c.verdict(10), Verdict::Refuted { offset: 9 });
+    // The read ended at 9 (a transaction open below it): not known yet.
+    assert_eq!(c.verdict(9), Verdict::Unknown { offset: 9 });
+    // Nothing to confirm: resumes where the state ends.
+    assert_eq!(Confirming::new(&[]).start(20), 20);
+    assert_eq!(Confirming::new(&[]).verdict(0), Verdict::Confirmed);
+}
+
 #[test]
 fn a_compact_changelog_restores_what_a_named_one_does() {
     let r = full_record();

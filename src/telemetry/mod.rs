@@ -119,6 +119,8 @@ struct PartitionGauges {
     ready_since: prometheus::GaugeVec,
     restore_records: prometheus::IntGaugeVec,
     restore_seconds: prometheus::GaugeVec,
+    standby: prometheus::IntGaugeVec,
+    standby_lag: prometheus::IntGaugeVec,
     /// The partitions with series (the ones to zero when a session ends).
     seen: std::sync::Mutex<std::collections::BTreeSet<i32>>,
 }
@@ -153,6 +155,18 @@ impl PartitionGauges {
             restore_seconds: float(
                 "stepgate_partition_restore_seconds",
                 "How long the partition's current restore has run, or how long its last one took (0 when not owned).",
+            ),
+            standby: gauge_vec(
+                r,
+                "stepgate_partition_standby",
+                "1 while this gate keeps a warm, read-only copy of a partition another gate owns (gate.standby_replicas), else 0.",
+                l,
+            ),
+            standby_lag: gauge_vec(
+                r,
+                "stepgate_partition_standby_lag_records",
+                "How far this gate's standby copy of the partition is behind its changelog's end (records and transaction markers; every 15 s); 0 when caught up or not a standby.",
+                l,
             ),
             seen: Default::default(),
         }
@@ -819,6 +833,21 @@ impl Metrics {
         let now = chrono::Utc::now().timestamp_millis();
         self.partitions
             .set(partition, true, Some(now), records, took);
+    }
+
+    /// This gate keeps a standby copy of `partition` this far behind its
+    /// changelog's end (`Some`), or no longer keeps one (`None`).
+    pub fn standby(&self, partition: i32, lag: Option<i64>) {
+        let label = partition.to_string();
+        let l = &[label.as_str()];
+        self.partitions
+            .standby
+            .with_label_values(l)
+            .set(i64::from(lag.is_some()));
+        self.partitions
+            .standby_lag
+            .with_label_values(l)
+            .set(lag.unwrap_or(0).max(0));
     }
 
     /// The partition was revoked from this gate.

@@ -33,8 +33,11 @@ mod readme;
 mod reconcile;
 #[cfg(feature = "test-hooks")]
 mod recovery;
+#[cfg(feature = "test-hooks")]
+mod resume;
 mod secured;
 mod stale_disk;
+mod standby;
 mod tool_ledger;
 mod traces;
 mod trust;

@@ -274,12 +274,14 @@ async fn a_lost_disk_is_restored_from_the_changelog() {
 }
 
 /// Two gates in one group split the partitions; when one is killed its
-/// partitions move to the other, which restores them from the changelog, and
+/// partitions move to the other, which restores them from the changelog (no
+/// standby replicas here: `standby.rs` has the takeover from one), and
 /// deduplication holds across the move (and back again after a restart).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deduplication_holds_when_partitions_move_between_gates() {
     let mut s = Stack::new(StackOptions {
         session_timeout: "6s",
+        configure: |c| c.gate.standby_replicas = 0,
         ..StackOptions::default()
     })
     .await;

@@ -1115,6 +1115,29 @@ pub struct ScaleRow {
     pub state_memory: StateMemory,
     pub state_disk_mib: f64,
     pub problems: Vec<String>,
+    /// Failover at this size, when it ran.
+    pub failover: Option<Failover>,
+}
+
+/// Failover at a scale run's size (`scale`'s module text): restart on the
+/// same disk, and takeovers with and without a standby copy.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Failover {
+    /// `kafka.session_timeout`: how long a killed gate's partitions stay
+    /// assigned to it.
+    pub session_timeout_s: f64,
+    /// `kill -9`, then start → /readyz on the same disk.
+    pub restart_ready_s: f64,
+    /// Partitions that restart restored from the changelog's start.
+    pub restart_full_restores: f64,
+    /// kill -9 of one of two gates → the first answer on its partitions to a
+    /// step published after the kill, the other gate holding standby copies.
+    pub standby_resumed_s: Option<f64>,
+    /// The same without standby replicas.
+    pub cold_resumed_s: Option<f64>,
+    /// Records the heir restored when it took over, with and without.
+    pub standby_restored_records: f64,
+    pub cold_restored_records: f64,
 }
 
 #[cfg(test)]

@@ -1,16 +1,24 @@
 //! Scale of state: millions of completed step records written into the changelog
 //! the way the gate writes them (`Batch::put_step` + `Batch::changelog`), restored
-//! by a stepgate started on an empty state directory, then served.
+//! by a stepgate started on an empty state directory, then served. Then
+//! failover at that size (docs/design.md "Restart after a crash", "Standby
+//! replicas"), side by side: the gate `kill -9`ed and started again on the
+//! same disk (start → ready); and a second gate taking the killed gate's
+//! partitions over under a trickle of new steps (kill → first answer there to
+//! a step published after the kill), once with a standby copy of them
+//! (`gate.standby_replicas`, the default 1) and once without (`0`).
 
-use crate::report::{Row, ScaleRow, StateMemory};
-use crate::systems::{self, GroupWatch};
+use crate::report::{Failover, Row, ScaleRow, StateMemory};
+use crate::systems::{self, GroupWatch, Proc, StepgateSetup};
 use crate::workload::{self, Agent, Deliveries, Expect, Kind, Rng, Spec, TOOL};
 use crate::{Bench, ScaleOpts};
 use anyhow::Context as _;
 use rdkafka::ClientConfig;
 use rdkafka::producer::{BaseRecord, Producer, ThreadedProducer};
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use stepgate::contract::{Outcome, StepKey, ToolResult};
 use stepgate::state::{Batch, Phase, StateStore, StepRecord};
@@ -34,9 +42,24 @@ pub async fn run(bench: &Bench, opts: &ScaleOpts) -> anyhow::Result<Vec<ScaleRow
             row.intents_per_s
                 .map_or("n/a".into(), |r| format!("{r:.0}"))
         );
+        if let Some(f) = &row.failover {
+            eprintln!(
+                "   failover at {n} steps (session timeout {:.0} s): ready on an empty disk {:.1} s | after kill -9, same disk {:.1} s ({} full restores) | answers resumed on the killed gate's partitions by a second gate with a standby {} | without one {}",
+                f.session_timeout_s,
+                row.ready_s,
+                f.restart_ready_s,
+                f.restart_full_restores,
+                secs(f.standby_resumed_s),
+                secs(f.cold_resumed_s),
+            );
+        }
         rows.push(row);
     }
     Ok(rows)
+}
+
+fn secs(s: Option<f64>) -> String {
+    s.map_or("(no answer)".into(), |s| format!("{s:.1} s"))
 }
 
 async fn one(bench: &Bench, opts: &ScaleOpts, n: usize) -> anyhow::Result<ScaleRow> {
@@ -118,7 +141,8 @@ async fn one(bench: &Bench, opts: &ScaleOpts, n: usize) -> anyhow::Result<ScaleR
     tokio::time::sleep(Duration::from_secs(6)).await;
     let state_memory = StateMemory::read(setup.metrics().await.as_ref());
     let state_disk_mib = dir_bytes(&setup.state) as f64 / (1024.0 * 1024.0);
-    proc.stop(Duration::from_secs(60)).await?;
+    // The workload's tool calls, before the failover's trickle adds its own.
+    let invocations = bench.tool.take();
 
     let t0 = agent.first_sent(0..specs.len()).context("nothing sent")?;
     let flood_s = last.duration_since(t0).as_secs_f64();
@@ -153,9 +177,18 @@ async fn one(bench: &Bench, opts: &ScaleOpts, n: usize) -> anyhow::Result<ScaleR
         problems: Vec::new(),
     };
     let new_steps = specs.iter().filter(|s| s.kind == Kind::First).count();
-    check.check(Expect::StepLog, new_steps, &bench.tool.take());
+    check.check(Expect::StepLog, new_steps, &invocations);
     let flood_latency = agent.latency(0..specs.len());
+    // The workload is checked: the failover's trickle answers on the same
+    // results topic match none of its intents.
     drop(agent);
+    let failover = match failover(bench, &setup, &dir, proc).await {
+        Ok(f) => Some(f),
+        Err(e) => {
+            eprintln!("   failover run failed: {e:#}");
+            None
+        }
+    };
     if !c.keep {
         systems::delete_topics(&c.brokers, &setup.topics()).await;
         let _ = std::fs::remove_dir_all(&dir);
@@ -180,7 +213,338 @@ async fn one(bench: &Bench, opts: &ScaleOpts, n: usize) -> anyhow::Result<ScaleR
         state_memory,
         state_disk_mib,
         problems: check.problems,
+        failover,
     })
+}
+
+async fn failover(
+    bench: &Bench,
+    setup: &StepgateSetup,
+    dir: &Path,
+    mut a: Proc,
+) -> anyhow::Result<Failover> {
+    let c = &bench.common;
+    let session_timeout_s = stepgate::config::Config::load(Some(&setup.config), Vec::new())
+        .map(|k| k.kafka.session_timeout.0.as_secs_f64())
+        .unwrap_or(f64::NAN);
+    // 1. kill -9, and start again on the same disk.
+    eprintln!("   failover: kill -9 and restart on the same disk");
+    a.kill9().await;
+    let mut a = setup.spawn(&bench.stepgate, &dir.join("process-restart.log"))?;
+    let restart_ready_s = a
+        .wait_http_ready(&setup.ready_url(), Duration::from_secs(3600))
+        .await?
+        .as_secs_f64();
+    let restart_full_restores = setup
+        .metrics()
+        .await
+        .map_or(f64::NAN, |m| m.sum("stepgate_state_full_restores_total"));
+
+    let trickle = Trickle::start(
+        &c.brokers,
+        &setup_topic(setup, "intents")?,
+        &setup_topic(setup, "results")?,
+        c.partitions,
+    )?;
+
+    // 2. A second gate with standby copies (the default) takes over.
+    eprintln!("   failover: a second gate joins, keeps standby copies, and takes over");
+    let b = other(setup, dir, "b", 1, None)?;
+    let (standby_resumed_s, standby_restored_records) =
+        take_over(bench, setup, a, &b, &trickle, true).await?;
+    // 3. Again without standbys: the victim on its disk, an heir on an empty one.
+    eprintln!("   failover: again without standby replicas");
+    let a0 = other(setup, dir, "a0", 0, Some(setup))?;
+    let a = a0.spawn(&bench.stepgate, &dir.join("process-a0.log"))?;
+    let c0 = other(setup, dir, "c0", 2, None)?;
+    c0.add_keys("gate", &["standby_replicas = 0".into()])?;
+    let (cold_resumed_s, cold_restored_records) =
+        take_over(bench, &a0, a, &c0, &trickle, false).await?;
+    trickle.stop();
+    Ok(Failover {
+        session_timeout_s,
+        restart_ready_s,
+        restart_full_restores,
+        standby_resumed_s,
+        cold_resumed_s,
+        standby_restored_records,
+        cold_restored_records,
+    })
+}
+
+/// Another gate of the deployment: instance `-{instance}`, its own HTTP port
+/// and state directory (`name`), or `victim`'s state directory and instance.
+fn other(
+    setup: &StepgateSetup,
+    dir: &Path,
+    name: &str,
+    instance: usize,
+    victim: Option<&StepgateSetup>,
+) -> anyhow::Result<StepgateSetup> {
+    let text = std::fs::read_to_string(&setup.config)?;
+    let sub = dir.join(name);
+    std::fs::create_dir_all(&sub)?;
+    let http = format!(
+        "127.0.0.1:{}",
+        std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port()
+    );
+    let state = match victim {
+        Some(v) => v.state.clone(),
+        None => sub.join("state"),
+    };
+    let mut out = String::new();
+    for line in text.lines() {
+        let l = line.trim_start();
+        if l.starts_with("instance_id = ") && victim.is_none() {
+            let id = l.trim_start_matches("instance_id = ").trim_matches('"');
+            let base = id.rsplit_once('-').map_or(id, |(b, _)| b);
+            out.push_str(&format!("instance_id = \"{base}-{instance}\"\n"));
+        } else if l.starts_with("path = ") {
+            out.push_str(&format!("path = \"{}\"\n", state.display()));
+        } else if l.starts_with("listen = ") {
+            out.push_str(&format!("listen = \"{http}\"\n"));
+        } else if l.starts_with("level = ") {
+            // What a takeover did (fenced, restored, from where) is logged at info.
+            out.push_str("level = \"info\"\n");
+        } else {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    let config = sub.join("stepgate.toml");
+    std::fs::write(&config, out)?;
+    let s = StepgateSetup {
+        config,
+        http,
+        state,
+        remote_executor: false,
+        commit_interval: None,
+    };
+    if victim.is_some() {
+        s.add_keys("gate", &["standby_replicas = 0".into()])?;
+    }
+    Ok(s)
+}
+
+fn setup_topic(setup: &StepgateSetup, which: &str) -> anyhow::Result<String> {
+    let c = stepgate::config::Config::load(Some(&setup.config), Vec::new())?;
+    Ok(match which {
+        "intents" => c.kafka.topics.intents,
+        _ => c.kafka.topics.results,
+    })
+}
+
+/// `victim` runs; `heir` joins; once the heir is ready (and, `warm`, holds
+/// caught-up standby copies of the victim's partitions) the victim is
+/// killed. Returns (kill → first answer on its partitions to a step
+/// published after the kill, records the heir restored meanwhile).
+async fn take_over(
+    bench: &Bench,
+    victim_setup: &StepgateSetup,
+    mut victim: Proc,
+    heir_setup: &StepgateSetup,
+    trickle: &Trickle,
+    warm: bool,
+) -> anyhow::Result<(Option<f64>, f64)> {
+    victim
+        .wait_http_ready(&victim_setup.ready_url(), Duration::from_secs(3600))
+        .await?;
+    let log = heir_setup.config.with_file_name("process.log");
+    let mut heir = heir_setup.spawn(&bench.stepgate, &log)?;
+    heir.wait_http_ready(&heir_setup.ready_url(), Duration::from_secs(3600))
+        .await?;
+    // Both serve: the victim's partitions are those the heir does not own.
+    let deadline = Instant::now() + Duration::from_secs(3600);
+    let theirs = loop {
+        let (v, h) = (
+            gauge(victim_setup, "stepgate_partition_ready").await,
+            gauge(heir_setup, "stepgate_partition_ready").await,
+        );
+        let mine: BTreeSet<i32> = v
+            .iter()
+            .filter(|(_, r)| **r >= 1.0)
+            .map(|(p, _)| *p)
+            .collect();
+        let heirs: BTreeSet<i32> = h
+            .iter()
+            .filter(|(_, r)| **r >= 1.0)
+            .map(|(p, _)| *p)
+            .collect();
+        let standby_ok = if warm {
+            let sb = gauge(heir_setup, "stepgate_partition_standby").await;
+            let lag = gauge(heir_setup, "stepgate_partition_standby_lag_records").await;
+            mine.iter()
+                .all(|p| sb.get(p) == Some(&1.0) && lag.get(p) == Some(&0.0))
+        } else {
+            true
+        };
+        let all =
+            mine.union(&heirs).count() == usize::try_from(bench.common.partitions).unwrap_or(0);
+        if !mine.is_empty() && !heirs.is_empty() && mine.is_disjoint(&heirs) && all && standby_ok {
+            break mine;
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the two gates never split the partitions"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    let before = heir_setup
+        .metrics()
+        .await
+        .map_or(0.0, |m| m.sum("stepgate_state_restored_records_total"));
+    // Steps are flowing to every partition.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let killed = Instant::now();
+    victim.kill9().await;
+    let resumed = loop {
+        if let Some(d) = trickle.first_answer_after(killed, &theirs) {
+            break Some(d.as_secs_f64());
+        }
+        if killed.elapsed() > Duration::from_secs(600) {
+            break None;
+        }
+        heir.check_alive()?;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let after = heir_setup
+        .metrics()
+        .await
+        .map_or(0.0, |m| m.sum("stepgate_state_restored_records_total"));
+    heir.stop(Duration::from_secs(60)).await?;
+    Ok((resumed, after - before))
+}
+
+/// A per-partition gauge of a gate's /metrics.
+async fn gauge(setup: &StepgateSetup, name: &str) -> BTreeMap<i32, f64> {
+    let Some(m) = setup.metrics().await else {
+        return BTreeMap::new();
+    };
+    let prefix = format!("{name}{{partition=\"");
+    m.0.lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix(&prefix)?;
+            let (p, v) = rest.split_once("\"} ")?;
+            Some((p.parse().ok()?, v.trim().parse().ok()?))
+        })
+        .collect()
+}
+
+/// New steps on every partition, a few hundred a second, and when each was
+/// answered: a gate's partitions are served again when a step published
+/// after it was killed is answered there.
+struct Trickle {
+    sent: Arc<Mutex<Vec<(Instant, i32)>>>,
+    answered: Arc<Mutex<BTreeMap<usize, Instant>>>,
+    stop: Arc<AtomicBool>,
+}
+
+const TRICKLE_PER_S: u64 = 200;
+
+impl Trickle {
+    fn start(
+        brokers: &str,
+        intents: &str,
+        results: &str,
+        partitions: i32,
+    ) -> anyhow::Result<Trickle> {
+        use rdkafka::consumer::{BaseConsumer, Consumer};
+        use rdkafka::message::Message;
+        let producer: ThreadedProducer<Deliveries> = ClientConfig::new()
+            .set("bootstrap.servers", brokers)
+            .set("linger.ms", "0")
+            .set("acks", "all")
+            .create_with_context(Deliveries::default())?;
+        let consumer: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", brokers)
+            .set("group.id", format!("{results}-failover-reader"))
+            .set("enable.auto.commit", "false")
+            .set("isolation.level", "read_committed")
+            .set("fetch.wait.max.ms", "5")
+            .create()?;
+        let mut tpl = rdkafka::TopicPartitionList::new();
+        for p in 0..partitions {
+            tpl.add_partition_offset(results, p, rdkafka::Offset::End)?;
+        }
+        consumer.assign(&tpl)?;
+        let t = Trickle {
+            sent: Default::default(),
+            answered: Default::default(),
+            stop: Default::default(),
+        };
+        let (answered, stop) = (t.answered.clone(), t.stop.clone());
+        std::thread::spawn(move || {
+            #[derive(serde::Deserialize)]
+            struct A<'a> {
+                #[serde(borrow)]
+                call_id: Option<&'a str>,
+            }
+            while !stop.load(Ordering::Relaxed) {
+                if let Some(Ok(m)) = consumer.poll(Duration::from_millis(100)) {
+                    let at = Instant::now();
+                    let n = m
+                        .payload()
+                        .and_then(|p| serde_json::from_slice::<A>(p).ok())
+                        .and_then(|a| a.call_id?.strip_prefix("fo-")?.parse::<usize>().ok());
+                    if let Some(n) = n {
+                        answered
+                            .lock()
+                            .expect("not poisoned")
+                            .entry(n)
+                            .or_insert(at);
+                    }
+                }
+            }
+        });
+        let (sent, stop, topic) = (t.sent.clone(), t.stop.clone(), intents.to_owned());
+        std::thread::spawn(move || {
+            let started = Instant::now();
+            let mut n = 0usize;
+            while !stop.load(Ordering::Relaxed) {
+                let wf = format!("fo-w{}", n % 1000);
+                let p = workload::partition_of(&wf, partitions);
+                let body = format!(
+                    r#"{{"workflow_id":"{wf}","step_index":{step},"tool":"{TOOL}","arguments":{{"n":{n}}},"call_id":"fo-{n}"}}"#,
+                    step = n / 1000
+                );
+                sent.lock().expect("not poisoned").push((Instant::now(), p));
+                let rec = BaseRecord::to(&topic)
+                    .key(wf.as_str())
+                    .payload(body.as_str())
+                    .partition(p);
+                if workload::send_waiting(&producer, rec).is_err() {
+                    break;
+                }
+                n += 1;
+                let due = started + Duration::from_micros(n as u64 * 1_000_000 / TRICKLE_PER_S);
+                if let Some(wait) = due.checked_duration_since(Instant::now()) {
+                    std::thread::sleep(wait);
+                }
+            }
+            let _ = producer.flush(Duration::from_secs(10));
+        });
+        Ok(t)
+    }
+
+    /// Kill → the first answer to a step of `parts` published after the kill.
+    fn first_answer_after(&self, killed: Instant, parts: &BTreeSet<i32>) -> Option<Duration> {
+        let sent = self.sent.lock().expect("not poisoned");
+        let answered = self.answered.lock().expect("not poisoned");
+        answered
+            .iter()
+            .filter(|(n, _)| {
+                sent.get(**n)
+                    .is_some_and(|(at, p)| *at >= killed && parts.contains(p))
+            })
+            .map(|(_, at)| at.duration_since(killed))
+            .min()
+    }
+
+    fn stop(&self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
 }
 
 /// The step key of loaded record `i`: ten steps per workflow.

@@ -145,6 +145,12 @@ impl Proc {
         (kb("VmRSS:"), kb("VmHWM:"))
     }
 
+    /// SIGKILL (no clean-up: a crash), and wait until it is gone.
+    pub async fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
     /// SIGTERM, then wait; SIGKILL after `limit`.
     pub async fn stop(mut self, limit: Duration) -> anyhow::Result<()> {
         signal(self.pid, "TERM");

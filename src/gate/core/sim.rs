@@ -169,6 +169,9 @@ type ChangelogRecord = (Vec<u8>, Option<Vec<u8>>);
 /// changelog (the source of truth every restore reads).
 #[derive(Default)]
 struct Kafka {
+    /// Per partition, changelog offsets of aborted records: they take their
+    /// offsets, and a read_committed reader never returns them.
+    aborted: BTreeMap<i32, BTreeSet<usize>>,
     logs: BTreeMap<(Topic, i32), Vec<Vec<u8>>>,
     committed: BTreeMap<(Topic, i32), i64>,
     /// Per intents partition, the `applied` mark committed with its offset
@@ -245,6 +248,7 @@ impl Pending {
 
 struct Sealed {
     batch: Arc<Batch>,
+    committer: crate::state::Committer,
     evs: Vec<Ev>,
     next: BTreeMap<(Topic, i32), i64>,
     /// Per intents partition, the applied mark this batch commits.
@@ -273,6 +277,9 @@ struct Proc {
     progress_end: BTreeMap<i32, i64>,
     open: Pending,
     committing: Option<Sealed>,
+    /// This session's producers (`state::Committer`), taking turns.
+    session: u64,
+    turn: usize,
     /// Since when (simulated ms) a batch has been open or committing.
     pending_since: Option<i64>,
     backlog: Vec<Finished>,
@@ -337,6 +344,13 @@ struct Counts {
     crashes: u64,
     rebalances: u64,
     failed_commits: u64,
+    /// Commits the broker acknowledged and lost (aborted after they were
+    /// applied locally).
+    lost_markers: u64,
+    /// Restores that resumed from the local offset (their tails confirmed),
+    /// and those that found a tail not on the changelog (and started over).
+    resumed: u64,
+    refuted: u64,
 }
 
 impl Counts {
@@ -359,6 +373,9 @@ impl Counts {
         self.crashes += o.crashes;
         self.rebalances += o.rebalances;
         self.failed_commits += o.failed_commits;
+        self.lost_markers += o.lost_markers;
+        self.resumed += o.resumed;
+        self.refuted += o.refuted;
     }
 }
 
@@ -481,9 +498,18 @@ fn new_proc(name: char, store: StateStore, config: &Config, seed: u64) -> Proc {
         progress_end: BTreeMap::new(),
         open: Pending::default(),
         committing: None,
+        session: next_session(),
+        turn: 0,
         pending_since: None,
         backlog: Vec::new(),
     }
+}
+
+/// A process-wide session number: the simulation's stores outlive a seed,
+/// and a store's producers of one session must never be taken for another's.
+fn next_session() -> u64 {
+    static SESSIONS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    SESSIONS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 fn state_err(e: StateError) -> String {
@@ -674,6 +700,8 @@ impl World {
                     Land::Abort
                 } else if roll < k.failed_commit_pct {
                     Land::LostReply
+                } else if roll < k.failed_commit_pct + k.lost_marker_pct {
+                    Land::LostMarker
                 } else {
                     Land::Ok
                 };
@@ -923,22 +951,97 @@ impl World {
         Ok(())
     }
 
-    /// Bring a partition's state up to the changelog's end and load it.
+    /// Bring a partition's state up to the changelog's end and load it: as
+    /// `state::restore_partition` reads, from the local offset once the
+    /// tails of the batches applied last are confirmed on the changelog (as
+    /// a read_committed reader sees it), from the start otherwise.
     fn restore(&mut self, x: usize, p: i32) -> Check {
         let log = self.kafka.changelog.entry(p).or_default();
+        let aborted = self.kafka.aborted.entry(p).or_default();
+        let visible = |from: usize| -> Vec<ChangelogRecord> {
+            (from..log.len())
+                .filter(|o| !aborted.contains(o))
+                .map(|o| log[o].clone())
+                .collect()
+        };
         let pr = &mut self.procs[x];
-        let from = pr.store.changelog_next(p).map_err(state_err)?;
+        let trust = crate::state::Trust {
+            max_age: std::time::Duration::from_secs(86_400),
+        };
+        let resume = pr
+            .store
+            .resume_point(p, chrono::Utc::now().timestamp_millis(), &trust)
+            .map_err(state_err)?;
+        let mut refuted = None;
+        let from = match resume {
+            crate::state::Resume::From { next, check }
+                if next >= 0 && next as usize <= log.len() =>
+            {
+                let mut c = crate::state::Confirming::new(&check);
+                let start = c.start(next).max(0) as usize;
+                for (o, (key, value)) in log.iter().enumerate().skip(start) {
+                    if !aborted.contains(&o) {
+                        c.record(o as i64, Some(key), value.as_deref());
+                    }
+                }
+                match c.verdict(log.len() as i64) {
+                    crate::state::Verdict::Confirmed => {
+                        self.counts.resumed += 1;
+                        Some(next as usize)
+                    }
+                    v => {
+                        self.counts.refuted += 1;
+                        refuted = Some(format!(
+                            "{}: p{p} holds a batch the changelog does not ({v:?}): restored from the start",
+                            pr.name
+                        ));
+                        None
+                    }
+                }
+            }
+            _ => None,
+        };
         let start = match from {
-            Some(n) if n >= 0 && (n as usize) <= log.len() => n as usize,
-            _ => {
+            Some(n) => n,
+            None => {
                 pr.store.wipe_partition(p).map_err(state_err)?;
                 0
             }
         };
-        pr.store.apply_changelog(&log[start..]).map_err(state_err)?;
+        pr.store
+            .apply_changelog(&visible(start))
+            .map_err(state_err)?;
         pr.store
             .finish_restore(p, Some(log.len() as i64))
             .map_err(state_err)?;
+        // Invariant 3: the restored state is exactly the changelog's committed
+        // records, folded — never ahead, never holding an aborted batch.
+        let mut folded: BTreeMap<Vec<u8>, Vec<u8>> = BTreeMap::new();
+        for (k, v) in visible(0) {
+            match v {
+                Some(v) => folded.insert(k, v),
+                None => folded.remove(&k),
+            };
+        }
+        let held: BTreeMap<Vec<u8>, Vec<u8>> = pr
+            .store
+            .logged_records(p)
+            .map_err(state_err)?
+            .into_iter()
+            .collect();
+        if held != folded {
+            let extra = held.keys().filter(|k| !folded.contains_key(*k)).count();
+            return Err(format!(
+                "{}: p{p}'s restored state is not its changelog's committed records ({} held, {} on the changelog, {extra} held that the changelog does not have)",
+                pr.name,
+                held.len(),
+                folded.len(),
+            ));
+        }
+        if let Some(what) = refuted {
+            self.note(what);
+        }
+        let pr = &mut self.procs[x];
         pr.core.set_intent_partitions(PARTITIONS);
         let applied = self
             .kafka
@@ -1045,6 +1148,7 @@ impl World {
         }
         self.note(format!("{}: session restarts", self.procs[x].name));
         let pr = &mut self.procs[x];
+        pr.session = next_session();
         pr.core.reset();
         let open = std::mem::take(&mut pr.open);
         pr.backlog.extend(open.outcomes);
@@ -1163,6 +1267,7 @@ impl World {
         let seed = self.rng.next();
         let pr = &mut self.procs[x];
         pr.core = seeded_core(&self.config, seed);
+        pr.session = next_session();
         pr.alive = true;
         pr.stopping = false;
         pr.open = Pending::default();
@@ -1468,8 +1573,15 @@ impl World {
         }
         let batch = Arc::new(o.batch);
         pr.open = Pending::on_top_of(Some(batch.clone()));
+        // As `gate::commit::Producers`: a session's two producers take turns.
+        pr.turn = (pr.turn + 1) % 2;
+        let committer = crate::state::Committer {
+            session: pr.session,
+            slot: pr.turn,
+        };
         pr.committing = Some(Sealed {
             batch,
+            committer,
             evs: o.evs,
             next: o.next,
             applied,
@@ -1478,9 +1590,29 @@ impl World {
         });
     }
 
+    /// The changelog records of a transaction whose commit marker the broker
+    /// lost: they take their offsets, aborted (the next session ends the
+    /// hanging transaction by aborting it); nothing else of it is kept.
+    /// Returns the tails the gate, told it committed, applies it with.
+    fn broker_loses(&mut self, s: &Sealed) -> BTreeMap<i32, crate::state::Tail> {
+        let mut tails = BTreeMap::new();
+        for e in s.batch.changelog() {
+            let log = self.kafka.changelog.entry(e.partition).or_default();
+            let o = log.len();
+            tails.insert(
+                e.partition,
+                crate::state::Tail::of(o as i64, Some(&e.key), e.value.as_deref()),
+            );
+            log.push((e.key, e.value));
+            self.kafka.aborted.entry(e.partition).or_default().insert(o);
+        }
+        tails
+    }
+
     /// What the broker keeps of a committed transaction, and what the agents
-    /// and the model see of it.
-    fn broker_commit(&mut self, s: &Sealed) -> Result<BTreeMap<i32, i64>, String> {
+    /// and the model see of it. Returns its last changelog record in each
+    /// partition.
+    fn broker_commit(&mut self, s: &Sealed) -> Result<BTreeMap<i32, crate::state::Tail>, String> {
         let mut next = BTreeMap::new();
         for e in s.batch.changelog() {
             if let Some((_, step, record)) =
@@ -1492,8 +1624,11 @@ impl World {
                 };
             }
             let log = self.kafka.changelog.entry(e.partition).or_default();
+            next.insert(
+                e.partition,
+                crate::state::Tail::of(log.len() as i64, Some(&e.key), e.value.as_deref()),
+            );
             log.push((e.key, e.value));
-            next.insert(e.partition, log.len() as i64);
         }
         for (&k, &o) in &s.next {
             let c = self.kafka.committed.entry(k).or_insert(0);
@@ -1527,12 +1662,43 @@ impl World {
                 _ => None,
             })
             .collect();
+        if fate == Land::LostMarker {
+            // Acknowledged, so applied, and then aborted. What the gate does
+            // next is mend it in the process (`gate::lost`, not simulated:
+            // the simulation starts none of its calls, which a lost
+            // `started` would leave unguarded) — unless it crashes first, or
+            // the mend gives up: either way this state must not be trusted.
+            self.counts.lost_markers += 1;
+            let tails = self.broker_loses(&s);
+            let pr = &mut self.procs[x];
+            let landing = crate::state::Landing {
+                committer: s.committer,
+                tails,
+            };
+            pr.store.apply(&s.batch, &landing).map_err(state_err)?;
+            pr.core.commit_unknown(invokes);
+            pr.backlog.extend(s.outcomes);
+            if self.rng.chance(50) {
+                self.note(format!(
+                    "{name}: batch acknowledged, applied, its marker lost; crashes before mending it"
+                ));
+                return self.kill(x);
+            }
+            self.note(format!(
+                "{name}: batch acknowledged, applied, its marker lost; the mend gives up"
+            ));
+            return self.restart_session(x);
+        }
         if fate != Land::Abort {
             let next = self.broker_commit(&s)?;
             if fate == Land::Ok {
                 self.note(format!("{name}: batch committed"));
                 let pr = &mut self.procs[x];
-                pr.store.apply(&s.batch, &next).map_err(state_err)?;
+                let landing = crate::state::Landing {
+                    committer: s.committer,
+                    tails: next,
+                };
+                pr.store.apply(&s.batch, &landing).map_err(state_err)?;
                 pr.open.batch.detach();
                 for (&p, &a) in &s.applied {
                     if let Some(mark) = pr.applied.get_mut(&p) {
@@ -2019,6 +2185,8 @@ struct Knobs {
     session_lost: u64,
     /// Percent of commits that fail (half aborted, half landed unbeknown).
     failed_commit_pct: u64,
+    /// Percent of commits the broker acknowledges and then loses.
+    lost_marker_pct: u64,
     /// Percent of clock ticks that jump 5–35 s (past every deadline).
     long_tick_pct: u64,
 }
@@ -2032,6 +2200,7 @@ impl Knobs {
             session_lost: rng.below(3),
             failed_commit_pct: rng.below(16),
             long_tick_pct: 2 + rng.below(20),
+            lost_marker_pct: rng.below(6),
         }
     }
 }
@@ -2043,6 +2212,9 @@ enum Land {
     Abort,
     /// Committed, but the reply was lost: the process takes it for failed.
     LostReply,
+    /// Acknowledged, then lost by the broker (its marker): the process
+    /// applied it, Kafka aborted it.
+    LostMarker,
 }
 
 fn outcome_label(o: &Outcome) -> String {
@@ -2160,7 +2332,7 @@ fn the_gate_keeps_the_contract_under_random_schedules() {
     let keep_going = std::env::var_os("STEPGATE_SIM_KEEP_GOING").is_some();
     let (counts, failure) = run_seeds(seeds.iter().copied(), steps, keep_going);
     let summary = format!(
-        "gate simulation: {} seeds × {steps} steps ({} steps in all) in {:.1?}: {} intents, {} invocations, {} outcomes ({} of an older dispatch, {} not invoked, {} before their deferred step's intent was re-read, {} handed over to a deferred step, {} of an earlier reading refused), {} forged reports refused, {} intents re-read below the applied mark, {} answers ({} at once), {} operator commands, {} crashes, {} rebalances, {} failed commits; contract carries not_invoked: {}, command run: {}",
+        "gate simulation: {} seeds × {steps} steps ({} steps in all) in {:.1?}: {} intents, {} invocations, {} outcomes ({} of an older dispatch, {} not invoked, {} before their deferred step's intent was re-read, {} handed over to a deferred step, {} of an earlier reading refused), {} forged reports refused, {} intents re-read below the applied mark, {} answers ({} at once), {} operator commands, {} crashes, {} rebalances, {} failed commits, {} commits acknowledged and lost; {} restores resumed from the local offset, {} started over for a batch not on the changelog; contract carries not_invoked: {}, command run: {}",
         counts.seeds,
         counts.steps,
         started.elapsed(),
@@ -2180,6 +2352,9 @@ fn the_gate_keeps_the_contract_under_random_schedules() {
         counts.crashes,
         counts.rebalances,
         counts.failed_commits,
+        counts.lost_markers,
+        counts.resumed,
+        counts.refuted,
         support.not_invoked,
         support.command_run,
     );

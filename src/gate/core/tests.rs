@@ -8,7 +8,6 @@ use crate::contract::{
 };
 use crate::state::Batch;
 use serde_json::json;
-use std::collections::BTreeMap;
 
 const CONFIG: &str = r#"
 [state]
@@ -92,7 +91,9 @@ impl Fixture {
     /// leave the core's hands (to an invoker, or to one that is gone: a test
     /// that keeps a call running here says so with `finished`/`invoked`).
     fn commit(&mut self, batch: Batch) {
-        self.store.apply(&batch, &BTreeMap::new()).unwrap();
+        self.store
+            .apply(&batch, &crate::state::Landing::default())
+            .unwrap();
         self.core.awaiting_commit.clear();
     }
 
@@ -748,7 +749,9 @@ fn a_purge_backlog_is_taken_in_chunks_each_past_the_last() {
             more: true
         }
     );
-    f.store.apply(&first, &BTreeMap::new()).unwrap();
+    f.store
+        .apply(&first, &crate::state::Landing::default())
+        .unwrap();
     second.detach();
     f.commit(second);
     let mut third = Batch::default();
@@ -928,7 +931,9 @@ fn a_commit_slower_than_the_deadline_never_turns_its_call_into_doubt() {
     f.core.on_deadlines(&f.store, &mut later, 3001).unwrap();
     assert!(results(&f.core.take_outs()).is_empty());
     // It lands; the call starts here and reports.
-    f.store.apply(&b, &BTreeMap::new()).unwrap();
+    f.store
+        .apply(&b, &crate::state::Landing::default())
+        .unwrap();
     f.core.invoked(0, &call);
     let r = results(&f.outcome(&call, Outcome::Ok { output: json!(1) }, 9000));
     assert_eq!(r[0].status, Status::Ok);

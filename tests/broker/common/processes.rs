@@ -115,6 +115,33 @@ impl Gate {
     pub async fn metric(&self, name: &str) -> Option<f64> {
         metric_sum(&self.http, name).await
     }
+
+    /// A per-partition gauge from /metrics: partition → value.
+    pub async fn per_partition(&self, name: &str) -> std::collections::BTreeMap<i32, f64> {
+        let Ok(r) = reqwest::get(format!("http://{}/metrics", self.http)).await else {
+            return Default::default();
+        };
+        let text = r.text().await.unwrap_or_default();
+        let prefix = format!("{name}{{partition=\"");
+        text.lines()
+            .filter_map(|l| {
+                let rest = l.strip_prefix(&prefix)?;
+                let (p, v) = rest.split_once("\"} ")?;
+                Some((p.parse().ok()?, v.trim().parse().ok()?))
+            })
+            .collect()
+    }
+
+    /// The partitions this gate keeps a standby copy of
+    /// (`gate.standby_replicas`).
+    pub async fn standbys(&self) -> BTreeSet<i32> {
+        self.per_partition("stepgate_partition_standby")
+            .await
+            .into_iter()
+            .filter(|(_, v)| *v >= 1.0)
+            .map(|(p, _)| p)
+            .collect()
+    }
 }
 
 impl Drop for Gate {
