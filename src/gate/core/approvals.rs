@@ -211,15 +211,20 @@ impl GateCore {
             return Ok(false);
         };
         let expired_at = hold.expires_at_ms.map(|t| timestamp(at(t)));
-        let expired = |now_or_then: &str| {
-            format!(
-                "`{action}` of {step} refused: the call's approval expired at {} (after {}) {now_or_then}: it was answered `approval_expired` and nothing ran. A new call of the tool asks for approval again.",
+        let expired_before = record.phase == Phase::Completed && hold.told(EXPIRED);
+        let expires_now = record.phase == Phase::AwaitingApproval
+            && hold.expires_at_ms.is_some_and(|e| ax.now_ms >= e);
+        if expires_now {
+            // Its time passed before this decision was read: it expires now,
+            // in this transaction, and the decision comes too late.
+            self.expire(ax, p, record.clone())?;
+        }
+        if expired_before || expires_now {
+            let problem = format!(
+                "`{action}` of {step} refused: the call's approval expired at {} (after {}) before this decision was read: it was answered `approval_expired` and nothing ran. A new call of the tool asks for approval again.",
                 expired_at.as_deref().unwrap_or("?"),
                 hold.ttl.as_deref().unwrap_or("?")
-            )
-        };
-        if record.phase == Phase::Completed && hold.told(EXPIRED) {
-            let problem = expired("before this decision was read");
+            );
             self.refuse(
                 input,
                 command,
@@ -231,20 +236,6 @@ impl GateCore {
         }
         if record.phase != Phase::AwaitingApproval {
             return Ok(false);
-        }
-        if hold.expires_at_ms.is_some_and(|e| ax.now_ms >= e) {
-            // Its time passed before this decision was read: it expires now,
-            // in this transaction, and the decision comes too late.
-            self.expire(ax, p, record.clone())?;
-            let problem = expired("before this decision was read");
-            self.refuse(
-                input,
-                command,
-                RejectionReason::ApprovalExpired,
-                problem,
-                ax.now_ms,
-            );
-            return Ok(true);
         }
         let sender = record
             .metadata
