@@ -375,10 +375,10 @@ export class KafkaClient implements Transport {
     this.#waiting.clear();
     for (const set of waiting) for (const w of set) w.settle(new StepgateClosed("the client was closed while the call waited"));
     await new Promise<void>((r) => this.#producer.flush(5_000, () => r()));
-    await Promise.all([
-      new Promise<void>((r) => this.#producer.disconnect(() => r())),
-      new Promise<void>((r) => this.#consumer.disconnect(() => r())),
-    ]);
+    // One handle after the other: librdkafka destroying the producer and the
+    // consumer at the same time has been seen to hang in the consumer's destroy.
+    await new Promise<void>((r) => this.#producer.disconnect(() => r()));
+    await new Promise<void>((r) => this.#consumer.disconnect(() => r()));
   }
 }
 
