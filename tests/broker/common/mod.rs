@@ -1121,6 +1121,26 @@ pub fn intent(wf: &str, step: u64, tool: &str, args: Value, call_id: &str) -> Va
 }
 
 /// `a` and `b` are the same answer except call_id and deduplicated.
+/// The one answer a `call_id` got. Every answer to a `call_id` is the same
+/// answer: a repeat answered at once and read again after a crash is answered
+/// a second, identical time (docs/design.md "Repeats answered at once"); a
+/// first answer goes with its batch's transaction and is never written twice.
+pub fn the_one_answer<'a>(id: &str, answers: &'a [ToolResult]) -> &'a ToolResult {
+    let first = answers
+        .first()
+        .unwrap_or_else(|| panic!("{id} was never answered"));
+    assert!(
+        answers.iter().all(|a| a == first),
+        "{id} was answered differently: {answers:?}"
+    );
+    assert!(
+        answers.len() == 1 || first.deduplicated,
+        "{id} is no repeat, yet was answered {} times: {answers:?}",
+        answers.len()
+    );
+    first
+}
+
 pub fn same_but_call_id(a: &ToolResult, b: &ToolResult) {
     let mut b2 = b.clone();
     b2.call_id = a.call_id.clone();
