@@ -27,7 +27,7 @@ pub const NOT_CONFIG_VARIABLES: &[&str] = &[
     "STEPGATE_LONG_FAULTS",
     "STEPGATE_CLUSTER_FAULTS",
     "STEPGATE_K8S_SCHEMAS",
-    "STEPGATE_BENCH_RUN_ID",
+    "STEPGATE_NPM_CACHE",
     "STEPGATE_CACHE",
     "STEPGATE_PEERS_DIR",
     "STEPGATE_CONSOLE_SCREENSHOTS",
@@ -35,9 +35,11 @@ pub const NOT_CONFIG_VARIABLES: &[&str] = &[
 ];
 
 /// Prefixes of `STEPGATE_*` variables that are not config keys: the test
-/// hooks (`STEPGATE_TEST_CRASH_BEFORE_COMMIT`, …) and the gate simulation's
-/// settings (`STEPGATE_SIM_SEED`, …). No config section has these names.
-pub const NOT_CONFIG_PREFIXES: &[&str] = &["STEPGATE_TEST_", "STEPGATE_SIM_"];
+/// hooks (`STEPGATE_TEST_CRASH_BEFORE_COMMIT`, …), the gate simulation's
+/// settings (`STEPGATE_SIM_SEED`, …) and the bench's (`STEPGATE_BENCH_RUN_ID`,
+/// `STEPGATE_BENCH_COMMAND`, which `benches/bench.sh` exports to every
+/// stepgate it starts). No config section has these names.
+pub const NOT_CONFIG_PREFIXES: &[&str] = &["STEPGATE_TEST_", "STEPGATE_SIM_", "STEPGATE_BENCH_"];
 
 /// Whether a `STEPGATE_*` variable is one stepgate's config leaves alone.
 pub fn is_not_config_variable(name: &str) -> bool {
@@ -292,6 +294,9 @@ mod tests {
         vars.extend([
             ("STEPGATE_TEST_CRASH_BEFORE_COMMIT", "1"),
             ("STEPGATE_SIM_SEED", "7"),
+            // benches/bench.sh exports these to every stepgate it starts.
+            ("STEPGATE_BENCH_RUN_ID", "sgb1"),
+            ("STEPGATE_BENCH_COMMAND", "bash benches/bench.sh"),
             // Named by the config: a header's value comes from it.
             ("STEPGATE_PAY_TOKEN", "Bearer x"),
             ("PATH", "/bin"),

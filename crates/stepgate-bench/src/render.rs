@@ -222,6 +222,29 @@ struct Results {
     rows: Vec<Row>,
     #[serde(default)]
     sequential: Vec<SeqRow>,
+    #[serde(default)]
+    scale: Vec<ScaleLine>,
+}
+
+/// A scale row (`report::ScaleRow`), as far as the page shows it.
+#[derive(Deserialize)]
+struct ScaleLine {
+    steps: usize,
+    ready_s: f64,
+    restore_records_per_s: f64,
+    #[serde(default)]
+    problems: Vec<String>,
+    #[serde(default)]
+    failover: Option<ScaleFailover>,
+}
+
+#[derive(Deserialize)]
+struct ScaleFailover {
+    session_timeout_s: f64,
+    restart_ready_s: f64,
+    restart_full_restores: f64,
+    standby_resumed_s: Option<f64>,
+    cold_resumed_s: Option<f64>,
 }
 
 #[derive(Deserialize)]
@@ -589,6 +612,7 @@ impl Run<'_> {
             );
         }
         self.render_targets(&mut o);
+        self.render_scale(&mut o);
         self.render_machine(&mut o);
         self.render_method(&mut o);
         self.render_peers(&mut o);
@@ -640,6 +664,54 @@ impl Run<'_> {
                     Some(false) => "**no**",
                     None => "—",
                 }
+            );
+        }
+        o.push('\n');
+    }
+
+    /// The scale run: how long each way back to answers takes with this much
+    /// state (nothing when the run had none).
+    fn render_scale(&self, o: &mut String) {
+        let rows = &self.r.scale;
+        let Some(timeout) = rows
+            .iter()
+            .find_map(|r| r.failover.as_ref().map(|f| f.session_timeout_s))
+        else {
+            return;
+        };
+        let _ = writeln!(o, "## State at scale, restarts and takeovers\n");
+        para(
+            o,
+            &format!(
+                "Step records loaded into the changelog, then: start → ready on an empty disk (a full restore); `kill -9` and a restart on the same disk (design.md, \"Restart after a crash\"); and a second gate taking over the killed one's partitions, from the kill to the first answer there, with a standby copy (`gate.standby_replicas = 1`, the default) and without. A killed gate's partitions move when its session times out ({timeout:.0} s here)."
+            ),
+        );
+        let _ = writeln!(
+            o,
+            "| steps in state | empty disk → ready s (records/s) | `kill -9` → ready, same disk s | takeover with a standby s | without s |\n|---:|---:|---:|---:|---:|"
+        );
+        let secs = |s: Option<f64>| s.map_or("did not resume".to_owned(), |s| format!("{s:.1}"));
+        for r in rows {
+            let Some(f) = &r.failover else { continue };
+            let full = if f.restart_full_restores > 0.0 {
+                format!(" ({:.0} full restores)", f.restart_full_restores)
+            } else {
+                String::new()
+            };
+            let checks = if r.problems.is_empty() {
+                String::new()
+            } else {
+                format!(" (checks failed: {})", r.problems.join("; "))
+            };
+            let _ = writeln!(
+                o,
+                "| {}{checks} | {:.1} ({}) | {:.1}{full} | {} | {} |",
+                grouped(r.steps as f64),
+                r.ready_s,
+                grouped(r.restore_records_per_s),
+                f.restart_ready_s,
+                secs(f.standby_resumed_s),
+                secs(f.cold_resumed_s),
             );
         }
         o.push('\n');
