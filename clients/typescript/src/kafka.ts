@@ -141,6 +141,10 @@ export class KafkaClient implements Transport {
       await promisify((cb) => consumer.connect({ timeout: metadataTimeoutMs }, cb));
       opened.push(consumer as never);
       consumer.setDefaultConsumeTimeout(50);
+      // The consume loop sleeps this long after each empty poll (500 ms by
+      // default): an answer arriving after a quiet moment would wait for it.
+      // Each poll blocks for the timeout above, so no delay is no busy loop.
+      consumer.setDefaultConsumeLoopTimeoutDelay(0);
       const count = async (topic: string): Promise<number> => {
         const md = await promisify<RdKafka.Metadata>((cb) =>
           producer.getMetadata({ topic, timeout: metadataTimeoutMs }, cb),
