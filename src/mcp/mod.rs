@@ -635,8 +635,16 @@ fn to_mcp(answer: &ToolResult) -> Result<CallToolResult, McpError> {
             "stepgate/call_id": answer.call_id,
             "stepgate/deduplicated": answer.deduplicated,
             "stepgate/error_kind": answer.error.as_ref().map(|e| e.kind.clone()),
+            "stepgate/completed_at": answer.completed_at,
         },
     });
+    // Who settles an in-doubt step and how to learn its resolution: a client
+    // waits on a step the reconciler settles (Result v1 `in_doubt`).
+    if let Some(in_doubt) = &answer.in_doubt {
+        result["_meta"]["stepgate/in_doubt"] = serde_json::to_value(in_doubt).map_err(|e| {
+            McpError::internal_error(format!("stepgate's answer as MCP: {e}"), None)
+        })?;
+    }
     if let Some(output @ Value::Object(_)) = &answer.output {
         result["structuredContent"] = output.clone();
     }
@@ -1184,5 +1192,45 @@ scopes = ["s"]
         assert_eq!(a.structured_content, Some(json!({"ticket": 7})));
         assert_eq!(a.structured_content, b.structured_content);
         assert_eq!(a.is_error, Some(false));
+    }
+
+    #[test]
+    fn an_in_doubt_answer_says_who_settles_it() {
+        use crate::contract::{IN_DOUBT_VERSION, InDoubt, Learn, Settler};
+        let in_doubt = InDoubt {
+            version: IN_DOUBT_VERSION,
+            idempotency_key: "k".into(),
+            since: "2026-12-01T00:00:00Z".into(),
+            settling: Settler::Reconciler,
+            until: Some("2026-12-01T00:10:00Z".into()),
+            learn: Learn::RepeatStep,
+        };
+        let answer = ToolResult {
+            workflow_id: "wf".into(),
+            step_index: 1,
+            tool: "fax".into(),
+            attempt: 0,
+            call_id: Some("a".into()),
+            status: Status::InDoubt,
+            output: None,
+            error: Some(crate::contract::ErrorBody {
+                kind: "in_doubt".into(),
+                message: "m".into(),
+            }),
+            deduplicated: false,
+            completed_at: "2026-12-01T00:00:00Z".into(),
+            in_doubt: Some(in_doubt.clone()),
+        };
+        let mcp = serde_json::to_value(to_mcp(&answer).unwrap()).unwrap();
+        assert_eq!(mcp["_meta"]["stepgate/status"], "in_doubt");
+        assert_eq!(
+            mcp["_meta"]["stepgate/in_doubt"],
+            serde_json::to_value(&in_doubt).unwrap()
+        );
+        assert_eq!(mcp["_meta"]["stepgate/in_doubt"]["settling"], "reconciler");
+        assert_eq!(
+            mcp["_meta"]["stepgate/completed_at"],
+            "2026-12-01T00:00:00Z"
+        );
     }
 }

@@ -124,6 +124,13 @@ export interface StepgateToolOptions<INPUT> {
   inputSchema?: FlexibleSchema<INPUT>;
   /** How long a call waits for its answer before the model reads "not answered yet". */
   timeoutMs?: number;
+  /**
+   * How long a call in doubt waits while stepgate asks the tool what happened
+   * (`Answer.reconciling`): its step is repeated until settled, and the model
+   * gets the settled answer. 0 (the default): the model gets the in-doubt
+   * answer, which tells it that a repeat returns the outcome once known.
+   */
+  inDoubtWaitMs?: number;
 }
 
 /** The output for the model: the tool's output when ok, else stepgate's model-readable text. */
@@ -156,6 +163,7 @@ export function stepgateTool<INPUT extends Record<string, unknown> = Record<stri
       const result = await invokeStep(transport, run, options.name, input as Record<string, unknown>, {
         callId: toolCallId,
         ...(options.timeoutMs !== undefined ? { timeoutMs: options.timeoutMs } : {}),
+        ...(options.inDoubtWaitMs ? { inDoubtWaitMs: options.inDoubtWaitMs } : {}),
         ...(abortSignal ? { signal: abortSignal } : {}),
       });
       return modelOutput(result);

@@ -45,6 +45,7 @@ import {
 import { answerText, type Answer } from "./answer.js";
 import { StepgateMcpError, StepgatePublishError } from "./errors.js";
 import { approveCommand, NOT_ANSWERED } from "./run.js";
+import { waitSettled } from "./settle.js";
 import type { Transport } from "./transport.js";
 
 /** One namespace's numbering in the channel. */
@@ -241,7 +242,7 @@ async function callThrough(
   toolCallId: string,
   state: Record<string, unknown>,
   config: Record<string, unknown>,
-  options: { timeoutMs?: number; channel: string; signal?: AbortSignal },
+  options: { timeoutMs?: number; inDoubtWaitMs?: number; channel: string; signal?: AbortSignal },
 ): Promise<Command> {
   const place = await Place.of(state, config, toolCallId, name, options.channel);
   let answer: Answer | undefined;
@@ -275,6 +276,18 @@ async function callThrough(
     answer = outcome;
     if (!(answer.identityConflict && place.conflicted())) break;
   }
+  if (options.inDoubtWaitMs && answer!.reconciling) {
+    try {
+      answer = await waitSettled(transport, answer!, args, {
+        withinMs: options.inDoubtWaitMs,
+        ...(options.timeoutMs !== undefined ? { timeoutMs: options.timeoutMs } : {}),
+        ...(options.signal ? { signal: options.signal } : {}),
+      });
+    } catch (e) {
+      // The in-doubt answer stands: it says how to learn more.
+      if (!(e instanceof StepgatePublishError || e instanceof StepgateMcpError)) throw e;
+    }
+  }
   return place.result(answerText(answer!));
 }
 
@@ -286,6 +299,13 @@ export interface StepgateToolOptions {
   schema: unknown;
   /** How long a call waits for its answer before the model reads "not answered yet". */
   timeoutMs?: number;
+  /**
+   * How long a call in doubt waits while stepgate asks the tool what happened
+   * (`Answer.reconciling`): its step is repeated until settled, and the model
+   * gets the settled answer. 0 (the default): the model gets the in-doubt
+   * answer, which tells it that a repeat returns the outcome once known.
+   */
+  inDoubtWaitMs?: number;
   /** The state channel of the numbering. Default `stepgate`. */
   channel?: string;
 }
@@ -305,6 +325,7 @@ export function stepgateTool(transport: Transport, options: StepgateToolOptions)
       return callThrough(transport, options.name, (input ?? {}) as Record<string, unknown>, toolCallId, state, getConfig() as Record<string, unknown>, {
         channel,
         ...(options.timeoutMs !== undefined ? { timeoutMs: options.timeoutMs } : {}),
+        ...(options.inDoubtWaitMs ? { inDoubtWaitMs: options.inDoubtWaitMs } : {}),
         ...(runConfig.signal ? { signal: runConfig.signal } : {}),
       });
     },
@@ -317,6 +338,13 @@ export interface StepgateMiddlewareOptions {
   /** The tools that go through stepgate (by name); default: every tool of the agent. */
   tools?: string[];
   timeoutMs?: number;
+  /**
+   * How long a call in doubt waits while stepgate asks the tool what happened
+   * (`Answer.reconciling`): its step is repeated until settled, and the model
+   * gets the settled answer. 0 (the default): the model gets the in-doubt
+   * answer, which tells it that a repeat returns the outcome once known.
+   */
+  inDoubtWaitMs?: number;
 }
 
 /**
@@ -348,7 +376,11 @@ export async function stepgateMiddleware(transport: Transport, options: Stepgate
         call.id,
         { ...(request.state as unknown as Record<string, unknown>), stepgate: (request.state as { stepgate?: StepgateChannel }).stepgate ?? {} },
         getConfig() as Record<string, unknown>,
-        { channel: "stepgate", ...(options.timeoutMs !== undefined ? { timeoutMs: options.timeoutMs } : {}) },
+        {
+          channel: "stepgate",
+          ...(options.timeoutMs !== undefined ? { timeoutMs: options.timeoutMs } : {}),
+          ...(options.inDoubtWaitMs ? { inDoubtWaitMs: options.inDoubtWaitMs } : {}),
+        },
       );
     },
   });

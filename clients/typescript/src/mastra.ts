@@ -199,6 +199,13 @@ export interface StepgateToolOptions {
   inputSchema?: unknown;
   /** How long a call waits for its answer before the model reads "not answered yet". Default 60 s. */
   timeoutMs?: number;
+  /**
+   * How long a call in doubt waits while stepgate asks the tool what happened
+   * (`Answer.reconciling`): its step is repeated until settled, and the model
+   * gets the settled answer. 0 (the default): the model gets the in-doubt
+   * answer, which tells it that a repeat returns the outcome once known.
+   */
+  inDoubtWaitMs?: number;
 }
 
 /** The output for the model: the tool's output when ok, else stepgate's model-readable text. */
@@ -234,6 +241,7 @@ export function stepgateTool(transport: Transport, steps: ThreadSteps, options: 
           ...(agent.toolCallId !== undefined ? { callId: agent.toolCallId } : {}),
           onHeld: "return",
           ...(options.timeoutMs !== undefined ? { timeoutMs: options.timeoutMs } : {}),
+          ...(options.inDoubtWaitMs ? { inDoubtWaitMs: options.inDoubtWaitMs } : {}),
           ...(ctx.abortSignal ? { signal: ctx.abortSignal } : {}),
         });
         const suspend = agent.suspend ?? ctx.suspend;

@@ -257,6 +257,7 @@ function toAnswer(call: StepCall, result: Record<string, unknown>): Answer | und
     deduplicated: meta["stepgate/deduplicated"] === true,
     completed_at: typeof meta["stepgate/completed_at"] === "string" ? meta["stepgate/completed_at"] : "",
     ...(status === "ok" ? { output } : { error: { kind: typeof kind === "string" ? kind : status, message: text } }),
+    ...(meta["stepgate/in_doubt"] !== undefined ? { in_doubt: meta["stepgate/in_doubt"] } : {}),
   };
   const answer = answerFromRecord(record);
   if (answer.workflowId !== call.workflowId || answer.stepIndex !== call.stepIndex) {

@@ -73,6 +73,13 @@ export interface StepgateToolOptions {
   strict?: boolean;
   /** How long a call waits for its answer before the model reads "not answered yet". Default 60 s. */
   timeoutMs?: number;
+  /**
+   * How long a call in doubt waits while stepgate asks the tool what happened
+   * (`Answer.reconciling`): its step is repeated until settled, and the model
+   * gets the settled answer. 0 (the default): the model gets the in-doubt
+   * answer, which tells it that a repeat returns the outcome once known.
+   */
+  inDoubtWaitMs?: number;
   /** A tool whose stepgate policy is `approval`: held calls become the run's interruptions. */
   approval?: boolean;
   /** The property of the app's context that holds the StepRun. Default `stepgate`. */
@@ -101,6 +108,7 @@ export function stepgateTool(transport: Transport, options: StepgateToolOptions)
       const result = await invokeStep(transport, run, options.name, (input ?? {}) as Record<string, unknown>, {
         ...(callId !== undefined ? { callId } : {}),
         ...(options.timeoutMs !== undefined ? { timeoutMs: options.timeoutMs } : {}),
+        ...(options.inDoubtWaitMs ? { inDoubtWaitMs: options.inDoubtWaitMs } : {}),
         ...(details?.signal ? { signal: details.signal } : {}),
       });
       return result.text;

@@ -17,6 +17,7 @@
  */
 import { answerText, MAX_CONFLICT_HOPS, type Answer, type Held } from "./answer.js";
 import { StepgateMcpError, StepgatePositionLost, StepgatePublishError } from "./errors.js";
+import { waitSettled } from "./settle.js";
 import type { Transport } from "./transport.js";
 
 /** What the model reads for a call whose answer did not come in time. */
@@ -159,6 +160,14 @@ export interface InvokeOptions {
   signal?: AbortSignal;
   /** `"return"`: a call held for a person comes to `held` at once (Kafka only). */
   onHeld?: "wait" | "return";
+  /**
+   * How long to wait for the resolution of a call in doubt while stepgate asks
+   * the tool what happened (`Answer.reconciling`): the step is repeated until
+   * settled (`waitSettled`), and the model gets the settled answer. 0 (the
+   * default): the model gets the in-doubt answer, which tells it that a repeat
+   * returns the outcome once known.
+   */
+  inDoubtWaitMs?: number;
 }
 
 /** A word for a POSIX shell: as it is when it is plain, else single-quoted. */
@@ -201,7 +210,8 @@ export async function invokeStep(
     run.answered.delete(callId!);
     run.calls.delete(callId!);
     await run.saved();
-    return { kind: "answer", answer: early, text: answerText(early) };
+    const answer = options.inDoubtWaitMs && early.reconciling ? await settled(transport, early, args, options) : early;
+    return { kind: "answer", answer, text: answerText(answer) };
   }
   let step: number;
   let fresh: boolean;
@@ -276,7 +286,24 @@ export async function invokeStep(
     throw new StepgatePositionLost(run.workflowId, step, tool);
   }
   await run.saved();
+  if (options.inDoubtWaitMs && answer!.reconciling) {
+    answer = await settled(transport, answer!, args, options);
+  }
   return { kind: "answer", answer: answer!, text: answerText(answer!) };
+}
+
+/** `waitSettled` for an adapter: a transport error leaves the in-doubt answer, which says how to learn more. */
+async function settled(transport: Transport, answer: Answer, args: Record<string, unknown>, options: InvokeOptions): Promise<Answer> {
+  try {
+    return await waitSettled(transport, answer, args, {
+      withinMs: options.inDoubtWaitMs!,
+      ...(options.timeoutMs !== undefined ? { timeoutMs: options.timeoutMs } : {}),
+      ...(options.signal ? { signal: options.signal } : {}),
+    });
+  } catch (e) {
+    if (e instanceof StepgatePublishError || e instanceof StepgateMcpError) return answer;
+    throw e;
+  }
 }
 
 /**

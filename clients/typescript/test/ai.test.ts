@@ -124,6 +124,19 @@ function aiTests(name: string, runner: Runner, connect: () => Promise<Transport>
       }
     });
 
+    test("with inDoubtWaitMs, a call in doubt while stepgate asks the tool reaches the model settled", async () => {
+      stack.tools.statuses.set("doubtful", 503);
+      stack.tools.bodies.set("doubtful_lookup", { status: "executed", output: { fax_id: "F-7" } });
+      const steps = new ChatSteps(new MemoryChatStepStore(), { workflowPrefix: "ts/" });
+      const chatId = freshWorkflow("chat").slice(3);
+      const tools = { doubtful: stepgateTool(client, steps, { name: "doubtful", inDoubtWaitMs: 60_000 }) };
+      const m = aiModel([[["doubtful", { to: "+331" }]], "done"]);
+      const result = await runLoop(runner, { model: m.model, tools, chatId, messages: [{ role: "user", content: "fax it" }] });
+      assert.equal(result.text, "done");
+      assert.deepEqual(m.toolOutputs().at(-1), { fax_id: "F-7" });
+      assert.equal(stack.tools.count("doubtful", steps.workflowId(chatId)), 1, "the tool ran once");
+    });
+
     test("trimmed history: each new call runs", async () => {
       const steps = new ChatSteps(new MemoryChatStepStore(), { workflowPrefix: "ts/" });
       const chatId = freshWorkflow("chat").slice(3);

@@ -2,7 +2,7 @@
 import assert from "node:assert/strict";
 import { after, before, describe, test } from "node:test";
 
-import type { Answer, Outcome } from "../src/index.js";
+import { waitSettled, type Answer, type Outcome } from "../src/index.js";
 import type { KafkaClient } from "../src/kafka.js";
 import type { McpClient } from "../src/mcp.js";
 import { Stack, eventually, freshWorkflow } from "./harness.js";
@@ -121,6 +121,24 @@ function transportTests(name: string, connect: () => Promise<KafkaClient | McpCl
       } finally {
         stack.tools.release("slow");
       }
+    });
+
+    test("a call in doubt while stepgate asks the tool is settled by waitSettled, and the tool ran once", async () => {
+      // The tool answers 503 (it may have acted): the unkeyed call is in doubt,
+      // and stepgate asks its lookup, which reports the effect.
+      stack.tools.statuses.set("doubtful", 503);
+      stack.tools.bodies.set("doubtful_lookup", { status: "executed", output: { fax_id: "F-1" } });
+      const wf = freshWorkflow();
+      const first = answered(await client.workflow(wf).call("doubtful", { to: "+331" }));
+      assert.equal(first.status, "in_doubt", JSON.stringify(first));
+      assert.ok(first.reconciling, JSON.stringify(first));
+      assert.equal(first.inDoubt?.learn, "repeat_step");
+      assert.ok(first.inDoubt?.until);
+      const got = await waitSettled(client, first, { to: "+331" }, { everyMs: 200, withinMs: 60_000 });
+      assert.equal(got.status, "ok", JSON.stringify(got));
+      assert.deepEqual(got.output, { fax_id: "F-1" });
+      assert.equal(got.deduplicated, true);
+      assert.equal(stack.tools.count("doubtful", wf), 1, "the tool ran once");
     });
 
     test("bad input is refused before anything is sent", async () => {

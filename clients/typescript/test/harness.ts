@@ -71,6 +71,8 @@ export class ToolServer {
   readonly calls: Invocation[] = [];
   readonly delays = new Map<string, number>();
   readonly statuses = new Map<string, number>();
+  /** A body a path answers with 200 (e.g. a `reconcile` lookup's verdict). */
+  readonly bodies = new Map<string, unknown>();
   readonly #held = new Map<string, Array<() => void>>();
   readonly #holding = new Set<string>();
   readonly #meets = new Map<string, { n: number; waiting: Array<() => void>; most: number }>();
@@ -130,6 +132,7 @@ export class ToolServer {
       if (delay) await sleep(delay);
       const status = this.statuses.get(tool);
       if (status) return [status, { error: `status ${status}` }];
+      if (this.bodies.has(tool)) return [200, this.bodies.get(tool)];
       return [200, { tool, echo: body, together }];
     } finally {
       this.#inside.set(tool, (this.#inside.get(tool) ?? 1) - 1);
@@ -181,6 +184,9 @@ export const DEFAULT_TOOLS: ToolSpec[] = [
   ["mail", "keyed", "10s", 'identity = ["to"]\n'],
   // Every call waits for a person's approval (`stepgate approvals approve`).
   ["wire_approved", "unkeyed", "10s", 'policy = "approval"\n'],
+  // An unkeyed tool stepgate can ask what happened: its lookup is the tool
+  // server's `doubtful_lookup`, answering `ToolServer.bodies` ({tools} is the server).
+  ["doubtful", "unkeyed", "10s", 'reconcile = { url = "{tools}/doubtful_lookup", every = "200ms", until = "60s" }\n'],
 ];
 
 export async function freePort(): Promise<number> {
@@ -221,7 +227,7 @@ export class Stack {
     s.http = `127.0.0.1:${await freePort()}`;
     const topics = TOPICS.map((k) => `${k} = "${s.prefix}.${k}"`).join("\n");
     const tables = tools
-      .map(([n, c, t, more]) => `\n[tools.${n}]\ncategory = "${c}"\nurl = "${s.tools.base}/${n}"\ntimeout = "${t}"\nretries = 1\nbackoff = "50ms"\ndescription = "The ${n} tool."\ninput_schema = { type = "object" }\n${more ?? ""}`)
+      .map(([n, c, t, more]) => `\n[tools.${n}]\ncategory = "${c}"\nurl = "${s.tools.base}/${n}"\ntimeout = "${t}"\nretries = 1\nbackoff = "50ms"\ndescription = "The ${n} tool."\ninput_schema = { type = "object" }\n${(more ?? "").replaceAll("{tools}", s.tools.base)}`)
       .join("");
     writeFileSync(
       s.configPath,

@@ -1,10 +1,10 @@
-/** What needs no broker: the partitioner against Kafka's Java vectors, answers' validation. */
+/** What needs no broker: the partitioner against Kafka's Java vectors, answers' validation, waitSettled over a scripted transport. */
 import assert from "node:assert/strict";
 import { readFileSync } from "node:fs";
 import { join } from "node:path";
 import { describe, test } from "node:test";
 
-import { answerFromRecord, MalformedAnswer, murmur2, partitionFor } from "../src/index.js";
+import { answerFromRecord, MalformedAnswer, murmur2, partitionFor, waitSettled, type Outcome, type StepCall, type Transport } from "../src/index.js";
 import { REPO } from "./harness.js";
 
 describe("murmur2", () => {
@@ -68,5 +68,70 @@ describe("in doubt", () => {
     const odd = answerFromRecord({ ...doubtful[0], in_doubt: { version: 2, settling: 7 } });
     assert.equal(odd.inDoubt?.settling, "person");
     assert.equal(odd.inDoubt?.version, 2);
+  });
+});
+
+/** A transport answering scripted statuses in turn (the last one again once they run out). */
+function scripted(statuses: Array<[string, "person" | "reconciler" | undefined]>): Transport & { calls: StepCall[] } {
+  const calls: StepCall[] = [];
+  return {
+    calls,
+    async call(call: StepCall): Promise<Outcome> {
+      calls.push(call);
+      const [status, settling] = statuses[Math.min(calls.length - 1, statuses.length - 1)]!;
+      return doubtAnswer(status, settling, call.callId ?? null, true);
+    },
+    async close() {},
+  } as Transport & { calls: StepCall[] };
+}
+
+function doubtAnswer(status: string, settling: "person" | "reconciler" | undefined, callId: string | null, deduplicated = false) {
+  return answerFromRecord({
+    workflow_id: "w", step_index: 3, tool: "fax", attempt: 1, call_id: callId, status, deduplicated,
+    completed_at: "2026-12-01T00:00:00.000Z",
+    ...(status === "ok" ? { output: { fax_id: "F" } } : { error: { kind: status, message: "m" } }),
+    ...(settling ? { in_doubt: { version: 1, idempotency_key: "k", since: "2026-12-01T00:00:00.000Z", settling, learn: "repeat_step" } } : {}),
+  });
+}
+
+describe("waitSettled", () => {
+  test("repeats the same step, each time as a call of its own, until it is settled", async () => {
+    const t = scripted([["in_doubt", "reconciler"], ["in_doubt", "reconciler"], ["ok", undefined]]);
+    const got = await waitSettled(t, doubtAnswer("in_doubt", "reconciler", "c0"), { to: "+331" }, { everyMs: 1, withinMs: 5_000 });
+    assert.equal(got.status, "ok");
+    assert.deepEqual(got.output, { fax_id: "F" });
+    assert.equal(t.calls.length, 3);
+    for (const c of t.calls) {
+      assert.deepEqual([c.workflowId, c.stepIndex, c.tool, c.attempt], ["w", 3, "fax", 1]);
+      assert.deepEqual(c.arguments, { to: "+331" });
+    }
+    assert.equal(new Set(t.calls.map((c) => c.callId)).size, 3, "each repeat has its own call id");
+    assert.ok(!t.calls.some((c) => c.callId === "c0"));
+  });
+
+  test("is bounded, and waits on a person only when asked to", async () => {
+    const forever = scripted([["in_doubt", "reconciler"]]);
+    const started = Date.now();
+    const last = await waitSettled(forever, doubtAnswer("in_doubt", "reconciler", "c0"), {}, { everyMs: 5, withinMs: 100 });
+    assert.equal(last.status, "in_doubt");
+    assert.ok(Date.now() - started < 5_000, "returned after its bound");
+    assert.ok(forever.calls.length >= 1);
+    const person = scripted([["ok", undefined]]);
+    const held = await waitSettled(person, doubtAnswer("in_doubt", "person", "c0"), {}, { everyMs: 1 });
+    assert.equal(held.status, "in_doubt", "a person's step is returned at once");
+    assert.equal(person.calls.length, 0);
+    const waited = await waitSettled(person, doubtAnswer("in_doubt", "person", "c0"), {}, { everyMs: 1, waitForPerson: true });
+    assert.equal(waited.status, "ok");
+    const settled = scripted([["in_doubt", "reconciler"]]);
+    assert.equal((await waitSettled(settled, doubtAnswer("ok", undefined, "c0"), {})).status, "ok");
+    assert.equal(settled.calls.length, 0, "an answer not in doubt is returned as it is");
+  });
+
+  test("an abort stops the wait", async () => {
+    const t = scripted([["in_doubt", "reconciler"]]);
+    const ac = new AbortController();
+    const waiting = waitSettled(t, doubtAnswer("in_doubt", "reconciler", "c0"), {}, { everyMs: 60_000, signal: ac.signal });
+    ac.abort(new Error("stopped"));
+    await assert.rejects(waiting, /stopped/);
   });
 });
