@@ -21,7 +21,7 @@
  */
 import { jsonSchema, tool, type FlexibleSchema, type Tool, type ToolApprovalStatus, type ToolExecutionOptions, type ToolSet } from "ai";
 
-import { askStep, invokeStep, StepRun, type StepResult, type StepRunState } from "./run.js";
+import { askStep, invokeStep, StepRun, type InDoubtOptions, type StepResult, type StepRunState } from "./run.js";
 import type { Transport } from "./transport.js";
 
 /** Where the app keeps each chat's step numbering: its own chat store, keyed by chat id. */
@@ -116,7 +116,7 @@ export type StepgateToolContext = {
 /** What a stepgate tool's `execute` returns: the tool's output when ok, else stepgate's text for the model. */
 export type StepgateToolOutput = unknown;
 
-export interface StepgateToolOptions<INPUT> {
+export interface StepgateToolOptions<INPUT> extends InDoubtOptions {
   /** The stepgate tool's name (as configured in stepgate). */
   name: string;
   description?: string;
@@ -124,13 +124,6 @@ export interface StepgateToolOptions<INPUT> {
   inputSchema?: FlexibleSchema<INPUT>;
   /** How long a call waits for its answer before the model reads "not answered yet". */
   timeoutMs?: number;
-  /**
-   * How long a call in doubt waits while stepgate asks the tool what happened
-   * (`Answer.reconciling`): its step is repeated until settled, and the model
-   * gets the settled answer. 0 (the default): the model gets the in-doubt
-   * answer, which tells it that a repeat returns the outcome once known.
-   */
-  inDoubtWaitMs?: number;
 }
 
 /** The output for the model: the tool's output when ok, else stepgate's model-readable text. */

@@ -44,8 +44,7 @@ import {
 
 import { answerText, type Answer } from "./answer.js";
 import { StepgateMcpError, StepgatePublishError } from "./errors.js";
-import { approveCommand, NOT_ANSWERED } from "./run.js";
-import { waitSettled } from "./settle.js";
+import { approveCommand, NOT_ANSWERED, settled, type InDoubtOptions } from "./run.js";
 import type { Transport } from "./transport.js";
 
 /** One namespace's numbering in the channel. */
@@ -242,7 +241,7 @@ async function callThrough(
   toolCallId: string,
   state: Record<string, unknown>,
   config: Record<string, unknown>,
-  options: { timeoutMs?: number; inDoubtWaitMs?: number; channel: string; signal?: AbortSignal },
+  options: InDoubtOptions & { timeoutMs?: number; channel: string; signal?: AbortSignal },
 ): Promise<Command> {
   const place = await Place.of(state, config, toolCallId, name, options.channel);
   let answer: Answer | undefined;
@@ -276,22 +275,10 @@ async function callThrough(
     answer = outcome;
     if (!(answer.identityConflict && place.conflicted())) break;
   }
-  if (options.inDoubtWaitMs && answer!.reconciling) {
-    try {
-      answer = await waitSettled(transport, answer!, args, {
-        withinMs: options.inDoubtWaitMs,
-        ...(options.timeoutMs !== undefined ? { timeoutMs: options.timeoutMs } : {}),
-        ...(options.signal ? { signal: options.signal } : {}),
-      });
-    } catch (e) {
-      // The in-doubt answer stands: it says how to learn more.
-      if (!(e instanceof StepgatePublishError || e instanceof StepgateMcpError)) throw e;
-    }
-  }
-  return place.result(answerText(answer!));
+  return place.result(answerText(await settled(transport, answer!, args, options)));
 }
 
-export interface StepgateToolOptions {
+export interface StepgateToolOptions extends InDoubtOptions {
   /** The stepgate tool's name (as configured in stepgate). */
   name: string;
   description: string;
@@ -299,13 +286,6 @@ export interface StepgateToolOptions {
   schema: unknown;
   /** How long a call waits for its answer before the model reads "not answered yet". */
   timeoutMs?: number;
-  /**
-   * How long a call in doubt waits while stepgate asks the tool what happened
-   * (`Answer.reconciling`): its step is repeated until settled, and the model
-   * gets the settled answer. 0 (the default): the model gets the in-doubt
-   * answer, which tells it that a repeat returns the outcome once known.
-   */
-  inDoubtWaitMs?: number;
   /** The state channel of the numbering. Default `stepgate`. */
   channel?: string;
 }
@@ -334,17 +314,10 @@ export function stepgateTool(transport: Transport, options: StepgateToolOptions)
 }
 
 /** What `stepgateMiddleware` needs to route a call. */
-export interface StepgateMiddlewareOptions {
+export interface StepgateMiddlewareOptions extends InDoubtOptions {
   /** The tools that go through stepgate (by name); default: every tool of the agent. */
   tools?: string[];
   timeoutMs?: number;
-  /**
-   * How long a call in doubt waits while stepgate asks the tool what happened
-   * (`Answer.reconciling`): its step is repeated until settled, and the model
-   * gets the settled answer. 0 (the default): the model gets the in-doubt
-   * answer, which tells it that a repeat returns the outcome once known.
-   */
-  inDoubtWaitMs?: number;
 }
 
 /**

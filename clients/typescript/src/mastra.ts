@@ -23,7 +23,7 @@ import type { PublicSchema } from "@mastra/core/schema";
 import { createTool } from "@mastra/core/tools";
 
 import { StepgateConfigError } from "./errors.js";
-import { approveCommand, invokeStep, StepRun, type StepResult, type StepRunState } from "./run.js";
+import { approveCommand, invokeStep, StepRun, type InDoubtOptions, type StepResult, type StepRunState } from "./run.js";
 import type { Transport } from "./transport.js";
 
 /** The part of Mastra's memory storage (`MemoryStorage`) the numbering uses. */
@@ -191,7 +191,7 @@ export interface StepgateHeld {
   reason: string;
 }
 
-export interface StepgateToolOptions {
+export interface StepgateToolOptions extends InDoubtOptions {
   /** The stepgate tool's name (as configured in stepgate); also the Mastra tool's id. */
   name: string;
   description?: string;
@@ -199,13 +199,6 @@ export interface StepgateToolOptions {
   inputSchema?: unknown;
   /** How long a call waits for its answer before the model reads "not answered yet". Default 60 s. */
   timeoutMs?: number;
-  /**
-   * How long a call in doubt waits while stepgate asks the tool what happened
-   * (`Answer.reconciling`): its step is repeated until settled, and the model
-   * gets the settled answer. 0 (the default): the model gets the in-doubt
-   * answer, which tells it that a repeat returns the outcome once known.
-   */
-  inDoubtWaitMs?: number;
 }
 
 /** The output for the model: the tool's output when ok, else stepgate's model-readable text. */

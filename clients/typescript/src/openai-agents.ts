@@ -22,7 +22,7 @@
 import { tool, type FunctionTool, type MCPToolCustomDataContext, type MCPToolMetaContext, type RunContext } from "@openai/agents";
 
 import { StepgateError, StepgateMcpError, StepgatePositionLost } from "./errors.js";
-import { askStep, invokeStep, NOT_ANSWERED, StepRun } from "./run.js";
+import { askStep, invokeStep, NOT_ANSWERED, StepRun, type InDoubtOptions } from "./run.js";
 import type { Transport } from "./transport.js";
 
 /**
@@ -63,7 +63,7 @@ export type ParametersSchema = {
   description?: string;
 };
 
-export interface StepgateToolOptions {
+export interface StepgateToolOptions extends InDoubtOptions {
   /** The stepgate tool's name (as configured in stepgate). */
   name: string;
   description: string;
@@ -73,13 +73,6 @@ export interface StepgateToolOptions {
   strict?: boolean;
   /** How long a call waits for its answer before the model reads "not answered yet". Default 60 s. */
   timeoutMs?: number;
-  /**
-   * How long a call in doubt waits while stepgate asks the tool what happened
-   * (`Answer.reconciling`): its step is repeated until settled, and the model
-   * gets the settled answer. 0 (the default): the model gets the in-doubt
-   * answer, which tells it that a repeat returns the outcome once known.
-   */
-  inDoubtWaitMs?: number;
   /** A tool whose stepgate policy is `approval`: held calls become the run's interruptions. */
   approval?: boolean;
   /** The property of the app's context that holds the StepRun. Default `stepgate`. */

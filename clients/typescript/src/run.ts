@@ -152,22 +152,25 @@ export type StepResult =
   | { kind: "unanswered"; stepIndex: number; text: string }
   | { kind: "held"; held: Held; text: string };
 
+/** What every adapter's tool takes for a call in doubt. */
+export interface InDoubtOptions {
+  /**
+   * How long a call in doubt waits while stepgate asks the tool what happened
+   * (`Answer.reconciling`): its step is repeated until settled (`waitSettled`),
+   * and the model gets the settled answer. 0 (the default): the model gets the
+   * in-doubt answer, which tells it that a repeat returns the outcome once known.
+   */
+  inDoubtWaitMs?: number;
+}
+
 /** How `invokeStep` calls. */
-export interface InvokeOptions {
+export interface InvokeOptions extends InDoubtOptions {
   /** The model's id for this call (e.g. its tool call id): echoed in the answer, and the key of a held call's step. */
   callId?: string;
   timeoutMs?: number;
   signal?: AbortSignal;
   /** `"return"`: a call held for a person comes to `held` at once (Kafka only). */
   onHeld?: "wait" | "return";
-  /**
-   * How long to wait for the resolution of a call in doubt while stepgate asks
-   * the tool what happened (`Answer.reconciling`): the step is repeated until
-   * settled (`waitSettled`), and the model gets the settled answer. 0 (the
-   * default): the model gets the in-doubt answer, which tells it that a repeat
-   * returns the outcome once known.
-   */
-  inDoubtWaitMs?: number;
 }
 
 /** A word for a POSIX shell: as it is when it is plain, else single-quoted. */
@@ -210,7 +213,7 @@ export async function invokeStep(
     run.answered.delete(callId!);
     run.calls.delete(callId!);
     await run.saved();
-    const answer = options.inDoubtWaitMs && early.reconciling ? await settled(transport, early, args, options) : early;
+    const answer = await settled(transport, early, args, options);
     return { kind: "answer", answer, text: answerText(answer) };
   }
   let step: number;
@@ -286,17 +289,25 @@ export async function invokeStep(
     throw new StepgatePositionLost(run.workflowId, step, tool);
   }
   await run.saved();
-  if (options.inDoubtWaitMs && answer!.reconciling) {
-    answer = await settled(transport, answer!, args, options);
-  }
-  return { kind: "answer", answer: answer!, text: answerText(answer!) };
+  answer = await settled(transport, answer!, args, options);
+  return { kind: "answer", answer, text: answerText(answer) };
 }
 
-/** `waitSettled` for an adapter: a transport error leaves the in-doubt answer, which says how to learn more. */
-async function settled(transport: Transport, answer: Answer, args: Record<string, unknown>, options: InvokeOptions): Promise<Answer> {
+/**
+ * The answer an adapter gives its model: with `inDoubtWaitMs`, a call in doubt
+ * while stepgate asks the tool is waited on until settled (`waitSettled`); a
+ * transport error leaves the in-doubt answer, which says how to learn more.
+ */
+export async function settled(
+  transport: Transport,
+  answer: Answer,
+  args: Record<string, unknown>,
+  options: InDoubtOptions & { timeoutMs?: number; signal?: AbortSignal },
+): Promise<Answer> {
+  if (!options.inDoubtWaitMs || !answer.reconciling) return answer;
   try {
     return await waitSettled(transport, answer, args, {
-      withinMs: options.inDoubtWaitMs!,
+      withinMs: options.inDoubtWaitMs,
       ...(options.timeoutMs !== undefined ? { timeoutMs: options.timeoutMs } : {}),
       ...(options.signal ? { signal: options.signal } : {}),
     });
