@@ -63,6 +63,9 @@ function isQueueFull(e: unknown): boolean {
   return typeof e === "object" && e !== null && (e as { code?: unknown }).code === -184;
 }
 
+/** How long one poll of the consume loop blocks waiting for an answer. */
+const CONSUME_TIMEOUT_MS = 50;
+
 /** stepgate over Kafka. `await KafkaClient.connect({ brokers })`. */
 export class KafkaClient implements Transport {
   readonly intents: string;
@@ -140,7 +143,7 @@ export class KafkaClient implements Transport {
       producer.setPollInterval(20);
       await promisify((cb) => consumer.connect({ timeout: metadataTimeoutMs }, cb));
       opened.push(consumer as never);
-      consumer.setDefaultConsumeTimeout(50);
+      consumer.setDefaultConsumeTimeout(CONSUME_TIMEOUT_MS);
       // The consume loop sleeps this long after each empty poll (500 ms by
       // default): an answer arriving after a quiet moment would wait for it.
       // Each poll blocks for the timeout above, so no delay is no busy loop.
@@ -379,9 +382,19 @@ export class KafkaClient implements Transport {
     this.#waiting.clear();
     for (const set of waiting) for (const w of set) w.settle(new StepgateClosed("the client was closed while the call waited"));
     await new Promise<void>((r) => this.#producer.flush(5_000, () => r()));
-    // One handle after the other: librdkafka destroying the producer and the
-    // consumer at the same time has been seen to hang in the consumer's destroy.
     await new Promise<void>((r) => this.#producer.disconnect(() => r()));
+    // kafka-javascript's disconnect drops the messages its consume loop has
+    // handed to the event loop but not yet delivered, without freeing them; a
+    // message never freed keeps its partition, and so its broker thread,
+    // alive, and the consumer's destroy waits for that thread forever. So
+    // nothing more is fetched (unassign), and the loop's last poll (it blocks
+    // at most CONSUME_TIMEOUT_MS) is delivered before the disconnect.
+    try {
+      this.#consumer.unassign();
+    } catch {
+      // Not connected, or nothing assigned: nothing is in flight.
+    }
+    await new Promise((r) => setTimeout(r, 2 * CONSUME_TIMEOUT_MS));
     await new Promise<void>((r) => this.#consumer.disconnect(() => r()));
   }
 }
