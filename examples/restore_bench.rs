@@ -2,7 +2,7 @@
 //!
 //! Loads N completed step records into the changelog of a fresh one-partition
 //! deployment on the broker at `KAFKA_BROKERS` (default 127.0.0.1:9092), then
-//! times [`stepgate::state::restore_partition`] into an empty RocksDB, and prints
+//! times [`stepgate::state::restore_partitions`] into an empty RocksDB, and prints
 //! records/s and the process's peak RSS.
 //!
 //! `cargo run --example restore_bench -- 1000000` (add `--release` for
@@ -77,9 +77,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let trust = stepgate::state::Trust::from_delete_retention(None);
     let applied = tokio::task::block_in_place(|| {
         let progress = stepgate::state::Applied::default();
-        stepgate::state::restore_partition(&kafka, &fresh, 0, &trust, &progress)
+        stepgate::state::restore_partitions(&kafka, &fresh, &[0].into(), &trust, &progress)
     })?
-    .records;
+    .values()
+    .map(|r| r.records)
+    .sum::<usize>();
     let took = t.elapsed().as_secs_f64();
     println!(
         "restored {applied} changelog records ({n} steps) in {took:.1} s: {:.0} records/s, {:.0} steps/s; peak RSS {} MiB",

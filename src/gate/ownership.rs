@@ -150,69 +150,46 @@ impl Ownership {
         }
     }
 
-    /// Before a partition's first input: where the group stands in it (its
-    /// committed offset and applied mark), and its local state brought up to
-    /// the changelog's end.
+    /// Before their first input: where the group stands in each partition
+    /// of `ps` (its committed offset and applied mark), then their local
+    /// states brought up to the changelog's end, together. The committed
+    /// offsets come first: one is given only once the group's transaction
+    /// holding it has ended, so the restore, read_committed, reads every
+    /// batch that transaction wrote.
     pub(super) async fn restore(
         &mut self,
         env: Env<'_>,
         consumer: &Arc<TxnConsumer>,
-        p: i32,
+        ps: &BTreeSet<i32>,
         intent_partitions: Option<i32>,
-    ) -> Result<Takeover, GateError> {
-        env.metrics.partition_restoring(p);
-        let topic = &env.config.kafka.topics.intents;
-        let (committed, meta) =
-            kafka::committed_offset(consumer, topic, p, COMMITTED_PATIENCE, |e, waited| {
-                warn!(
-                    partition = p,
-                    error = %e,
-                    waited_s = waited.as_secs(),
-                    "the group's committed offset of this partition is not available yet: a transaction of the group is still open (the broker settling one after a restart; or, past the transaction timeout, one left hanging by another process — docs/guarantees.md \"Faults and bad input\": kafka-transactions.sh find-hanging): asking again"
-                );
-                env.health.beat();
-            })
-            .await?;
-        let mark = AppliedMark::parse(&meta);
-        let applied = mark.applied.map_or(committed, |a| a.max(committed));
-        // The partition count the group's offsets were committed with: a
-        // workflow's partition is murmur2 % count, so another count moves
-        // workflows away from their recorded steps.
-        if let (Some(was), Some(now)) = (mark.partitions, intent_partitions)
-            && was != now
-        {
-            return Err(layout_changed(topic, was, now));
+    ) -> Result<BTreeMap<i32, Takeover>, GateError> {
+        let mut stands = BTreeMap::new();
+        for &p in ps {
+            env.metrics.partition_restoring(p);
+            stands.insert(p, stand(env, consumer, p, intent_partitions).await?);
         }
-        let started = Instant::now();
-        info!(
-            partition = p,
-            committed,
-            changelog_from = ?env.store.changelog_next(p).ok().flatten(),
-            "restoring the partition's state from the changelog"
-        );
         let trust = self.trust(env).await;
-        let restored = restore_state(env, p, trust).await?;
-        if let Some(reason) = restored.reason {
-            env.metrics.full_restore(p, reason.label());
-        }
-        let (records, took) = (restored.records, started.elapsed());
-        info!(
-            partition = p,
-            records,
-            full = restored.full,
-            ms = took.as_millis() as u64,
-            "partition restored"
-        );
-        if records > 0 {
-            env.metrics.restored(p, records, took);
+        let started = Instant::now();
+        let restored = super::restore::restore_assigned(env, ps, trust).await?;
+        let took = started.elapsed();
+        if restored.values().any(|r| r.records > 0) {
             gauges::report_state_size(env.store, env.metrics);
         }
-        Ok(Takeover {
-            applied,
-            committed,
-            records,
-            took,
-        })
+        Ok(stands
+            .into_iter()
+            .map(|(p, (applied, committed))| {
+                let records = restored.get(&p).map_or(0, |r| r.records);
+                (
+                    p,
+                    Takeover {
+                        applied,
+                        committed,
+                        records,
+                        took,
+                    },
+                )
+            })
+            .collect())
     }
 
     /// How old a partition's local state may be and still be resumed from.
@@ -334,31 +311,43 @@ impl Ownership {
     }
 }
 
-/// The partition's local state brought up to the changelog's end
-/// (`state::restore_partition`, off the async threads). A long restore is
-/// progress, not a stall: its records applied so far are exported meanwhile.
-async fn restore_state(
+/// Where the group stands in partition `p`: (applied mark, committed
+/// offset), once the group's committed offset is given.
+async fn stand(
     env: Env<'_>,
+    consumer: &Arc<TxnConsumer>,
     p: i32,
-    trust: Trust,
-) -> Result<crate::state::Restored, GateError> {
-    let (store, cfg) = (env.store.clone(), env.config.kafka.clone());
-    let started = Instant::now();
-    let so_far = Arc::new(crate::state::Applied::default());
-    let mut restoring = tokio::task::spawn_blocking({
-        let so_far = so_far.clone();
-        move || crate::state::restore_partition(&cfg, &store, p, &trust, &so_far)
-    });
-    loop {
-        tokio::select! {
-            r = &mut restoring => return Ok(r??),
-            _ = tokio::time::sleep(Duration::from_secs(1)) => {
-                env.health.beat();
-                let n = so_far.total();
-                env.metrics.partition_restore_progress(p, n, started.elapsed());
-            }
-        }
+    intent_partitions: Option<i32>,
+) -> Result<(i64, i64), GateError> {
+    let topic = &env.config.kafka.topics.intents;
+    let (committed, meta) =
+        kafka::committed_offset(consumer, topic, p, COMMITTED_PATIENCE, |e, waited| {
+            warn!(
+                partition = p,
+                error = %e,
+                waited_s = waited.as_secs(),
+                "the group's committed offset of this partition is not available yet: a transaction of the group is still open (the broker settling one after a restart; or, past the transaction timeout, one left hanging by another process — docs/guarantees.md \"Faults and bad input\": kafka-transactions.sh find-hanging): asking again"
+            );
+            env.health.beat();
+        })
+        .await?;
+    let mark = AppliedMark::parse(&meta);
+    // The partition count the group's offsets were committed with: a
+    // workflow's partition is murmur2 % count, so another count moves
+    // workflows away from their recorded steps.
+    if let (Some(was), Some(now)) = (mark.partitions, intent_partitions)
+        && was != now
+    {
+        return Err(layout_changed(topic, was, now));
     }
+    let applied = mark.applied.map_or(committed, |a| a.max(committed));
+    info!(
+        partition = p,
+        committed,
+        changelog_from = ?env.store.changelog_next(p).ok().flatten(),
+        "taking the partition over: restoring its state from the changelog"
+    );
+    Ok((applied, committed))
 }
 
 /// The topics' partition counts ([`kafka::layout_counts`]), as read now,

@@ -181,7 +181,7 @@ pub(super) fn pool_call_record(
 }
 
 /// A batch's state writes as changelog records: compact on the changelog;
-/// RocksDB keeps the named form, which the gate reads without expanding.
+/// the gate's own RocksDB writes stay named, read without expanding.
 fn changelog_records<'a>(topic: &'a str, batch: &Batch) -> impl Iterator<Item = OutRecord> + 'a {
     batch.changelog().into_iter().map(move |e| OutRecord {
         topic: topic.to_owned(),

@@ -1,42 +1,36 @@
-//! The partitions a gate is assigned, taken over before each is loaded: the
-//! producers of a gate that left holding them fenced (`standby::fence_departed`:
-//! its open transaction ends at once), then all of them restored at once
+//! The partitions a gate takes over, restored together
 //! (`state::restore_partitions`: one reader per core) — after a rebalance or
 //! on a new disk the gate waits for the slowest partition, not for their sum.
-//! Each is then loaded as before (`ownership::ensure_owned`), its restore
-//! resuming from the end reached here.
+//! The session fences a departed owner's producers first
+//! (`standby::fence_departed`: its open transaction ends at once), and
+//! `ownership` waits for the group's committed offsets before this restore,
+//! so one restore reads everything committed.
 
-use crate::config::KafkaConfig;
-use crate::state::{Applied, StateStore, Trust};
-use crate::telemetry::{Health, Metrics};
-use std::collections::BTreeSet;
+use super::{Env, GateError};
+use crate::state::{Applied, Restored, Trust};
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tracing::info;
 
-/// Take over `ps` (those of them not yet owned): fence a departed owner,
-/// then restore them in parallel. Progress is exported every second, and a
-/// long restore beats the health check.
+/// Restore `ps` in parallel, off the async threads. Progress is exported
+/// every second, and a long restore beats the health check: it is progress,
+/// not a stall.
 pub(super) async fn restore_assigned(
-    cfg: &KafkaConfig,
-    store: &Arc<StateStore>,
+    env: Env<'_>,
     ps: &BTreeSet<i32>,
     trust: Trust,
-    health: &Health,
-    metrics: &Metrics,
-) -> Result<(), super::GateError> {
-    super::standby::fence_departed(cfg, ps).await;
-    // One partition: its own restore (`ensure_owned`) is all there is.
-    if ps.len() < 2 {
-        return Ok(());
-    }
+) -> Result<BTreeMap<i32, Restored>, GateError> {
+    let (health, metrics) = (env.health, env.metrics);
     let started = Instant::now();
-    for &p in ps {
-        metrics.partition_restoring(p);
-    }
     let applied = Arc::new(Applied::default());
     let mut restoring = tokio::task::spawn_blocking({
-        let (cfg, store, ps, applied) = (cfg.clone(), store.clone(), ps.clone(), applied.clone());
+        let (cfg, store, ps, applied) = (
+            env.config.kafka.clone(),
+            env.store.clone(),
+            ps.clone(),
+            applied.clone(),
+        );
         move || crate::state::restore_partitions(&cfg, &store, &ps, &trust, &applied)
     });
     let restored = loop {
@@ -50,20 +44,21 @@ pub(super) async fn restore_assigned(
             }
         }
     };
-    let records: usize = restored.values().map(|r| r.records).sum();
+    let took = started.elapsed();
     for (p, r) in &restored {
         if let Some(reason) = r.reason {
             metrics.full_restore(*p, reason.label());
         }
         if r.records > 0 {
-            metrics.restored(*p, r.records, started.elapsed());
+            metrics.restored(*p, r.records, took);
         }
+        info!(
+            partition = p,
+            records = r.records,
+            full = r.full,
+            ms = took.as_millis() as u64,
+            "partition restored"
+        );
     }
-    info!(
-        partitions = ?ps,
-        records,
-        ms = started.elapsed().as_millis() as u64,
-        "assigned partitions restored together"
-    );
-    Ok(())
+    Ok(restored)
 }

@@ -361,26 +361,12 @@ impl<'a> Session<'a> {
             self.commits.recover(n, p, &ps).await?;
         }
         self.ownership.assign(self.env, &ps);
-        // All at once (`restore.rs`); each is then loaded, resuming from there.
         let new: BTreeSet<i32> = ps
             .iter()
             .filter(|p| !self.ownership.owns(**p))
             .copied()
             .collect();
-        let trust = self.ownership.trust(self.env).await;
-        super::restore::restore_assigned(
-            &self.env.config.kafka,
-            self.env.store,
-            &new,
-            trust,
-            self.env.health,
-            self.env.metrics,
-        )
-        .await?;
-        for p in ps {
-            self.ensure_owned(p).await?;
-        }
-        Ok(())
+        self.take_over(&new).await
     }
 
     async fn on_revoked(&mut self, ps: BTreeSet<i32>) -> Result<(), GateError> {
@@ -439,18 +425,30 @@ impl<'a> Session<'a> {
         if self.ownership.owns(p) {
             return Ok(());
         }
+        self.take_over(&BTreeSet::from([p])).await
+    }
+
+    /// Take `ps` over: a departed owner's producers fenced, their states
+    /// restored together (`ownership::restore`), then each loaded and owned.
+    async fn take_over(&mut self, ps: &BTreeSet<i32>) -> Result<(), GateError> {
+        if ps.is_empty() {
+            return Ok(());
+        }
+        super::standby::fence_departed(&self.env.config.kafka, ps).await;
         let known = self.core.intent_partitions();
-        let takeover = self
+        let takeovers = self
             .ownership
-            .restore(self.env, &self.consumer, p, known)
+            .restore(self.env, &self.consumer, ps, known)
             .await?;
-        self.core.load_partition(self.env.store, p, now_ms())?;
-        if self
-            .ownership
-            .take(self.env, &self.consumer, p, takeover)
-            .await
-        {
-            self.core.progress_read(p);
+        for (p, takeover) in takeovers {
+            self.core.load_partition(self.env.store, p, now_ms())?;
+            if self
+                .ownership
+                .take(self.env, &self.consumer, p, takeover)
+                .await
+            {
+                self.core.progress_read(p);
+            }
         }
         Ok(())
     }

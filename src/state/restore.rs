@@ -80,21 +80,6 @@ impl Applied {
     }
 }
 
-/// Bring a partition's local state up to its changelog's end: see
-/// [`restore_partitions`]. Blocking.
-pub fn restore_partition(
-    cfg: &KafkaConfig,
-    store: &StateStore,
-    p: i32,
-    trust: &Trust,
-    applied: &Applied,
-) -> Result<Restored, RestoreError> {
-    let mut done = restore_partitions(cfg, store, &BTreeSet::from([p]), trust, applied)?;
-    Ok(done
-        .remove(&p)
-        .expect("every partition asked for is restored"))
-}
-
 /// Most readers a restore runs at once (each a consumer and a thread that
 /// applies what it reads).
 const MAX_READERS: usize = 4;
@@ -119,6 +104,7 @@ pub fn restore_partitions(
         .map_or(1, usize::from)
         .clamp(1, MAX_READERS)
         .min(ps.len().max(1));
+    let _restoring = store.restoring();
     if readers <= 1 {
         return restore_with_one_reader(cfg, store, ps, trust, applied);
     }
@@ -197,7 +183,7 @@ fn restore_with_one_reader(
     }
 }
 
-/// What [`restore_partition`] did.
+/// What [`restore_partitions`] did for a partition.
 #[derive(Debug, Clone, Copy)]
 pub struct Restored {
     /// Changelog records applied.
@@ -248,19 +234,20 @@ pub fn rebuild_state(
     }
     let partitions = kafka::check_layout(cfg)?;
     let store = StateStore::open(path)?;
+    // A new directory: nothing local to trust or not. All at once, as a gate
+    // restores what it is assigned.
+    let all = (0..partitions as i32).collect();
+    let done = restore_partitions(
+        cfg,
+        &store,
+        &all,
+        &Trust::from_delete_retention(None),
+        &Applied::default(),
+    )?;
     let mut records = 0;
-    for p in 0..partitions as i32 {
-        // A new directory: nothing local to trust or not.
-        let n = restore_partition(
-            cfg,
-            &store,
-            p,
-            &Trust::from_delete_retention(None),
-            &Applied::default(),
-        )?
-        .records;
-        records += n;
-        progress(p, partitions, n);
+    for (p, r) in done {
+        records += r.records;
+        progress(p, partitions, r.records);
     }
     Ok(Rebuilt {
         path: path.to_owned(),

@@ -952,7 +952,7 @@ impl World {
     }
 
     /// Bring a partition's state up to the changelog's end and load it: as
-    /// `state::restore_partition` reads, from the local offset once the
+    /// `state::restore_partitions` reads, from the local offset once the
     /// tails of the batches applied last are confirmed on the changelog (as
     /// a read_committed reader sees it), from the start otherwise.
     fn restore(&mut self, x: usize, p: i32) -> Check {

@@ -9,8 +9,8 @@
 //! approvals, a pool worker's Outcome v1) stay JSON: people, agents and
 //! workers in any language read and write them.
 //!
-//! **Compact records** ([`MSGPACK_NUMBERED_V2`], the changelog's; RocksDB
-//! keeps the named form): the same MessagePack with each map key found
+//! **Compact records** ([`MSGPACK_NUMBERED_V2`], the changelog's, and what a
+//! restore keeps in RocksDB; the gate's own writes there are named): the same MessagePack with each map key found
 //! in [`FIELD_NAMES`] written as its number there (one byte for
 //! `"intended_at_ms"`) — half a settled step record's bytes are its field
 //! names. [`compact`] and [`expand`] turn one form into the other byte for
@@ -165,6 +165,152 @@ pub fn expand(bytes: &[u8]) -> Result<std::borrow::Cow<'_, [u8]>, DecodeError> {
         return Err(DecodeError::Compact("bytes after the record"));
     }
     Ok(out.into())
+}
+
+/// Decode only the top-level fields `wanted` of a record, named or compact,
+/// into `T`: the others are stepped over, never decoded or copied. For a
+/// reader that needs a few fields of many records (a restore indexing every
+/// step it writes); `T` must not need a field outside `wanted`.
+pub fn decode_fields<T: DeserializeOwned>(bytes: &[u8], wanted: &[&str]) -> Result<T, DecodeError> {
+    let (compact, body) = match bytes.split_first() {
+        None => return Err(DecodeError::Empty),
+        Some((&MSGPACK_NUMBERED_V2, body)) => (true, body),
+        Some((&MSGPACK_NAMED_V1, body)) => (false, body),
+        Some((&b, _)) => return Err(DecodeError::UnknownVersion(b)),
+    };
+    let mut input = body;
+    let entries = map_header(&mut input).map_err(DecodeError::Compact)?;
+    let mut out = Vec::with_capacity(64);
+    let mut found = 0u32;
+    for _ in 0..entries {
+        let key = match input.first() {
+            Some(&m) if compact && m <= 0x7f => {
+                input = &input[1..];
+                FIELD_NAMES.get(usize::from(m)).map(|n| n.as_bytes())
+            }
+            _ => {
+                let n = value_len(input, 0).map_err(DecodeError::Compact)?;
+                let (k, rest) = input.split_at(n);
+                input = rest;
+                str_body(k)
+            }
+        };
+        let n = value_len(input, 0).map_err(DecodeError::Compact)?;
+        let (value, rest) = input.split_at(n);
+        input = rest;
+        let Some(name) = key.filter(|k| wanted.iter().any(|w| w.as_bytes() == *k)) else {
+            continue;
+        };
+        write_str(&mut out, name);
+        if compact {
+            let mut w = Walk {
+                input: value,
+                out: &mut out,
+                to_compact: false,
+            };
+            w.value(1).map_err(DecodeError::Compact)?;
+        } else {
+            out.extend_from_slice(value);
+        }
+        found += 1;
+    }
+    if !input.is_empty() {
+        return Err(DecodeError::Compact("bytes after the record"));
+    }
+    let mut record = Vec::with_capacity(out.len() + 5);
+    match u8::try_from(found) {
+        Ok(n) if n <= 0x0f => record.push(0x80 | n),
+        _ => {
+            record.push(0xdf);
+            record.extend_from_slice(&found.to_be_bytes());
+        }
+    }
+    record.extend_from_slice(&out);
+    Ok(rmp_serde::from_slice(&record)?)
+}
+
+/// A map's entry count, its header taken off `input`.
+fn map_header(input: &mut &[u8]) -> Result<usize, &'static str> {
+    let (n, header) = match input.first() {
+        Some(&m @ 0x80..=0x8f) => (usize::from(m & 0x0f), 1),
+        Some(0xde) if input.len() >= 3 => {
+            (usize::from(u16::from_be_bytes([input[1], input[2]])), 3)
+        }
+        Some(0xdf) if input.len() >= 5 => (
+            u32::from_be_bytes([input[1], input[2], input[3], input[4]]) as usize,
+            5,
+        ),
+        Some(_) => return Err("a record is a map"),
+        None => return Err("the record ends inside a value"),
+    };
+    *input = &input[header..];
+    Ok(n)
+}
+
+/// A MessagePack string's bytes (None: not a string).
+fn str_body(v: &[u8]) -> Option<&[u8]> {
+    match *v.first()? {
+        m @ 0xa0..=0xbf => v.get(1..1 + usize::from(m & 0x1f)),
+        0xd9 => v.get(2..),
+        0xda => v.get(3..),
+        0xdb => v.get(5..),
+        _ => None,
+    }
+}
+
+/// The length of the MessagePack value `input` starts with, read without
+/// copying it.
+fn value_len(input: &[u8], depth: usize) -> Result<usize, &'static str> {
+    if depth > MAX_DEPTH {
+        return Err("nested too deeply");
+    }
+    let m = *input.first().ok_or("the record ends inside a value")?;
+    let be = |at: usize, n: usize| -> Result<usize, &'static str> {
+        let b = input
+            .get(at..at + n)
+            .ok_or("the record ends inside a value")?;
+        Ok(b.iter().fold(0usize, |acc, &x| (acc << 8) | usize::from(x)))
+    };
+    let items = |head: usize, n: usize, per: usize| -> Result<usize, &'static str> {
+        let mut at = head;
+        for _ in 0..n * per {
+            at += value_len(
+                input.get(at..).ok_or("the record ends inside a value")?,
+                depth + 1,
+            )?;
+        }
+        Ok(at)
+    };
+    let len = match m {
+        0x00..=0x7f | 0xc0 | 0xc2 | 0xc3 | 0xe0..=0xff => 1,
+        0x80..=0x8f => items(1, usize::from(m & 0x0f), 2)?,
+        0x90..=0x9f => items(1, usize::from(m & 0x0f), 1)?,
+        0xa0..=0xbf => 1 + usize::from(m & 0x1f),
+        0xc4 | 0xd9 => 2 + be(1, 1)?,
+        0xc5 | 0xda => 3 + be(1, 2)?,
+        0xc6 | 0xdb => 5 + be(1, 4)?,
+        0xc7 => 3 + be(1, 1)?,
+        0xc8 => 4 + be(1, 2)?,
+        0xc9 => 6 + be(1, 4)?,
+        0xca | 0xce | 0xd2 => 5,
+        0xcb | 0xcf | 0xd3 => 9,
+        0xcc | 0xd0 => 2,
+        0xcd | 0xd1 => 3,
+        0xd4 => 3,
+        0xd5 => 4,
+        0xd6 => 6,
+        0xd7 => 10,
+        0xd8 => 18,
+        0xdc => items(3, be(1, 2)?, 1)?,
+        0xdd => items(5, be(1, 4)?, 1)?,
+        0xde => items(3, be(1, 2)?, 2)?,
+        0xdf => items(5, be(1, 4)?, 2)?,
+        0xc1 => return Err("0xc1 is no MessagePack marker"),
+    };
+    if len > input.len() {
+        return Err("the record ends inside a value");
+    }
+    Ok(len)
 }
 
 /// Deeper than this, a record is refused (rmp_serde's own limit is 1 024).
@@ -393,6 +539,48 @@ mod tests {
         assert_eq!(decode::<Partial>(&compact).unwrap(), Partial { a: 7 });
         // A named record expands to itself.
         assert_eq!(&*expand(&named).unwrap(), &named[..]);
+    }
+
+    #[test]
+    fn only_the_wanted_fields_are_decoded_from_either_form() {
+        #[derive(Debug, PartialEq, Deserialize)]
+        struct Few {
+            a: i64,
+            #[serde(default)]
+            b: Option<String>,
+            status: Option<serde_json::Value>,
+        }
+        let big = "x".repeat(300);
+        let r = json!({
+            "v": {"deep": [1, {"why": big}], "n": -1.5},
+            "a": -7,
+            "status": {"why": [null, true, u64::MAX]},
+            "junk": [big, {"": {}}],
+        });
+        let named = encode(&r);
+        let compact = compact(&named).expect("compacts");
+        let wanted = ["a", "b", "status"];
+        let expect = Few {
+            a: -7,
+            b: None,
+            status: Some(json!({"why": [null, true, u64::MAX]})),
+        };
+        assert_eq!(decode_fields::<Few>(&named, &wanted).unwrap(), expect);
+        assert_eq!(decode_fields::<Few>(&compact, &wanted).unwrap(), expect);
+        assert_eq!(decode::<Few>(&compact).unwrap(), expect);
+        // A field not wanted is never read: its absence is what `T` sees.
+        assert!(decode_fields::<Few>(&named, &["b", "status"]).is_err());
+        // Cut short anywhere, or not a record: an error, never a panic.
+        for bytes in [&named, &compact] {
+            for cut in 1..bytes.len() {
+                assert!(
+                    decode_fields::<Few>(&bytes[..cut], &wanted).is_err(),
+                    "cut at {cut}"
+                );
+            }
+        }
+        assert!(decode_fields::<Few>(&[], &wanted).is_err());
+        assert!(decode_fields::<Few>(&[MSGPACK_NAMED_V1, 0x93, 1, 2, 3], &wanted).is_err());
     }
 
     #[test]
