@@ -34,7 +34,9 @@ pub struct KafkaConfig {
     /// loses its partitions to the others.
     ///
     /// Advanced: a restarted gate takes its partitions back at once (static
-    /// membership), whatever this is; a dead one's wait this long.
+    /// membership), whatever this is; a dead one's wait this long, and the
+    /// others learn of the move within a heartbeat (a thirtieth of this, at
+    /// most 3 s).
     pub session_timeout: Dur,
     /// Transaction timeout (bounds how long a dead process's open transaction can
     /// block read_committed consumers).
@@ -321,13 +323,31 @@ mod tests {
     }
 
     #[test]
+    fn a_gate_heartbeats_every_thirtieth_of_its_session_timeout() {
+        let heartbeat = |session: &str| {
+            let k = KafkaConfig {
+                session_timeout: dur(session),
+                ..KafkaConfig::default()
+            };
+            crate::kafka::txn_consumer_config(&k, "g", "i")
+                .get("heartbeat.interval.ms")
+                .map(str::to_owned)
+        };
+        assert_eq!(heartbeat("30s").as_deref(), Some("1000"));
+        assert_eq!(heartbeat("6s").as_deref(), Some("200"));
+        // Never longer than librdkafka's own default.
+        assert_eq!(heartbeat("300s").as_deref(), Some("3000"));
+    }
+
+    #[test]
     fn every_property_stepgate_sets_is_refused_or_tunable() {
         // What stepgate sets that an operator may tune (performance, not the
         // guarantee). Anything else it sets must be refused in `[kafka.client]`.
-        const TUNABLE: [&str; 8] = [
+        const TUNABLE: [&str; 9] = [
             // Names the gate's consumer after its instance unless set
             // (`gate::standby` then cannot fence a departed gate's producers).
             "client.id",
+            "heartbeat.interval.ms",
             "linger.ms",
             "message.max.bytes",
             "max.poll.interval.ms",
