@@ -467,7 +467,7 @@ impl Metrics {
             full_restores: counter(
                 &r,
                 "stepgate_state_full_restores_total",
-                "Partitions restored from the start of their changelog (a new or lost disk, a local state older than the changelog's delete.retention.ms or left by an unclean shutdown, or a recreated changelog) rather than from the offset the local state reflected.",
+                "Partitions restored from the start of their changelog (a new or lost disk, a local state older than the changelog's delete.retention.ms, a local batch the changelog does not show committed, or a recreated changelog) rather than from the offset the local state reflected.",
             ),
             outcomes_handed_over: counter(
                 &r,
