@@ -689,8 +689,6 @@ impl StateStore {
         Ok(())
     }
 
-    /// Flush every memtable to disk (waiting): what was written without the
-    /// WAL is durable from here.
     /// While the guard lives (a restore writing), L0 gathers
     /// [`RESTORE_L0_TRIGGER`] files before they are compacted instead of
     /// RocksDB's 4. A restore writes keys in no order, so every compaction of
@@ -718,6 +716,8 @@ impl StateStore {
         }
     }
 
+    /// Flush every memtable to disk (waiting): what was written without the
+    /// WAL is durable from here.
     pub fn flush(&self) -> Result<(), StateError> {
         let cfs: Vec<_> = Cf::ALL.iter().map(|c| self.cf(*c)).collect();
         let mut fo = rocksdb::FlushOptions::default();
@@ -928,12 +928,7 @@ impl Batch {
         }
         store
             .get_raw(Cf::Steps, key)?
-            .map(|b| {
-                Indexed::decode(&b).map_err(|source| StateError::Corrupt {
-                    cf: Cf::Steps.name(),
-                    source,
-                })
-            })
+            .map(|b| in_cf(Cf::Steps, Indexed::decode(&b)))
             .transpose()
     }
 
@@ -1192,7 +1187,12 @@ fn decode_deadline(bytes: &[u8]) -> Result<i64, StateError> {
 }
 
 fn decode<T: serde::de::DeserializeOwned>(cf: Cf, bytes: &[u8]) -> Result<T, StateError> {
-    codec::decode(bytes).map_err(|source| StateError::Corrupt {
+    in_cf(cf, codec::decode(bytes))
+}
+
+/// A record of `cf` that could not be decoded is a corrupt state record.
+fn in_cf<T>(cf: Cf, decoded: Result<T, codec::DecodeError>) -> Result<T, StateError> {
+    decoded.map_err(|source| StateError::Corrupt {
         cf: cf.name(),
         source,
     })
