@@ -9,7 +9,8 @@
 //! follower never applies a record of a transaction that did not commit.
 
 use super::{
-    Confirming, FullReason, RestoreError, Resume, Staged, StateError, StateStore, Trust, Verdict,
+    BulkLoad, Confirming, FullReason, RestoreError, Resume, Staged, StateError, StateStore, Trust,
+    Verdict, bulk,
 };
 use crate::config::KafkaConfig;
 use crate::kafka::{self, ReadToEndConsumer};
@@ -86,9 +87,10 @@ const WATERMARKS: Duration = Duration::from_secs(30);
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {
     /// A restore, before the gate serves the partitions: records go in
-    /// without RocksDB's WAL (flushed once each partition is done, then
-    /// marked), and a partition whose tails cannot be confirmed yet starts
-    /// over rather than waiting.
+    /// without RocksDB's WAL, or over a wiped partition into a bulk load
+    /// (flushed or ingested once each partition is done, then marked), and
+    /// a partition whose tails cannot be confirmed yet starts over rather
+    /// than waiting.
     Restore,
     /// A standby: every write carries the offsets it brings its partitions
     /// to, with the WAL; a tail not settled yet is waited for.
@@ -307,6 +309,11 @@ impl Follower {
         store.wipe_partition(p)?;
         let mut staged = Staged::default();
         staged.wiped(p);
+        if self.mode == Mode::Restore {
+            // Nothing is read from a partition being restored: its records
+            // can wait to be sorted and ingested at once.
+            staged.bulk = Some(store.bulk_load(p));
+        }
         let mut track = Track {
             apply_from: low,
             next: low,
@@ -519,7 +526,23 @@ impl Follower {
                     store.write_staged(&mut s, false)?;
                     self.staged.insert(p, s);
                 }
-                Ok(())
+                // The bulk loads of this reader's partitions stay within
+                // one budget: the largest spills a run past it.
+                loop {
+                    let loads = || self.staged.values().filter_map(|s| s.bulk.as_ref());
+                    if loads().map(BulkLoad::bytes).sum::<usize>() <= bulk::BUDGET {
+                        return Ok(());
+                    }
+                    let largest = self
+                        .staged
+                        .values_mut()
+                        .filter_map(|s| s.bulk.as_mut())
+                        .max_by_key(|l| l.bytes());
+                    match largest {
+                        Some(l) => l.spill()?,
+                        None => return Ok(()),
+                    }
+                }
             }
             Mode::Standby => {
                 let owners = self.owners.clone();
@@ -557,6 +580,11 @@ impl Follower {
     pub fn finish(&mut self, store: &StateStore, ps: &[i32]) -> Result<(), StateError> {
         self.write(store)?;
         if self.mode == Mode::Restore {
+            for p in ps {
+                if let Some(load) = self.staged.get_mut(p).and_then(|s| s.bulk.take()) {
+                    store.ingest(load)?;
+                }
+            }
             store.flush()?;
         }
         for p in ps {

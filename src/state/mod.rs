@@ -28,11 +28,13 @@
 //! does not (a commit marker the broker lost, which Kafka then aborted) are
 //! confirmed there ([`confirm`]).
 
+mod bulk;
 mod confirm;
 mod follow;
 mod record;
 mod restore;
 
+pub use bulk::BulkLoad;
 pub use confirm::{Committer, Confirming, Landing, Tail, Verdict, digest};
 pub use follow::{
     Claims, Event as FollowEvent, Follower, Held, Mode as FollowMode, Owners,
@@ -64,6 +66,8 @@ use thiserror::Error;
 pub enum StateError {
     #[error("RocksDB")]
     Rocks(#[from] rocksdb::Error),
+    #[error("a bulk load's files")]
+    Io(#[from] std::io::Error),
     #[error("corrupt state record under {cf}")]
     Corrupt {
         cf: &'static str,
@@ -111,6 +115,14 @@ impl Cf {
         matches!(self, Cf::Deadlines | Cf::Expiry | Cf::Attention)
     }
 
+    /// Its place in [`Cf::ALL`].
+    fn index(self) -> usize {
+        Cf::ALL
+            .iter()
+            .position(|c| *c == self)
+            .expect("every column family is in ALL")
+    }
+
     fn from_tag(tag: u8) -> Option<Cf> {
         Cf::ALL.into_iter().find(|c| c.tag() == tag)
     }
@@ -139,8 +151,10 @@ pub struct StateStore {
     db: DB,
     /// The current session's producers' last applied batches (their tails).
     live: std::sync::Mutex<confirm::Live>,
-    /// Restores writing now ([`StateStore::restoring`]).
-    restoring: std::sync::Mutex<usize>,
+    /// Each column family's options, by [`Cf::index`]: a bulk load's files
+    /// are written with them ([`bulk`]).
+    cf_opts: Vec<Options>,
+    bulk_dir: std::path::PathBuf,
 }
 
 impl StateStore {
@@ -164,10 +178,6 @@ impl StateStore {
         opts.set_compression_type(rocksdb::DBCompressionType::Lz4);
         opts.set_write_buffer_size(32 * 1024 * 1024);
         opts.set_db_write_buffer_size(128 * 1024 * 1024);
-        // The gate's writes slow down only past L0_SLOWDOWN files in L0, a
-        // restore's gather up to RESTORE_L0_TRIGGER ([`StateStore::restoring`]).
-        opts.set_level_zero_slowdown_writes_trigger(L0_SLOWDOWN);
-        opts.set_level_zero_stop_writes_trigger(L0_STOP);
         let cache = rocksdb::Cache::new_lru_cache(cache_bytes);
         let cf_opts = |bloom: bool| {
             let mut table = rocksdb::BlockBasedOptions::default();
@@ -188,15 +198,26 @@ impl StateStore {
         // Point lookups of keys that mostly do not exist yet (every new step)
         // are answered by a bloom filter without reading data blocks; the
         // expiry index is only ever scanned in order, and needs none.
+        let meta_opts = cf_opts(true);
+        let cf_opts: Vec<Options> = Cf::ALL.iter().map(|c| cf_opts(*c != Cf::Expiry)).collect();
         let cfs = Cf::ALL
             .iter()
-            .map(|c| ColumnFamilyDescriptor::new(c.name(), cf_opts(*c != Cf::Expiry)))
-            .chain([ColumnFamilyDescriptor::new(META, cf_opts(true))]);
+            .zip(&cf_opts)
+            .map(|(c, o)| ColumnFamilyDescriptor::new(c.name(), o.clone()))
+            .chain([ColumnFamilyDescriptor::new(META, meta_opts)]);
         let db = DB::open_cf_descriptors(&opts, path, cfs)?;
+        // Emptied of what a bulk load left when the process stopped (never
+        // ingested).
+        let bulk_dir = bulk::dir_of(path);
+        match std::fs::remove_dir_all(&bulk_dir) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e.into()),
+            _ => std::fs::create_dir(&bulk_dir)?,
+        }
         Ok(StateStore {
             db,
             live: Default::default(),
-            restoring: Default::default(),
+            cf_opts,
+            bulk_dir,
         })
     }
 
@@ -565,13 +586,27 @@ impl StateStore {
         let to = partition.saturating_add(1).to_be_bytes();
         let mut wb = WriteBatch::default();
         for cf in Cf::ALL {
-            wb.delete_range_cf(self.cf(cf), from, to);
+            // Not over a range that holds nothing: the deletion would overlap
+            // a bulk load's files, and keep them out of the bottom level.
+            if self.holds_any(cf, &from, &to) {
+                wb.delete_range_cf(self.cf(cf), from, to);
+            }
         }
         wb.delete_cf(self.meta(), clog_key(partition));
         wb.delete_cf(self.meta(), sync_key(partition));
         let (from, to) = tail_range(partition);
         wb.delete_range_cf(self.meta(), from, to);
         self.write_synced(wb)
+    }
+
+    /// Whether `cf` holds a key in `[from, to)`.
+    fn holds_any(&self, cf: Cf, from: &[u8], to: &[u8]) -> bool {
+        let mut ro = rocksdb::ReadOptions::default();
+        ro.set_iterate_upper_bound(to.to_vec());
+        let mut it = self.db.raw_iterator_cf_opt(self.cf(cf), ro);
+        it.seek(from);
+        // An error reading says nothing: the range is deleted as if it held.
+        it.valid() || it.status().is_err()
     }
 
     /// What the local state holds of `partition` that the changelog carries
@@ -622,6 +657,11 @@ impl StateStore {
         if state_key.len() < 4 {
             return Ok(());
         }
+        staged.records += 1;
+        if let Some(load) = &mut staged.bulk {
+            load.push(key, value);
+            return Ok(());
+        }
         // Kept as it came, compact: half the bytes of the named form the gate
         // writes, so a restore writes and compacts half as much (reads decode
         // either form). One that cannot be read is refused when read.
@@ -632,7 +672,6 @@ impl StateStore {
         if cf == Cf::Steps {
             self.index_restored(staged, state_key, value)?;
         }
-        staged.records += 1;
         Ok(())
     }
 
@@ -687,33 +726,6 @@ impl StateStore {
         wb.delete_range_cf(self.meta(), from, to);
         self.db.write(wb)?;
         Ok(())
-    }
-
-    /// While the guard lives (a restore writing), L0 gathers
-    /// [`RESTORE_L0_TRIGGER`] files before they are compacted instead of
-    /// RocksDB's 4. A restore writes keys in no order, so every compaction of
-    /// L0 rewrites the whole level below it: fewer, larger ones write less
-    /// (a restore of 3 M steps here took about a third less time). Once the
-    /// last restore ends, what gathered is compacted in the background.
-    pub fn restoring(&self) -> Restoring<'_> {
-        let mut n = self.restoring.lock().unwrap_or_else(|e| e.into_inner());
-        if *n == 0 {
-            self.set_l0_trigger(RESTORE_L0_TRIGGER);
-        }
-        *n += 1;
-        Restoring(self)
-    }
-
-    fn set_l0_trigger(&self, files: i32) {
-        let files = files.to_string();
-        for c in Cf::ALL {
-            if let Err(e) = self.db.set_options_cf(
-                self.cf(c),
-                &[("level0_file_num_compaction_trigger", files.as_str())],
-            ) {
-                tracing::warn!(error = %e, cf = c.name(), "could not set the L0 compaction trigger");
-            }
-        }
     }
 
     /// Flush every memtable to disk (waiting): what was written without the
@@ -794,27 +806,6 @@ impl StateStore {
     }
 }
 
-/// A restore writing ([`StateStore::restoring`]).
-pub struct Restoring<'a>(&'a StateStore);
-
-impl Drop for Restoring<'_> {
-    fn drop(&mut self) {
-        let mut n = self.0.restoring.lock().unwrap_or_else(|e| e.into_inner());
-        *n -= 1;
-        if *n == 0 {
-            self.0.set_l0_trigger(L0_TRIGGER);
-        }
-    }
-}
-
-/// RocksDB's L0 compaction trigger, and a restore's ([`StateStore::restoring`]).
-const L0_TRIGGER: i32 = 4;
-const RESTORE_L0_TRIGGER: i32 = 32;
-/// Past these many L0 files writes slow down, then stop (RocksDB's 20 and 36
-/// are below what a restore leaves).
-const L0_SLOWDOWN: i32 = 48;
-const L0_STOP: i32 = 64;
-
 /// Changelog records being applied to the local state, in one write batch.
 #[derive(Default)]
 pub struct Staged {
@@ -825,6 +816,8 @@ pub struct Staged {
     /// entries but those `indexed` holds.
     fresh: std::collections::HashSet<i32>,
     indexed: std::collections::HashSet<Vec<u8>>,
+    /// Records gathered for a bulk load instead ([`StateStore::ingest`]).
+    pub bulk: Option<BulkLoad>,
 }
 
 impl Staged {

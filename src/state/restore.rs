@@ -91,8 +91,9 @@ const MAX_READERS: usize = 4;
 /// state holds a batch the changelog does not (see
 /// [`StateStore::resume_point`] and [`super::confirm`]). The partitions are
 /// read in parallel, by one reader per core (at most [`MAX_READERS`]), each
-/// reading its share with one consumer; records go in without RocksDB's WAL,
-/// flushed before each partition is marked restored. Blocking.
+/// reading its share with one consumer. A wiped partition's records are
+/// bulk loaded (`super::bulk`); a resumed one's go in without RocksDB's WAL.
+/// Either is durable before the partition is marked restored. Blocking.
 pub fn restore_partitions(
     cfg: &KafkaConfig,
     store: &StateStore,
@@ -104,7 +105,6 @@ pub fn restore_partitions(
         .map_or(1, usize::from)
         .clamp(1, MAX_READERS)
         .min(ps.len().max(1));
-    let _restoring = store.restoring();
     if readers <= 1 {
         return restore_with_one_reader(cfg, store, ps, trust, applied);
     }

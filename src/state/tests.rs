@@ -775,3 +775,136 @@ fn a_compact_changelog_restores_what_a_named_one_does() {
     assert_eq!((p, step), (1, r.step.clone()));
     assert_eq!(decoded.as_ref(), Some(&r));
 }
+
+/// A partition restored by a bulk load (sorted files, ingested) holds what
+/// one restored through the memtables does — records, workflow ends and
+/// indexes — with no superseded expiry entry, and its neighbours are
+/// untouched; spilled runs and a range that held stale data included.
+#[test]
+fn a_bulk_load_restores_what_the_memtables_do() {
+    let phases = [
+        Phase::Started,
+        Phase::Completed,
+        Phase::InDoubt,
+        Phase::AwaitingApproval,
+    ];
+    // The log a gate wrote for partition 3: steps changing phase and expiry,
+    // some deleted, a workflow ended.
+    let src_dir = tempfile::tempdir().unwrap();
+    let src = StateStore::open(src_dir.path()).unwrap();
+    let mut log = Vec::new();
+    let mut x: u64 = 11;
+    for n in 0..60 {
+        let mut b = Batch::default();
+        for _ in 0..50 {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let (i, roll) = ((x >> 33) % 300, (x >> 20) % 10);
+            if roll == 0 {
+                b.delete_step(&src, 3, &step(i)).unwrap();
+            } else {
+                let r = StepRecord {
+                    deadline_ms: (roll % 3 != 0).then_some(1000 + roll as i64),
+                    ..record(i, phases[(roll % 4) as usize], 10_000 + (x % 7) as i64)
+                };
+                b.put_step(&src, 3, &r).unwrap();
+            }
+        }
+        if n == 30 {
+            b.put_workflow_end(
+                3,
+                &WorkflowEnd {
+                    step: step(7),
+                    at_ms: 5,
+                },
+            );
+        }
+        log.extend(b.changelog());
+        src.apply(&b, &at(3, n + 1)).unwrap();
+    }
+    let records: Vec<_> = log.into_iter().map(|e| (e.key, e.value)).collect();
+
+    // Two disks with stale data in partition 3 and live data beside it.
+    let disk = || {
+        let dir = tempfile::tempdir().unwrap();
+        let s = StateStore::open(dir.path()).unwrap();
+        let mut b = Batch::default();
+        for p in [2, 3, 4] {
+            b.put_step(&s, p, &record(1000 + p as u64, Phase::InDoubt, 1))
+                .unwrap();
+        }
+        s.apply(&b, &landing(0, 0, &[(2, 0), (3, 0), (4, 0)]))
+            .unwrap();
+        s.wipe_partition(3).unwrap();
+        (dir, s)
+    };
+    let (_a_dir, memtables) = disk();
+    memtables.apply_changelog(&records).unwrap();
+    let (_b_dir, bulk) = disk();
+    let mut staged = Staged::default();
+    staged.wiped(3);
+    staged.bulk = Some(bulk.bulk_load(3));
+    for (i, (k, v)) in records.iter().enumerate() {
+        bulk.stage(&mut staged, k, v.as_deref()).unwrap();
+        if i % 700 == 699 {
+            staged.bulk.as_mut().unwrap().spill().unwrap();
+        }
+    }
+    bulk.write_staged(&mut staged, false).unwrap();
+    bulk.ingest(staged.bulk.take().unwrap()).unwrap();
+
+    assert_eq!(
+        bulk.logged_records(3).unwrap(),
+        memtables.logged_records(3).unwrap()
+    );
+    assert_eq!(
+        bulk.logged_records(3).unwrap(),
+        src.logged_records(3).unwrap()
+    );
+    assert!(
+        Batch::default()
+            .workflow_end(&bulk, 3, "wf")
+            .unwrap()
+            .is_some(),
+        "workflow ends are restored"
+    );
+    assert_eq!(bulk.deadlines(3).unwrap(), memtables.deadlines(3).unwrap());
+    assert!(!bulk.deadlines(3).unwrap().is_empty());
+    assert_eq!(
+        bulk.open_steps(3).unwrap(),
+        memtables.open_steps(3).unwrap()
+    );
+    assert_eq!(bulk.open_steps(3).unwrap(), src.open_steps(3).unwrap());
+    let live = |s: &StateStore| -> Vec<(i64, StepKey)> {
+        s.expired(3, i64::MAX, usize::MAX)
+            .unwrap()
+            .into_iter()
+            .filter(|(at, k)| {
+                s.step(3, k)
+                    .unwrap()
+                    .is_some_and(|r| r.expires_at_ms == *at)
+            })
+            .collect()
+    };
+    assert_eq!(live(&bulk), live(&memtables));
+    assert_eq!(
+        bulk.expired(3, i64::MAX, usize::MAX).unwrap(),
+        live(&bulk),
+        "one expiry entry per step, its current one"
+    );
+    for p in [2, 4] {
+        assert_eq!(
+            bulk.logged_records(p).unwrap(),
+            memtables.logged_records(p).unwrap()
+        );
+        assert_eq!(bulk.open_steps(p).unwrap().in_doubt, 1);
+    }
+    assert_eq!(
+        std::fs::read_dir(_b_dir.path().join("bulk"))
+            .unwrap()
+            .count(),
+        0,
+        "the ingested files moved, the runs are gone"
+    );
+}
