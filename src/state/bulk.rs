@@ -25,7 +25,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Bytes a reader's bulk loads hold in memory before the largest spills a run
-/// to disk (about 400 k records of a typical step).
+/// to disk.
 pub(super) const BUDGET: usize = 64 << 20;
 
 /// An ingested file is cut past this size, as a compaction cuts its output.
@@ -89,14 +89,11 @@ impl StateStore {
         let started = std::time::Instant::now();
         let runs = records.spilled.len();
         let dir = self.bulk_dir.clone();
-        let mut files: Vec<(Cf, SstFiles<'_>)> = Cf::ALL
-            .into_iter()
-            .map(|cf| {
-                (
-                    cf,
-                    SstFiles::new(&self.cf_opts[cf.index()], &dir, partition),
-                )
-            })
+        // By `Cf::index`.
+        let mut files: Vec<SstFiles<'_>> = self
+            .cf_opts
+            .iter()
+            .map(|opts| SstFiles::new(opts, &dir, partition))
             .collect();
         let mut expiry = Runs::new(dir.clone(), partition);
         records.drain::<StateError>(|key, value| {
@@ -109,7 +106,7 @@ impl StateStore {
             else {
                 return Ok(());
             };
-            files[cf.index()].1.put(key, value)?;
+            files[cf.index()].put(key, value)?;
             if cf != Cf::Steps {
                 return Ok(());
             }
@@ -117,12 +114,10 @@ impl StateStore {
                 Ok(r) => {
                     // Steps come in key order, and so do these two indexes.
                     if let Some(d) = deadline_of(r.phase, r.deadline_ms) {
-                        files[Cf::Deadlines.index()]
-                            .1
-                            .put(key, &encode_deadline(d))?;
+                        files[Cf::Deadlines.index()].put(key, &encode_deadline(d))?;
                     }
                     if let Some(a) = attention_of(r.phase) {
-                        files[Cf::Attention.index()].1.put(key, &[a])?;
+                        files[Cf::Attention.index()].put(key, &[a])?;
                     }
                     expiry.push(&expiry_key(key, r.expires_at_ms), Some(&[]));
                     if expiry.bytes() > BUDGET {
@@ -138,10 +133,10 @@ impl StateStore {
             }
             Ok(())
         })?;
-        expiry.drain::<StateError>(|key, _| files[Cf::Expiry.index()].1.put(key, &[]))?;
+        expiry.drain::<StateError>(|key, _| files[Cf::Expiry.index()].put(key, &[]))?;
         let mut ingest = IngestExternalFileOptions::default();
         ingest.set_move_files(true);
-        for (cf, f) in files {
+        for (cf, f) in Cf::ALL.into_iter().zip(files) {
             let paths = f.finish()?;
             if !paths.is_empty() {
                 self.db

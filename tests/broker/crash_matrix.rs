@@ -22,7 +22,6 @@ use crate::common;
 use common::*;
 use serde_json::json;
 use std::collections::{BTreeMap, HashMap};
-use std::process::Child;
 use std::time::{Duration, Instant};
 use stepgate::contract::{Status, ToolResult};
 
@@ -69,7 +68,7 @@ struct Proc {
     name: &'static str,
     args: Vec<&'static str>,
     http: String,
-    child: Option<Child>,
+    child: Option<Killed>,
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

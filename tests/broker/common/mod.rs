@@ -721,17 +721,21 @@ impl Stack {
         path
     }
 
-    /// Start another `stepgate run` of this deployment (see [`Stack::config_for`]).
-    pub fn spawn_other(&self, name: &str, http: &str, args: &[&str]) -> Child {
+    /// Start another `stepgate run` of this deployment (see
+    /// [`Stack::config_for`]), killed when the test ends however it ends (a
+    /// gate left running would take partitions in later tests).
+    pub fn spawn_other(&self, name: &str, http: &str, args: &[&str]) -> Killed {
         let log = std::fs::File::create(self.dir.path().join(format!("other-{name}.log"))).unwrap();
-        Command::new(stepgate_bin())
-            .args(["run", "--config"])
-            .arg(self.config_for(name, http))
-            .args(args)
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .expect("stepgate binary starts")
+        Killed(
+            Command::new(stepgate_bin())
+                .args(["run", "--config"])
+                .arg(self.config_for(name, http))
+                .args(args)
+                .stdout(Stdio::null())
+                .stderr(log)
+                .spawn()
+                .expect("stepgate binary starts"),
+        )
     }
 
     pub fn other_log(&self, name: &str) -> String {
@@ -1235,6 +1239,19 @@ impl Drop for Killed {
     fn drop(&mut self) {
         let _ = self.0.kill();
         let _ = self.0.wait();
+    }
+}
+
+impl std::ops::Deref for Killed {
+    type Target = std::process::Child;
+    fn deref(&self) -> &Child {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Killed {
+    fn deref_mut(&mut self) -> &mut Child {
+        &mut self.0
     }
 }
 
