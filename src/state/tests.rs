@@ -184,6 +184,20 @@ fn a_step_with_a_record_is_never_written_as_new() {
     Batch::default().put_first_step(&s, 0, &record(1, Phase::Completed, 4000));
 }
 
+/// The expiry entries of `p` that are their step's current one (a
+/// superseded record's may dangle until a purge drops it).
+fn live_expiry(s: &StateStore, p: i32) -> Vec<(i64, StepKey)> {
+    s.expired(p, i64::MAX, usize::MAX)
+        .unwrap()
+        .into_iter()
+        .filter(|(at, k)| {
+            s.step(p, k)
+                .unwrap()
+                .is_some_and(|r| r.expires_at_ms == *at)
+        })
+        .collect()
+}
+
 #[test]
 fn a_partition_restored_from_its_changelog_equals_the_original() {
     let a_dir = tempfile::tempdir().unwrap();
@@ -239,17 +253,7 @@ fn a_partition_restored_from_its_changelog_equals_the_original() {
     assert_eq!(b.step(3, &step(2)).unwrap(), None);
     // Superseded versions may leave dangling expiry entries (purging drops
     // them); the live ones are the original's.
-    let live = |s: &StateStore| -> Vec<(i64, StepKey)> {
-        s.expired(3, 9999, 100)
-            .unwrap()
-            .into_iter()
-            .filter(|(at, k)| {
-                s.step(3, k)
-                    .unwrap()
-                    .is_some_and(|r| r.expires_at_ms == *at)
-            })
-            .collect()
-    };
+    let live = |s: &StateStore| live_expiry(s, 3);
     assert_eq!(live(&a), a.expired(3, 9999, 100).unwrap());
     assert_eq!(live(&b), live(&a));
     assert_eq!(a.deadlines(3).unwrap(), vec![(step(4), 500)]);
@@ -876,17 +880,7 @@ fn a_bulk_load_restores_what_the_memtables_do() {
         memtables.open_steps(3).unwrap()
     );
     assert_eq!(bulk.open_steps(3).unwrap(), src.open_steps(3).unwrap());
-    let live = |s: &StateStore| -> Vec<(i64, StepKey)> {
-        s.expired(3, i64::MAX, usize::MAX)
-            .unwrap()
-            .into_iter()
-            .filter(|(at, k)| {
-                s.step(3, k)
-                    .unwrap()
-                    .is_some_and(|r| r.expires_at_ms == *at)
-            })
-            .collect()
-    };
+    let live = |s: &StateStore| live_expiry(s, 3);
     assert_eq!(live(&bulk), live(&memtables));
     assert_eq!(
         bulk.expired(3, i64::MAX, usize::MAX).unwrap(),
