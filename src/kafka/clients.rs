@@ -197,9 +197,23 @@ pub async fn wait_before_restart(
 
 /// Drop a Kafka client off the async threads, waiting at most `limit` for it
 /// to close; past that it is left to finish on its own thread (a successor
-/// with the same static member id fences it).
+/// with the same static member id fences it). A thread of its own, not the
+/// runtime's blocking pool: the runtime waits for its blocking tasks when it
+/// is dropped, so a client that never closed kept a stopped process from
+/// exiting.
 pub async fn close_within<T: Send + 'static>(what: &str, client: T, limit: Duration) {
-    let closing = tokio::task::spawn_blocking(move || drop(client));
+    let (closed, closing) = tokio::sync::oneshot::channel();
+    let spawned = std::thread::Builder::new()
+        .name("kafka-close".into())
+        .spawn(move || {
+            drop(client);
+            let _ = closed.send(());
+        });
+    if let Err(e) = spawned {
+        // The client was dropped with the closure, here.
+        tracing::warn!(client = what, error = %e, "no thread to close a Kafka client on: closed in place");
+        return;
+    }
     if tokio::time::timeout(limit, closing).await.is_err() {
         tracing::warn!(
             client = what,

@@ -58,6 +58,36 @@ async fn a_client_that_never_closes_holds_the_caller_at_most_the_limit() {
     drop(release);
 }
 
+/// A client left closing does not keep the runtime, and so the process, from
+/// ending: a stopped gate whose consumer never closed once ran until killed.
+#[test]
+fn a_client_left_closing_does_not_hold_the_runtime_at_its_end() {
+    struct NeverCloses(std::sync::mpsc::Receiver<()>);
+    impl Drop for NeverCloses {
+        fn drop(&mut self) {
+            let _ = self.0.recv();
+        }
+    }
+    let (release, stuck) = std::sync::mpsc::channel();
+    let (ended, end) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(close_within(
+            "stuck",
+            NeverCloses(stuck),
+            Duration::from_millis(100),
+        ));
+        drop(rt);
+        let _ = ended.send(());
+    });
+    let dropped = end.recv_timeout(Duration::from_secs(30));
+    drop(release);
+    assert!(dropped.is_ok(), "the runtime waited for the client's close");
+}
+
 /// Produce one record with raw header names through librdkafka's C API:
 /// rdkafka's own `OwnedHeaders` only takes `&str` names.
 fn produce_raw(
