@@ -46,14 +46,12 @@ fn file_name(dir: &Path, partition: i32, what: &str) -> PathBuf {
 
 /// A partition's changelog records, gathered for [`StateStore::ingest`].
 pub struct BulkLoad {
-    partition: i32,
     records: Runs,
 }
 
 impl BulkLoad {
     pub(super) fn new(dir: PathBuf, partition: i32) -> BulkLoad {
         BulkLoad {
-            partition,
             records: Runs::new(dir, partition),
         }
     }
@@ -85,7 +83,8 @@ impl StateStore {
     /// ingest them. The partition must hold nothing: its records and index
     /// entries are taken as the whole of it (a deleted key is left out).
     pub fn ingest(&self, load: BulkLoad) -> Result<(), StateError> {
-        let BulkLoad { partition, records } = load;
+        let records = load.records;
+        let partition = records.partition;
         let started = std::time::Instant::now();
         let runs = records.spilled.len();
         let dir = self.bulk_dir.clone();
